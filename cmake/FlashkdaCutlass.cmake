@@ -1,0 +1,27 @@
+# Locates the CUTLASS/CuTe headers: -DCUTLASS_DIR, $CUTLASS_DIR, or the nvidia-cutlass wheel
+# (pip install --no-deps nvidia-cutlass==4.2.0.0 ships them under cutlass_library/source/include).
+function(flashkda_find_cutlass out_var)
+  set(candidates)
+  foreach(root "${CUTLASS_DIR}" "$ENV{CUTLASS_DIR}")
+    if(root)
+      list(APPEND candidates "${root}" "${root}/include")
+    endif()
+  endforeach()
+  list(APPEND candidates "${CMAKE_CURRENT_SOURCE_DIR}/.deps/cutlass/cutlass_library/source/include")
+  find_package(Python3 COMPONENTS Interpreter QUIET)
+  if(Python3_Interpreter_FOUND)
+    execute_process(
+      COMMAND ${Python3_EXECUTABLE} -c "import cutlass_library, os; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
+      OUTPUT_VARIABLE wheel_include OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET RESULT_VARIABLE rc)
+    if(rc EQUAL 0)
+      list(APPEND candidates "${wheel_include}")
+    endif()
+  endif()
+  foreach(dir ${candidates})
+    if(EXISTS "${dir}/cute/tensor.hpp")
+      set(${out_var} "${dir}" PARENT_SCOPE)
+      return()
+    endif()
+  endforeach()
+  set(${out_var} "" PARENT_SCOPE)
+endfunction()

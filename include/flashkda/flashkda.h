@@ -1,0 +1,43 @@
+// flashkda public C++ API: Kimi Delta Attention prefill and decode, on the CPU or a CUDA GPU.
+// The backend is chosen by where the tensors live (all host or all device memory). Calls never
+// synchronise the host and never allocate: the caller passes workspace and stream, so GPU calls
+// can be captured in a CUDA graph. Bad input throws flashkda::Error (see error.h).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flashkda/error.h"
+#include "flashkda/params.h"
+#include "flashkda/types.h"
+
+namespace flashkda {
+
+using Stream = void*;  // a cudaStream_t; nullptr is the legacy default stream
+
+enum class Backend : int { kCpu = 0, kCuda = 1 };
+
+// Where the call runs, decided from the location of the q pointer.
+Backend backend_of(const void* ptr);
+
+// True when this build has the CUDA backend and a Hopper (sm_90) GPU is visible.
+bool cuda_available();
+
+// Validates params (throws flashkda::Error) and returns the workspace bytes forward() needs.
+size_t workspace_size(const PrefillParams& params);
+
+// Chunked KDA forward (SPEC.md §3/§4). Writes out and, when non-null, final_state.
+// workspace: at least workspace_size(params) bytes in the same memory as the tensors.
+void forward(const PrefillParams& params, void* workspace, size_t workspace_bytes, Stream stream = nullptr);
+
+// One decode step (SPEC.md §5): updates the named slots of state_pool in place and writes out.
+void decode(const DecodeParams& params, Stream stream = nullptr);
+
+// fp64 token recurrence (SPEC.md §3) on host memory: the reference every backend is tested against.
+// Inputs may be fp32 or bf16 as described by params; out and final_state are written as fp64
+// ([B, T, H, V] and [N, H, V, K]; final_state may be null).
+void reference_forward(const PrefillParams& params, double* out, double* final_state);
+
+const char* version();
+
+}  // namespace flashkda

@@ -1,0 +1,69 @@
+// flashkda problem descriptions: one prefill (chunked forward) problem and one decode step.
+// All tensors are dense and contiguous (row-major in the order of their shape); N is the number
+// of sequences: B without cu_seqlens, cu_seqlens length - 1 with it (then B must be 1).
+#pragma once
+
+#include <cstdint>
+
+#include "flashkda/types.h"
+
+namespace flashkda {
+
+struct PrefillParams {
+  const void* q = nullptr;     // [B, T, H, K]  dtype
+  const void* k = nullptr;     // [B, T, H, K]  dtype
+  const void* v = nullptr;     // [B, T, H, V]  dtype
+  const void* g = nullptr;     // [B, T, H, K]  g_dtype: raw gate, or log-decay for kPrecomputed
+  const void* beta = nullptr;  // [B, T, H]     beta_dtype: logit or activated beta
+  void* out = nullptr;         // [B, T, H, V]  dtype
+  DType dtype = DType::kBF16;       // q, k, v, out: kBF16 (CPU and GPU) or kF32 (CPU)
+  DType g_dtype = DType::kBF16;     // kBF16 or kF32
+  DType beta_dtype = DType::kBF16;  // kBF16 or kF32
+
+  const void* initial_state = nullptr;  // [N, H, V, K]  state_dtype, or null (zeros)
+  DType initial_state_dtype = DType::kF32;
+  void* final_state = nullptr;          // [N, H, V, K]  or null (not written)
+  DType final_state_dtype = DType::kF32;
+
+  const void* cu_seqlens = nullptr;     // [num_seqs + 1], or null
+  DType cu_seqlens_dtype = DType::kI32; // kI32 or kI64
+  int64_t num_seqs = 0;                 // N when cu_seqlens is given
+
+  int64_t B = 0, T = 0, H = 0, K = 128, V = 128;
+  Preprocess pre;
+};
+
+// One decode step for N sequences of 1..16 new tokens each, states in a pool updated in place.
+struct DecodeParams {
+  const void* q = nullptr;     // [N, T, H, K], or [1, total, H, K] with cu_seqlens
+  const void* k = nullptr;     // same as q
+  const void* v = nullptr;     // [N, T, H, V], or [1, total, H, V]
+  const void* g = nullptr;     // like q, g_dtype
+  const void* beta = nullptr;  // [N, T, H], or [1, total, H]
+  void* out = nullptr;         // like v
+  DType dtype = DType::kBF16;
+  DType g_dtype = DType::kBF16;
+  DType beta_dtype = DType::kBF16;
+
+  void* state_pool = nullptr;        // [P, H, V, K] fp32 or bf16, updated in place
+  DType state_dtype = DType::kF32;
+  int64_t pool_size = 0;             // P
+
+  // state_indices[n * indices_stride + t]: slot receiving the state after token t (speculative),
+  // or with indices_stride == 1 / no num_accepted_tokens the one slot of sequence n (read and
+  // written). A negative start slot marks a padding entry: nothing is read or written for it
+  // (its outputs are set to zero); a negative slot for token t skips that store only.
+  const int32_t* state_indices = nullptr;  // [N] or [N, indices_stride]
+  int64_t indices_stride = 1;
+  const int32_t* num_accepted_tokens = nullptr;  // [N] or null: start slot = indices[n, acc-1]
+
+  const void* cu_seqlens = nullptr;     // [N + 1] or null (then every sequence has T tokens)
+  DType cu_seqlens_dtype = DType::kI32;
+  int64_t num_seqs = 0;                 // N
+
+  int64_t T = 0;  // tokens per sequence without cu_seqlens (1..16); total tokens with it
+  int64_t H = 0, K = 128, V = 128;
+  Preprocess pre;
+};
+
+}  // namespace flashkda

@@ -1,0 +1,87 @@
+// Public entry points: pick the backend from where the tensors live, validate, dispatch.
+#include <cmath>
+
+#include "backend.h"
+
+namespace flashkda {
+
+const char* version() { return FLASHKDA_VERSION; }
+
+bool cuda_available() {
+#ifdef FLASHKDA_WITH_CUDA
+  return cuda::available();
+#else
+  return false;
+#endif
+}
+
+Backend backend_of(const void* ptr) {
+#ifdef FLASHKDA_WITH_CUDA
+  if (ptr != nullptr && cuda::is_device_pointer(ptr)) return Backend::kCuda;
+#else
+  (void)ptr;
+#endif
+  return Backend::kCpu;
+}
+
+size_t workspace_size(const PrefillParams& params) {
+  const Backend backend = backend_of(params.q);
+  detail::validate_prefill(params, backend);
+#ifdef FLASHKDA_WITH_CUDA
+  if (backend == Backend::kCuda) return cuda::prefill_workspace_size(params);
+#endif
+  return 0;
+}
+
+void forward(const PrefillParams& params, void* workspace, size_t workspace_bytes, Stream stream) {
+  const Backend backend = backend_of(params.q);
+  detail::validate_prefill(params, backend);
+#ifdef FLASHKDA_WITH_CUDA
+  if (backend == Backend::kCuda) {
+    const size_t needed = cuda::prefill_workspace_size(params);
+    FLASHKDA_CHECK_ARG(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),
+                       "workspace: need ", needed, " bytes of device memory, got ", workspace_bytes,
+                       workspace == nullptr ? " (null pointer)" : "");
+    cuda::forward(params, workspace, workspace_bytes, stream);
+    return;
+  }
+#endif
+  (void)workspace;
+  (void)workspace_bytes;
+  (void)stream;
+  cpu::forward(params);
+}
+
+void decode(const DecodeParams& params, Stream stream) {
+  const Backend backend = backend_of(params.q);
+  detail::validate_decode(params, backend);
+#ifdef FLASHKDA_WITH_CUDA
+  if (backend == Backend::kCuda) {
+    cuda::decode(params, stream);
+    return;
+  }
+#endif
+  (void)stream;
+  cpu::decode(params);
+}
+
+namespace detail {
+
+float effective_scale(const Preprocess& pre, int64_t K) {
+  return pre.has_scale ? pre.scale : float(1.0 / std::sqrt(double(K)));
+}
+
+int64_t num_sequences(const PrefillParams& p) { return p.cu_seqlens != nullptr ? p.num_seqs : p.B; }
+
+SeqRange seq_range(const PrefillParams& p, int64_t n) {
+  if (p.cu_seqlens == nullptr) return {n * p.T, (n + 1) * p.T};
+  if (p.cu_seqlens_dtype == DType::kI64) {
+    const auto* cu = static_cast<const int64_t*>(p.cu_seqlens);
+    return {cu[n], cu[n + 1]};
+  }
+  const auto* cu = static_cast<const int32_t*>(p.cu_seqlens);
+  return {cu[n], cu[n + 1]};
+}
+
+}  // namespace detail
+}  // namespace flashkda

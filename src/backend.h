@@ -1,0 +1,43 @@
+// Internal interfaces between the public API (api.cpp), argument validation and the backends.
+#pragma once
+
+#include <cstdint>
+
+#include "flashkda/flashkda.h"
+
+namespace flashkda {
+
+// [bos, eos) token range of sequence n in the flattened [B*T] token axis (host-readable params).
+struct SeqRange {
+  int64_t bos = 0;
+  int64_t eos = 0;
+  int64_t len() const { return eos - bos; }
+};
+
+namespace detail {
+int64_t num_sequences(const PrefillParams& p);  // N
+SeqRange seq_range(const PrefillParams& p, int64_t n);  // needs host-readable cu_seqlens
+float effective_scale(const Preprocess& pre, int64_t K);
+
+// Throw flashkda::Error naming the first bad argument; nothing is written before they pass.
+// backend decides which checks can read memory (cu_seqlens on the host) and which dtypes apply.
+void validate_prefill(const PrefillParams& p, Backend backend);
+void validate_decode(const DecodeParams& p, Backend backend);
+}  // namespace detail
+
+namespace cpu {
+void forward(const PrefillParams& p);  // chunk-16 form, fp32 state, OpenMP over (sequence, head)
+void decode(const DecodeParams& p);
+}  // namespace cpu
+
+#ifdef FLASHKDA_WITH_CUDA
+namespace cuda {
+bool available();
+bool is_device_pointer(const void* ptr);
+size_t prefill_workspace_size(const PrefillParams& p);
+void forward(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stream stream);
+void decode(const DecodeParams& p, Stream stream);
+}  // namespace cuda
+#endif
+
+}  // namespace flashkda
