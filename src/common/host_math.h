@@ -1,0 +1,125 @@
+// Host-side preprocessing of SPEC.md §2, templated on the compute type (double for the fp64
+// reference, float for the CPU backend): activations, gate -> log-decay, L2 norm, and typed
+// element loads/stores from untyped tensors (bf16 or fp32 inputs and states).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "flashkda/types.h"
+
+namespace flashkda::host {
+
+// Logistic function without overflow for large |x|.
+template <typename T>
+inline T sigmoid(T x) {
+  if (x >= T(0)) return T(1) / (T(1) + std::exp(-x));
+  const T e = std::exp(x);
+  return e / (T(1) + e);
+}
+
+// log(1 + e^x); for x > 20 the correction log1p(e^-x) < 2.1e-9 is below fp32 resolution of x.
+template <typename T>
+inline T softplus(T x) {
+  return x > T(20) ? x : std::log1p(std::exp(x));
+}
+
+// Log-decay a <= 0 of channel c of head h from the raw gate value g (SPEC.md §2).
+template <typename T>
+inline T log_decay(const Preprocess& pre, int64_t h, int64_t c, int64_t K, T g) {
+  if (pre.gate == GateForm::kPrecomputed) return g;
+  const T bias = pre.dt_bias != nullptr ? T(pre.dt_bias[h * K + c]) : T(0);
+  const T a_scale = std::exp(T(pre.A_log[h]));
+  if (pre.gate == GateForm::kLowerBound) return T(pre.lower_bound) * sigmoid(a_scale * (g + bias));
+  return -a_scale * softplus(g + bias);
+}
+
+// The per-channel gate constants of one head, so hot loops skip the Preprocess branches:
+// a = lower_bound * sigmoid(a_scale * (g + bias[c])) or a = -a_scale * softplus(g + bias[c]).
+template <typename T>
+struct HeadGate {
+  GateForm form = GateForm::kPrecomputed;
+  T lower_bound = T(0);
+  T a_scale = T(0);
+  const float* bias = nullptr;  // [K] slice of dt_bias, or null
+
+  HeadGate(const Preprocess& pre, int64_t h, int64_t K) : form(pre.gate), lower_bound(T(pre.lower_bound)) {
+    if (form == GateForm::kPrecomputed) return;
+    a_scale = std::exp(T(pre.A_log[h]));
+    if (pre.dt_bias != nullptr) bias = pre.dt_bias + h * K;
+  }
+
+  T operator()(int64_t c, T g) const {
+    if (form == GateForm::kPrecomputed) return g;
+    const T x = g + (bias != nullptr ? T(bias[c]) : T(0));
+    if (form == GateForm::kLowerBound) return lower_bound * sigmoid(a_scale * x);
+    return -a_scale * softplus(x);
+  }
+};
+
+// b = sigmoid(beta) when beta is a logit, else beta itself.
+template <typename T>
+inline T beta_activation(const Preprocess& pre, T beta) {
+  return pre.beta_is_logit ? sigmoid(beta) : beta;
+}
+
+// x <- x / sqrt(sum x^2 + 1e-6), in place over n elements.
+template <typename T>
+inline void l2_normalize(T* x, int64_t n) {
+  T sum = T(0);
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const T inv = T(1) / std::sqrt(sum + T(1e-6));
+  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+}
+
+// Element i of a bf16 or fp32 tensor, converted to T.
+template <typename T>
+inline T load(const void* ptr, DType dtype, int64_t i) {
+  if (dtype == DType::kBF16) return T(bf16::to_float(static_cast<const uint16_t*>(ptr)[i]));
+  return T(static_cast<const float*>(ptr)[i]);
+}
+
+// dst[0..n) <- elements [offset, offset + n) of a bf16 or fp32 tensor.
+template <typename T>
+inline void load_row(const void* ptr, DType dtype, int64_t offset, int64_t n, T* dst) {
+  if (dtype == DType::kBF16) {
+    const uint16_t* src = static_cast<const uint16_t*>(ptr) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(bf16::to_float(src[i]));
+  } else {
+    const float* src = static_cast<const float*>(ptr) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = T(src[i]);
+  }
+}
+
+// Elements [offset, offset + n) of a bf16 or fp32 tensor <- src[0..n) (round to nearest even).
+template <typename T>
+inline void store_row(void* ptr, DType dtype, int64_t offset, int64_t n, const T* src) {
+  if (dtype == DType::kBF16) {
+    uint16_t* dst = static_cast<uint16_t*>(ptr) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = bf16::from_float(float(src[i]));
+  } else {
+    float* dst = static_cast<float*>(ptr) + offset;
+    for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
+  }
+}
+
+// One recurrent state [V, K] (v-first) of sequence n, head h, from a [N, H, V, K] tensor;
+// zeros when state is null.
+template <typename T>
+inline void load_state(const void* state, DType dtype, int64_t n, int64_t h, int64_t H, int64_t V, int64_t K,
+                       T* dst) {
+  if (state == nullptr) {
+    for (int64_t i = 0; i < V * K; ++i) dst[i] = T(0);
+    return;
+  }
+  load_row(state, dtype, (n * H + h) * V * K, V * K, dst);
+}
+
+// Writes one [V, K] state into a [N, H, V, K] tensor of dtype kF32 or kBF16.
+template <typename T>
+inline void store_state(void* state, DType dtype, int64_t n, int64_t h, int64_t H, int64_t V, int64_t K,
+                        const T* src) {
+  store_row(state, dtype, (n * H + h) * V * K, V * K, src);
+}
+
+}  // namespace flashkda::host
