@@ -1,0 +1,36 @@
+// The chunk-16 form of SPEC.md §4 on the host, templated on the compute type: float is the CPU
+// backend (cpu::forward), double an fp64 chunk-form implementation that tests hold against the
+// token recurrence. Both instantiations live in prefill.cpp.
+#pragma once
+
+#include <cstdint>
+
+#include "flashkda/params.h"
+
+namespace flashkda::cpu {
+
+constexpr int kChunk = 16;  // C: tokens per chunk (SPEC.md §4)
+
+// Largest |G_i,c - mid_c| for which the shifted factors e^{±(G - mid)} are built; e^80 ~ 5.5e34
+// stays inside fp32 range. Chunks beyond it build L and Mqk pairwise (exponents <= 0).
+constexpr double kMaxShift = 80.0;
+
+// The chunked forward with state and arithmetic in T. out / final_state: when non-null, written
+// in T ([B, T, H, V] and [N, H, V, K]) instead of p.out / p.final_state in their dtypes.
+// Does not validate p (callers do).
+template <typename T>
+void chunk_forward(const PrefillParams& p, T* out = nullptr, T* final_state = nullptr);
+
+// x <- (I + L)^{-1} x for a strictly lower triangular n x n block of a row-major [C, C] matrix L,
+// by forward substitution: x_i -= sum_{j<i} L[i,j] x_j. Accurate where the Neumann series
+// (I - L)(I + L^2)(I + L^4)(I + L^8) cancels catastrophically (near-collinear keys, b ~ 1).
+template <typename T>
+inline void solve_unit_lower(const T* L, T* x, int n) {
+  for (int i = 1; i < n; ++i) {
+    T acc = x[i];
+    for (int j = 0; j < i; ++j) acc -= L[i * kChunk + j] * x[j];
+    x[i] = acc;
+  }
+}
+
+}  // namespace flashkda::cpu

@@ -1,0 +1,75 @@
+// fp64 token recurrence of SPEC.md §3 (flashkda::reference_forward): the definition every
+// backend is tested against. One token at a time: decay, delta-rule update, read.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "backend.h"
+#include "common/host_math.h"
+
+namespace flashkda {
+namespace {
+
+// Runs the recurrence of sequence n, head h; S is the [V, K] (v-first) state, updated in place.
+void recur_sequence_head(const PrefillParams& p, int64_t n, int64_t h, double scale, double* out, double* S) {
+  const int64_t H = p.H, K = p.K, V = p.V;
+  const SeqRange r = detail::seq_range(p, n);
+  const host::HeadGate<double> gate(p.pre, h, K);
+  std::vector<double> q(K), k(K), v(V), a(K);
+
+  for (int64_t t = r.bos; t < r.eos; ++t) {
+    const int64_t row = t * H + h;
+    host::load_row(p.q, p.dtype, row * K, K, q.data());
+    host::load_row(p.k, p.dtype, row * K, K, k.data());
+    host::load_row(p.v, p.dtype, row * V, V, v.data());
+    host::load_row(p.g, p.g_dtype, row * K, K, a.data());
+    if (p.pre.l2norm_qk) {
+      host::l2_normalize(q.data(), K);
+      host::l2_normalize(k.data(), K);
+    }
+    for (int64_t c = 0; c < K; ++c) a[c] = std::exp(gate(c, a[c]));  // a now holds the decay factor
+    const double b = host::beta_activation(p.pre, host::load<double>(p.beta, p.beta_dtype, row));
+
+    for (int64_t j = 0; j < V; ++j) {
+      double* s = S + j * K;  // column j of S (S^T row j)
+      double pred = 0.0;
+      for (int64_t c = 0; c < K; ++c) {
+        s[c] *= a[c];
+        pred += s[c] * k[c];
+      }
+      const double delta = b * (v[j] - pred);
+      double o = 0.0;
+      for (int64_t c = 0; c < K; ++c) {
+        s[c] += delta * k[c];
+        o += s[c] * q[c];
+      }
+      out[row * V + j] = scale * o;
+    }
+  }
+}
+
+}  // namespace
+
+void reference_forward(const PrefillParams& params, double* out, double* final_state) {
+  detail::validate_prefill(params, Backend::kCpu);
+  FLASHKDA_CHECK_ARG(out != nullptr || params.B * params.T * params.H == 0, "out must not be null");
+  const int64_t N = detail::num_sequences(params);
+  const int64_t H = params.H, K = params.K, V = params.V;
+  const double scale = params.pre.has_scale ? double(params.pre.scale) : 1.0 / std::sqrt(double(K));
+
+#pragma omp parallel
+  {
+    std::vector<double> S(V * K);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t nh = 0; nh < N * H; ++nh) {
+      const int64_t n = nh / H, h = nh % H;
+      host::load_state(params.initial_state, params.initial_state_dtype, n, h, H, V, K, S.data());
+      recur_sequence_head(params, n, h, scale, out, S.data());
+      if (final_state != nullptr) {
+        std::copy(S.begin(), S.end(), final_state + (n * H + h) * V * K);
+      }
+    }
+  }
+}
+
+}  // namespace flashkda

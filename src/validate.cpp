@@ -1,0 +1,116 @@
+// Argument validation of a prefill problem (detail::validate_prefill): every check throws
+// flashkda::Error(kInvalidArgument) naming the argument and the expectation, before any output
+// is written.
+#include <cmath>
+#include <cstdint>
+
+#include "backend.h"
+
+namespace flashkda::detail {
+namespace {
+
+void check_float_dtype(const char* name, DType dtype) {
+  FLASHKDA_CHECK_ARG(dtype == DType::kBF16 || dtype == DType::kF32, name, " must be bfloat16 or float32, got ",
+                     dtype_name(dtype));
+}
+
+void check_shape(const PrefillParams& p, Backend backend) {
+  FLASHKDA_CHECK_ARG(p.B >= 0, "B must be >= 0, got B=", p.B);
+  FLASHKDA_CHECK_ARG(p.T >= 0, "T must be >= 0, got T=", p.T);
+  FLASHKDA_CHECK_ARG(p.H >= 0, "H must be >= 0, got H=", p.H);
+  if (backend == Backend::kCuda) {
+    FLASHKDA_CHECK_ARG(p.K == 128, "K must be 128 on the CUDA backend, got K=", p.K);
+    FLASHKDA_CHECK_ARG(p.V == 128, "V must be 128 on the CUDA backend, got V=", p.V);
+  } else {
+    FLASHKDA_CHECK_ARG(p.K >= 1 && p.K <= 256, "K must be in [1, 256] on the CPU backend, got K=", p.K);
+    FLASHKDA_CHECK_ARG(p.V >= 1 && p.V <= 256, "V must be in [1, 256] on the CPU backend, got V=", p.V);
+  }
+}
+
+// Tensors with elements must be given; an empty problem (B*T*H == 0) may pass null pointers,
+// as frameworks hand out null data pointers for empty tensors.
+void check_pointers(const PrefillParams& p) {
+  if (p.B * p.T * p.H == 0) return;
+  FLASHKDA_CHECK_ARG(p.q != nullptr, "q must not be null (shape [B, T, H, K] = [", p.B, ", ", p.T, ", ", p.H, ", ",
+                     p.K, "])");
+  FLASHKDA_CHECK_ARG(p.k != nullptr, "k must not be null");
+  FLASHKDA_CHECK_ARG(p.v != nullptr, "v must not be null");
+  FLASHKDA_CHECK_ARG(p.g != nullptr, "g must not be null");
+  FLASHKDA_CHECK_ARG(p.beta != nullptr, "beta must not be null");
+  FLASHKDA_CHECK_ARG(p.out != nullptr, "out must not be null");
+}
+
+void check_dtypes(const PrefillParams& p, Backend backend) {
+  if (backend == Backend::kCuda) {
+    FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16, "dtype (of q, k, v, out) must be bfloat16 on the CUDA backend, got ",
+                       dtype_name(p.dtype));
+  } else {
+    FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16 || p.dtype == DType::kF32,
+                       "dtype (of q, k, v, out) must be bfloat16 or float32, got ", dtype_name(p.dtype));
+  }
+  check_float_dtype("g_dtype", p.g_dtype);
+  check_float_dtype("beta_dtype", p.beta_dtype);
+  if (p.initial_state != nullptr) check_float_dtype("initial_state_dtype", p.initial_state_dtype);
+  if (p.final_state != nullptr) check_float_dtype("final_state_dtype", p.final_state_dtype);
+}
+
+template <typename I>
+void check_cu_seqlens_values(const I* cu, int64_t num_seqs, int64_t total) {
+  FLASHKDA_CHECK_ARG(cu[0] == 0, "cu_seqlens[0] must be 0, got ", int64_t(cu[0]));
+  for (int64_t n = 1; n <= num_seqs; ++n) {
+    FLASHKDA_CHECK_ARG(cu[n] >= cu[n - 1], "cu_seqlens must be non-decreasing; cu_seqlens[", n, "]=", int64_t(cu[n]),
+                       " < cu_seqlens[", n - 1, "]=", int64_t(cu[n - 1]));
+  }
+  FLASHKDA_CHECK_ARG(cu[num_seqs] == total, "cu_seqlens[", num_seqs, "]=", int64_t(cu[num_seqs]),
+                     " must equal the token count B*T=", total);
+}
+
+void check_cu_seqlens(const PrefillParams& p, Backend backend) {
+  if (p.cu_seqlens == nullptr) return;
+  FLASHKDA_CHECK_ARG(p.B == 1, "B must be 1 when cu_seqlens is given (tokens are packed along T), got B=", p.B);
+  FLASHKDA_CHECK_ARG(p.num_seqs >= 0, "num_seqs must be >= 0 with cu_seqlens, got num_seqs=", p.num_seqs);
+  FLASHKDA_CHECK_ARG(p.cu_seqlens_dtype == DType::kI32 || p.cu_seqlens_dtype == DType::kI64,
+                     "cu_seqlens_dtype must be int32 or int64, got ", dtype_name(p.cu_seqlens_dtype));
+  // Device-resident offsets cannot be read without a synchronisation; the CPU backend checks them.
+  if (backend != Backend::kCpu) return;
+  // num_seqs == 0 is legal: cu_seqlens = [0] then demands T == 0 through the last check.
+  if (p.cu_seqlens_dtype == DType::kI64) {
+    check_cu_seqlens_values(static_cast<const int64_t*>(p.cu_seqlens), p.num_seqs, p.B * p.T);
+  } else {
+    check_cu_seqlens_values(static_cast<const int32_t*>(p.cu_seqlens), p.num_seqs, p.B * p.T);
+  }
+}
+
+void check_preprocess(const Preprocess& pre) {
+  switch (pre.gate) {
+    case GateForm::kLowerBound:
+      // Written as a negated range test so that NaN is rejected as well.
+      FLASHKDA_CHECK_ARG(pre.lower_bound >= -5.0f && pre.lower_bound < 0.0f,
+                         "lower_bound must lie in [-5, 0) for the lower-bound gate, got ", pre.lower_bound);
+      FLASHKDA_CHECK_ARG(pre.A_log != nullptr, "A_log must not be null for the lower_bound gate form");
+      break;
+    case GateForm::kSoftplus:
+      FLASHKDA_CHECK_ARG(pre.A_log != nullptr, "A_log must not be null for the softplus gate form");
+      break;
+    case GateForm::kPrecomputed:
+      break;
+    default:
+      FLASHKDA_CHECK_ARG(false, "gate must be a GateForm (lower_bound, softplus or precomputed), got ",
+                         int(pre.gate));
+  }
+  if (pre.has_scale) {
+    FLASHKDA_CHECK_ARG(std::isfinite(pre.scale), "scale must be finite when has_scale is set, got ", pre.scale);
+  }
+}
+
+}  // namespace
+
+void validate_prefill(const PrefillParams& p, Backend backend) {
+  check_shape(p, backend);
+  check_pointers(p);
+  check_dtypes(p, backend);
+  check_cu_seqlens(p, backend);
+  check_preprocess(p.pre);
+}
+
+}  // namespace flashkda::detail
