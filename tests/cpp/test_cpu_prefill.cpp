@@ -1,0 +1,231 @@
+// The CPU prefill backend (flashkda::forward on host memory) against the fp64 token recurrence:
+// lengths, varlen with empty sequences, batches, state dtypes, gate forms and preprocessing flags.
+// Outputs start as NaN and guard bytes follow every buffer, so unwritten or overrun elements show.
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "kda_test_utils.h"
+
+namespace flashkda::test {
+namespace {
+
+// rel-RMS bound for a result stored in dtype: fp32 storage keeps the fp32 compute error,
+// bf16 storage adds its rounding (2^-9 relative, ~1.1e-3 RMS).
+double tolerance(DType stored) { return stored == DType::kF32 ? 1e-5 : 5e-3; }
+
+struct Errors {
+  double out = 0.0, state = 0.0;
+};
+
+// Runs the CPU backend on fresh inputs and checks it against the reference; returns the errors.
+Errors check_against_reference(const KdaOptions& opt, const std::string& label = "") {
+  KdaInputs in(opt);
+  SCOPED_TRACE(label + " " + in.describe());
+  const Reference ref = run_reference(in);
+  in.poison_outputs();
+  forward(in.params(), nullptr, 0);
+
+  Errors err;
+  const std::vector<double> out = in.out.values();
+  EXPECT_EQ(count_nonfinite(out), 0) << "out elements left unwritten or non-finite";
+  EXPECT_TRUE(in.out.guard_intact()) << "write past the end of out";
+  err.out = rel_rms(out, ref.out);
+  EXPECT_LE(err.out, tolerance(opt.dtype)) << "out";
+
+  if (opt.final_state != StateKind::kNone) {
+    const std::vector<double> fs = in.final_state.values();
+    EXPECT_EQ(count_nonfinite(fs), 0) << "final_state elements left unwritten or non-finite";
+    EXPECT_TRUE(in.final_state.guard_intact()) << "write past the end of final_state";
+    err.state = rel_rms(fs, ref.final_state);
+    EXPECT_LE(err.state, tolerance(in.final_state.dtype)) << "final_state";
+  }
+  for (const HostTensor* t : {&in.q, &in.k, &in.v, &in.g, &in.beta, &in.initial_state, &in.cu_seqlens})
+    EXPECT_TRUE(t->guard_intact());
+  if (!label.empty()) {
+    report(label + " out", err.out);
+    if (opt.final_state != StateKind::kNone) report(label + " final_state", err.state);
+  }
+  return err;
+}
+
+KdaOptions fp32_options() {
+  KdaOptions o;
+  o.dtype = o.g_dtype = o.beta_dtype = DType::kF32;
+  o.initial_state = StateKind::kF32;
+  o.final_state = StateKind::kF32;
+  return o;
+}
+
+TEST(CpuPrefill, MatchesReferenceFp32) {
+  KdaOptions o = fp32_options();
+  o.seqlens = {300, 17, 1024, 77};
+  o.H = 4;
+  check_against_reference(o, "fp32 varlen [300,17,1024,77] H=4");
+}
+
+TEST(CpuPrefill, MatchesReferenceBf16) {
+  KdaOptions o;
+  o.seqlens = {300, 17, 1024, 77};
+  o.H = 4;
+  o.initial_state = StateKind::kF32;
+  o.final_state = StateKind::kF32;
+  check_against_reference(o, "bf16 varlen [300,17,1024,77] H=4");
+}
+
+TEST(CpuPrefill, SequenceLengths) {
+  for (int64_t T : {0, 1, 15, 16, 17, 31, 100, 1000}) {
+    SCOPED_TRACE("T=" + std::to_string(T));
+    KdaOptions o = fp32_options();
+    o.T = T;
+    o.H = T >= 1000 ? 1 : 2;
+    check_against_reference(o);
+  }
+}
+
+TEST(CpuPrefill, VarlenWithEmptySequences) {
+  for (DType cu : {DType::kI32, DType::kI64}) {
+    KdaOptions o = fp32_options();
+    o.seqlens = {0, 17, 0, 0, 100, 1, 16, 0, 33, 0};
+    o.cu_dtype = cu;
+    check_against_reference(o);
+    o.seqlens = {0, 0, 0};  // T == 0: final state = initial state
+    check_against_reference(o);
+  }
+}
+
+TEST(CpuPrefill, EmptySequenceKeepsInitialStateExactly) {
+  KdaOptions o = fp32_options();
+  o.seqlens = {0, 5, 0};
+  KdaInputs in(o);
+  in.poison_outputs();
+  forward(in.params(), nullptr, 0);
+  const int64_t per_seq = o.H * o.V * o.K;
+  for (int64_t n : {0, 2})
+    for (int64_t i = 0; i < per_seq; ++i)
+      ASSERT_EQ(in.final_state.get(n * per_seq + i), in.initial_state.get(n * per_seq + i));
+}
+
+TEST(CpuPrefill, BatchedSequences) {
+  KdaOptions o = fp32_options();
+  o.B = 3;
+  o.T = 45;
+  check_against_reference(o);
+  o.dtype = DType::kBF16;
+  check_against_reference(o);
+}
+
+TEST(CpuPrefill, EveryStateCombination) {
+  for (StateKind init : {StateKind::kNone, StateKind::kF32, StateKind::kBF16}) {
+    for (StateKind fin : {StateKind::kNone, StateKind::kF32, StateKind::kBF16}) {
+      for (DType dt : {DType::kF32, DType::kBF16}) {
+        KdaOptions o;
+        o.dtype = o.g_dtype = o.beta_dtype = dt;
+        o.seqlens = {40, 0, 19};
+        o.initial_state = init;
+        o.final_state = fin;
+        check_against_reference(o);
+      }
+    }
+  }
+}
+
+TEST(CpuPrefill, MixedInputDtypes) {
+  KdaOptions o = fp32_options();
+  o.T = 50;
+  o.g_dtype = DType::kBF16;
+  o.beta_dtype = DType::kBF16;
+  check_against_reference(o);
+  o.dtype = DType::kBF16;
+  o.g_dtype = DType::kF32;
+  o.beta_dtype = DType::kF32;
+  check_against_reference(o);
+}
+
+TEST(CpuPrefill, LowerBoundGate) {
+  for (float lb : {-5.0f, -1.0f, -0.01f}) {
+    KdaOptions o = fp32_options();
+    o.T = 70;
+    o.lower_bound = lb;
+    o.A_log_max = 3.0;
+    check_against_reference(o);
+    o.with_dt_bias = false;
+    check_against_reference(o);
+  }
+}
+
+TEST(CpuPrefill, SoftplusGateExtremes) {
+  KdaOptions o = fp32_options();
+  o.gate = GateForm::kSoftplus;
+  o.T = 100;
+  o.A_log_min = -1.0;
+  o.A_log_max = 3.0;
+  o.g_min = -8.0;
+  o.g_max = 8.0;
+  o.dt_bias_min = -8.0;
+  o.dt_bias_max = 8.0;
+  check_against_reference(o, "softplus g,dt_bias in [-8,8], A_log in [-1,3]");
+  o.g_min = o.g_max = 8.0;  // a = -exp(A_log) * 16 per token: state wiped every step
+  o.dt_bias_min = o.dt_bias_max = 8.0;
+  check_against_reference(o);
+  o.g_min = o.g_max = -8.0;  // a ~ -1e-7 * exp(A_log): almost no decay
+  o.dt_bias_min = o.dt_bias_max = -8.0;
+  check_against_reference(o);
+  o.with_dt_bias = false;
+  o.dtype = o.g_dtype = DType::kBF16;
+  check_against_reference(o);
+}
+
+TEST(CpuPrefill, PrecomputedGateDownToMinus1000) {
+  for (double lo : {-1000.0, -30.0, -10.0}) {
+    KdaOptions o = fp32_options();
+    o.gate = GateForm::kPrecomputed;
+    o.T = 100;
+    o.g_min = lo;
+    o.g_max = 0.0;
+    check_against_reference(o, "precomputed a in [" + std::to_string(int(lo)) + ", 0]");
+  }
+  KdaOptions o = fp32_options();
+  o.gate = GateForm::kPrecomputed;
+  o.T = 100;
+  o.g_min = o.g_max = -1000.0;  // every token forgets everything before it
+  check_against_reference(o);
+}
+
+TEST(CpuPrefill, PreprocessFlags) {
+  for (bool l2norm : {true, false}) {
+    for (bool logit : {true, false}) {
+      KdaOptions o = fp32_options();
+      o.T = 40;
+      o.l2norm = l2norm;
+      o.beta_is_logit = logit;
+      check_against_reference(o);
+    }
+  }
+}
+
+TEST(CpuPrefill, CustomScale) {
+  for (float scale : {0.25f, 1.0f, -0.5f, 0.0f}) {
+    KdaOptions o = fp32_options();
+    o.T = 33;
+    o.has_scale = true;
+    o.scale = scale;
+    o.initial_state = StateKind::kNone;
+    check_against_reference(o);
+  }
+}
+
+TEST(CpuPrefill, OddHeadSizes) {
+  for (auto [K, V] : {std::pair<int64_t, int64_t>{1, 1}, {40, 24}, {64, 200}, {256, 256}}) {
+    KdaOptions o = fp32_options();
+    o.T = 37;
+    o.H = 1;
+    o.K = K;
+    o.V = V;
+    check_against_reference(o);
+  }
+}
+
+}  // namespace
+}  // namespace flashkda::test
