@@ -1,0 +1,43 @@
+// Tensor-core helpers: the CuTe SM80 m16n8k16 bf16 MMA atom (runs on sm_90a as mma.sync) and
+// bf16x2 packing. Fragment layouts (PTX ISA, g = lane / 4, t = lane % 4):
+//   A 16x16: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
+//   B 16x8 : b0 (k 2t..2t+1, n g)  b1 (k 2t+8..2t+9, n g)
+//   C 16x8 : c0,c1 (g, 2t..2t+1)   c2,c3 (g+8, 2t..2t+1)
+// so the C fragments of two adjacent n-tiles are exactly the A fragment of a 16x16 operand.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <cute/arch/mma_sm80.hpp>
+
+namespace flashkda::cuda_common {
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Split x = hi + lo with both halves bf16: hi*b + lo*b carries ~16 mantissa bits of x.
+__device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
+  float2 hf = __bfloat1622float2(h);
+  hi = *reinterpret_cast<uint32_t*>(&h);
+  lo = pack_bf16x2(x0 - hf.x, x1 - hf.y);
+}
+
+// d += A * B for one m16n8k16 tile (fp32 accumulate).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0],
+                                            d[1], d[2], d[3]);
+}
+
+// The accumulators of two adjacent 16x8 n-tiles as the bf16 A fragment of one 16x16 operand.
+__device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)[4], uint32_t (&a)[4]) {
+  a[0] = pack_bf16x2(c0[0], c0[1]);
+  a[1] = pack_bf16x2(c0[2], c0[3]);
+  a[2] = pack_bf16x2(c1[0], c1[1]);
+  a[3] = pack_bf16x2(c1[2], c1[3]);
+}
+
+}  // namespace flashkda::cuda_common

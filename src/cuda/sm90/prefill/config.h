@@ -1,0 +1,80 @@
+// Constants and the workspace layout shared by the prefill kernels (K0 scan, K1 prepare,
+// K2 recurrence) and their host launcher. Defined once here; every other file includes this.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace flashkda::sm90::prefill {
+
+constexpr int kChunk = 16;      // tokens per chunk (SPEC.md §4)
+constexpr int kHeadDim = 128;   // K = V = 128
+constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
+
+// One chunk of one head in the workspace, written by K1 and read by K2. Every 16x128 / 16x16
+// operand is stored in *fragment order*: word w = (step * 32 + lane) * 4 + reg holds the bf16x2
+// register `reg` of lane `lane` of the m16n8k16 B operand for k-step (or n-tile pair) `step`, so
+// K2 reads each fragment with one conflict-free 16-byte shared-memory load (no ldmatrix, no swizzle).
+constexpr int kTileBytes = kChunk * kHeadDim * 2;      // 4096: q_decayed, k_decayed, k_restored
+constexpr int kSmallTileBytes = kChunk * kChunk * 2;   // 512: Mqk, inv_b = (I+L)^-1 diag(b)
+constexpr int kGammaBytes = kHeadDim * 4;              // 512: exp(G_C) per channel, fp32
+constexpr int kChunkRecordBytes = 3 * kTileBytes + 2 * kSmallTileBytes + kGammaBytes;  // 13824
+
+// Offsets inside one chunk record.
+constexpr int kOffQDecayed = 0;
+constexpr int kOffKDecayed = kTileBytes;
+constexpr int kOffKRestored = 2 * kTileBytes;
+constexpr int kOffMqk = 3 * kTileBytes;
+constexpr int kOffInvB = 3 * kTileBytes + kSmallTileBytes;
+constexpr int kOffGamma = 3 * kTileBytes + 2 * kSmallTileBytes;
+
+// Above this per-channel spread of the in-chunk log-decay (G_first - G_last) the factorised
+// exp(G_i - mid) * exp(mid - G_j) could leave the fp32/bf16 range (e^80 ~ 5.5e34 < 3.4e38), so K1
+// computes that chunk's L and Mqk pairwise with exp(G_i - G_j) <= 1 instead.
+constexpr float kMaxFactorisedSpread = 160.0f;
+
+// Workspace: [header: chunk_start[N+1] int32, error flag] [chunk records, slot-major, head-minor].
+constexpr size_t kAlign = 256;
+inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(num_seqs + 2) * sizeof(int32_t)); }
+// Upper bound on chunks over all sequences: sum ceil(len/16) <= ceil(total/16) + N.
+inline int64_t max_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
+  return (total_tokens + kChunk - 1) / kChunk + num_seqs;
+}
+
+enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
+enum class Gate : int { kLowerBound = 0, kSoftplus = 1, kPrecomputed = 2 };
+
+// Everything the kernels need, by value (a __grid_constant__-friendly POD).
+struct Params {
+  const void* q;      // [total, H, K] bf16
+  const void* k;      // [total, H, K] bf16
+  const void* v;      // [total, H, V] bf16
+  const void* g;      // [total, H, K] g_type
+  const void* beta;   // [total, H]    beta_type
+  void* out;          // [total, H, V] bf16
+  ElemType g_type, beta_type;
+  const float* A_log;    // [H] or null
+  const float* dt_bias;  // [H, K] or null
+  const void* initial_state;  // [N, H, V, K] or null
+  ElemType initial_state_type;
+  void* final_state;          // [N, H, V, K] or null
+  ElemType final_state_type;
+  const void* cu_seqlens;     // [N+1] or null
+  bool cu_seqlens_64;
+  int64_t num_seqs;           // N
+  int64_t seq_len;            // T without cu_seqlens
+  int64_t total_tokens;       // B*T
+  int H;
+  Gate gate;
+  float lower_bound;
+  bool l2norm_qk;
+  bool beta_is_logit;
+  float scale;
+  int32_t* chunk_start;       // workspace header: [N+1]
+  int32_t* error_flag;        // workspace header: 1 when cu_seqlens is invalid
+  uint8_t* records;           // workspace chunk records [slots][H][kChunkRecordBytes]
+  int64_t chunk_slots;        // launched K1 slots
+};
+
+}  // namespace flashkda::sm90::prefill

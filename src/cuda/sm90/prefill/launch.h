@@ -1,0 +1,16 @@
+// Host-side launchers of the sm90 prefill kernels; one recurrence variant per translation unit
+// in instantiations/ so they compile in parallel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cuda/sm90/prefill/config.h"
+
+namespace flashkda::sm90::prefill {
+
+void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) + K1
+
+template <int kWarps, bool kPrecise>
+void launch_recur(const Params& p, cudaStream_t stream);  // K2, grid (N*H, 8 / kWarps)
+
+}  // namespace flashkda::sm90::prefill

@@ -1,0 +1,22 @@
+// Definition of launch_recur<kWarps, kPrecise>, included by the instantiation units.
+#pragma once
+
+#include "cuda/common/check.h"
+#include "cuda/sm90/prefill/launch.h"
+#include "cuda/sm90/prefill/recur_kernel.cuh"
+
+namespace flashkda::sm90::prefill {
+
+template <int kWarps, bool kPrecise>
+void launch_recur(const Params& p, cudaStream_t stream) {
+  const int64_t work = p.num_seqs * p.H;
+  if (work == 0) return;
+  constexpr int smem = sizeof(RecurSmem<kWarps>);
+  auto kernel = recur_kernel<kWarps, kPrecise>;
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned(work), 8 / kWarps);
+  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
+}  // namespace flashkda::sm90::prefill
