@@ -1,0 +1,227 @@
+"""flashkda: Kimi Delta Attention (KDA) prefill and decode (SPEC.md), on the CPU or a Hopper GPU.
+
+Public functions (numpy arrays run on the CPU backend, bfloat16 through ml_dtypes; torch tensors run
+where they live, CUDA on the current stream):
+
+- chunk_kda(q, k, v, g, beta, ...)            fla's chunk_kda: returns (o, final_state)
+- fwd(q, k, v, g, beta, scale, out, ...)      MoonshotAI FlashKDA's fwd: writes out/final_state
+- fused_recurrent_kda(q, k, v, g, beta, ...)  fla's fused_recurrent_kda plus vLLM's state pool
+- reference_forward(...)                      the fp64 token recurrence, for checking
+- cuda_available(), version()
+
+With torch installed the three are also torch.ops.flashkda.{chunk_kda, fwd, fused_recurrent_kda}
+(custom ops: torch.compile and CUDA graphs see one node per call). Forward only: no autograd.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import warnings
+
+from . import _C, _impl
+from ._arrays import is_torch, ops_for
+
+__all__ = ["chunk_kda", "fwd", "fused_recurrent_kda", "reference_forward", "cuda_available", "version",
+           "built_with_cuda"]
+
+__version__ = _C.version()
+built_with_cuda = bool(_C.built_with_cuda)
+
+
+def version() -> str:
+    """Version of the C++ library behind this package."""
+    return _C.version()
+
+
+def cuda_available() -> bool:
+    """True when this build has the CUDA backend and a Hopper (sm_90) GPU is visible."""
+    return bool(_C.cuda_available())
+
+
+reference_forward = _impl.reference_forward
+
+_torch_ops = None
+if os.environ.get("FLASHKDA_NO_TORCH", "") in ("", "0") and importlib.util.find_spec("torch") is not None:
+    try:
+        from . import _torch_ops
+    except Exception as e:  # pragma: no cover - a broken torch install must not break numpy use
+        warnings.warn(f"flashkda: torch custom ops not registered ({type(e).__name__}: {e})", stacklevel=2)
+        _torch_ops = None
+
+
+def _use_op(q) -> bool:
+    return _torch_ops is not None and is_torch(q)
+
+
+# fla options with nothing to do here (inference forward, one algorithm): value ignored.
+_IGNORED_KWARGS = ("disable_recompute", "cu_seqlens_cpu", "use_graph", "max_num_seqs", "chunk_size")
+# fla options we do not implement: value that is accepted (the default).
+_UNSUPPORTED_KWARGS = {"allow_neg_eigval": False, "return_intermediate_states": False, "cp_context": None}
+
+
+def _fla_kwargs(fn_name, kwargs, state_v_first):
+    """fla's extra keyword arguments: deprecated alias, ignored ones, unsupported ones, typos."""
+    kwargs = dict(kwargs)
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=3)
+        state_v_first = bool(kwargs.pop("transpose_state_layout"))
+    chunk_size = kwargs.get("chunk_size", 64)
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size: must be 16, 32 or 64, got {chunk_size} (flashkda always uses 16)")
+    for name in _IGNORED_KWARGS:
+        kwargs.pop(name, None)
+    for name, default in _UNSUPPORTED_KWARGS.items():
+        if name in kwargs:
+            value = kwargs.pop(name)
+            if value is not default and value != default:
+                raise NotImplementedError(f"{fn_name}: {name}={value!r} is not supported by flashkda "
+                                          f"(only {name}={default!r})")
+    if kwargs:
+        raise TypeError(f"{fn_name}: unexpected keyword argument(s) {', '.join(sorted(kwargs))}")
+    return state_v_first
+
+
+def _torch_arg(q, x, name):
+    """Optional tensor arguments of a torch call: tensors stay, integer lists become tensors."""
+    import torch
+
+    if x is None or isinstance(x, torch.Tensor):
+        return x
+    if name in ("cu_seqlens", "ssm_state_indices", "num_accepted_tokens") and isinstance(x, (list, tuple)):
+        return torch.tensor(x, dtype=torch.int64 if name == "cu_seqlens" else torch.int32, device=q.device)
+    raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__module__}.{type(x).__name__}")
+
+
+def _opt_float(x):
+    return None if x is None else float(x)
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False, cu_seqlens=None,
+              **kwargs):
+    """Chunked KDA forward with fla 0.6's `chunk_kda` semantics. Returns (o, final_state).
+
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K]; beta: [B, T, H]. q, k, v bfloat16 or float32
+    (float32 on the CPU only), g and beta either. o has q's dtype.
+
+    - use_gate_in_kernel=False: g is the log-decay itself (<= 0). With True, g is the raw gate:
+      `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` when lower_bound is set (A_log optional:
+      None means `lower_bound * sigmoid(g + dt_bias)`), else `-exp(A_log) * softplus(g + dt_bias)`.
+      A_log: [H]; dt_bias: [H*K] or [H, K]; both fp32. safe_gate=True requires lower_bound.
+    - use_qk_l2norm_in_kernel: L2-normalise q and k; use_beta_sigmoid_in_kernel: beta is a logit.
+    - scale: default K**-0.5.
+    - initial_state: [N, H, K, V] ([N, H, V, K] with state_v_first=True), float32 or bfloat16.
+      final_state (output_final_state=True): float32, same layout; otherwise None.
+    - cu_seqlens: [N + 1] int32/int64 boundaries of N sequences packed along T (then B must be 1).
+
+    fla options without effect here (disable_recompute, use_graph, chunk_size, ...) are accepted;
+    allow_neg_eigval, return_intermediate_states and cp_context raise NotImplementedError when set.
+    """
+    state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
+    if _use_op(q):
+        import torch
+
+        A_log, dt_bias, initial_state, cu_seqlens = (
+            _torch_arg(q, x, n) for x, n in ((A_log, "A_log"), (dt_bias, "dt_bias"),
+                                             (initial_state, "initial_state"), (cu_seqlens, "cu_seqlens")))
+        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+            _torch_arg(q, x, n)
+        o, ht = torch.ops.flashkda.chunk_kda(
+            q, k, v, g, beta, _opt_float(scale), initial_state, bool(output_final_state),
+            bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
+            bool(safe_gate), _opt_float(lower_bound), A_log, dt_bias, bool(state_v_first), cu_seqlens)
+        return o, (ht if output_final_state else None)
+    return _impl.chunk_kda(ops_for(q), q, k, v, g, beta, scale, initial_state, output_final_state,
+                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
+                           lower_bound, A_log, dt_bias, state_v_first, cu_seqlens)
+
+
+def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
+        cu_seqlens=None):
+    """MoonshotAI FlashKDA's `flash_kda.fwd`: writes `out` (and `final_state`) in place, returns None.
+
+    q, k, v, g: [B, T, H, K|V] bfloat16 (float32 also on the CPU); beta: [B, T, H] logits (sigmoid
+    applied); gate `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` with A_log [H] fp32,
+    dt_bias [H, K] fp32, lower_bound in [-5, 0); q and k are L2-normalised; out: [B, T, H, V].
+    initial_state / final_state: [N, H, V, K] float32 or bfloat16 (None: zeros / not written).
+    cu_seqlens: [N + 1] int64 (or int32) with B = 1.
+    """
+    if _use_op(q):
+        import torch
+
+        A_log, dt_bias, initial_state, final_state, cu_seqlens = (
+            _torch_arg(q, x, n) for x, n in ((A_log, "A_log"), (dt_bias, "dt_bias"),
+                                             (initial_state, "initial_state"), (final_state, "final_state"),
+                                             (cu_seqlens, "cu_seqlens")))
+        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (out, "out")):
+            _torch_arg(q, x, n)
+        if A_log is None:
+            raise ValueError("A_log: required ([H] float32)")
+        if scale is None or lower_bound is None:
+            raise ValueError(f"{'scale' if scale is None else 'lower_bound'}: required (a float)")
+        torch.ops.flashkda.fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, float(lower_bound),
+                               initial_state, final_state, cu_seqlens)
+        return None
+    _impl.fwd(ops_for(q), q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+              cu_seqlens)
+    return None
+
+
+def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
+                        ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, out=None,
+                        **kwargs):
+    """Token-by-token KDA (decode), fla's `fused_recurrent_kda(_fwd)` semantics. Returns (out, final_state).
+
+    Shapes and gate/beta/scale options as in chunk_kda; q: [N, T, H, K] (T = 1..16 tokens per step),
+    or [1, total, H, K] with cu_seqlens.
+
+    States (layout [., H, K, V], or [., H, V, K] with state_v_first=True):
+    - inplace_final_state=True (default, as vLLM calls it): initial_state is a state pool [P, H, ., .]
+      updated in place and returned as final_state. Sequence n reads and writes slot
+      ssm_state_indices[n] (a negative index skips the sequence), or slot n without indices.
+      With 2-d ssm_state_indices [N, S] and num_accepted_tokens (speculative decoding) token t's
+      state goes to slot ssm_state_indices[n, t] and the start state is read from
+      ssm_state_indices[n, num_accepted_tokens[n] - 1]. Without initial_state the states start at
+      zero and final_state is a new [N, ...] float32 tensor (when output_final_state).
+    - inplace_final_state=False (fla's public fused_recurrent_kda): initial_state [N, ...] is only
+      read; final_state is a new float32 [N, ...] when output_final_state, else None.
+    out: optional output buffer [.., V] of q's dtype, written in place.
+
+    The kernels keep states as [P, H, V, K]; other layouts are transposed around the call (a copy of
+    the whole pool), so serving code should pass state_v_first=True pools.
+    Dense inputs with T > 16 (and host-side cu_seqlens with a longer sequence) run the chunked
+    forward, which computes the same recurrence.
+    """
+    state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first)
+    if _use_op(q):
+        import torch
+
+        named = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens,
+                     ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out)
+        named = {n: _torch_arg(q, x, n) for n, x in named.items()}
+        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
+            _torch_arg(q, x, n)
+        if not isinstance(v, torch.Tensor):
+            raise TypeError("v: expected a torch tensor like q")
+        out = named["out"]
+        if out is None:
+            out = v.new_empty(v.shape, dtype=q.dtype)
+        ht = torch.ops.flashkda.fused_recurrent_kda(
+            q, k, v, g, beta, named["A_log"], named["dt_bias"], _opt_float(scale), named["initial_state"],
+            bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
+            bool(use_beta_sigmoid_in_kernel), _opt_float(lower_bound), bool(state_v_first), named["cu_seqlens"],
+            named["ssm_state_indices"], named["num_accepted_tokens"], bool(inplace_final_state), out)
+        if inplace_final_state and named["initial_state"] is not None:
+            return out, named["initial_state"]
+        return out, (ht if output_final_state else None)
+    return _impl.fused_recurrent_kda(ops_for(q), q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                                     output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
+                                     use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
+                                     ssm_state_indices, num_accepted_tokens, inplace_final_state, out)

@@ -1,0 +1,207 @@
+"""Framework adaptors: the few array operations the wrappers need, for numpy and torch alike.
+
+numpy arrays run on the CPU backend (bfloat16 through ml_dtypes); torch tensors run where they
+live. torch is imported only when a torch tensor is seen, so numpy-only installs never load it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+# Canonical dtype names used in messages and checks.
+BF16, F32, F16, F64, I32, I64 = "bfloat16", "float32", "float16", "float64", "int32", "int64"
+
+
+def _torch():
+    return sys.modules.get("torch")
+
+
+def is_torch(x) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def is_numpy(x) -> bool:
+    return isinstance(x, np.ndarray)
+
+
+class NumpyOps:
+    """Operations on numpy arrays (host memory, CPU backend)."""
+
+    name = "numpy"
+
+    @staticmethod
+    def dtype_name(x) -> str:
+        return str(x.dtype)  # 'bfloat16' for ml_dtypes.bfloat16
+
+    @staticmethod
+    def bf16_dtype():
+        try:
+            import ml_dtypes
+        except ImportError as e:  # pragma: no cover - only without ml_dtypes
+            raise ImportError("bfloat16 numpy arrays need ml_dtypes: pip install ml_dtypes") from e
+        return ml_dtypes.bfloat16
+
+    @classmethod
+    def np_dtype(cls, name: str):
+        return cls.bf16_dtype() if name == BF16 else np.dtype(name)
+
+    @staticmethod
+    def is_array(x) -> bool:
+        return isinstance(x, np.ndarray)
+
+    @staticmethod
+    def contiguous(x):
+        return np.ascontiguousarray(x)
+
+    @staticmethod
+    def is_contiguous(x) -> bool:
+        return x.flags.c_contiguous
+
+    @classmethod
+    def empty(cls, shape, dtype: str, like):
+        return np.empty(shape, dtype=cls.np_dtype(dtype))
+
+    @classmethod
+    def zeros(cls, shape, dtype: str, like):
+        return np.zeros(shape, dtype=cls.np_dtype(dtype))
+
+    @classmethod
+    def astype(cls, x, dtype: str):
+        return np.ascontiguousarray(x.astype(cls.np_dtype(dtype), copy=False))
+
+    @staticmethod
+    def swap_last2(x):
+        """Contiguous copy with the last two axes swapped ([.., K, V] <-> [.., V, K])."""
+        return np.ascontiguousarray(np.swapaxes(x, -1, -2))
+
+    @staticmethod
+    def swap_last2_view(x):
+        return np.swapaxes(x, -1, -2)
+
+    @staticmethod
+    def copy_(dst, src):
+        np.copyto(dst, src)
+        return dst
+
+    @staticmethod
+    def arange_i32(n, like):
+        return np.arange(n, dtype=np.int32)
+
+    @classmethod
+    def as_index_array(cls, x, like, name):
+        return np.ascontiguousarray(np.asarray(x))
+
+    @staticmethod
+    def to_ext(x):
+        """The object handed to flashkda._C: bfloat16 numpy arrays travel as their uint16 bits."""
+        if x is not None and x.dtype.name == BF16:
+            return x.view(np.uint16)
+        return x
+
+    @staticmethod
+    def device_str(x) -> str:
+        return "cpu"
+
+    @staticmethod
+    def is_cuda(x) -> bool:
+        return False
+
+    @staticmethod
+    def host_values(x):
+        """Host copy of a small integer array, or None when reading it would synchronise."""
+        return np.asarray(x)
+
+
+class TorchOps:
+    """Operations on torch tensors (CPU or CUDA; CUDA work is enqueued on the current stream)."""
+
+    name = "torch"
+
+    @staticmethod
+    def _dt(name):
+        torch = _torch()
+        return {BF16: torch.bfloat16, F32: torch.float32, I32: torch.int32, I64: torch.int64,
+                F16: torch.float16, F64: torch.float64}[name]
+
+    @staticmethod
+    def dtype_name(x) -> str:
+        return str(x.dtype).replace("torch.", "")
+
+    @staticmethod
+    def is_array(x) -> bool:
+        return is_torch(x)
+
+    @staticmethod
+    def contiguous(x):
+        return x.contiguous()
+
+    @staticmethod
+    def is_contiguous(x) -> bool:
+        return x.is_contiguous()
+
+    @classmethod
+    def empty(cls, shape, dtype: str, like):
+        return _torch().empty(shape, dtype=cls._dt(dtype), device=like.device)
+
+    @classmethod
+    def zeros(cls, shape, dtype: str, like):
+        return _torch().zeros(shape, dtype=cls._dt(dtype), device=like.device)
+
+    @classmethod
+    def astype(cls, x, dtype: str):
+        return x.to(cls._dt(dtype)).contiguous()
+
+    @staticmethod
+    def swap_last2(x):
+        return x.transpose(-1, -2).contiguous()
+
+    @staticmethod
+    def swap_last2_view(x):
+        return x.transpose(-1, -2)
+
+    @staticmethod
+    def copy_(dst, src):
+        dst.copy_(src)
+        return dst
+
+    @staticmethod
+    def arange_i32(n, like):
+        torch = _torch()
+        return torch.arange(n, dtype=torch.int32, device=like.device)
+
+    @staticmethod
+    def as_index_array(x, like, name):
+        torch = _torch()
+        if isinstance(x, torch.Tensor):
+            return x.contiguous()
+        return torch.as_tensor(np.asarray(x), device=like.device).contiguous()
+
+    @staticmethod
+    def to_ext(x):
+        return None if x is None else x.detach()
+
+    @staticmethod
+    def device_str(x) -> str:
+        return str(x.device)
+
+    @staticmethod
+    def is_cuda(x) -> bool:
+        return x.device.type == "cuda"
+
+    @staticmethod
+    def host_values(x):
+        if x.device.type != "cpu":
+            return None
+        return x.detach().numpy()
+
+
+def ops_for(q, name: str = "q"):
+    """The adaptor for q's framework; a clear TypeError for anything else."""
+    if is_numpy(q):
+        return NumpyOps
+    if is_torch(q):
+        return TorchOps
+    raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(q).__module__}.{type(q).__name__}")

@@ -1,0 +1,338 @@
+"""Eager implementations of the public functions, for numpy arrays and torch tensors alike.
+
+Each checks its arguments (messages name the argument), makes inputs contiguous, turns fla's state
+layout [N, H, K, V] into the kernels' [N, H, V, K] and back, and calls flashkda._C through
+_launch. The torch custom ops (_torch_ops.py) call these same functions.
+"""
+
+from __future__ import annotations
+
+from . import _launch
+from ._arrays import BF16, F32, I32, I64, NumpyOps, TorchOps, is_numpy, is_torch
+from ._launch import Preprocess
+
+_FLOATS = (BF16, F32)
+MAX_DECODE_TOKENS = 16  # SPEC.md §5: a decode step takes 1..16 tokens per sequence
+
+
+def _shape(x):
+    return list(x.shape)
+
+
+def _type_name(x):
+    return f"{type(x).__module__}.{type(x).__name__}"
+
+
+def _require_array(ops, x, name):
+    if not ops.is_array(x):
+        raise TypeError(f"{name}: expected a {ops.name} array like q, got {_type_name(x)}")
+    return x
+
+
+def _same_device(ops, q, x, name):
+    if ops is TorchOps and x.device != q.device:
+        raise ValueError(f"{name}: is on {x.device} but q is on {q.device} (all tensors must share q's device)")
+
+
+def _float_dtype(ops, x, name, allowed=_FLOATS):
+    dt = ops.dtype_name(x)
+    if dt not in allowed:
+        raise ValueError(f"{name}: dtype {dt} is not supported (expected {' or '.join(allowed)})")
+    return dt
+
+
+def _qkvgb(ops, q, k, v, g, beta):
+    """Checks q, k, v, g, beta ([B,T,H,K] x3 ... [B,T,H]) and returns them contiguous."""
+    arrays = {"q": q, "k": k, "v": v, "g": g, "beta": beta}
+    for name, x in arrays.items():
+        _require_array(ops, x, name)
+        _same_device(ops, q, x, name)
+    if q.ndim != 4:
+        raise ValueError(f"q: expected a 4-d array [B, T, H, K], got shape {_shape(q)}")
+    B, T, H, K = q.shape
+    if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
+        if v.ndim == 4 and tuple(v.shape[:2]) == (B, T) and v.shape[2] != H:
+            raise ValueError(f"v: grouped value heads (HV={v.shape[2]} != H={H}) are not supported")
+        raise ValueError(f"v: expected shape [B, T, H, V] = [{B}, {T}, {H}, V], got {_shape(v)}")
+    for name, x, want in (("k", k, [B, T, H, K]), ("g", g, [B, T, H, K]), ("beta", beta, [B, T, H])):
+        if _shape(x) != want:
+            extra = ""
+            if name == "beta" and _shape(x) == [B, T, H, v.shape[3]]:
+                extra = " (per-channel beta [B, T, H, V] is not supported)"
+            raise ValueError(f"{name}: expected shape {want}, got {_shape(x)}{extra}")
+    dt = _float_dtype(ops, q, "q")
+    for name, x in (("k", k), ("v", v)):
+        if ops.dtype_name(x) != dt:
+            raise ValueError(f"{name}: dtype {ops.dtype_name(x)} differs from q's {dt} (q, k, v share one dtype)")
+    _float_dtype(ops, g, "g")
+    _float_dtype(ops, beta, "beta")
+    return [ops.contiguous(x) for x in (q, k, v, g, beta)]
+
+
+def _cu_seqlens(ops, q, cu_seqlens):
+    """cu_seqlens as a contiguous int32/int64 array of q's framework and device; returns (cu, N)."""
+    if cu_seqlens is None:
+        return None, q.shape[0]
+    if ops is TorchOps or is_numpy(cu_seqlens) or isinstance(cu_seqlens, (list, tuple)):
+        cu = ops.as_index_array(cu_seqlens, q, "cu_seqlens")
+    else:
+        raise TypeError(f"cu_seqlens: expected an integer array, got {_type_name(cu_seqlens)}")
+    _same_device(ops, q, cu, "cu_seqlens")
+    if ops.dtype_name(cu) not in (I32, I64):
+        raise ValueError(f"cu_seqlens: dtype {ops.dtype_name(cu)} is not supported (expected int32 or int64)")
+    if cu.ndim != 1 or cu.shape[0] < 1:
+        raise ValueError(f"cu_seqlens: expected a 1-d array [N + 1], got shape {_shape(cu)}")
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"q: the batch size is expected to be 1 rather than {q.shape[0]} when using cu_seqlens "
+            "(flatten the sequences into one)")
+    return cu, cu.shape[0] - 1
+
+
+def _param(ops, q, x, name, numel, shape):
+    """A_log / dt_bias: any float array of q's framework with the right element count -> fp32 `shape`."""
+    _require_array(ops, x, name)
+    _same_device(ops, q, x, name)
+    n = 1
+    for s in x.shape:
+        n *= s
+    if n != numel:
+        raise ValueError(f"{name}: expected {numel} elements (shape {list(shape)}), got shape {_shape(x)}")
+    return ops.astype(ops.contiguous(x).reshape(shape), F32)
+
+
+def _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate=False):
+    """fla's gate options -> (form, A_log [H] fp32, dt_bias [H,K] fp32, lower_bound)."""
+    if not use_gate_in_kernel:
+        return "precomputed", None, None, -5.0  # g is already the log-decay
+    H, K = q.shape[2], q.shape[3]
+    if safe_gate and lower_bound is None:
+        raise ValueError("lower_bound: must be specified when safe_gate=True and use_gate_in_kernel=True")
+    if lower_bound is not None:
+        lower_bound = float(lower_bound)
+        if not -5.0 <= lower_bound < 0.0:
+            raise ValueError(f"lower_bound: must lie in [-5, 0), got {lower_bound}")
+        form = "lower_bound"
+        if A_log is None:
+            # fla's form without A_log, lower_bound * sigmoid(g + dt_bias): exp(0) = 1.
+            A_log = ops.zeros((H,), F32, q)
+    else:
+        form = "softplus"
+        if A_log is None:
+            raise ValueError("A_log: must be provided when use_gate_in_kernel=True and lower_bound is not set")
+    A_log = _param(ops, q, A_log, "A_log", H, (H,))
+    if dt_bias is not None:
+        dt_bias = _param(ops, q, dt_bias, "dt_bias", H * K, (H, K))
+    return form, A_log, dt_bias, (-5.0 if lower_bound is None else lower_bound)
+
+
+def _state_in(ops, q, x, name, N, H, K, V, v_first, allow_larger_pool=False):
+    """A state in the user's layout ([N,H,K,V], or [N,H,V,K] when v_first) -> contiguous [N,H,V,K]."""
+    _require_array(ops, x, name)
+    _same_device(ops, q, x, name)
+    _float_dtype(ops, x, name)
+    want = [N, H, V, K] if v_first else [N, H, K, V]
+    got = _shape(x)
+    ok = got == want or (allow_larger_pool and len(got) == 4 and got[1:] == want[1:] and got[0] >= N)
+    if not ok:
+        layout = "[N, H, V, K] (state_v_first=True)" if v_first else "[N, H, K, V]"
+        lead = f"at least {N}" if allow_larger_pool else f"N={N}"
+        raise ValueError(f"{name}: expected shape {layout} = {want} with {lead} states, got {got}")
+    return ops.contiguous(x) if v_first else ops.swap_last2(x)
+
+
+def _state_out(ops, x_vk, v_first):
+    """[N,H,V,K] kernel state -> the user's layout."""
+    return x_vk if v_first else ops.swap_last2(x_vk)
+
+
+def _scale(scale):
+    return None if scale is None else float(scale)
+
+
+# ---- chunk_kda (fla semantics) ----------------------------------------------------------------
+
+
+def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+              safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False,
+              cu_seqlens=None):
+    q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    cu, N = _cu_seqlens(ops, q, cu_seqlens)
+    form, A_log, dt_bias, lb = _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
+    h0 = None if initial_state is None else _state_in(ops, q, initial_state, "initial_state", N, H, K, V,
+                                                       state_v_first)
+    out = ops.empty(tuple(v.shape), ops.dtype_name(q), q)
+    ht = ops.empty((N, H, V, K), F32, q) if output_final_state else None
+    pre = Preprocess(form, A_log, dt_bias, lb, bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
+                     _scale(scale))
+    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=ht, cu_seqlens=cu)
+    return out, (None if ht is None else _state_out(ops, ht, state_v_first))
+
+
+# ---- fwd (MoonshotAI FlashKDA semantics) --------------------------------------------------------
+
+
+def _inplace_target(ops, q, x, name, want, dtypes):
+    _require_array(ops, x, name)
+    _same_device(ops, q, x, name)
+    if _shape(x) != want:
+        raise ValueError(f"{name}: expected shape {want}, got {_shape(x)}")
+    _float_dtype(ops, x, name, dtypes)
+    if not ops.is_contiguous(x):
+        raise ValueError(f"{name}: must be contiguous (it is written in place)")
+    return x
+
+
+def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
+        cu_seqlens=None):
+    q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    cu, N = _cu_seqlens(ops, q, cu_seqlens)
+    if scale is None:
+        raise ValueError("scale: required (FlashKDA's fwd takes it explicitly; K**-0.5 is the usual value)")
+    if A_log is None:
+        raise ValueError("A_log: required ([H] float32)")
+    if lower_bound is None:
+        raise ValueError("lower_bound: required (a float in [-5, 0))")
+    form, A_log, dt_bias, lb = _gate(ops, q, True, A_log, dt_bias, lower_bound)
+    _inplace_target(ops, q, out, "out", [B, T, H, V], (ops.dtype_name(q),))
+    h0 = None if initial_state is None else _state_in(ops, q, initial_state, "initial_state", N, H, K, V, True)
+    if final_state is not None:
+        _inplace_target(ops, q, final_state, "final_state", [N, H, V, K], _FLOATS)
+    pre = Preprocess(form, A_log, dt_bias, lb, True, True, float(scale))
+    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=final_state, cu_seqlens=cu)
+
+
+# ---- fused_recurrent_kda (fla semantics, serving extensions of fused_recurrent_kda_fwd) ------------
+
+
+def _long_sequences(ops, T, cu, N):
+    """True when some sequence is known (without a device sync) to be outside decode's 1..16 tokens."""
+    if cu is None:
+        return T == 0 or T > MAX_DECODE_TOKENS
+    host = ops.host_values(cu)
+    if host is None:  # device cu_seqlens: decode validates what it can
+        return False
+    lengths = [int(host[i + 1]) - int(host[i]) for i in range(N)]
+    return any(n > MAX_DECODE_TOKENS for n in lengths)
+
+
+def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
+                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                        use_beta_sigmoid_in_kernel=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
+                        ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, out=None):
+    """Returns (out, final_state); see flashkda.fused_recurrent_kda for the state semantics."""
+    q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    cu, N = _cu_seqlens(ops, q, cu_seqlens)
+    form, A_log, dt_bias, lb = _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound)
+    pre = Preprocess(form, A_log, dt_bias, lb, bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
+                     _scale(scale))
+
+    # out: the caller's buffer when given (written in place), else a new one.
+    if out is None:
+        out = ops.empty(tuple(v.shape), ops.dtype_name(q), q)
+    else:
+        _require_array(ops, out, "out")
+        _same_device(ops, q, out, "out")
+        if _shape(out) != _shape(v) or ops.dtype_name(out) != ops.dtype_name(q):
+            raise ValueError(f"out: expected shape {_shape(v)} and dtype {ops.dtype_name(q)}, "
+                             f"got {_shape(out)} {ops.dtype_name(out)}")
+    out_c = out if ops.is_contiguous(out) else ops.empty(tuple(v.shape), ops.dtype_name(q), q)
+
+    # Slot indices into the pool.
+    idx = acc = None
+    if ssm_state_indices is not None:
+        idx = ops.as_index_array(ssm_state_indices, q, "ssm_state_indices")
+        _same_device(ops, q, idx, "ssm_state_indices")
+        if ops.dtype_name(idx) not in (I32, I64) or idx.ndim not in (1, 2) or idx.shape[0] != N:
+            raise ValueError(f"ssm_state_indices: expected an int32 array [N] or [N, S] with N={N}, "
+                             f"got shape {_shape(idx)} {ops.dtype_name(idx)}")
+        idx = ops.astype(idx, I32)
+    if num_accepted_tokens is not None:
+        if idx is None:
+            raise ValueError("num_accepted_tokens: needs ssm_state_indices (the slots of each token's state)")
+        acc = ops.as_index_array(num_accepted_tokens, q, "num_accepted_tokens")
+        _same_device(ops, q, acc, "num_accepted_tokens")
+        if ops.dtype_name(acc) not in (I32, I64) or _shape(acc) != [N]:
+            raise ValueError(f"num_accepted_tokens: expected an integer array [{N}], got shape {_shape(acc)}")
+        acc = ops.astype(acc, I32)
+
+    # The pool the kernel updates: [P, H, V, K], contiguous.
+    user_pool = None
+    if inplace_final_state:
+        if initial_state is None:
+            if idx is not None:
+                raise ValueError("initial_state: the state pool is required with ssm_state_indices")
+            pool = ops.zeros((N, H, V, K), F32, q)
+        else:
+            user_pool = initial_state
+            pool = _state_in(ops, q, initial_state, "initial_state", N, H, K, V, state_v_first,
+                             allow_larger_pool=True)
+    else:
+        if idx is not None:
+            raise ValueError("inplace_final_state: False with ssm_state_indices (per-token state outputs) "
+                             "is not supported; use inplace_final_state=True")
+        pool = ops.zeros((N, H, V, K), F32, q)
+        if initial_state is not None:
+            ops.copy_(pool, _state_in(ops, q, initial_state, "initial_state", N, H, K, V, state_v_first))
+
+    if idx is None and _long_sequences(ops, T, cu, N):
+        # Longer than a decode step: the chunked forward computes the same recurrence.
+        h0 = pool[:N]
+        ht = ops.empty((N, H, V, K), ops.dtype_name(pool), q)
+        _launch.forward(ops, q, k, v, g, beta, out_c, pre, initial_state=h0, final_state=ht, cu_seqlens=cu)
+        ops.copy_(pool[:N], ht)
+    else:
+        if idx is None:
+            idx = ops.arange_i32(N, q)
+        _launch.decode(ops, q, k, v, g, beta, out_c, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu)
+
+    if out_c is not out:
+        ops.copy_(out, out_c)
+    if user_pool is not None:
+        if pool is not user_pool:
+            ops.copy_(user_pool, pool if state_v_first else ops.swap_last2_view(pool))
+        return out, user_pool
+    if output_final_state:
+        return out, _state_out(ops, pool, state_v_first)
+    return out, None
+
+
+# ---- reference ----------------------------------------------------------------------------------
+
+
+def reference_forward(q, k, v, g, beta, *, gate="lower_bound", A_log=None, dt_bias=None, lower_bound=-5.0,
+                      l2norm_qk=True, beta_is_logit=True, scale=None, initial_state=None, cu_seqlens=None):
+    """The library's fp64 token recurrence (SPEC.md §3) on host arrays (numpy or CPU torch).
+
+    initial_state is [N, H, V, K]. Returns float64 numpy arrays (out [B,T,H,V], final_state [N,H,V,K]).
+    """
+    import numpy as np
+
+    from . import _C
+
+    ops = NumpyOps if is_numpy(q) else (TorchOps if is_torch(q) else None)
+    if ops is None:
+        raise TypeError(f"q: expected a numpy array or a CPU torch tensor, got {_type_name(q)}")
+    if ops.is_cuda(q):
+        raise ValueError("q: reference_forward runs on the host; move the tensors to the CPU first")
+    q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
+    B, T, H, K = q.shape
+    V = v.shape[3]
+    cu, N = _cu_seqlens(ops, q, cu_seqlens)
+    if gate != "precomputed":
+        A_log = _param(ops, q, A_log, "A_log", H, (H,)) if A_log is not None else None
+        dt_bias = _param(ops, q, dt_bias, "dt_bias", H * K, (H, K)) if dt_bias is not None else None
+    h0 = None if initial_state is None else _state_in(ops, q, initial_state, "initial_state", N, H, K, V, True)
+    out = np.empty((B, T, H, V), np.float64)
+    ht = np.empty((N, H, V, K), np.float64)
+    pre = Preprocess(gate, A_log, dt_bias, lower_bound, l2norm_qk, beta_is_logit, _scale(scale))
+    _C.reference_forward(*[ops.to_ext(x) for x in (q, k, v, g, beta)], out, initial_state=ops.to_ext(h0),
+                         final_state=ht, cu_seqlens=ops.to_ext(cu), **pre.ext_kwargs(ops))
+    return out, ht

@@ -1,0 +1,94 @@
+"""Calls into flashkda._C for arrays that the wrappers have already checked and laid out.
+
+On CUDA tensors the work goes on torch's current stream with a workspace cached per (device,
+stream) and grown when a call needs more; nothing here synchronises the host, so the calls can be
+captured in a CUDA graph (during capture a call allocates its own workspace from the graph's pool
+instead of touching the cache).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+from . import _C
+from ._arrays import TorchOps
+
+
+class Preprocess(NamedTuple):
+    """SPEC.md §2 options, as flashkda._C takes them."""
+
+    gate: str = "lower_bound"  # 'lower_bound' | 'softplus' | 'precomputed'
+    A_log: object = None  # [H] float32
+    dt_bias: object = None  # [H, K] or [H*K] float32
+    lower_bound: float = -5.0
+    l2norm_qk: bool = True
+    beta_is_logit: bool = True
+    scale: Optional[float] = None
+
+    def ext_kwargs(self, ops):
+        return dict(
+            gate=self.gate,
+            A_log=ops.to_ext(self.A_log),
+            dt_bias=ops.to_ext(self.dt_bias),
+            lower_bound=float(self.lower_bound),
+            l2norm_qk=bool(self.l2norm_qk),
+            beta_is_logit=bool(self.beta_is_logit),
+            scale=None if self.scale is None else float(self.scale),
+            u16_is_bf16=True,
+        )
+
+
+# (device index, stream handle) -> uint8 tensor; grown, never shrunk.
+_workspaces: dict = {}
+
+
+def _workspace(torch, device, stream: int, nbytes: int):
+    if torch.cuda.is_current_stream_capturing():
+        # A captured graph owns its own buffer: the caching allocator keeps it for the graph, and
+        # replays never race with eager calls that use the cache.
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    key = (device.index, stream)
+    ws = _workspaces.get(key)
+    if ws is None or ws.numel() < nbytes:
+        grown = max(nbytes, 0 if ws is None else ws.numel() * 5 // 4)
+        grown = (grown + (1 << 20) - 1) & ~((1 << 20) - 1)  # whole MiB
+        ws = torch.empty(grown, dtype=torch.uint8, device=device)
+        _workspaces[key] = ws
+    return ws
+
+
+def _cuda_call(q, fn):
+    """Run fn(stream_handle, torch) with q's device current; returns what fn returns."""
+    import torch
+
+    with torch.cuda.device(q.device):
+        return fn(torch.cuda.current_stream(q.device).cuda_stream, torch)
+
+
+def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, final_state=None, cu_seqlens=None):
+    """flashkda::forward on checked, contiguous arrays; writes out and final_state ([N,H,V,K])."""
+    args = [ops.to_ext(x) for x in (q, k, v, g, beta, out)]
+    kw = pre.ext_kwargs(ops)
+    kw.update(initial_state=ops.to_ext(initial_state), final_state=ops.to_ext(final_state),
+              cu_seqlens=ops.to_ext(cu_seqlens))
+    if ops is TorchOps and q.is_cuda:
+        def run(stream, torch):
+            nbytes = _C.workspace_size(*args, **kw)
+            ws = _workspace(torch, q.device, stream, nbytes) if nbytes else None
+            _C.forward(*args, workspace=ws, stream=stream, **kw)
+
+        _cuda_call(q, run)
+    else:
+        _C.forward(*args, **kw)
+
+
+def decode(ops, q, k, v, g, beta, out, state_pool, state_indices, pre: Preprocess, num_accepted_tokens=None,
+           cu_seqlens=None):
+    """flashkda::decode on checked, contiguous arrays; updates state_pool ([P,H,V,K]) in place."""
+    args = [ops.to_ext(x) for x in (q, k, v, g, beta, out, state_pool, state_indices)]
+    kw = pre.ext_kwargs(ops)
+    kw.update(num_accepted_tokens=ops.to_ext(num_accepted_tokens), cu_seqlens=ops.to_ext(cu_seqlens))
+    if ops is TorchOps and q.is_cuda:
+        _cuda_call(q, lambda stream, torch: _C.decode(*args, stream=stream, **kw))
+    else:
+        _C.decode(*args, **kw)
