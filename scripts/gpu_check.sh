@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One call on a Hopper GPU machine: build flashkda with the CUDA backend, run every C++ test
+# (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
+# benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
+#
+#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [sweep]   (default: all but sweep)
+#
+# Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
+# from the nvidia-cutlass wheel), .whl/*.whl (peer wheels, e.g. fla), .peers/setup.sh (a local
+# hook that builds other peers). Missing peers are reported and skipped.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize python bench)
+want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
+CUTLASS=${CUTLASS_DIR:-$PWD/.deps/cutlass/cutlass_library/source/include}
+JOBS=$(nproc)
+status=0
+step() { echo "=== $* ($(date +%T))"; }
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+peers_pid=""
+if (want python || want bench) && [ -x .peers/setup.sh ]; then
+  .peers/setup.sh > "$OUT/peers.log" 2>&1 &
+  peers_pid=$!
+fi
+
+if want build; then
+  step build
+  cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DCUTLASS_DIR="$CUTLASS" > "$OUT/build.log" 2>&1 &&
+    cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+  grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20
+fi
+
+if want test; then
+  step ctest
+  ctest --test-dir build-gpu --output-on-failure -j 4 --timeout 900 > "$OUT/ctest.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed|Failed|\*\*\*|measure" "$OUT/ctest.log" | head -60
+  for t in build-gpu/tests/cpp/test_*gpu; do
+    [ -x "$t" ] && "$t" --gtest_brief=1 2>&1 | grep -E "measure|FAILED|PASSED|SKIPPED" | head -40
+  done
+fi
+
+if want sanitize; then
+  step compute-sanitizer
+  san=(--gtest_filter='*VarlenWithEmpty*:*GateForms*:*OddLengths*')
+  for tool in memcheck racecheck synccheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 build-gpu/tests/cpp/test_prefill_gpu "${san[@]}" \
+      > "$OUT/sanitize_prefill_$tool.log" 2>&1 && echo "prefill $tool: clean" || { echo "prefill $tool: FAILED"; status=1; tail -20 "$OUT/sanitize_prefill_$tool.log"; }
+    if [ -x build-gpu/tests/cpp/test_decode_gpu ]; then
+      compute-sanitizer --tool "$tool" --error-exitcode 9 build-gpu/tests/cpp/test_decode_gpu \
+        > "$OUT/sanitize_decode_$tool.log" 2>&1 && echo "decode $tool: clean" || { echo "decode $tool: FAILED"; status=1; tail -20 "$OUT/sanitize_decode_$tool.log"; }
+    fi
+  done
+fi
+
+if want python || want bench; then
+  step python-build
+  CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
+    python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip.log" 2>&1 || { status=1; tail -30 "$OUT/pip.log"; }
+  [ -n "$peers_pid" ] && { wait "$peers_pid" || echo "peer setup failed (see peers.log)"; }
+  [ -f .peers/env.sh ] && source .peers/env.sh
+fi
+
+if want python; then
+  step pytest
+  python3 -m pytest -q tests/python -rs > "$OUT/pytest.log" 2>&1 || status=1
+  tail -15 "$OUT/pytest.log"
+fi
+
+if want bench; then
+  step bench
+  export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
+  python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -40 || status=1
+  [ -f benchmarks/bench_decode.py ] && { python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tail -40 || status=1; }
+fi
+if want sweep; then
+  step sweep
+  python3 benchmarks/bench_prefill.py --sweep --reps 10 2>&1 | grep -E "^\| .*\| [0-9.]+ \|$" | tee "$OUT/sweep.md"
+fi
+step done status=$status
+exit $status

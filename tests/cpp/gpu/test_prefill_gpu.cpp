@@ -1,0 +1,341 @@
+// GPU prefill (sm_90a) against the fp64 token recurrence: every option of the API, odd lengths,
+// varlen, states, gate forms, adversarial inputs, determinism, CUDA-graph capture, bad cu_seqlens.
+// Skips with a reason when no Hopper GPU is visible.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <memory>
+#include <vector>
+
+#include "kda_test_utils.h"
+
+namespace flashkda::test {
+namespace {
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+constexpr double kTolOut = 6e-3;    // issue target: within FlashKDA's measured level (5.8e-3 / 5.0e-3)
+constexpr double kTolState = 6e-3;
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(size_t n) : bytes(n) {
+    if (n > 0 && cudaMalloc(&ptr, n) != cudaSuccess) ptr = nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+};
+
+// Device copies (data + guard bytes) of every host tensor of a problem.
+struct DeviceProblem {
+  KdaInputs& in;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  void *q, *k, *v, *g, *beta, *out, *init = nullptr, *fin = nullptr, *cu = nullptr;
+  float *A_log = nullptr, *dt_bias = nullptr;
+  std::unique_ptr<DeviceBuffer> workspace;
+
+  explicit DeviceProblem(KdaInputs& inputs) : in(inputs) {
+    q = upload(in.q.bytes.data(), in.q.bytes.size());
+    k = upload(in.k.bytes.data(), in.k.bytes.size());
+    v = upload(in.v.bytes.data(), in.v.bytes.size());
+    g = upload(in.g.bytes.data(), in.g.bytes.size());
+    beta = upload(in.beta.bytes.data(), in.beta.bytes.size());
+    out = upload(in.out.bytes.data(), in.out.bytes.size());
+    A_log = static_cast<float*>(upload(in.A_log.data(), in.A_log.size() * 4));
+    if (!in.dt_bias.empty()) dt_bias = static_cast<float*>(upload(in.dt_bias.data(), in.dt_bias.size() * 4));
+    if (!in.initial_state.bytes.empty()) init = upload(in.initial_state.bytes.data(), in.initial_state.bytes.size());
+    if (!in.final_state.bytes.empty()) fin = upload(in.final_state.bytes.data(), in.final_state.bytes.size());
+    if (!in.cu_seqlens.bytes.empty()) cu = upload(in.cu_seqlens.bytes.data(), in.cu_seqlens.bytes.size());
+    const size_t ws = workspace_size(params());
+    workspace = std::make_unique<DeviceBuffer>(ws);
+  }
+
+  void* upload(const void* src, size_t bytes) {
+    keep.push_back(std::make_unique<DeviceBuffer>(bytes));
+    void* p = keep.back()->ptr;
+    if (p) cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice);
+    return p;
+  }
+
+  PrefillParams params() const {
+    PrefillParams p = in.params();
+    p.q = q, p.k = k, p.v = v, p.g = g, p.beta = beta, p.out = out;
+    p.pre.A_log = A_log;
+    p.pre.dt_bias = dt_bias;
+    if (p.initial_state) p.initial_state = init;
+    if (p.final_state) p.final_state = fin;
+    if (p.cu_seqlens) p.cu_seqlens = cu;
+    return p;
+  }
+
+  // Poisons the device outputs (data and guards) with NaN bytes.
+  void poison() {
+    cudaMemset(out, kPoison, in.out.bytes.size());
+    if (fin) cudaMemset(fin, kPoison, in.final_state.bytes.size());
+  }
+
+  void run(cudaStream_t stream = nullptr) {
+    forward(params(), workspace->ptr, workspace->bytes, stream);
+  }
+
+  // Copies the device outputs (with guards) back into the host tensors.
+  void download() {
+    cudaMemcpy(in.out.bytes.data(), out, in.out.bytes.size(), cudaMemcpyDeviceToHost);
+    if (fin) cudaMemcpy(in.final_state.bytes.data(), fin, in.final_state.bytes.size(), cudaMemcpyDeviceToHost);
+  }
+};
+
+class PrefillGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU prefill tests skipped";
+  }
+};
+
+struct Errors {
+  double out = 0, state = 0;
+};
+
+// Runs a problem on the GPU with poisoned outputs and compares it with the fp64 reference.
+Errors check_against_reference(KdaInputs& in, double tol_out = kTolOut, double tol_state = kTolState) {
+  const Reference ref = run_reference(in);
+  DeviceProblem dev(in);
+  dev.poison();
+  dev.run();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+
+  Errors e;
+  const std::vector<double> out = in.out.values();
+  EXPECT_EQ(count_nonfinite(out), 0) << in.describe();
+  EXPECT_TRUE(in.out.guard_intact()) << "out guard overwritten: " << in.describe();
+  e.out = rel_rms(out, ref.out);
+  EXPECT_LE(e.out, tol_out) << in.describe();
+  if (in.opt.final_state != StateKind::kNone) {
+    const std::vector<double> fin = in.final_state.values();
+    EXPECT_EQ(count_nonfinite(fin), 0) << in.describe();
+    EXPECT_TRUE(in.final_state.guard_intact()) << "final_state guard overwritten: " << in.describe();
+    e.state = rel_rms(fin, ref.final_state);
+    EXPECT_LE(e.state, tol_state) << in.describe();
+  }
+  return e;
+}
+
+TEST_F(PrefillGpu, OddLengthsAllStateCombinations) {
+  const StateKind kinds[] = {StateKind::kNone, StateKind::kF32, StateKind::kBF16};
+  for (int64_t T : {0, 1, 15, 16, 17, 31, 100, 1000}) {
+    for (StateKind init : kinds) {
+      for (StateKind fin : kinds) {
+        KdaOptions o;
+        o.B = 2, o.T = T, o.H = 3;
+        o.initial_state = init, o.final_state = fin;
+        KdaInputs in(o);
+        check_against_reference(in);
+      }
+    }
+  }
+}
+
+TEST_F(PrefillGpu, VarlenWithEmptySequencesInt32AndInt64) {
+  for (DType cu : {DType::kI32, DType::kI64}) {
+    KdaOptions o;
+    o.seqlens = {0, 300, 17, 0, 1024, 77, 1, 0, 16};
+    o.cu_dtype = cu;
+    o.H = 4;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    check_against_reference(in);
+  }
+}
+
+TEST_F(PrefillGpu, SpecAccuracyCaseReportsErrors) {
+  // SPEC.md §6: varlen [300, 17, 1024, 77], H = 4, random fp32 initial state x0.1, bf16 inputs.
+  KdaOptions o;
+  o.seqlens = {300, 17, 1024, 77};
+  o.H = 4;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  const Errors e = check_against_reference(in);
+  report("spec6_out_rel_rms", e.out);
+  report("spec6_state_rel_rms", e.state);
+}
+
+TEST_F(PrefillGpu, GateFormsAndFlags) {
+  struct Case {
+    GateForm gate;
+    double g_min, g_max, bias;
+    DType g_dtype;
+    bool l2norm, logit, scale;
+  };
+  const Case cases[] = {
+      {GateForm::kLowerBound, -8, 8, 8, DType::kBF16, true, true, false},
+      {GateForm::kLowerBound, -8, 8, -8, DType::kF32, true, true, false},
+      {GateForm::kSoftplus, -8, 8, 8, DType::kBF16, true, true, false},
+      {GateForm::kSoftplus, -8, 8, -8, DType::kF32, true, true, false},
+      {GateForm::kPrecomputed, -1000, 0, 0, DType::kF32, true, true, false},
+      {GateForm::kPrecomputed, -0.05, 0, 0, DType::kF32, true, true, false},
+      {GateForm::kPrecomputed, -2, 0, 0, DType::kBF16, false, false, true},
+      {GateForm::kLowerBound, -3, 3, 1, DType::kBF16, false, true, true},
+  };
+  for (const Case& c : cases) {
+    KdaOptions o;
+    o.T = 333, o.H = 2, o.B = 2;
+    o.gate = c.gate, o.g_min = c.g_min, o.g_max = c.g_max, o.g_dtype = c.g_dtype;
+    o.dt_bias_min = o.dt_bias_max = c.bias;
+    if (c.gate == GateForm::kSoftplus) o.A_log_min = 0, o.A_log_max = 2;
+    o.l2norm = c.l2norm, o.beta_is_logit = c.logit;
+    o.has_scale = c.scale, o.scale = 0.07f;
+    o.beta_dtype = c.logit ? DType::kBF16 : DType::kF32;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    check_against_reference(in);
+  }
+}
+
+// One key repeated for every token, b ~ 1 and almost no decay: the Neumann series of (I+L)^-1
+// cancels catastrophically here; forward substitution must stay exact.
+TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
+  KdaOptions o;
+  o.T = 16384, o.H = 2;
+  o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  for (int64_t t = 1; t < o.T; ++t)
+    for (int64_t h = 0; h < o.H; ++h)
+      for (int64_t c = 0; c < o.K; ++c) in.k.set((t * o.H + h) * o.K + c, in.k.get(h * o.K + c));
+  for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
+  for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
+  const Errors e = check_against_reference(in);
+  report("repeated_key_out_rel_rms", e.out);
+  report("repeated_key_state_rel_rms", e.state);
+}
+
+TEST_F(PrefillGpu, VeryLongSequence131072) {
+  KdaOptions o;
+  o.T = 131072, o.H = 2;
+  o.initial_state = StateKind::kBF16, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  const Errors e = check_against_reference(in);
+  report("long131072_out_rel_rms", e.out);
+  report("long131072_state_rel_rms", e.state);
+}
+
+// Every recurrence variant (value-column split x precision mode) against the reference.
+TEST_F(PrefillGpu, AllRecurrenceVariantsMatchReference) {
+  for (const char* splits : {"1", "2", "4", "8"}) {
+    for (const char* precise : {"0", "1"}) {
+      setenv("FLASHKDA_V_SPLITS", splits, 1);
+      setenv("FLASHKDA_PRECISE", precise, 1);
+      KdaOptions o;
+      o.seqlens = {300, 17, 1024, 77};
+      o.H = 4;
+      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+      KdaInputs in(o);
+      const Errors e = check_against_reference(in);
+      report(std::string("variant_splits") + splits + "_precise" + precise + "_out", e.out);
+      report(std::string("variant_splits") + splits + "_precise" + precise + "_state", e.state);
+    }
+  }
+  unsetenv("FLASHKDA_V_SPLITS");
+  unsetenv("FLASHKDA_PRECISE");
+}
+
+TEST_F(PrefillGpu, RepeatRunsAreBitIdentical) {
+  KdaOptions o;
+  o.seqlens = {700, 33, 2048};
+  o.H = 8;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  DeviceProblem dev(in);
+  std::vector<unsigned char> out0, fin0;
+  for (int rep = 0; rep < 3; ++rep) {
+    dev.poison();
+    dev.run();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    if (rep == 0) {
+      out0 = in.out.bytes, fin0 = in.final_state.bytes;
+    } else {
+      EXPECT_TRUE(out0 == in.out.bytes) << "out differs on repeat " << rep;
+      EXPECT_TRUE(fin0 == in.final_state.bytes) << "final_state differs on repeat " << rep;
+    }
+  }
+}
+
+TEST_F(PrefillGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
+  KdaOptions o;
+  o.seqlens = {100, 0, 513};
+  o.H = 4;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kBF16;
+  KdaInputs in(o);
+  DeviceProblem dev(in);
+  dev.poison();
+  dev.run();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  const auto eager_out = in.out.bytes, eager_fin = in.final_state.bytes;
+
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  dev.poison();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  dev.run(stream);  // must not synchronise or allocate: capture would fail
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 2; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  dev.download();
+  EXPECT_TRUE(eager_out == in.out.bytes);
+  EXPECT_TRUE(eager_fin == in.final_state.bytes);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// cu_seqlens cannot be read on the host without a sync: the kernels check it and fill the
+// outputs with NaN instead of computing garbage.
+TEST_F(PrefillGpu, InvalidDeviceCuSeqlensPoisonsOutputsWithNaN) {
+  KdaOptions o;
+  o.seqlens = {40, 30, 20};
+  o.H = 2;
+  o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  in.cu_seqlens.set(2, 10.0);  // 0, 40, 10, 90: decreasing
+  DeviceProblem dev(in);
+  cudaMemset(dev.out, 0, in.out.data_bytes());
+  cudaMemset(dev.fin, 0, in.final_state.data_bytes());
+  dev.run();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  EXPECT_EQ(count_nonfinite(in.out.values()), in.out.count);
+  EXPECT_EQ(count_nonfinite(in.final_state.values()), in.final_state.count);
+}
+
+TEST_F(PrefillGpu, BadArgumentsThrowBeforeAnyWork) {
+  KdaOptions o;
+  o.T = 32, o.H = 2;
+  o.dtype = DType::kBF16;
+  KdaInputs in(o);
+  DeviceProblem dev(in);
+  PrefillParams p = dev.params();
+  p.K = 64;  // only K = V = 128 on the GPU
+  EXPECT_THROW(forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr), Error);
+  p = dev.params();
+  EXPECT_THROW(forward(p, dev.workspace->ptr, 0, nullptr), Error);  // workspace too small
+  p.pre.lower_bound = -6.0f;
+  EXPECT_THROW(forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr), Error);
+}
+
+}  // namespace
+}  // namespace flashkda::test
