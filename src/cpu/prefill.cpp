@@ -1,49 +1,97 @@
 // CPU prefill backend: the chunk-16 form of SPEC.md §4 with OpenMP over (sequence, head).
 // Per chunk: load and preprocess 16 tokens, build L and Mqk, then one pass over the state's V
-// rows that reads, solves, writes the output and updates the state while the row sits in L1.
+// rows (in blocks of kRows) that reads, solves, writes the output and updates the state while
+// the rows sit in L1. The fp32 engine is compiled twice, for AVX2+FMA and for the baseline ISA,
+// and picked at run time.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "backend.h"
 #include "common/host_math.h"
 #include "cpu/chunk.h"
 
+// The engine's helpers are forced inline so each ISA entry point gets its own vectorised copy.
+#if defined(__GNUC__)
+#define FLASHKDA_INLINE inline __attribute__((always_inline))
+#else
+#define FLASHKDA_INLINE inline
+#endif
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define FLASHKDA_X86_DISPATCH 1
+#endif
+
 namespace flashkda::cpu {
 namespace {
 
 constexpr int C = kChunk;
+constexpr int64_t kLane = 16;  // K is padded to a multiple of this inside the engine
+constexpr int kRows = 4;       // state rows (columns of S) handled together in the state pass
+constexpr int kReadRows = 2;   // rows per register tile of the read GEMM (2 x 32 accumulators)
 
-// Per-thread scratch for one 16-token chunk of one head (K, V <= 256).
+// e^x for the engine's channel loops, written so the compiler vectorises it. float: range
+// reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (Cephes expf coefficients, ~2 ulp),
+// 2^n applied in two halves so results down to the subnormal range stay correct. double:
+// std::exp, as the fp64 instantiation is the accuracy yardstick.
+FLASHKDA_INLINE double engine_exp(double x) { return std::exp(x); }
+FLASHKDA_INLINE float engine_exp(float x) {
+  x = std::min(std::max(x, -104.0f), 88.5f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  const int32_t ni = int32_t(n);
+  const int32_t n1 = ni / 2, n2 = ni - n1;  // each in [-75, 64]: 2^n1, 2^n2 are normal floats
+  const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
+  float s1, s2;
+  std::memcpy(&s1, &b1, 4);
+  std::memcpy(&s2, &b2, 4);
+  return y * s1 * s2;
+}
+
+// Per-thread scratch for one 16-token chunk of one head. Channel arrays have stride Kp
+// (K rounded up to kLane); the padding channels hold k = q = 0 and never change the result.
 template <typename T>
 struct ChunkScratch {
-  int64_t K, V;
-  std::vector<T> q, k, v, g_cumsum;  // [C, K] ([C, V] for v): preprocessed rows, G
-  std::vector<T> kq_decayed_t;       // [K, 2C]: column i = k_decayed_i, column C + i = q_decayed_i
-  std::vector<T> k_restored;         // [C, K]: k_i * e^{Γ - G_i}
-  std::vector<T> decay_total;        // [K]: e^Γ
-  std::vector<T> mid;                // [K]: per-channel shift (G_first + G_last) / 2
-  std::vector<T> k_decayed_s, q_decayed_s, k_inv_s;  // [C, K]: shifted factors
+  int64_t K, Kp, V;
+  std::vector<T> q, k, v, g_cumsum;  // [C, Kp] ([C, V] for v): preprocessed rows, G
+  std::vector<T> kq_decayed_t;       // [Kp, 2C]: column i = k_decayed_i, column C + i = q_decayed_i
+  std::vector<T> k_restored;         // [C, Kp]: k_i * e^{Γ - G_i}
+  std::vector<T> decay_total;        // [Kp]: e^Γ
+  std::vector<T> mid;                // [Kp]: per-channel shift (G_first + G_last) / 2
+  std::vector<T> decay_mid;          // [Kp]: e^{Γ - mid}
+  std::vector<T> e_row;              // [Kp]: e^{G_i} of the row being built
+  std::vector<T> k_decayed_s, q_decayed_s, k_inv_s;  // [C, Kp]: shifted factors
   std::vector<T> o;                  // [C, V]
+  std::vector<T> S;                  // [V, Kp]: the state, v-first
   T b[C];
   T L[C * C];
   T Mqk[C * C];
 
   ChunkScratch(int64_t K_, int64_t V_)
-      : K(K_), V(V_), q(C * K), k(C * K), v(C * V), g_cumsum(C * K), kq_decayed_t(K * 2 * C), k_restored(C * K),
-        decay_total(K), mid(K), k_decayed_s(C * K), q_decayed_s(C * K), k_inv_s(C * K), o(C * V) {}
+      : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * V),
+        g_cumsum(C * Kp, T(0)), kq_decayed_t(Kp * 2 * C), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)),
+        mid(Kp, T(0)), decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * V), S(V * Kp, T(0)) {}
 };
 
 // Rows [tok0, tok0 + n) of head h, preprocessed; g_cumsum holds the log-decay a until the prefix sum.
 template <typename T>
-void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0, int n, const host::HeadGate<T>& gate,
-                ChunkScratch<T>& s) {
-  const int64_t H = p.H, K = s.K, V = s.V;
+FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0, int n,
+                                const host::HeadGate<T>& gate, ChunkScratch<T>& s) {
+  const int64_t H = p.H, K = s.K, Kp = s.Kp, V = s.V;
   for (int i = 0; i < n; ++i) {
     const int64_t row = (tok0 + i) * H + h;
-    T* qi = &s.q[i * K];
-    T* ki = &s.k[i * K];
-    T* ai = &s.g_cumsum[i * K];
+    T* qi = &s.q[i * Kp];
+    T* ki = &s.k[i * Kp];
+    T* ai = &s.g_cumsum[i * Kp];
     host::load_row(p.q, p.dtype, row * K, K, qi);
     host::load_row(p.k, p.dtype, row * K, K, ki);
     host::load_row(p.v, p.dtype, row * V, V, &s.v[i * V]);
@@ -52,140 +100,214 @@ void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0, int n, const ho
       host::l2_normalize(qi, K);
       host::l2_normalize(ki, K);
     }
-    for (int64_t c = 0; c < K; ++c) ai[c] = gate(c, ai[c]);
+    if (gate.form == GateForm::kLowerBound) {
+      // a = lb * sigmoid(x) = lb / (1 + e^{-x}); for x << 0 the clamped exponent leaves a ~ 0.
+      const float* bias = gate.bias;
+#pragma omp simd
+      for (int64_t c = 0; c < K; ++c) {
+        const T x = gate.a_scale * (ai[c] + (bias != nullptr ? T(bias[c]) : T(0)));
+        ai[c] = gate.lower_bound / (T(1) + engine_exp(-x));
+      }
+    } else {
+      for (int64_t c = 0; c < K; ++c) ai[c] = gate(c, ai[c]);
+    }
     s.b[i] = host::beta_activation(p.pre, host::load<T>(p.beta, p.beta_dtype, row));
+  }
+}
+
+// L and Mqk from the shifted factors: kd_s_i . ki_s_j = sum_c k_i,c k_j,c e^{G_i,c - G_j,c},
+// every factor within e^{±kMaxShift}.
+template <typename T>
+FLASHKDA_INLINE void build_shifted(ChunkScratch<T>& s, int n, T scale) {
+  const int64_t Kp = s.Kp;
+  for (int i = 0; i < n; ++i) {
+    const T* kds = &s.k_decayed_s[i * Kp];
+    const T* qds = &s.q_decayed_s[i * Kp];
+    for (int j = 0; j <= i; ++j) {
+      const T* kis = &s.k_inv_s[j * Kp];
+      T l = T(0), m = T(0);
+#pragma omp simd reduction(+ : l, m)
+      for (int64_t c = 0; c < Kp; ++c) {
+        l += kds[c] * kis[c];
+        m += qds[c] * kis[c];
+      }
+      if (j < i) s.L[i * C + j] = s.b[i] * l;
+      s.Mqk[i * C + j] = scale * m;
+    }
+  }
+}
+
+// L and Mqk pairwise, for chunks whose gate spread is too wide for one shift (softplus or
+// precomputed gates): e^{G_i - G_j} with exponent <= 0 for j <= i, so nothing overflows and tiny
+// terms underflow correctly.
+template <typename T>
+FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
+  const int64_t K = s.K, Kp = s.Kp;
+  const T* G = s.g_cumsum.data();
+  for (int i = 0; i < n; ++i) {
+    const T* qi = &s.q[i * Kp];
+    const T* ki = &s.k[i * Kp];
+    const T* Gi = &G[i * Kp];
+    for (int j = 0; j <= i; ++j) {
+      const T* kj = &s.k[j * Kp];
+      const T* Gj = &G[j * Kp];
+      T l = T(0), m = T(0);
+      for (int64_t c = 0; c < K; ++c) {
+        const T e = std::exp(Gi[c] - Gj[c]);
+        l += ki[c] * kj[c] * e;
+        m += qi[c] * kj[c] * e;
+      }
+      if (j < i) s.L[i * C + j] = s.b[i] * l;
+      s.Mqk[i * C + j] = scale * m;
+    }
   }
 }
 
 // G, the decayed/restored keys and queries, L and Mqk for the n valid rows of a chunk.
 template <typename T>
-void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
-  const int64_t K = s.K;
+FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
+  const int64_t K = s.K, Kp = s.Kp;
   T* G = s.g_cumsum.data();
   for (int i = 1; i < n; ++i) {
 #pragma omp simd
-    for (int64_t c = 0; c < K; ++c) G[i * K + c] += G[(i - 1) * K + c];
+    for (int64_t c = 0; c < K; ++c) G[i * Kp + c] += G[(i - 1) * Kp + c];
   }
-  const T* gamma = &G[(n - 1) * K];
+  const T* gamma = &G[(n - 1) * Kp];
 
-  T max_shift = T(0);
+#pragma omp simd
   for (int64_t c = 0; c < K; ++c) {
     s.mid[c] = (G[c] + gamma[c]) * T(0.5);
-    s.decay_total[c] = std::exp(gamma[c]);
-    for (int i = 0; i < n; ++i) max_shift = std::max(max_shift, std::abs(G[i * K + c] - s.mid[c]));
+    s.decay_total[c] = engine_exp(gamma[c]);
+    s.decay_mid[c] = engine_exp(gamma[c] - s.mid[c]);
   }
+  T max_shift = T(0);
+  for (int i = 0; i < n; ++i) {
+#pragma omp simd reduction(max : max_shift)
+    for (int64_t c = 0; c < K; ++c) max_shift = std::max(max_shift, std::abs(G[i * Kp + c] - s.mid[c]));
+  }
+  const bool shifted = max_shift <= T(kMaxShift);
 
   // Rows past the sequence end read as k = q = 0: their columns of the transposed block are zero.
   std::fill(s.kq_decayed_t.begin(), s.kq_decayed_t.end(), T(0));
   for (int i = 0; i < n; ++i) {
-    const T* qi = &s.q[i * K];
-    const T* ki = &s.k[i * K];
-    const T* Gi = &G[i * K];
+    const T* qi = &s.q[i * Kp];
+    const T* ki = &s.k[i * Kp];
+    const T* Gi = &G[i * Kp];
+    T* e = s.e_row.data();
+    T* kr = &s.k_restored[i * Kp];
+#pragma omp simd
+    for (int64_t c = 0; c < K; ++c) e[c] = engine_exp(Gi[c]);  // <= 1; underflow to 0 is harmless
     for (int64_t c = 0; c < K; ++c) {
-      const T e = std::exp(Gi[c]);  // <= 1 for a <= 0; may underflow to 0, which is exact enough
-      s.kq_decayed_t[c * 2 * C + i] = ki[c] * e;
-      s.kq_decayed_t[c * 2 * C + C + i] = scale * qi[c] * e;
-      s.k_restored[i * K + c] = ki[c] * std::exp(gamma[c] - Gi[c]);
+      s.kq_decayed_t[c * 2 * C + i] = ki[c] * e[c];
+      s.kq_decayed_t[c * 2 * C + C + i] = scale * qi[c] * e[c];
+    }
+    if (shifted) {
+      // |G - mid| <= kMaxShift: up and 1/up are finite, and e^{Γ - G} = e^{Γ - mid} e^{mid - G}
+      // is a product of two finite factors (Γ - mid lies within the same bound).
+      T* kds = &s.k_decayed_s[i * Kp];
+      T* qds = &s.q_decayed_s[i * Kp];
+      T* kis = &s.k_inv_s[i * Kp];
+#pragma omp simd
+      for (int64_t c = 0; c < K; ++c) {
+        const T up = engine_exp(Gi[c] - s.mid[c]);
+        const T down = T(1) / up;
+        kds[c] = ki[c] * up;
+        qds[c] = qi[c] * up;
+        kis[c] = ki[c] * down;
+        kr[c] = ki[c] * (s.decay_mid[c] * down);
+      }
+      for (int64_t c = K; c < Kp; ++c) kds[c] = qds[c] = kis[c] = T(0);
+    } else {
+#pragma omp simd
+      for (int64_t c = 0; c < K; ++c) kr[c] = ki[c] * engine_exp(gamma[c] - Gi[c]);
     }
   }
 
   std::fill(s.L, s.L + C * C, T(0));
   std::fill(s.Mqk, s.Mqk + C * C, T(0));
-  if (max_shift <= T(kMaxShift)) {
-    // Exact per-channel shift: kd_s_i . ki_s_j = sum_c k_i,c k_j,c e^{G_i,c - G_j,c}, every factor
-    // within e^{±kMaxShift}.
-    for (int i = 0; i < n; ++i) {
-      const T* qi = &s.q[i * K];
-      const T* ki = &s.k[i * K];
-      const T* Gi = &G[i * K];
-      T* kds = &s.k_decayed_s[i * K];
-      T* qds = &s.q_decayed_s[i * K];
-      T* kis = &s.k_inv_s[i * K];
-      for (int64_t c = 0; c < K; ++c) {
-        const T up = std::exp(Gi[c] - s.mid[c]);
-        const T down = std::exp(s.mid[c] - Gi[c]);
-        kds[c] = ki[c] * up;
-        qds[c] = scale * qi[c] * up;
-        kis[c] = ki[c] * down;
-      }
-    }
-    for (int i = 0; i < n; ++i) {
-      const T* kds = &s.k_decayed_s[i * K];
-      const T* qds = &s.q_decayed_s[i * K];
-      for (int j = 0; j <= i; ++j) {
-        const T* kis = &s.k_inv_s[j * K];
-        T l = T(0), m = T(0);
-#pragma omp simd reduction(+ : l, m)
-        for (int64_t c = 0; c < K; ++c) {
-          l += kds[c] * kis[c];
-          m += qds[c] * kis[c];
-        }
-        if (j < i) s.L[i * C + j] = s.b[i] * l;
-        s.Mqk[i * C + j] = m;
-      }
-    }
+  if (shifted) {
+    build_shifted(s, n, scale);
   } else {
-    // Spread too wide for one shift (softplus or precomputed gates): e^{G_i - G_j} per pair,
-    // exponent <= 0 for j <= i, so nothing overflows and tiny terms underflow correctly.
-    for (int i = 0; i < n; ++i) {
-      const T* qi = &s.q[i * K];
-      const T* ki = &s.k[i * K];
-      const T* Gi = &G[i * K];
-      for (int j = 0; j <= i; ++j) {
-        const T* kj = &s.k[j * K];
-        const T* Gj = &G[j * K];
-        T l = T(0), m = T(0);
-        for (int64_t c = 0; c < K; ++c) {
-          const T e = std::exp(Gi[c] - Gj[c]);
-          l += ki[c] * kj[c] * e;
-          m += qi[c] * kj[c] * e;
-        }
-        if (j < i) s.L[i * C + j] = s.b[i] * l;
-        s.Mqk[i * C + j] = scale * m;
-      }
-    }
+    build_pairwise(s, n, scale);
   }
 }
 
-// One pass over the V rows of the state S ([V, K], v-first): for each column j of S,
+// Rows j0 .. j0 + R of the state (columns of S): for each,
 //   u_i = b_i (v_i,j - kd_i . S_j),  U = (I + L)^{-1} u,  o_i,j = qd_i . S_j + sum_{l<=i} Mqk[i,l] U_l,
 //   S_j <- e^Γ ⊙ S_j + sum_i U_i kr_i.
-// Columns are independent, so each S row is read and written once per chunk.
-template <typename T>
-void state_pass(ChunkScratch<T>& s, int n, T* S) {
-  const int64_t K = s.K, V = s.V;
+// Columns of S are independent, so each row is read and written once per chunk.
+template <typename T, int R>
+FLASHKDA_INLINE void state_rows(ChunkScratch<T>& s, int n, int64_t j0) {
+  const int64_t Kp = s.Kp, V = s.V;
+  T* S = s.S.data() + j0 * Kp;
   const T* kq_t = s.kq_decayed_t.data();
-  for (int64_t j = 0; j < V; ++j) {
-    T* Sj = S + j * K;
-    T acc[2 * C] = {};
-    for (int64_t c = 0; c < K; ++c) {
-      const T sc = Sj[c];
+
+  // Reads of the old state: acc[r][i] = kd_i . S_r, acc[r][C + i] = qd_i . S_r.
+  T acc[R][2 * C];
+  constexpr int RT = R < kReadRows ? R : kReadRows;
+  for (int r0 = 0; r0 < R; r0 += RT) {
+    T tile[RT][2 * C] = {};
+    for (int64_t c = 0; c < Kp; ++c) {
       const T* col = kq_t + c * 2 * C;
+      for (int r = 0; r < RT; ++r) {
+        const T x = S[(r0 + r) * Kp + c];
 #pragma omp simd
-      for (int m = 0; m < 2 * C; ++m) acc[m] += col[m] * sc;
+        for (int m = 0; m < 2 * C; ++m) tile[r][m] += col[m] * x;
+      }
     }
-    T U[C];
-    for (int i = 0; i < n; ++i) U[i] = s.b[i] * (s.v[i * V + j] - acc[i]);
-    solve_unit_lower(s.L, U, n);
+    for (int r = 0; r < RT; ++r)
+      for (int m = 0; m < 2 * C; ++m) acc[r0 + r][m] = tile[r][m];
+  }
+
+  // Solve and read out: U = (I + L)^{-1} u per row, o = qd . S + Mqk U.
+  T U[C][R];
+  for (int r = 0; r < R; ++r) {
+    T u[C];
+    for (int i = 0; i < n; ++i) u[i] = s.b[i] * (s.v[i * V + j0 + r] - acc[r][i]);
+    solve_unit_lower(s.L, u, n);
     for (int i = 0; i < n; ++i) {
-      T o = acc[C + i];
-      for (int l = 0; l <= i; ++l) o += s.Mqk[i * C + l] * U[l];
-      s.o[i * V + j] = o;
+      T o = acc[r][C + i];
+      for (int l = 0; l <= i; ++l) o += s.Mqk[i * C + l] * u[l];
+      s.o[i * V + j0 + r] = o;
+      U[i][r] = u[i];
     }
+  }
+
+  // State update, register-tiled R rows x kLane channels, inner loop over the chunk's tokens.
+  const T* dt = s.decay_total.data();
+  for (int64_t c0 = 0; c0 < Kp; c0 += kLane) {
+    T a[R][kLane];
+    for (int r = 0; r < R; ++r) {
 #pragma omp simd
-    for (int64_t c = 0; c < K; ++c) Sj[c] *= s.decay_total[c];
+      for (int w = 0; w < kLane; ++w) a[r][w] = dt[c0 + w] * S[r * Kp + c0 + w];
+    }
     for (int i = 0; i < n; ++i) {
-      const T ui = U[i];
-      const T* kr = &s.k_restored[i * K];
+      const T* kr = &s.k_restored[i * Kp + c0];
+      for (int r = 0; r < R; ++r) {
+        const T ui = U[i][r];
 #pragma omp simd
-      for (int64_t c = 0; c < K; ++c) Sj[c] += ui * kr[c];
+        for (int w = 0; w < kLane; ++w) a[r][w] += ui * kr[w];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+#pragma omp simd
+      for (int w = 0; w < kLane; ++w) S[r * Kp + c0 + w] = a[r][w];
     }
   }
 }
 
 template <typename T>
-void forward_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale, ChunkScratch<T>& s, T* S,
-                           T* out) {
+FLASHKDA_INLINE void state_pass(ChunkScratch<T>& s, int n) {
+  int64_t j = 0;
+  for (; j + kRows <= s.V; j += kRows) state_rows<T, kRows>(s, n, j);
+  for (; j < s.V; ++j) state_rows<T, 1>(s, n, j);
+}
+
+// The whole recurrence of sequence n, head h, with the state in s.S; writes out (in T when
+// out is non-null, else in p.dtype).
+template <typename T>
+FLASHKDA_INLINE void forward_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale,
+                                           ChunkScratch<T>& s, T* out) {
   const int64_t H = p.H, V = s.V;
   const SeqRange r = detail::seq_range(p, n);
   const host::HeadGate<T> gate(p.pre, h, s.K);
@@ -193,7 +315,7 @@ void forward_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale
     const int len = int(std::min<int64_t>(C, r.eos - tok0));
     load_chunk(p, h, tok0, len, gate, s);
     build_chunk_matrices(s, len, scale);
-    state_pass(s, len, S);
+    state_pass(s, len);
     for (int i = 0; i < len; ++i) {
       const int64_t row = (tok0 + i) * H + h;
       if (out != nullptr) {
@@ -203,6 +325,29 @@ void forward_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale
       }
     }
   }
+}
+
+template <typename T>
+void run_default(const PrefillParams& p, int64_t n, int64_t h, T scale, ChunkScratch<T>& s, T* out) {
+  forward_sequence_head(p, n, h, scale, s, out);
+}
+
+#ifdef FLASHKDA_X86_DISPATCH
+__attribute__((target("avx2,fma"))) void run_avx2(const PrefillParams& p, int64_t n, int64_t h, float scale,
+                                                  ChunkScratch<float>& s, float* out) {
+  forward_sequence_head(p, n, h, scale, s, out);
+}
+#endif
+
+template <typename T>
+void run_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale, ChunkScratch<T>& s, T* out) {
+#ifdef FLASHKDA_X86_DISPATCH
+  if constexpr (std::is_same_v<T, float>) {
+    static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (has_avx2) return run_avx2(p, n, h, scale, s, out);
+  }
+#endif
+  run_default(p, n, h, scale, s, out);
 }
 
 }  // namespace
@@ -216,17 +361,19 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state) {
 
 #pragma omp parallel
   {
-    ChunkScratch<T> scratch(K, V);
-    std::vector<T> S(V * K);
+    ChunkScratch<T> s(K, V);
+    std::vector<T> state(V * K);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nh = 0; nh < N * H; ++nh) {
       const int64_t n = nh / H, h = nh % H;
-      host::load_state(p.initial_state, p.initial_state_dtype, n, h, H, V, K, S.data());
-      forward_sequence_head(p, n, h, scale, scratch, S.data(), out);
+      host::load_state(p.initial_state, p.initial_state_dtype, n, h, H, V, K, state.data());
+      for (int64_t j = 0; j < V; ++j) std::copy(&state[j * K], &state[j * K] + K, &s.S[j * s.Kp]);
+      run_sequence_head(p, n, h, scale, s, out);
+      for (int64_t j = 0; j < V; ++j) std::copy(&s.S[j * s.Kp], &s.S[j * s.Kp] + K, &state[j * K]);
       if (final_state != nullptr) {
-        std::copy(S.begin(), S.end(), final_state + (n * H + h) * V * K);
+        std::copy(state.begin(), state.end(), final_state + (n * H + h) * V * K);
       } else if (p.final_state != nullptr) {
-        host::store_state(p.final_state, p.final_state_dtype, n, h, H, V, K, S.data());
+        host::store_state(p.final_state, p.final_state_dtype, n, h, H, V, K, state.data());
       }
     }
   }
