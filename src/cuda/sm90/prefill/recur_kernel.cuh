@@ -167,14 +167,17 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     const typename Smem::Stage& st = sm.stage[j % kStages];
     const uint8_t* rec = st.record;
 
-    // W^T = S^T kd^T and O^T = S^T qd^T (K = 128).
+    // W^T = S^T kd^T and O^T = S^T qd^T (K = 128); even and odd k-steps accumulate into two
+    // sets so each dependent MMA chain is half as long.
     uint32_t sa[8][4], sa_lo[8][4];
     state_fragments<kPrecise>(S, sa, sa_lo);
-    float W[2][4] = {}, O[2][4] = {};
+    float W2[2][2][4] = {}, O2[2][2][4] = {};
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       const uint4 bk = lds128(rec + kOffKDecayed + (s * 32 + lane) * 16);
       const uint4 bq = lds128(rec + kOffQDecayed + (s * 32 + lane) * 16);
+      float(&W)[2][4] = W2[s & 1];
+      float(&O)[2][4] = O2[s & 1];
       mma_bf16(W[0], sa[s], bk.x, bk.y);
       mma_bf16(W[1], sa[s], bk.z, bk.w);
       mma_bf16(O[0], sa[s], bq.x, bq.y);
@@ -186,6 +189,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
         mma_bf16(O[1], sa_lo[s], bq.z, bq.w);
       }
     }
+    float W[2][4], O[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) W[nt][e] = W2[0][nt][e] + W2[1][nt][e], O[nt][e] = O2[0][nt][e] + O2[1][nt][e];
 
     // u^T = v^T - W^T, then U^T = u^T inv_b^T.
 #pragma unroll
