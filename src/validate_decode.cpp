@@ -1,6 +1,167 @@
-// Argument validation for decode (SPEC.md §5). Placeholder until the decode issue lands.
+// Argument validation for decode (SPEC.md §5): shapes, dtypes, pointers and, where the memory is
+// host-readable (CPU backend), cu_seqlens, state_indices and num_accepted_tokens; on the GPU the
+// 16-byte alignment of q, k, v, g, dt_bias and state_pool.
+//
+// What the GPU backend cannot check without a host sync, and what its kernel does instead:
+//   - cu_seqlens lengths: a sequence of length 0 touches nothing; longer than 16 runs the same
+//     recurrence (in speculative mode tokens t >= indices_stride have no slot and are not stored).
+//   - a start slot >= pool_size, or num_accepted_tokens outside [1, indices_stride]: the sequence
+//     is treated as padding (no slot read or written, its outputs set to zero).
+//   - a per-token slot >= pool_size (speculative): that store is skipped.
+#include <algorithm>
+#include <cstdint>
+
 #include "backend.h"
 
 namespace flashkda::detail {
-void validate_decode(const DecodeParams&, Backend) {}
+namespace {
+
+constexpr int64_t kMaxDecodeTokens = 16;
+
+bool is_float_dtype(DType t) { return t == DType::kF32 || t == DType::kBF16; }
+
+int64_t cu_at(const DecodeParams& p, int64_t i) {
+  if (p.cu_seqlens_dtype == DType::kI64) return static_cast<const int64_t*>(p.cu_seqlens)[i];
+  return static_cast<const int32_t*>(p.cu_seqlens)[i];
+}
+
+void check_pointers(const DecodeParams& p) {
+  FLASHKDA_CHECK_ARG(p.q != nullptr, "decode: q must not be null");
+  FLASHKDA_CHECK_ARG(p.k != nullptr, "decode: k must not be null");
+  FLASHKDA_CHECK_ARG(p.v != nullptr, "decode: v must not be null");
+  FLASHKDA_CHECK_ARG(p.g != nullptr, "decode: g must not be null");
+  FLASHKDA_CHECK_ARG(p.beta != nullptr, "decode: beta must not be null");
+  FLASHKDA_CHECK_ARG(p.out != nullptr, "decode: out must not be null");
+  FLASHKDA_CHECK_ARG(p.state_pool != nullptr, "decode: state_pool must not be null");
+  FLASHKDA_CHECK_ARG(p.state_indices != nullptr, "decode: state_indices must not be null");
+}
+
+void check_dtypes(const DecodeParams& p, Backend backend) {
+  if (backend == Backend::kCuda) {
+    FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16, "decode: q, k, v, out must be bfloat16 on the GPU, got ",
+                       dtype_name(p.dtype));
+  } else {
+    FLASHKDA_CHECK_ARG(is_float_dtype(p.dtype), "decode: q, k, v, out must be float32 or bfloat16, got ",
+                       dtype_name(p.dtype));
+  }
+  FLASHKDA_CHECK_ARG(is_float_dtype(p.g_dtype), "decode: g must be float32 or bfloat16, got ",
+                     dtype_name(p.g_dtype));
+  FLASHKDA_CHECK_ARG(is_float_dtype(p.beta_dtype), "decode: beta must be float32 or bfloat16, got ",
+                     dtype_name(p.beta_dtype));
+  FLASHKDA_CHECK_ARG(is_float_dtype(p.state_dtype), "decode: state_pool must be float32 or bfloat16, got ",
+                     dtype_name(p.state_dtype));
+  if (p.cu_seqlens != nullptr) {
+    FLASHKDA_CHECK_ARG(p.cu_seqlens_dtype == DType::kI32 || p.cu_seqlens_dtype == DType::kI64,
+                       "decode: cu_seqlens must be int32 or int64, got ", dtype_name(p.cu_seqlens_dtype));
+  }
+}
+
+void check_shapes(const DecodeParams& p, Backend backend) {
+  FLASHKDA_CHECK_ARG(p.num_seqs >= 0, "decode: num_seqs must be >= 0, got ", p.num_seqs);
+  FLASHKDA_CHECK_ARG(p.H >= 1, "decode: H must be >= 1, got ", p.H);
+  FLASHKDA_CHECK_ARG(p.K >= 1 && p.V >= 1, "decode: K and V must be >= 1, got K=", p.K, ", V=", p.V);
+  if (backend == Backend::kCuda) {
+    FLASHKDA_CHECK(p.K == 128 && p.V == 128, ErrorCode::kUnsupported,
+                   "decode: the GPU backend supports K = V = 128 only, got K=", p.K, ", V=", p.V);
+  }
+  if (p.cu_seqlens == nullptr) {
+    FLASHKDA_CHECK_ARG(p.T >= 1 && p.T <= kMaxDecodeTokens, "decode: T (tokens per sequence) must lie in [1, ",
+                       kMaxDecodeTokens, "], got ", p.T);
+  } else {
+    FLASHKDA_CHECK_ARG(p.T >= 0, "decode: T (total tokens with cu_seqlens) must be >= 0, got ", p.T);
+  }
+  FLASHKDA_CHECK_ARG(p.pool_size >= 1, "decode: pool_size must be >= 1, got ", p.pool_size);
+  FLASHKDA_CHECK_ARG(p.indices_stride >= 1, "decode: indices_stride must be >= 1, got ", p.indices_stride);
+  if (p.num_accepted_tokens != nullptr && p.cu_seqlens == nullptr) {
+    FLASHKDA_CHECK_ARG(p.indices_stride >= p.T, "decode: indices_stride must be >= T (one slot per token) with "
+                       "num_accepted_tokens, got indices_stride=", p.indices_stride, ", T=", p.T);
+  }
+}
+
+// The GPU kernel moves q, k, v, g, dt_bias and the state with 16-byte vector accesses.
+void check_alignment(const DecodeParams& p) {
+  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  FLASHKDA_CHECK_ARG(aligned(p.q), "decode: q must be 16-byte aligned on the GPU");
+  FLASHKDA_CHECK_ARG(aligned(p.k), "decode: k must be 16-byte aligned on the GPU");
+  FLASHKDA_CHECK_ARG(aligned(p.v), "decode: v must be 16-byte aligned on the GPU");
+  FLASHKDA_CHECK_ARG(aligned(p.g), "decode: g must be 16-byte aligned on the GPU");
+  FLASHKDA_CHECK_ARG(aligned(p.state_pool), "decode: state_pool must be 16-byte aligned on the GPU");
+  FLASHKDA_CHECK_ARG(aligned(p.pre.dt_bias), "decode: dt_bias must be 16-byte aligned on the GPU");
+}
+
+void check_preprocess(const Preprocess& pre) {
+  switch (pre.gate) {
+    case GateForm::kLowerBound:
+      FLASHKDA_CHECK_ARG(pre.lower_bound >= -5.0f && pre.lower_bound < 0.0f,
+                         "decode: lower_bound must lie in [-5, 0), got ", pre.lower_bound);
+      FLASHKDA_CHECK_ARG(pre.A_log != nullptr, "decode: A_log must not be null for the lower_bound gate");
+      break;
+    case GateForm::kSoftplus:
+      FLASHKDA_CHECK_ARG(pre.A_log != nullptr, "decode: A_log must not be null for the softplus gate");
+      break;
+    case GateForm::kPrecomputed:
+      break;
+    default:
+      FLASHKDA_CHECK_ARG(false, "decode: unknown gate form ", static_cast<int>(pre.gate));
+  }
+}
+
+// Host-readable cu_seqlens: starts at 0, ends at T, every length in [1, 16]. Returns the longest.
+int64_t check_cu_seqlens(const DecodeParams& p) {
+  FLASHKDA_CHECK_ARG(cu_at(p, 0) == 0, "decode: cu_seqlens[0] must be 0, got ", cu_at(p, 0));
+  int64_t t_max = 0;
+  for (int64_t n = 0; n < p.num_seqs; ++n) {
+    const int64_t len = cu_at(p, n + 1) - cu_at(p, n);
+    FLASHKDA_CHECK_ARG(len >= 1 && len <= kMaxDecodeTokens, "decode: every sequence must have 1..",
+                       kMaxDecodeTokens, " tokens; cu_seqlens[", n + 1, "]=", cu_at(p, n + 1), " - cu_seqlens[", n,
+                       "]=", cu_at(p, n), " = ", len);
+    t_max = std::max(t_max, len);
+  }
+  FLASHKDA_CHECK_ARG(cu_at(p, p.num_seqs) == p.T, "decode: cu_seqlens[", p.num_seqs, "]=", cu_at(p, p.num_seqs),
+                     " must equal T (total tokens) = ", p.T);
+  return t_max;
+}
+
+void check_slot(const DecodeParams& p, int64_t n, int64_t t) {
+  const int32_t slot = p.state_indices[n * p.indices_stride + t];
+  FLASHKDA_CHECK_ARG(slot < p.pool_size, "decode: state_indices[", n, ", ", t, "]=", slot,
+                     " must be < pool_size=", p.pool_size, " (negative marks padding)");
+}
+
+// Host-readable state_indices / num_accepted_tokens (CPU backend).
+void check_indices(const DecodeParams& p) {
+  for (int64_t n = 0; n < p.num_seqs; ++n) {
+    if (p.num_accepted_tokens == nullptr) {
+      check_slot(p, n, 0);
+      continue;
+    }
+    const int64_t accepted = p.num_accepted_tokens[n];
+    FLASHKDA_CHECK_ARG(accepted >= 1 && accepted <= p.indices_stride, "decode: num_accepted_tokens[", n, "]=",
+                       accepted, " must lie in [1, indices_stride=", p.indices_stride, "]");
+    const int64_t len = p.cu_seqlens != nullptr ? cu_at(p, n + 1) - cu_at(p, n) : p.T;
+    for (int64_t t = 0; t < std::max(len, accepted); ++t) check_slot(p, n, t);
+  }
+}
+
+}  // namespace
+
+void validate_decode(const DecodeParams& p, Backend backend) {
+  check_pointers(p);
+  check_dtypes(p, backend);
+  check_shapes(p, backend);
+  check_preprocess(p.pre);
+  if (backend == Backend::kCuda) {
+    check_alignment(p);
+    return;
+  }
+  if (p.cu_seqlens != nullptr) {
+    const int64_t t_max = check_cu_seqlens(p);
+    if (p.num_accepted_tokens != nullptr) {
+      FLASHKDA_CHECK_ARG(p.indices_stride >= t_max, "decode: indices_stride must be >= the longest sequence (",
+                         t_max, ") with num_accepted_tokens, got ", p.indices_stride);
+    }
+  }
+  check_indices(p);
+}
+
 }  // namespace flashkda::detail

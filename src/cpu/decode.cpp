@@ -1,8 +1,105 @@
-// CPU decode step (SPEC.md §5). Placeholder until the decode issue lands.
+// CPU decode step (SPEC.md §5): the token recurrence of SPEC.md §3 in fp32 on a state pool
+// updated in place, OpenMP over (sequence, head).
+//
+// Slot rules (shared with the GPU kernel, src/cuda/sm90/decode/kernel.cuh):
+//   - without num_accepted_tokens: slot = state_indices[n * indices_stride]; read before the
+//     first token, written after the last.
+//   - with num_accepted_tokens (speculative): the start state is read from
+//     state_indices[n, num_accepted_tokens[n] - 1]; the state after token t is written to
+//     state_indices[n, t] unless that entry is negative.
+//   - a negative start slot marks padding: no slot is read or written, outputs are set to zero.
+#include <cstdint>
+#include <vector>
+
 #include "backend.h"
+#include "common/host_math.h"
 
 namespace flashkda::cpu {
-void decode(const DecodeParams&) {
-  throw Error(ErrorCode::kUnsupported, "decode: the CPU decode backend is not built yet");
+namespace {
+
+int64_t cu_at(const DecodeParams& p, int64_t i) {
+  if (p.cu_seqlens_dtype == DType::kI64) return static_cast<const int64_t*>(p.cu_seqlens)[i];
+  return static_cast<const int32_t*>(p.cu_seqlens)[i];
 }
+
+SeqRange decode_range(const DecodeParams& p, int64_t n) {
+  if (p.cu_seqlens == nullptr) return {n * p.T, (n + 1) * p.T};
+  return {cu_at(p, n), cu_at(p, n + 1)};
+}
+
+int32_t start_slot(const DecodeParams& p, int64_t n) {
+  const int64_t t = p.num_accepted_tokens != nullptr ? p.num_accepted_tokens[n] - 1 : 0;
+  return p.state_indices[n * p.indices_stride + t];
+}
+
+// Writes zeros to the outputs of a padding entry.
+void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h) {
+  const std::vector<float> zeros(p.V, 0.0f);
+  for (int64_t t = seq.bos; t < seq.eos; ++t) host::store_row(p.out, p.dtype, (t * p.H + h) * p.V, p.V, zeros.data());
+}
+
+// Token recurrence of one (sequence, head) on an fp32 copy of its state slice [V, K].
+void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
+  const int64_t K = p.K, V = p.V, H = p.H;
+  const SeqRange seq = decode_range(p, n);
+  const int32_t slot = start_slot(p, n);
+  if (slot < 0) {
+    zero_outputs(p, seq, h);
+    return;
+  }
+  const int64_t slice = V * K;
+  std::vector<float> state(slice), q(K), k(K), decay(K), v(V), o(V);
+  host::load_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state.data());
+  const host::HeadGate<float> gate(p.pre, h, K);
+
+  for (int64_t t = seq.bos; t < seq.eos; ++t) {
+    const int64_t row_k = (t * H + h) * K;
+    host::load_row(p.q, p.dtype, row_k, K, q.data());
+    host::load_row(p.k, p.dtype, row_k, K, k.data());
+    host::load_row(p.v, p.dtype, (t * H + h) * V, V, v.data());
+    host::load_row(p.g, p.g_dtype, row_k, K, decay.data());
+    if (p.pre.l2norm_qk) {
+      host::l2_normalize(q.data(), K);
+      host::l2_normalize(k.data(), K);
+    }
+    for (int64_t c = 0; c < K; ++c) {
+      q[c] *= scale;
+      decay[c] = std::exp(gate(c, decay[c]));
+    }
+    const float b = host::beta_activation(p.pre, host::load<float>(p.beta, p.beta_dtype, t * H + h));
+
+    for (int64_t i = 0; i < V; ++i) {
+      float* row = state.data() + i * K;
+      float pred = 0.0f;
+      for (int64_t c = 0; c < K; ++c) {
+        row[c] *= decay[c];
+        pred += row[c] * k[c];
+      }
+      const float delta = b * (v[i] - pred);
+      float acc = 0.0f;
+      for (int64_t c = 0; c < K; ++c) {
+        row[c] += delta * k[c];
+        acc += row[c] * q[c];
+      }
+      o[i] = acc;
+    }
+    host::store_row(p.out, p.dtype, (t * H + h) * V, V, o.data());
+
+    if (p.num_accepted_tokens != nullptr) {
+      const int32_t dst = p.state_indices[n * p.indices_stride + (t - seq.bos)];
+      if (dst >= 0) host::store_state(p.state_pool, p.state_dtype, dst, h, H, V, K, state.data());
+    }
+  }
+  if (p.num_accepted_tokens == nullptr) host::store_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state.data());
+}
+
+}  // namespace
+
+void decode(const DecodeParams& p) {
+  const float scale = detail::effective_scale(p.pre, p.K);
+  const int64_t work = p.num_seqs * p.H;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t i = 0; i < work; ++i) decode_head(p, i / p.H, i % p.H, scale);
+}
+
 }  // namespace flashkda::cpu

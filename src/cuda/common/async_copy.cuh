@@ -1,0 +1,19 @@
+// cp.async helpers (sm80+): global -> shared copies that hold no registers while in flight.
+#pragma once
+
+#include <cstdint>
+
+namespace flashkda::cuda {
+
+// 16-byte copy, cached in L2 only (.cg); both addresses 16-byte aligned.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Waits for all of this thread's cp.async groups; a barrier is still needed before other threads read.
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+}  // namespace flashkda::cuda

@@ -1,0 +1,47 @@
+// Device side of the fused preprocessing of SPEC.md §2 in fp32, per head and per warp: the gate
+// constants of a head (on top of kda_math.cuh's log_decay), beta activation, warp-wide L2 norm.
+#pragma once
+
+#include "cuda/common/kda_math.cuh"
+#include "cuda/common/math.cuh"
+#include "flashkda/types.h"
+
+namespace flashkda::cuda {
+
+// The gate constants of one head: a = lower_bound * sigmoid(a_scale * (g + bias)),
+// a = -a_scale * softplus(g + bias), or a = g (precomputed).
+struct HeadGate {
+  GateForm form;
+  float lower_bound;
+  float a_scale;  // exp(A_log[h]); unused for kPrecomputed
+
+  __device__ __forceinline__ static HeadGate make(const Preprocess& pre, int64_t h) {
+    HeadGate gate{pre.gate, pre.lower_bound, 0.0f};
+    if (pre.gate != GateForm::kPrecomputed) gate.a_scale = __expf(__ldg(pre.A_log + h));
+    return gate;
+  }
+
+  // Log-decay a of one channel from the raw gate g and its dt_bias (0 when absent).
+  __device__ __forceinline__ float log_decay(float g, float bias) const {
+    return cuda_common::log_decay(static_cast<int>(form), g, a_scale, bias, lower_bound);
+  }
+};
+
+// b = sigmoid(beta) when beta is a logit, else beta.
+__device__ __forceinline__ float beta_activation(const Preprocess& pre, float beta) {
+  return pre.beta_is_logit ? cuda_common::sigmoidf_(beta) : beta;
+}
+
+// x <- x / sqrt(sum x^2 + 1e-6) for a vector of 32 * kPerLane elements held kPerLane per lane
+// across one full warp (all 32 lanes must call it).
+template <int kPerLane>
+__device__ __forceinline__ void warp_l2_normalize(float (&x)[kPerLane]) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) sum += x[i] * x[i];
+  const float inv = rsqrtf(group_sum<32>(sum) + 1e-6f);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) x[i] *= inv;
+}
+
+}  // namespace flashkda::cuda

@@ -1,0 +1,45 @@
+// Constants of the sm90 decode kernel (SPEC.md §5): head dims and the thread -> state mapping.
+#pragma once
+
+#include <cstdint>
+
+namespace flashkda::cuda::sm90::decode {
+
+constexpr int kHeadDimK = 128;  // K: state row length (contiguous in memory, [V, K] layout)
+constexpr int kHeadDimV = 128;  // V: state rows
+constexpr int kMaxTokens = 16;  // new tokens per sequence in one decode step (SPEC.md §5)
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+
+// A state row (K fp32/bf16 values) is split across kLanesPerRow lanes, so the two reductions
+// over K per token are 3-step shuffles; a warp covers kRowsPerPass rows per pass.
+constexpr int kLanesPerRow = 8;
+constexpr int kKPerLane = kHeadDimK / kLanesPerRow;  // 16 state columns per thread
+constexpr int kRowsPerPass = 32 / kLanesPerRow;      // 4
+
+// Preprocessing: each warp prepares the whole K vector of a token, 4 channels per lane.
+constexpr int kPrepPerLane = kHeadDimK / 32;
+
+// How many state rows one thread holds. More rows per thread put a larger share of the register
+// file into state (more bytes in flight per SM); fewer rows per CTA give more CTAs for small N·H.
+template <int kRows, int kMinCtas>
+struct Tile {
+  static constexpr int kRowsPerThread = kRows;
+  static constexpr int kMinCtasPerSm = kMinCtas;  // __launch_bounds__ occupancy target (caps registers)
+  static constexpr int kRowsPerWarp = kRowsPerPass * kRowsPerThread;
+  static constexpr int kRowsPerCta = kRowsPerWarp * kWarps;
+  static constexpr int kCtasPerHead = kHeadDimV / kRowsPerCta;
+  static_assert(kHeadDimV % kRowsPerCta == 0, "V must split evenly into CTAs");
+};
+using SmallTile = Tile<2, 4>;  // 32 rows per CTA, 4 CTAs per (seq, head): N = 1, H = 32 gives 128 CTAs
+using LargeTile = Tile<4, 4>;  // 64 rows per CTA, 2 CTAs per (seq, head)
+constexpr int kMaxRowsPerCta = LargeTile::kRowsPerCta;
+
+// N·H from which LargeTile is used: SmallTile CTAs then number >= 8192, many waves on 132 SMs.
+// A starting point to tune with benchmarks/bench_decode.py on the H200.
+constexpr int64_t kLargeTileMinHeads = 2048;
+
+static_assert(kPrepPerLane == 4, "the preprocessing reads 4 channels (one 8- or 16-byte vector) per lane");
+
+}  // namespace flashkda::cuda::sm90::decode

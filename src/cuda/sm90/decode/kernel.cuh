@@ -1,0 +1,391 @@
+// sm90 decode kernel (SPEC.md §5): the token recurrence of SPEC.md §3 for 1..16 new tokens per
+// sequence on a state pool [P, H, V, K] (fp32 or bf16) updated in place, preprocessing fused.
+//
+// grid = (N * H * kCtasPerHead), block = 4 warps. CTA x handles state rows
+// [kRowsPerCta * (x % kCtasPerHead), +kRowsPerCta) of head (x / kCtasPerHead) % H of sequence
+// x / (kCtasPerHead * H). The V rows of a state evolve independently (each needs only its own row
+// and the K-vectors k̂, q̂, exp(a)), so splitting V across CTAs keeps 4·H CTAs busy even at N = 1
+// (SmallTile: 32 rows per CTA) while large batches use 64 rows per CTA (LargeTile).
+// Inside a CTA, 8 lanes share one row, 16 columns each (both reductions over K per token are
+// 3 shuffles); a thread holds kRowsPerThread rows, rows r, r+4, ... of its warp's block.
+//
+// Data flow of one CTA: issue the 16-byte loads of its state rows into registers, then stage all
+// tokens' q, k, g, v (its rows), beta with cp.async into shared memory, so both latencies overlap;
+// every warp then prepares q̂·scale, k̂, exp(a) of a token itself (4 channels per lane, warp
+// shuffles for the L2 norms) into its own scratch, runs the recurrence on its rows in fp32 and
+// writes the outputs. The state is written once at the end, or after each token whose speculative
+// slot is valid. Memory-bound: the state slice is read and written once; all else is ~1 KB/token.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cstdint>
+
+#include "cuda/common/async_copy.cuh"
+#include "cuda/common/math.cuh"
+#include "cuda/common/preprocess.cuh"
+#include "cuda/sm90/decode/config.h"
+#include "flashkda/types.h"
+
+namespace flashkda::cuda::sm90::decode {
+
+// Kernel arguments: DecodeParams with dtypes resolved and the scale computed on the host.
+struct DecodeArgs {
+  const uint16_t* q;     // [tokens, H, K] bf16
+  const uint16_t* k;     // [tokens, H, K] bf16
+  const uint16_t* v;     // [tokens, H, V] bf16
+  const void* g;         // [tokens, H, K] bf16 or fp32 (g_is_f32)
+  const void* beta;      // [tokens, H]    bf16 or fp32 (beta_is_f32)
+  uint16_t* out;         // [tokens, H, V] bf16
+  void* state_pool;      // [P, H, V, K]   StateT
+  const int32_t* state_indices;        // [N, indices_stride]
+  const int32_t* num_accepted_tokens;  // [N] or null (null: not speculative)
+  const void* cu_seqlens;              // [N + 1] int32/int64 or null
+  int64_t indices_stride;
+  int64_t pool_size;
+  int64_t tokens_per_seq;  // T without cu_seqlens
+  int32_t stage_tokens;    // capacity of the dynamic shared StagedToken buffer (1..16)
+  int32_t H;
+  bool cu_seqlens_i64;
+  bool g_is_f32;
+  bool beta_is_f32;
+  float scale;
+  Preprocess pre;
+};
+
+// How one thread holds its 16 columns of a state row: kChunks 16-byte vectors of kVec elements;
+// register m = j * kVec + e is column (col + 8 j) * kVec + e. Eight lanes with consecutive col
+// read 128 contiguous bytes per vector load.
+template <typename StateT>
+struct RowAccess {
+  static constexpr int kVec = 16 / int(sizeof(StateT));
+  static constexpr int kChunks = kKPerLane / kVec;
+
+  __device__ __forceinline__ static int column(int col, int j) { return (col + kLanesPerRow * j) * kVec; }
+
+  // Streaming (.cs) accesses: every state byte is touched once per launch.
+  __device__ __forceinline__ static void load(const StateT* row, int col, float (&r)[kKPerLane]) {
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      if constexpr (sizeof(StateT) == 4) {
+        const float4 x = __ldcs(reinterpret_cast<const float4*>(row + column(col, j)));
+        r[j * kVec + 0] = x.x;
+        r[j * kVec + 1] = x.y;
+        r[j * kVec + 2] = x.z;
+        r[j * kVec + 3] = x.w;
+      } else {
+        const uint4 x = __ldcs(reinterpret_cast<const uint4*>(row + column(col, j)));
+        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          r[j * kVec + 2 * i] = bf16_lo(w[i]);
+          r[j * kVec + 2 * i + 1] = bf16_hi(w[i]);
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void store(StateT* row, int col, const float (&r)[kKPerLane]) {
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) {
+      if constexpr (sizeof(StateT) == 4) {
+        const float4 x{r[j * kVec + 0], r[j * kVec + 1], r[j * kVec + 2], r[j * kVec + 3]};
+        __stcs(reinterpret_cast<float4*>(row + column(col, j)), x);
+      } else {
+        uint32_t w[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) w[i] = pack_bf16x2(r[j * kVec + 2 * i], r[j * kVec + 2 * i + 1]);
+        __stcs(reinterpret_cast<uint4*>(row + column(col, j)), uint4{w[0], w[1], w[2], w[3]});
+      }
+    }
+  }
+};
+
+// The thread's place in the CTA tile and the (sequence, head) it works on.
+struct Coord {
+  int64_t n;
+  int h;
+  int lane;
+  int warp;
+  int col;       // column group within the row (0..7)
+  int row0;      // first state row of this thread; its rows are row0 + i * kRowsPerPass
+  int cta_row0;  // first state row of the CTA
+};
+
+// One token's raw inputs for this CTA, staged in shared memory with cp.async (no registers held
+// while in flight; all tokens of the sequence are requested at once, next to the state loads).
+struct alignas(16) StagedToken {
+  uint4 q[kHeadDimK * 2 / 16];        // bf16
+  uint4 k[kHeadDimK * 2 / 16];        // bf16
+  uint4 g[kHeadDimK * 4 / 16];        // fp32, or bf16 in the first half
+  uint4 v[kMaxRowsPerCta * 2 / 16];   // bf16, the CTA's rows only
+  uint32_t beta;                      // fp32 bits, or bf16 bits in the low half
+  int32_t store_slot;                 // speculative: slot receiving the state after this token, else -1
+};
+
+// Stages tokens [t0, t0 + count) of the sequence starting at token bos. Every thread of the CTA
+// calls it; the caller waits (cp_async_wait_all) and synchronises the CTA before reading.
+template <class TileT>
+__device__ __forceinline__ void stage_tokens(const DecodeArgs& a, const Coord& c, int64_t bos, int t0, int count,
+                                             StagedToken* staged) {
+  constexpr int kQChunks = kHeadDimK * 2 / 16;
+  constexpr int kVChunks = TileT::kRowsPerCta * 2 / 16;
+  const int g_chunks = a.g_is_f32 ? kHeadDimK * 4 / 16 : kHeadDimK * 2 / 16;
+  const int per_token = 2 * kQChunks + g_chunks + kVChunks;
+  for (int i = threadIdx.x; i < count * per_token; i += kThreads) {
+    const int t = i / per_token;
+    int r = i % per_token;
+    const int64_t row = (bos + t0 + t) * a.H + c.h;  // token-head row of q, k, g, v
+    StagedToken& st = staged[t];
+    if (r < kQChunks) {
+      cp_async_16(&st.q[r], reinterpret_cast<const uint4*>(a.q + row * kHeadDimK) + r);
+    } else if ((r -= kQChunks) < kQChunks) {
+      cp_async_16(&st.k[r], reinterpret_cast<const uint4*>(a.k + row * kHeadDimK) + r);
+    } else if ((r -= kQChunks) < g_chunks) {
+      const char* g_row = static_cast<const char*>(a.g) + row * kHeadDimK * (a.g_is_f32 ? 4 : 2);
+      cp_async_16(&st.g[r], reinterpret_cast<const uint4*>(g_row) + r);
+    } else {
+      r -= g_chunks;
+      cp_async_16(&st.v[r], reinterpret_cast<const uint4*>(a.v + row * kHeadDimV + c.cta_row0) + r);
+    }
+  }
+  cp_async_commit();
+  if (threadIdx.x < count) {  // beta (2 or 4 bytes: too small for cp.async) and the store slot
+    const int t = t0 + int(threadIdx.x);
+    const int64_t beta_offset = (bos + t) * a.H + c.h;
+    StagedToken& st = staged[threadIdx.x];
+    st.beta = a.beta_is_f32 ? __ldg(static_cast<const uint32_t*>(a.beta) + beta_offset)
+                            : uint32_t(__ldg(static_cast<const uint16_t*>(a.beta) + beta_offset));
+    st.store_slot = -1;
+    if (a.num_accepted_tokens != nullptr && t < a.indices_stride) {
+      st.store_slot = __ldg(a.state_indices + c.n * a.indices_stride + t);
+    }
+  }
+}
+
+// Shared scratch of one warp: the prepared scale·q̂, k̂, exp(a) of the current token, all K channels.
+struct WarpScratch {
+  float4 q[kHeadDimK / 4];
+  float4 k[kHeadDimK / 4];
+  float4 decay[kHeadDimK / 4];
+};
+
+// The per-row scalars of one token.
+template <int kRows>
+struct TokenScalars {
+  float v[kRows];
+  float b;
+};
+
+// Prepares one token (SPEC.md §2) in the warp: lane l computes channels 4l..4l+3 and publishes
+// them through the warp's scratch (read back per column in recur_token).
+template <class TileT>
+__device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> prepare_token(
+    const DecodeArgs& a, const Coord& c, const HeadGate& gate, const float4& bias, const StagedToken& raw,
+    WarpScratch& scratch) {
+  const uint2 q2 = reinterpret_cast<const uint2*>(raw.q)[c.lane];
+  const uint2 k2 = reinterpret_cast<const uint2*>(raw.k)[c.lane];
+  float q[kPrepPerLane] = {bf16_lo(q2.x), bf16_hi(q2.x), bf16_lo(q2.y), bf16_hi(q2.y)};
+  float k[kPrepPerLane] = {bf16_lo(k2.x), bf16_hi(k2.x), bf16_lo(k2.y), bf16_hi(k2.y)};
+  float g[kPrepPerLane];
+  if (a.g_is_f32) {
+    const uint4 g4 = raw.g[c.lane];
+    g[0] = __uint_as_float(g4.x);
+    g[1] = __uint_as_float(g4.y);
+    g[2] = __uint_as_float(g4.z);
+    g[3] = __uint_as_float(g4.w);
+  } else {
+    const uint2 g2 = reinterpret_cast<const uint2*>(raw.g)[c.lane];
+    g[0] = bf16_lo(g2.x);
+    g[1] = bf16_hi(g2.x);
+    g[2] = bf16_lo(g2.y);
+    g[3] = bf16_hi(g2.y);
+  }
+  if (a.pre.l2norm_qk) {
+    warp_l2_normalize(q);
+    warp_l2_normalize(k);
+  }
+  const float bias_arr[kPrepPerLane] = {bias.x, bias.y, bias.z, bias.w};
+  float decay[kPrepPerLane];
+#pragma unroll
+  for (int i = 0; i < kPrepPerLane; ++i) {
+    q[i] *= a.scale;
+    decay[i] = __expf(gate.log_decay(g[i], bias_arr[i]));
+  }
+
+  __syncwarp();  // every lane has finished reading the previous token's scratch
+  scratch.q[c.lane] = make_float4(q[0], q[1], q[2], q[3]);
+  scratch.k[c.lane] = make_float4(k[0], k[1], k[2], k[3]);
+  scratch.decay[c.lane] = make_float4(decay[0], decay[1], decay[2], decay[3]);
+  __syncwarp();  // the scratch is complete
+
+  TokenScalars<TileT::kRowsPerThread> s;
+  const uint16_t* v_rows = reinterpret_cast<const uint16_t*>(raw.v) + (c.row0 - c.cta_row0);
+#pragma unroll
+  for (int i = 0; i < TileT::kRowsPerThread; ++i) s.v[i] = bf16_bits_to_float(v_rows[i * kRowsPerPass]);
+  s.b = beta_activation(a.pre, a.beta_is_f32 ? __uint_as_float(raw.beta) : bf16_bits_to_float(raw.beta));
+  return s;
+}
+
+// SPEC.md §3 for one token on the thread's rows: decay, delta-rule correction, output read.
+// Loops run column-outer so each prepared value is read from shared memory once and used for all
+// rows of the thread. o[i]: output of row i, valid in all 8 lanes of the row.
+template <typename StateT, int kRows>
+__device__ __forceinline__ void recur_token(const Coord& c, const TokenScalars<kRows>& s,
+                                            const WarpScratch& scratch, float (&state)[kRows][kKPerLane],
+                                            float (&o)[kRows]) {
+  using Row = RowAccess<StateT>;
+  float pred[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) pred[i] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < Row::kChunks; ++j) {
+#pragma unroll
+    for (int e = 0; e < Row::kVec; e += 4) {
+      const int v4 = (Row::column(c.col, j) + e) / 4;
+      const float4 d4 = scratch.decay[v4], k4 = scratch.k[v4];
+      const float d[4] = {d4.x, d4.y, d4.z, d4.w}, k[4] = {k4.x, k4.y, k4.z, k4.w};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          float& st = state[i][j * Row::kVec + e + x];
+          st *= d[x];
+          pred[i] = fmaf(st, k[x], pred[i]);
+        }
+      }
+    }
+  }
+  float delta[kRows];
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    delta[i] = s.b * (s.v[i] - group_sum<kLanesPerRow>(pred[i]));
+    o[i] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < Row::kChunks; ++j) {
+#pragma unroll
+    for (int e = 0; e < Row::kVec; e += 4) {
+      const int v4 = (Row::column(c.col, j) + e) / 4;
+      const float4 k4 = scratch.k[v4], q4 = scratch.q[v4];
+      const float k[4] = {k4.x, k4.y, k4.z, k4.w}, q[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) {
+          float& st = state[i][j * Row::kVec + e + x];
+          st = fmaf(delta[i], k[x], st);
+          o[i] = fmaf(st, q[x], o[i]);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) o[i] = group_sum<kLanesPerRow>(o[i]);
+}
+
+__device__ __forceinline__ int64_t cu_at(const DecodeArgs& a, int64_t i) {
+  return a.cu_seqlens_i64 ? int64_t(__ldg(static_cast<const long long*>(a.cu_seqlens) + i))
+                          : int64_t(__ldg(static_cast<const int32_t*>(a.cu_seqlens) + i));
+}
+
+// Start slot of sequence n, or -1 for padding (negative index, out-of-range slot or accepted count).
+__device__ __forceinline__ int32_t start_slot(const DecodeArgs& a, int64_t n) {
+  int64_t t = 0;
+  if (a.num_accepted_tokens != nullptr) {
+    const int64_t accepted = __ldg(a.num_accepted_tokens + n);
+    if (accepted < 1 || accepted > a.indices_stride) return -1;
+    t = accepted - 1;
+  }
+  const int32_t slot = __ldg(a.state_indices + n * a.indices_stride + t);
+  return slot < a.pool_size ? slot : -1;
+}
+
+template <typename StateT>
+__device__ __forceinline__ StateT* state_row(const DecodeArgs& a, int32_t slot, int h, int row) {
+  return static_cast<StateT*>(a.state_pool) + ((int64_t(slot) * a.H + h) * kHeadDimV + row) * kHeadDimK;
+}
+
+template <typename StateT, int kRows>
+__device__ __forceinline__ void load_state(const DecodeArgs& a, const Coord& c, int32_t slot,
+                                           float (&state)[kRows][kKPerLane]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    RowAccess<StateT>::load(state_row<StateT>(a, slot, c.h, c.row0 + i * kRowsPerPass), c.col, state[i]);
+  }
+}
+
+template <typename StateT, int kRows>
+__device__ __forceinline__ void store_state(const DecodeArgs& a, const Coord& c, int32_t slot,
+                                            const float (&state)[kRows][kKPerLane]) {
+#pragma unroll
+  for (int i = 0; i < kRows; ++i) {
+    RowAccess<StateT>::store(state_row<StateT>(a, slot, c.h, c.row0 + i * kRowsPerPass), c.col, state[i]);
+  }
+}
+
+template <typename StateT, class TileT>
+__global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(const DecodeArgs a) {
+  constexpr int kRows = TileT::kRowsPerThread;
+  __shared__ WarpScratch scratch[kWarps];
+  extern __shared__ StagedToken staged[];  // [a.stage_tokens]
+
+  Coord c;
+  c.cta_row0 = int(blockIdx.x % TileT::kCtasPerHead) * TileT::kRowsPerCta;
+  const int64_t nh = blockIdx.x / TileT::kCtasPerHead;
+  c.h = int(nh % a.H);
+  c.n = nh / a.H;
+  c.lane = int(threadIdx.x) % 32;
+  c.warp = int(threadIdx.x) / 32;
+  c.col = c.lane % kLanesPerRow;
+  c.row0 = c.cta_row0 + c.warp * TileT::kRowsPerWarp + c.lane / kLanesPerRow;
+
+  const int64_t bos = a.cu_seqlens != nullptr ? cu_at(a, c.n) : c.n * a.tokens_per_seq;
+  const int64_t eos = a.cu_seqlens != nullptr ? cu_at(a, c.n + 1) : bos + a.tokens_per_seq;
+  if (eos <= bos) return;  // empty sequence: nothing to read or write
+
+  const int32_t slot = start_slot(a, c.n);
+  if (slot < 0) {  // padding: no slot touched, outputs zero
+    for (int64_t tok = bos; tok < eos; ++tok) {
+      if (threadIdx.x < TileT::kRowsPerCta) a.out[(tok * a.H + c.h) * kHeadDimV + c.cta_row0 + threadIdx.x] = 0;
+    }
+    return;
+  }
+
+  // The state loads go first: they are the bulk of the traffic and everything below overlaps them.
+  float state[kRows][kKPerLane];
+  load_state<StateT>(a, c, slot, state);
+  const HeadGate gate = HeadGate::make(a.pre, c.h);
+  float4 bias = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
+    bias = __ldg(reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
+  }
+
+  const bool speculative = a.num_accepted_tokens != nullptr;
+  const int len = int(eos - bos);
+  // Valid inputs (len <= 16, len <= stage capacity) stage once; longer ones go group by group.
+  for (int t0 = 0; t0 < len; t0 += a.stage_tokens) {
+    const int count = min(a.stage_tokens, len - t0);
+    if (t0 > 0) __syncthreads();  // every warp has read the previous group
+    stage_tokens<TileT>(a, c, bos, t0, count, staged);
+    cp_async_wait_all();
+    __syncthreads();
+
+    for (int t = 0; t < count; ++t) {
+      const StagedToken& raw = staged[t];
+      const TokenScalars<kRows> scalars = prepare_token<TileT>(a, c, gate, bias, raw, scratch[c.warp]);
+      float o[kRows];
+      recur_token<StateT>(c, scalars, scratch[c.warp], state, o);
+
+      if (c.col == 0) {
+        uint16_t* out_row = a.out + ((bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
+#pragma unroll
+        for (int i = 0; i < kRows; ++i) out_row[i * kRowsPerPass] = float_to_bf16_bits(o[i]);
+      }
+      const int32_t store_slot = raw.store_slot;
+      if (speculative && store_slot >= 0 && store_slot < a.pool_size) store_state<StateT>(a, c, store_slot, state);
+    }
+  }
+  if (!speculative) store_state<StateT>(a, c, slot, state);
+}
+
+}  // namespace flashkda::cuda::sm90::decode

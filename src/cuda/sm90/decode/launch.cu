@@ -1,0 +1,82 @@
+// Host side of the sm90 decode kernel: resolves DecodeParams into kernel arguments, picks the
+// state-dtype variant, launches on the caller's stream (no sync, no allocation: graph capturable).
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "backend.h"
+#include "cuda/common/check.h"
+#include "cuda/sm90/decode/config.h"
+#include "cuda/sm90/decode/kernel.cuh"
+
+namespace flashkda::cuda {
+namespace {
+
+sm90::decode::DecodeArgs make_args(const DecodeParams& p) {
+  sm90::decode::DecodeArgs a{};
+  a.q = static_cast<const uint16_t*>(p.q);
+  a.k = static_cast<const uint16_t*>(p.k);
+  a.v = static_cast<const uint16_t*>(p.v);
+  a.g = p.g;
+  a.beta = p.beta;
+  a.out = static_cast<uint16_t*>(p.out);
+  a.state_pool = p.state_pool;
+  a.state_indices = p.state_indices;
+  a.num_accepted_tokens = p.num_accepted_tokens;
+  a.cu_seqlens = p.cu_seqlens;
+  a.indices_stride = p.indices_stride;
+  a.pool_size = p.pool_size;
+  a.tokens_per_seq = p.T;
+  // Stage capacity: every token of a valid sequence (1..16; with cu_seqlens no sequence is longer
+  // than the total T). Sized on the host so T = 1 decode uses ~1 KB of shared memory, not 17 KB.
+  a.stage_tokens = static_cast<int32_t>(std::clamp<int64_t>(p.T, 1, sm90::decode::kMaxTokens));
+  a.H = static_cast<int32_t>(p.H);
+  a.cu_seqlens_i64 = p.cu_seqlens_dtype == DType::kI64;
+  a.g_is_f32 = p.g_dtype == DType::kF32;
+  a.beta_is_f32 = p.beta_dtype == DType::kF32;
+  a.scale = detail::effective_scale(p.pre, p.K);
+  a.pre = p.pre;
+  return a;
+}
+
+template <typename StateT, class TileT>
+void launch(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
+  using namespace sm90::decode;
+  const int64_t ctas = num_heads * TileT::kCtasPerHead;
+  FLASHKDA_CHECK(ctas <= std::numeric_limits<int32_t>::max(), ErrorCode::kUnsupported, "decode: num_seqs * H = ",
+                 num_heads, " exceeds the GPU grid limit");
+  const size_t smem = size_t(args.stage_tokens) * sizeof(StagedToken);  // <= 17.6 KB: no opt-in needed
+  decode_kernel<StateT, TileT><<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(args);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
+template <typename StateT>
+void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
+  using namespace sm90::decode;
+  if (num_heads >= kLargeTileMinHeads) {
+    launch<StateT, LargeTile>(args, num_heads, stream);
+  } else {
+    launch<StateT, SmallTile>(args, num_heads, stream);
+  }
+}
+
+}  // namespace
+
+void decode(const DecodeParams& p, Stream stream) {
+  if (p.num_seqs == 0) return;
+  FLASHKDA_CHECK(p.H <= std::numeric_limits<int32_t>::max(), ErrorCode::kUnsupported, "decode: H=", p.H,
+                 " is too large for the GPU backend");
+  const sm90::decode::DecodeArgs args = make_args(p);
+  const int64_t num_heads = p.num_seqs * p.H;
+  const auto s = static_cast<cudaStream_t>(stream);
+  if (p.state_dtype == DType::kF32) {
+    launch_tile<float>(args, num_heads, s);
+  } else {
+    launch_tile<__nv_bfloat16>(args, num_heads, s);
+  }
+}
+
+}  // namespace flashkda::cuda
