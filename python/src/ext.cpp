@@ -241,7 +241,7 @@ PrefillArrays make_prefill(const InArray& q_, const InArray& k_, const InArray& 
     views.push_back(cu);
   }
   if (initial_state_) {
-    View h0 = view_in("initial_state", *initial_state_, false);
+    View h0 = view_in("initial_state", *initial_state_, u16_is_bf16);
     expect_float(h0);
     expect_shape(h0, {r.N, p.H, p.V, p.K});
     p.initial_state = h0.data;
