@@ -61,7 +61,7 @@ __device__ __forceinline__ void load_stage(typename RecurSmem<kWarps>::Stage& st
 }
 
 // Fills out and final_state with NaN (invalid cu_seqlens): loud, never silent garbage.
-__device__ void poison_outputs(const Params& p) {
+__device__ inline void poison_outputs(const Params& p) {
   const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
   const int64_t tid = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t n_out = p.total_tokens * p.H * kHeadDim;
