@@ -211,14 +211,14 @@ def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
 
 
 def _long_sequences(ops, T, cu, N):
-    """True when some sequence is known (without a device sync) to be outside decode's 1..16 tokens."""
+    """True when some sequence is known (without a device sync) to lie outside decode's 1..16 tokens."""
     if cu is None:
         return T == 0 or T > MAX_DECODE_TOKENS
     host = ops.host_values(cu)
     if host is None:  # device cu_seqlens: decode validates what it can
         return False
     lengths = [int(host[i + 1]) - int(host[i]) for i in range(N)]
-    return any(n > MAX_DECODE_TOKENS for n in lengths)
+    return any(n == 0 or n > MAX_DECODE_TOKENS for n in lengths)
 
 
 def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
