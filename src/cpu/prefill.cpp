@@ -5,7 +5,7 @@
 // and picked at run time.
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -32,14 +32,23 @@ constexpr int64_t kLane = 16;  // K is padded to a multiple of this inside the e
 constexpr int kRows = 4;       // state rows (columns of S) handled together in the state pass
 constexpr int kReadRows = 2;   // rows per register tile of the read GEMM (2 x 32 accumulators)
 
+// Order-preserving map between float bit patterns and int32 (its own inverse): lets clamps use
+// integer min/max. Float compares under the default -ftrapping-math block if-conversion, and a
+// loop with them does not vectorise.
+constexpr int32_t float_order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+
 // e^x for the engine's channel loops, written so the compiler vectorises it. float: range
-// reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (Cephes expf coefficients, ~2 ulp),
-// 2^n applied in two halves so results down to the subnormal range stay correct. double:
-// std::exp, as the fp64 instantiation is the accuracy yardstick.
+// reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (Cephes expf coefficients; measured
+// <= 1.5 ulp), 2^n applied in two halves so results down to the subnormal range stay correct.
+// double: std::exp, as the fp64 instantiation is the accuracy yardstick.
 FLASHKDA_INLINE double engine_exp(double x) { return std::exp(x); }
 FLASHKDA_INLINE float engine_exp(float x) {
-  x = std::min(std::max(x, -104.0f), 88.5f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  constexpr int32_t kLo = float_order_key(__builtin_bit_cast(int32_t, -104.0f));  // e^-104 rounds to 0
+  constexpr int32_t kHi = float_order_key(__builtin_bit_cast(int32_t, 88.5f));    // e^88.5 ~ 2.7e38
+  const int32_t key = std::min(std::max(float_order_key(__builtin_bit_cast(int32_t, x)), kLo), kHi);
+  x = __builtin_bit_cast(float, float_order_key(key));
+  const int32_t ni = int32_t(x * 1.44269504088896341f + 128.5f) - 128;  // round(x / ln2); argument > 0
+  const float n = float(ni);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
@@ -48,13 +57,8 @@ FLASHKDA_INLINE float engine_exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.0f;
-  const int32_t ni = int32_t(n);
-  const int32_t n1 = ni / 2, n2 = ni - n1;  // each in [-75, 64]: 2^n1, 2^n2 are normal floats
-  const int32_t b1 = (n1 + 127) << 23, b2 = (n2 + 127) << 23;
-  float s1, s2;
-  std::memcpy(&s1, &b1, 4);
-  std::memcpy(&s2, &b2, 4);
-  return y * s1 * s2;
+  const int32_t n1 = ni >> 1, n2 = ni - n1;  // each in [-75, 64]: 2^n1 and 2^n2 are normal floats
+  return y * __builtin_bit_cast(float, (n1 + 127) << 23) * __builtin_bit_cast(float, (n2 + 127) << 23);
 }
 
 // Per-thread scratch for one 16-token chunk of one head. Channel arrays have stride Kp
@@ -71,6 +75,7 @@ struct ChunkScratch {
   std::vector<T> e_row;              // [Kp]: e^{G_i} of the row being built
   std::vector<T> k_decayed_s, q_decayed_s, k_inv_s;  // [C, Kp]: shifted factors
   std::vector<T> o;                  // [C, V]
+  std::vector<float> zero_bias;      // [K]: dt_bias of a head when none is given
   std::vector<T> S;                  // [V, Kp]: the state, v-first
   T b[C];
   T L[C * C];
@@ -79,7 +84,7 @@ struct ChunkScratch {
   ChunkScratch(int64_t K_, int64_t V_)
       : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * V),
         g_cumsum(C * Kp, T(0)), kq_decayed_t(Kp * 2 * C), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)),
-        mid(Kp, T(0)), decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * V), S(V * Kp, T(0)) {}
+        mid(Kp, T(0)), decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * V), zero_bias(K, 0.0f), S(V * Kp, T(0)) {}
 };
 
 // Rows [tok0, tok0 + n) of head h, preprocessed; g_cumsum holds the log-decay a until the prefix sum.
@@ -102,10 +107,10 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
     }
     if (gate.form == GateForm::kLowerBound) {
       // a = lb * sigmoid(x) = lb / (1 + e^{-x}); for x << 0 the clamped exponent leaves a ~ 0.
-      const float* bias = gate.bias;
+      const float* bias = gate.bias != nullptr ? gate.bias : s.zero_bias.data();
 #pragma omp simd
       for (int64_t c = 0; c < K; ++c) {
-        const T x = gate.a_scale * (ai[c] + (bias != nullptr ? T(bias[c]) : T(0)));
+        const T x = gate.a_scale * (ai[c] + T(bias[c]));
         ai[c] = gate.lower_bound / (T(1) + engine_exp(-x));
       }
     } else {
@@ -152,8 +157,9 @@ FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
       const T* kj = &s.k[j * Kp];
       const T* Gj = &G[j * Kp];
       T l = T(0), m = T(0);
+#pragma omp simd reduction(+ : l, m)
       for (int64_t c = 0; c < K; ++c) {
-        const T e = std::exp(Gi[c] - Gj[c]);
+        const T e = engine_exp(Gi[c] - Gj[c]);
         l += ki[c] * kj[c] * e;
         m += qi[c] * kj[c] * e;
       }
