@@ -15,6 +15,7 @@ With torch installed the three are also torch.ops.flashkda.{chunk_kda, fwd, fuse
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import warnings
@@ -43,8 +44,8 @@ reference_forward = _impl.reference_forward
 
 _torch_ops = None
 if os.environ.get("FLASHKDA_NO_TORCH", "") in ("", "0") and importlib.util.find_spec("torch") is not None:
-    try:
-        from . import _torch_ops
+    try:  # (not `from . import`: that would return the None bound above)
+        _torch_ops = importlib.import_module("._torch_ops", __name__)
     except Exception as e:  # pragma: no cover - a broken torch install must not break numpy use
         warnings.warn(f"flashkda: torch custom ops not registered ({type(e).__name__}: {e})", stacklevel=2)
         _torch_ops = None

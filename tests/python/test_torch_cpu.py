@@ -1,0 +1,192 @@
+"""flashkda on CPU torch tensors: same results as numpy, in-place semantics, the custom ops
+(schema/fake checks through torch.library.opcheck) and torch.compile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import make_problem
+from kda_reference import kda_decode, kda_forward, rel_rms
+
+torch = pytest.importorskip("torch", reason="torch is not installed: torch CPU tests skipped")
+
+import flashkda  # noqa: E402
+
+if flashkda._torch_ops is None:
+    pytest.skip("flashkda did not register its torch custom ops (FLASHKDA_NO_TORCH set?)", allow_module_level=True)
+
+
+def to_torch(x, dtype=None):
+    if x is None:
+        return None
+    if x.dtype.name == "bfloat16":
+        return torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    return t if dtype is None else t.to(dtype)
+
+
+def to_numpy(t):
+    if t.dtype == torch.bfloat16:
+        return t.float().numpy()
+    return t.numpy()
+
+
+def torch_problem(p):
+    return {n: to_torch(p[n]) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "h0_vk")
+            if p.get(n) is not None}
+
+
+def chunk_kwargs(t, p):
+    return dict(use_gate_in_kernel=True, A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=p["lower_bound"],
+                use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True, output_final_state=True,
+                cu_seqlens=t.get("cu_seqlens"))
+
+
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_chunk_kda_matches_numpy_and_reference(rng, need_bf16, dtype):
+    dt = np.float32 if dtype == "f32" else need_bf16
+    p = make_problem(rng, lengths=[20, 3, 17], dtype=dt, state=True)
+    t = torch_problem(p)
+    h0 = t["h0_vk"].transpose(-1, -2).contiguous()
+    o, ht = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0, **chunk_kwargs(t, p))
+    assert isinstance(o, torch.Tensor) and o.dtype == t["q"].dtype and ht.dtype == torch.float32
+    o_np, ht_np = flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"],
+                                     initial_state=np.ascontiguousarray(np.swapaxes(p["h0_vk"], -1, -2)),
+                                     **chunk_kwargs(p, p))
+    np.testing.assert_array_equal(to_numpy(o), o_np.astype(np.float32))
+    np.testing.assert_array_equal(ht.numpy(), ht_np)
+    ref_o, ref_h = kda_forward(p["q"], p["k"], p["v"], p["g"], p["beta"], l2norm=True, beta_logit=True,
+                               initial_state=p["h0_vk"], cu_seqlens=p["cu_seqlens"], **p.ref_kwargs())
+    assert rel_rms(to_numpy(o), ref_o) <= (1e-5 if dtype == "f32" else 5e-3)
+    assert rel_rms(ht.transpose(-1, -2).numpy(), ref_h) <= (1e-5 if dtype == "f32" else 1e-4)
+
+
+def test_chunk_kda_accepts_grad_requiring_and_strided_tensors(rng):
+    p = make_problem(rng, T=24)
+    t = torch_problem(p)
+    o1, _ = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], **chunk_kwargs(t, p))
+    q = t["q"].transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+    o2, _ = flashkda.chunk_kda(q, t["k"], t["v"], t["g"], t["beta"], **chunk_kwargs(t, p))
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+
+
+def test_chunk_kda_cu_seqlens_as_list(rng):
+    p = make_problem(rng, lengths=[4, 9])
+    t = torch_problem(p)
+    kw = chunk_kwargs(t, p)
+    o1, h1 = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+    kw["cu_seqlens"] = [0, 4, 13]
+    o2, h2 = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(h1, h2, rtol=0, atol=0)
+
+
+def test_fwd_writes_in_place(rng):
+    p = make_problem(rng, lengths=[9, 30], state=True, cu_dtype=np.int64)
+    t = torch_problem(p)
+    out = torch.full(t["v"].shape, float("nan"))
+    ht = torch.full(t["h0_vk"].shape, float("nan"))
+    assert flashkda.fwd(t["q"], t["k"], t["v"], t["g"], t["beta"], 0.125, out, t["A_log"], t["dt_bias"],
+                        p["lower_bound"], initial_state=t["h0_vk"], final_state=ht, cu_seqlens=t["cu_seqlens"]) is None
+    ref_o, ref_h = kda_forward(p["q"], p["k"], p["v"], p["g"], p["beta"], l2norm=True, beta_logit=True, scale=0.125,
+                               initial_state=p["h0_vk"], cu_seqlens=p["cu_seqlens"], **p.ref_kwargs())
+    assert rel_rms(out.numpy(), ref_o) <= 1e-5 and rel_rms(ht.numpy(), ref_h) <= 1e-5
+
+
+def test_fwd_errors_are_value_errors(rng):
+    p = make_problem(rng, T=8)
+    t = torch_problem(p)
+    with pytest.raises(ValueError, match="out: expected shape"):
+        flashkda.fwd(t["q"], t["k"], t["v"], t["g"], t["beta"], 0.125, torch.empty(1, 8, 2, 3), t["A_log"],
+                     t["dt_bias"], -2.0)
+
+
+def test_fused_recurrent_pool_in_place(rng):
+    H, K, V = 2, 64, 64
+    p = make_problem(rng, B=3, T=1, H=H, K=K, V=V)
+    t = torch_problem(p)
+    pool_vk = (0.1 * rng.standard_normal((5, H, V, K))).astype(np.float32)
+    pool = torch.from_numpy(pool_vk.copy())
+    idx = torch.tensor([4, -1, 1])  # int64 indices are accepted
+    o, ht = flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"],
+                                         dt_bias=t["dt_bias"], initial_state=pool, use_qk_l2norm_in_kernel=True,
+                                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                         lower_bound=p["lower_bound"], state_v_first=True, ssm_state_indices=idx)
+    assert ht is pool
+    ref_o, ref_pool = kda_decode(p["q"], p["k"], p["v"], p["g"], p["beta"], pool_vk, np.array([4, -1, 1]),
+                                 l2norm=True, beta_logit=True, **p.ref_kwargs())
+    assert rel_rms(o.numpy(), ref_o) <= 1e-5
+    assert rel_rms(pool.numpy()[[4, 1]], ref_pool[[4, 1]]) <= 1e-5
+    np.testing.assert_array_equal(pool.numpy()[[0, 2, 3]], pool_vk[[0, 2, 3]])
+
+
+def test_fused_recurrent_kv_layout_not_in_place(rng):
+    p = make_problem(rng, B=2, T=3, H=2, K=32, V=16, gate="precomputed", state=True)
+    t = torch_problem(p)
+    h0 = t["h0_vk"].transpose(-1, -2).contiguous()
+    keep = h0.clone()
+    o, ht = flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0,
+                                         output_final_state=True, inplace_final_state=False,
+                                         use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True)
+    torch.testing.assert_close(h0, keep, rtol=0, atol=0)
+    ref_o, ref_h = kda_decode(p["q"], p["k"], p["v"], p["g"], p["beta"], p["h0_vk"], l2norm=True, beta_logit=True)
+    assert rel_rms(o.numpy(), ref_o) <= 1e-5
+    assert rel_rms(ht.transpose(-1, -2).numpy(), ref_h) <= 1e-5
+
+
+# ---- custom ops ---------------------------------------------------------------------------------
+
+
+def test_custom_ops_are_registered():
+    for name in ("chunk_kda", "fwd", "fused_recurrent_kda"):
+        assert hasattr(torch.ops.flashkda, name)
+
+
+def test_opcheck_chunk_kda(rng):
+    p = make_problem(rng, lengths=[5, 11], state=True, K=32, V=16)
+    t = torch_problem(p)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], None, t["h0_vk"].transpose(-1, -2).contiguous(), True,
+            True, True, True, False, -2.0, t["A_log"], t["dt_bias"], False, t["cu_seqlens"])
+    torch.library.opcheck(torch.ops.flashkda.chunk_kda.default, args)
+
+
+def test_opcheck_fwd(rng):
+    p = make_problem(rng, B=2, T=7, state=True, K=32, V=16)
+    t = torch_problem(p)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], 0.2, torch.empty(t["v"].shape), t["A_log"], t["dt_bias"],
+            -2.0, t["h0_vk"], torch.empty(t["h0_vk"].shape), None)
+    torch.library.opcheck(torch.ops.flashkda.fwd.default, args)
+
+
+def test_opcheck_fused_recurrent_kda(rng):
+    p = make_problem(rng, B=2, T=2, K=32, V=16)
+    t = torch_problem(p)
+    pool = torch.randn(3, 2, 16, 32) * 0.1
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], t["A_log"], t["dt_bias"], None, pool, False, True, True,
+            True, -2.0, True, None, torch.tensor([2, 0], dtype=torch.int32), None, True, torch.empty(t["v"].shape))
+    torch.library.opcheck(torch.ops.flashkda.fused_recurrent_kda.default, args)
+
+
+def test_torch_compile_fullgraph(rng):
+    p = make_problem(rng, B=2, T=20, K=32, V=16)
+    t = torch_problem(p)
+    pool0 = torch.randn(2, 2, 16, 32) * 0.1
+
+    def step(q, k, v, g, beta, A_log, dt_bias, pool):
+        o, ht = flashkda.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                   lower_bound=-2.0, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                   output_final_state=True, state_v_first=True)
+        o2, _ = flashkda.fused_recurrent_kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], A_log=A_log,
+                                             dt_bias=dt_bias, initial_state=pool, use_gate_in_kernel=True,
+                                             lower_bound=-2.0, use_qk_l2norm_in_kernel=True,
+                                             use_beta_sigmoid_in_kernel=True, state_v_first=True)
+        return o * 2, ht + 1, o2
+
+    args = [t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    pool_eager, pool_comp = pool0.clone(), pool0.clone()
+    eager = step(*args, pool_eager)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args, pool_comp)
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    torch.testing.assert_close(pool_eager, pool_comp, rtol=0, atol=0)  # the in-place update survives compile
+    assert not torch.equal(pool_eager, pool0)
