@@ -92,3 +92,32 @@ def decode_ready():
     reason = decode_not_built_reason()
     if reason is not None:
         pytest.xfail(f"C++ decode backend not built yet: {reason}")
+
+
+# ---- torch helpers (torch is imported only when these are called) ------------------------------------
+
+
+def to_torch(x, device="cpu"):
+    """numpy (float32, int, or ml_dtypes bfloat16) -> torch tensor on device, same bits."""
+    import torch
+
+    if x is None:
+        return None
+    if x.dtype.name == "bfloat16":
+        t = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(x))
+    return t.to(device)
+
+
+def to_numpy(t):
+    """torch tensor -> numpy (bfloat16 as float32, exact)."""
+    import torch
+
+    t = t.detach().cpu()
+    return t.float().numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def torch_problem(p, device="cpu"):
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "h0_vk")
+    return {n: to_torch(p[n], device) for n in names if p.get(n) is not None}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import make_problem
+from conftest import make_problem, to_numpy, torch_problem
 from kda_reference import kda_decode, kda_forward, rel_rms
 
 torch = pytest.importorskip("torch", reason="torch is not installed: torch CPU tests skipped")
@@ -14,26 +14,6 @@ import flashkda  # noqa: E402
 
 if flashkda._torch_ops is None:
     pytest.skip("flashkda did not register its torch custom ops (FLASHKDA_NO_TORCH set?)", allow_module_level=True)
-
-
-def to_torch(x, dtype=None):
-    if x is None:
-        return None
-    if x.dtype.name == "bfloat16":
-        return torch.from_numpy(x.view(np.uint16).astype(np.int16)).view(torch.bfloat16)
-    t = torch.from_numpy(np.ascontiguousarray(x))
-    return t if dtype is None else t.to(dtype)
-
-
-def to_numpy(t):
-    if t.dtype == torch.bfloat16:
-        return t.float().numpy()
-    return t.numpy()
-
-
-def torch_problem(p):
-    return {n: to_torch(p[n]) for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "h0_vk")
-            if p.get(n) is not None}
 
 
 def chunk_kwargs(t, p):
