@@ -109,8 +109,8 @@ struct DecodeProblem {
     std::normal_distribution<double> normal(0.0, 0.1);
     for (int64_t n = 0; n < N; ++n) {
       for (int64_t i = 0; i < slice; ++i) gathered.set(n * slice + i, 0.0);
+      if (is_padding(n)) continue;
       const int32_t s = start_slot(n);
-      if (s < 0) continue;
       for (int64_t i = 0; i < slice; ++i) {
         pool.set(s * slice + i, normal(rng));
         gathered.set(n * slice + i, pool.get(s * slice + i));
@@ -120,9 +120,14 @@ struct DecodeProblem {
     in.poison_outputs();
   }
 
+  // The GPU backend cannot validate indices without a sync: out-of-range accepted counts and start
+  // slots make a padding entry there, out-of-range store slots are skipped (the CPU rejects both).
+  bool accepted_valid(int64_t n) const {
+    return !opt.speculative || (accepted[n] >= 1 && accepted[n] <= opt.indices_stride);
+  }
   int64_t start_entry(int64_t n) const { return opt.speculative ? accepted[n] - 1 : 0; }
-  int32_t start_slot(int64_t n) const { return indices[n * opt.indices_stride + start_entry(n)]; }
-  bool is_padding(int64_t n) const { return start_slot(n) < 0; }
+  int32_t start_slot(int64_t n) const { return accepted_valid(n) ? indices[n * opt.indices_stride + start_entry(n)] : -1; }
+  bool is_padding(int64_t n) const { return start_slot(n) < 0 || start_slot(n) >= P; }
 
   DecodeParams params() {
     DecodeParams p;
@@ -186,7 +191,7 @@ struct DecodeProblem {
       }
       for (int64_t t = 0; t < len[n]; ++t) {
         const int32_t s = indices[n * opt.indices_stride + t];
-        if (s >= 0) slots[s] = reference_prefix(n, t + 1).final_state;
+        if (s >= 0 && s < P) slots[s] = reference_prefix(n, t + 1).final_state;
       }
     }
     return slots;

@@ -1,0 +1,409 @@
+// GPU decode (sm_90a) against the fp64 token recurrence and the CPU decode: tokens 1..16, varlen,
+// padding (including the GPU's out-of-range rules), speculative slots, both state dtypes, gate
+// forms, both tile variants, sentinel pool slots bit-exact, decode after a GPU prefill,
+// bit-identical repeats, CUDA-graph capture and replay, argument errors.
+// Skips with a reason when no Hopper GPU is visible.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "test_decode_fixture.h"
+
+namespace flashkda::test {
+namespace {
+
+#define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+constexpr double kTolBf16 = 5e-3;  // bf16 out or bf16 state: one rounding (~1.1e-3 rel RMS)
+constexpr double kTolF32 = 2e-5;   // fp32 state (fast-math exp/rsqrt: ~1e-6)
+
+double tol_state(const DecodeOptions& o) { return o.state_dtype == DType::kBF16 ? kTolBf16 : kTolF32; }
+
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t n) {
+    if (n > 0 && cudaMalloc(&ptr, n) != cudaSuccess) ptr = nullptr;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+};
+
+// Device copies (data + guard bytes) of a decode problem; download() brings out and the pool back.
+struct DeviceDecode {
+  DecodeProblem& prob;
+  std::vector<std::unique_ptr<DeviceBuffer>> keep;
+  void *q, *k, *v, *g, *beta, *out, *pool, *cu = nullptr;
+  int32_t *indices, *accepted = nullptr;
+  float *A_log, *dt_bias = nullptr;
+
+  explicit DeviceDecode(DecodeProblem& p) : prob(p) {
+    KdaInputs& in = prob.in;
+    q = upload(in.q.bytes);
+    k = upload(in.k.bytes);
+    v = upload(in.v.bytes);
+    g = upload(in.g.bytes);
+    beta = upload(in.beta.bytes);
+    out = upload(in.out.bytes);
+    pool = upload(prob.pool.bytes);
+    indices = static_cast<int32_t*>(upload(prob.indices.data(), prob.indices.size() * 4));
+    if (!prob.accepted.empty()) accepted = static_cast<int32_t*>(upload(prob.accepted.data(), prob.accepted.size() * 4));
+    if (!in.cu_seqlens.bytes.empty()) cu = upload(in.cu_seqlens.bytes);
+    A_log = static_cast<float*>(upload(in.A_log.data(), in.A_log.size() * 4));
+    if (!in.dt_bias.empty()) dt_bias = static_cast<float*>(upload(in.dt_bias.data(), in.dt_bias.size() * 4));
+  }
+
+  void* upload(const std::vector<unsigned char>& bytes) { return upload(bytes.data(), bytes.size()); }
+  void* upload(const void* src, size_t bytes) {
+    keep.push_back(std::make_unique<DeviceBuffer>(bytes));
+    void* p = keep.back()->ptr;
+    EXPECT_NE(p, nullptr) << "cudaMalloc of " << bytes << " bytes failed";
+    if (p) EXPECT_EQ(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    return p;
+  }
+
+  DecodeParams params() {
+    DecodeParams p = prob.params();
+    p.q = q, p.k = k, p.v = v, p.g = g, p.beta = beta, p.out = out;
+    p.state_pool = pool;
+    p.state_indices = indices;
+    p.num_accepted_tokens = prob.opt.speculative ? accepted : nullptr;
+    if (p.cu_seqlens) p.cu_seqlens = cu;
+    p.pre.A_log = A_log;
+    p.pre.dt_bias = dt_bias;
+    return p;
+  }
+
+  // Restores the device pool and out to the problem's initial pool and poisoned out.
+  void reset() {
+    ASSERT_EQ(cudaMemcpy(pool, prob.pool_before.bytes.data(), prob.pool_before.bytes.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+    std::vector<unsigned char> poison(prob.in.out.bytes.size(), kPoison);
+    ASSERT_EQ(cudaMemcpy(out, poison.data(), poison.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+
+  void download() {
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(prob.in.out.bytes.data(), out, prob.in.out.bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(prob.pool.bytes.data(), pool, prob.pool.bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+};
+
+class DecodeGpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU decode tests skipped";
+  }
+};
+
+void run_and_check(DecodeProblem& prob, const std::string& tag = "") {
+  DeviceDecode dev(prob);
+  decode(dev.params());
+  dev.download();
+  prob.check(kTolBf16, tol_state(prob.opt), tag);
+}
+
+void run_and_check(const DecodeOptions& o) {
+  DecodeProblem prob(o);
+  run_and_check(prob);
+}
+
+TEST_F(DecodeGpu, TokensOneToSixteenBothStateDtypes) {
+  for (int64_t T : {1, 2, 4, 16}) {
+    for (DType s : {DType::kF32, DType::kBF16}) {
+      DecodeOptions o;
+      o.N = 5, o.T = T, o.H = 3;
+      o.state_dtype = s;
+      run_and_check(o);
+    }
+  }
+}
+
+// N·H >= 2048 selects the 64-rows-per-CTA tile (config.h kLargeTileMinHeads).
+TEST_F(DecodeGpu, LargeBatchUsesLargeTile) {
+  for (DType s : {DType::kF32, DType::kBF16}) {
+    DecodeOptions o;
+    o.N = 520, o.T = 1, o.H = 4;
+    o.state_dtype = s;
+    o.padding = {3, 100, 519};
+    run_and_check(o);
+  }
+  DecodeOptions o;
+  o.N = 300, o.T = 3, o.H = 8;
+  o.speculative = true;
+  o.indices_stride = 3;
+  run_and_check(o);
+}
+
+TEST_F(DecodeGpu, VarlenInt32AndInt64) {
+  for (DType cu : {DType::kI32, DType::kI64}) {
+    DecodeOptions o;
+    o.seqlens = {1, 16, 3, 7, 1};
+    o.cu_dtype = cu;
+    o.H = 2;
+    run_and_check(o);
+  }
+}
+
+TEST_F(DecodeGpu, GateFormsFlagsAndFloat32GateBeta) {
+  for (GateForm gate : {GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed}) {
+    for (DType gb : {DType::kBF16, DType::kF32}) {
+      DecodeOptions o;
+      o.N = 3, o.T = 4, o.H = 2;
+      o.gate = gate;
+      o.g_dtype = o.beta_dtype = gb;
+      if (gate == GateForm::kPrecomputed) o.g_min = -1000.0, o.g_max = 0.0;
+      run_and_check(o);
+    }
+  }
+  DecodeOptions o;
+  o.N = 3, o.T = 3, o.H = 2;
+  o.l2norm = false;
+  o.beta_is_logit = false;
+  o.with_dt_bias = false;
+  o.has_scale = true;
+  o.scale = 0.3f;
+  o.lower_bound = -1.5f;
+  run_and_check(o);
+}
+
+TEST_F(DecodeGpu, PaddingEntriesTouchNothingAndOutputZero) {
+  DecodeOptions o;
+  o.N = 6, o.T = 2, o.H = 2;
+  o.padding = {0, 3, 5};
+  for (DType s : {DType::kF32, DType::kBF16}) {
+    o.state_dtype = s;
+    run_and_check(o);
+  }
+}
+
+// What the GPU does with indices the CPU backend would reject (they cannot be checked without a
+// sync): a start slot >= pool_size or an accepted count outside [1, stride] is padding, a store
+// slot >= pool_size is skipped.
+TEST_F(DecodeGpu, OutOfRangeIndicesAreSkipped) {
+  DecodeOptions o;
+  o.N = 5, o.T = 3, o.H = 2;
+  o.speculative = true;
+  o.indices_stride = 3;
+  o.accepted = {1, 2, 3, 1, 2};
+  DecodeProblem prob(o);
+  prob.indices[0 * 3 + 0] = int32_t(prob.P + 7);  // start slot of sequence 0 out of range
+  prob.accepted[1] = 0;                           // sequence 1: accepted count out of range
+  prob.accepted[2] = 4;                           // sequence 2: likewise
+  prob.indices[3 * 3 + 2] = int32_t(prob.P);      // sequence 3: last store slot out of range
+  run_and_check(prob);
+}
+
+TEST_F(DecodeGpu, SpeculativeSlotsPerToken) {
+  for (DType s : {DType::kF32, DType::kBF16}) {
+    DecodeOptions o;
+    o.N = 4, o.T = 3, o.H = 2;
+    o.speculative = true;
+    o.indices_stride = 4;
+    o.accepted = {1, 2, 3, 4};
+    o.skipped_stores = {{0, 1}, {2, 2}};
+    o.state_dtype = s;
+    run_and_check(o);
+  }
+  DecodeOptions v;
+  v.seqlens = {4, 1, 3, 2};
+  v.speculative = true;
+  v.indices_stride = 5;
+  v.padding = {2};
+  v.skipped_stores = {{0, 3}};
+  run_and_check(v);
+}
+
+// The GPU and the CPU backends agree far below the bf16 tolerance (both fp32 math).
+TEST_F(DecodeGpu, MatchesCpuDecode) {
+  DecodeOptions o;
+  o.N = 7, o.T = 5, o.H = 3;
+  o.extra_slots = 0;  // every slot is named and written: no NaN sentinel in the comparison
+  DecodeProblem prob(o);
+  DecodeProblem cpu_prob(o);
+  cpu_prob.in = prob.in;
+  cpu_prob.pool = prob.pool;
+  cpu_prob.indices = prob.indices;
+  decode(cpu_prob.params());
+  DeviceDecode dev(prob);
+  decode(dev.params());
+  dev.download();
+  const double err_state = rel_rms(prob.pool.values(), cpu_prob.pool.values());
+  const double err_out = rel_rms(prob.in.out.values(), cpu_prob.in.out.values());
+  report("gpu_vs_cpu_state_rel_rms", err_state);
+  report("gpu_vs_cpu_out_rel_rms", err_out);
+  EXPECT_LE(err_state, 1e-5);
+  EXPECT_LE(err_out, 4e-3);  // a few bf16 outputs may round the other way
+}
+
+TEST_F(DecodeGpu, RepeatRunsAreBitIdentical) {
+  DecodeOptions o;
+  o.N = 9, o.T = 4, o.H = 3;
+  o.speculative = true;
+  o.indices_stride = 4;
+  DecodeProblem prob(o);
+  DeviceDecode dev(prob);
+  decode(dev.params());
+  dev.download();
+  const std::vector<unsigned char> out1 = prob.in.out.bytes, pool1 = prob.pool.bytes;
+  dev.reset();
+  decode(dev.params());
+  dev.download();
+  EXPECT_EQ(prob.in.out.bytes, out1);
+  EXPECT_EQ(prob.pool.bytes, pool1);
+}
+
+// decode() is capturable: no host sync, no allocation. The replayed graph writes exactly what the
+// eager call wrote.
+TEST_F(DecodeGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
+  DecodeOptions o;
+  o.seqlens = {3, 1, 16, 2};
+  o.state_dtype = DType::kBF16;
+  o.padding = {1};
+  DecodeProblem prob(o);
+  DeviceDecode dev(prob);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  decode(dev.params(), stream);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  dev.download();
+  prob.check(kTolBf16, kTolBf16, "eager");
+  const std::vector<unsigned char> out_eager = prob.in.out.bytes, pool_eager = prob.pool.bytes;
+
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  decode(dev.params(), stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 2; ++replay) {
+    dev.reset();
+    CUDA_OK(cudaGraphLaunch(exec, stream));
+    CUDA_OK(cudaStreamSynchronize(stream));
+    dev.download();
+    EXPECT_EQ(prob.in.out.bytes, out_eager) << "replay " << replay;
+    EXPECT_EQ(prob.pool.bytes, pool_eager) << "replay " << replay;
+  }
+  CUDA_OK(cudaGraphExecDestroy(exec));
+  CUDA_OK(cudaGraphDestroy(graph));
+  CUDA_OK(cudaStreamDestroy(stream));
+}
+
+// GPU prefill over the first T0 tokens into a pool slot, then GPU decode of the rest: the same
+// outputs and final state as the fp64 recurrence over the whole sequence.
+TEST_F(DecodeGpu, DecodeAfterPrefillMatchesWholeSequence) {
+  const int64_t T0 = 77, T1 = 4, H = 2, K = 128, V = 128, slice = H * V * K, P = 3, slot = 1;
+  KdaOptions ko;
+  ko.B = 1, ko.T = T0 + T1, ko.H = H;
+  ko.initial_state = StateKind::kF32;
+  KdaInputs whole(ko);
+  const Reference ref = run_reference(whole);
+
+  DeviceBuffer q(whole.q.bytes.size()), k(whole.k.bytes.size()), v(whole.v.bytes.size()), g(whole.g.bytes.size()),
+      beta(whole.beta.bytes.size()), out(whole.out.bytes.size()), init(whole.initial_state.bytes.size()),
+      A_log(H * 4), dt_bias(H * K * 4), pool(P * slice * 4), index(4);
+  for (auto [dst, src, n] : {std::tuple{q.ptr, whole.q.data(), whole.q.bytes.size()},
+                            std::tuple{k.ptr, whole.k.data(), whole.k.bytes.size()},
+                            std::tuple{v.ptr, whole.v.data(), whole.v.bytes.size()},
+                            std::tuple{g.ptr, whole.g.data(), whole.g.bytes.size()},
+                            std::tuple{beta.ptr, whole.beta.data(), whole.beta.bytes.size()},
+                            std::tuple{init.ptr, whole.initial_state.data(), whole.initial_state.bytes.size()},
+                            std::tuple{A_log.ptr, static_cast<void*>(whole.A_log.data()), size_t(H * 4)},
+                            std::tuple{dt_bias.ptr, static_cast<void*>(whole.dt_bias.data()), size_t(H * K * 4)}}) {
+    CUDA_OK(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice));
+  }
+  const int32_t slot32 = int32_t(slot);
+  CUDA_OK(cudaMemcpy(index.ptr, &slot32, 4, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemset(pool.ptr, 0xFF, P * slice * 4));
+
+  PrefillParams pp = whole.params();
+  pp.q = q.ptr, pp.k = k.ptr, pp.v = v.ptr, pp.g = g.ptr, pp.beta = beta.ptr, pp.out = out.ptr;
+  pp.initial_state = init.ptr;
+  pp.final_state = static_cast<char*>(pool.ptr) + slot * slice * 4;
+  pp.final_state_dtype = DType::kF32;
+  pp.pre.A_log = static_cast<float*>(A_log.ptr);
+  pp.pre.dt_bias = static_cast<float*>(dt_bias.ptr);
+  pp.T = T0;
+  const size_t ws_bytes = workspace_size(pp);
+  DeviceBuffer ws(ws_bytes);
+  forward(pp, ws.ptr, ws_bytes);
+
+  DecodeParams dp;
+  dp.q = static_cast<char*>(q.ptr) + T0 * H * K * 2;
+  dp.k = static_cast<char*>(k.ptr) + T0 * H * K * 2;
+  dp.v = static_cast<char*>(v.ptr) + T0 * H * V * 2;
+  dp.g = static_cast<char*>(g.ptr) + T0 * H * K * 2;
+  dp.beta = static_cast<char*>(beta.ptr) + T0 * H * 2;
+  dp.out = static_cast<char*>(out.ptr) + T0 * H * V * 2;
+  dp.state_pool = pool.ptr;
+  dp.state_dtype = DType::kF32;
+  dp.pool_size = P;
+  dp.state_indices = static_cast<int32_t*>(index.ptr);
+  dp.num_seqs = 1;
+  dp.T = T1;
+  dp.H = H;
+  dp.pre = pp.pre;
+  decode(dp);
+  CUDA_OK(cudaDeviceSynchronize());
+
+  HostTensor got_out(DType::kBF16, (T0 + T1) * H * V);
+  HostTensor got_pool(DType::kF32, P * slice);
+  CUDA_OK(cudaMemcpy(got_out.data(), out.ptr, got_out.data_bytes(), cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(got_pool.data(), pool.ptr, got_pool.data_bytes(), cudaMemcpyDeviceToHost));
+  const std::vector<double> all_out = got_out.values();
+  const std::vector<double> tail_out(all_out.end() - T1 * H * V, all_out.end());
+  const std::vector<double> want_out(ref.out.end() - T1 * H * V, ref.out.end());
+  std::vector<double> state(slice);
+  for (int64_t i = 0; i < slice; ++i) state[i] = got_pool.get(slot * slice + i);
+  EXPECT_LE(rel_rms(tail_out, want_out), 6e-3);
+  EXPECT_LE(rel_rms(state, ref.final_state), 6e-3);
+  for (int64_t other : {int64_t(0), int64_t(2)}) {
+    for (int64_t i = 0; i < slice; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, static_cast<const char*>(got_pool.data()) + (other * slice + i) * 4, 4);
+      ASSERT_EQ(bits, 0xFFFFFFFFu) << "unnamed slot " << other << " written at " << i;
+    }
+  }
+}
+
+TEST_F(DecodeGpu, BadArgumentsThrowBeforeAnyWork) {
+  DecodeOptions o;
+  o.N = 2, o.T = 1;
+  DecodeProblem prob(o);
+  DeviceDecode dev(prob);
+  const DecodeParams good = dev.params();
+  const auto expect_error = [&](const DecodeParams& p, ErrorCode code, const std::string& needle) {
+    try {
+      decode(p);
+      ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), code) << e.what();
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  DecodeParams p = good;
+  p.dtype = DType::kF32;
+  expect_error(p, ErrorCode::kInvalidArgument, "bfloat16 on the GPU");
+  p = good, p.K = 64;
+  expect_error(p, ErrorCode::kUnsupported, "K = V = 128");
+  p = good, p.q = static_cast<const char*>(good.q) + 2;
+  expect_error(p, ErrorCode::kInvalidArgument, "q must be 16-byte aligned");
+  p = good, p.state_pool = static_cast<char*>(good.state_pool) + 4;
+  expect_error(p, ErrorCode::kInvalidArgument, "state_pool must be 16-byte aligned");
+  p = good, p.T = 17;
+  expect_error(p, ErrorCode::kInvalidArgument, "T (tokens per sequence)");
+  dev.download();
+  EXPECT_EQ(prob.pool.bytes, prob.pool_before.bytes);
+  EXPECT_EQ(prob.in.out.bytes, std::vector<unsigned char>(prob.in.out.bytes.size(), kPoison));
+}
+
+}  // namespace
+}  // namespace flashkda::test
