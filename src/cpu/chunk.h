@@ -21,15 +21,18 @@ constexpr double kMaxShift = 80.0;
 template <typename T>
 void chunk_forward(const PrefillParams& p, T* out = nullptr, T* final_state = nullptr);
 
-// x <- (I + L)^{-1} x for a strictly lower triangular n x n block of a row-major [C, C] matrix L,
-// by forward substitution: x_i -= sum_{j<i} L[i,j] x_j. Accurate where the Neumann series
-// (I - L)(I + L^2)(I + L^4)(I + L^8) cancels catastrophically (near-collinear keys, b ~ 1).
-template <typename T>
+// X <- (I + L)^{-1} X for a strictly lower triangular n x n block of a row-major [C, C] matrix L
+// and R right-hand sides (X[i * R + r]), by forward substitution: x_i -= sum_{j<i} L[i,j] x_j.
+// Accurate where the Neumann series (I - L)(I + L^2)(I + L^4)(I + L^8) cancels catastrophically
+// (near-collinear keys, b ~ 1).
+template <typename T, int R = 1>
 inline void solve_unit_lower(const T* L, T* x, int n) {
   for (int i = 1; i < n; ++i) {
-    T acc = x[i];
-    for (int j = 0; j < i; ++j) acc -= L[i * kChunk + j] * x[j];
-    x[i] = acc;
+    for (int j = 0; j < i; ++j) {
+      const T l = L[i * kChunk + j];
+#pragma omp simd
+      for (int r = 0; r < R; ++r) x[i * R + r] -= l * x[j * R + r];
+    }
   }
 }
 

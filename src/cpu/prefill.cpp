@@ -29,8 +29,9 @@ namespace {
 
 constexpr int C = kChunk;
 constexpr int64_t kLane = 16;  // K is padded to a multiple of this inside the engine
-constexpr int kRows = 4;       // state rows (columns of S) handled together in the state pass
-constexpr int kReadRows = 2;   // rows per register tile of the read GEMM (2 x 32 accumulators)
+constexpr int kRows = 8;        // state rows (columns of S) handled together in the state pass
+constexpr int kReadRows = 2;    // rows per register tile of the reads (2 x 2C accumulators)
+constexpr int kUpdateRows = 4;  // rows per register tile of the state update (4 x kLane)
 
 // Order-preserving map between float bit patterns and int32 (its own inverse): lets clamps use
 // integer min/max. Float compares under the default -ftrapping-math block if-conversion, and a
@@ -120,6 +121,25 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
   }
 }
 
+// l = a . x and m = b . x over n (a multiple of kLane) channels, with kLane partial sums so the
+// loop vectorises without reassociation flags.
+template <typename T>
+FLASHKDA_INLINE void dot2(const T* a, const T* b, const T* x, int64_t n, T& l, T& m) {
+  T lp[kLane] = {}, mp[kLane] = {};
+  for (int64_t c0 = 0; c0 < n; c0 += kLane) {
+#pragma omp simd
+    for (int w = 0; w < kLane; ++w) {
+      lp[w] += a[c0 + w] * x[c0 + w];
+      mp[w] += b[c0 + w] * x[c0 + w];
+    }
+  }
+  l = m = T(0);
+  for (int w = 0; w < kLane; ++w) {
+    l += lp[w];
+    m += mp[w];
+  }
+}
+
 // L and Mqk from the shifted factors: kd_s_i . ki_s_j = sum_c k_i,c k_j,c e^{G_i,c - G_j,c},
 // every factor within e^{±kMaxShift}.
 template <typename T>
@@ -131,11 +151,7 @@ FLASHKDA_INLINE void build_shifted(ChunkScratch<T>& s, int n, T scale) {
     for (int j = 0; j <= i; ++j) {
       const T* kis = &s.k_inv_s[j * Kp];
       T l = T(0), m = T(0);
-#pragma omp simd reduction(+ : l, m)
-      for (int64_t c = 0; c < Kp; ++c) {
-        l += kds[c] * kis[c];
-        m += qds[c] * kis[c];
-      }
+      dot2(kds, qds, kis, Kp, l, m);
       if (j < i) s.L[i * C + j] = s.b[i] * l;
       s.Mqk[i * C + j] = scale * m;
     }
@@ -147,7 +163,7 @@ FLASHKDA_INLINE void build_shifted(ChunkScratch<T>& s, int n, T scale) {
 // terms underflow correctly.
 template <typename T>
 FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
-  const int64_t K = s.K, Kp = s.Kp;
+  const int64_t Kp = s.Kp;
   const T* G = s.g_cumsum.data();
   for (int i = 0; i < n; ++i) {
     const T* qi = &s.q[i * Kp];
@@ -156,12 +172,21 @@ FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
     for (int j = 0; j <= i; ++j) {
       const T* kj = &s.k[j * Kp];
       const T* Gj = &G[j * Kp];
+      // Padding channels hold k = q = G = 0 and add nothing.
+      T lp[kLane] = {}, mp[kLane] = {};
+      for (int64_t c0 = 0; c0 < Kp; c0 += kLane) {
+#pragma omp simd
+        for (int w = 0; w < kLane; ++w) {
+          const int64_t c = c0 + w;
+          const T kje = kj[c] * engine_exp(Gi[c] - Gj[c]);
+          lp[w] += ki[c] * kje;
+          mp[w] += qi[c] * kje;
+        }
+      }
       T l = T(0), m = T(0);
-#pragma omp simd reduction(+ : l, m)
-      for (int64_t c = 0; c < K; ++c) {
-        const T e = engine_exp(Gi[c] - Gj[c]);
-        l += ki[c] * kj[c] * e;
-        m += qi[c] * kj[c] * e;
+      for (int w = 0; w < kLane; ++w) {
+        l += lp[w];
+        m += mp[w];
       }
       if (j < i) s.L[i * C + j] = s.b[i] * l;
       s.Mqk[i * C + j] = scale * m;
@@ -241,15 +266,17 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
 // Rows j0 .. j0 + R of the state (columns of S): for each,
 //   u_i = b_i (v_i,j - kd_i . S_j),  U = (I + L)^{-1} u,  o_i,j = qd_i . S_j + sum_{l<=i} Mqk[i,l] U_l,
 //   S_j <- e^Γ ⊙ S_j + sum_i U_i kr_i.
-// Columns of S are independent, so each row is read and written once per chunk.
+// Columns of S are independent, so each row is read and written once per chunk; the solve runs
+// on all R rows at once (vectorised over rows).
 template <typename T, int R>
 FLASHKDA_INLINE void state_rows(ChunkScratch<T>& s, int n, int64_t j0) {
   const int64_t Kp = s.Kp, V = s.V;
   T* S = s.S.data() + j0 * Kp;
   const T* kq_t = s.kq_decayed_t.data();
 
-  // Reads of the old state: acc[r][i] = kd_i . S_r, acc[r][C + i] = qd_i . S_r.
-  T acc[R][2 * C];
+  // Reads of the old state: acc[i][r] = kd_i . S_r, acc[C + i][r] = qd_i . S_r
+  // (register tiles of RT rows x 2C columns, outer products over the channels).
+  T acc[2 * C][R];
   constexpr int RT = R < kReadRows ? R : kReadRows;
   for (int r0 = 0; r0 < R; r0 += RT) {
     T tile[RT][2 * C] = {};
@@ -262,42 +289,52 @@ FLASHKDA_INLINE void state_rows(ChunkScratch<T>& s, int n, int64_t j0) {
       }
     }
     for (int r = 0; r < RT; ++r)
-      for (int m = 0; m < 2 * C; ++m) acc[r0 + r][m] = tile[r][m];
+      for (int m = 0; m < 2 * C; ++m) acc[m][r0 + r] = tile[r][m];
   }
 
-  // Solve and read out: U = (I + L)^{-1} u per row, o = qd . S + Mqk U.
+  // U = (I + L)^{-1} u, then o = qd . S + Mqk U.
   T U[C][R];
-  for (int r = 0; r < R; ++r) {
-    T u[C];
-    for (int i = 0; i < n; ++i) u[i] = s.b[i] * (s.v[i * V + j0 + r] - acc[r][i]);
-    solve_unit_lower(s.L, u, n);
-    for (int i = 0; i < n; ++i) {
-      T o = acc[r][C + i];
-      for (int l = 0; l <= i; ++l) o += s.Mqk[i * C + l] * u[l];
-      s.o[i * V + j0 + r] = o;
-      U[i][r] = u[i];
+  for (int i = 0; i < n; ++i) {
+#pragma omp simd
+    for (int r = 0; r < R; ++r) U[i][r] = s.b[i] * (s.v[i * V + j0 + r] - acc[i][r]);
+  }
+  solve_unit_lower<T, R>(s.L, &U[0][0], n);
+  for (int i = 0; i < n; ++i) {
+    T o[R];
+#pragma omp simd
+    for (int r = 0; r < R; ++r) o[r] = acc[C + i][r];
+    for (int l = 0; l <= i; ++l) {
+      const T m = s.Mqk[i * C + l];
+#pragma omp simd
+      for (int r = 0; r < R; ++r) o[r] += m * U[l][r];
     }
+#pragma omp simd
+    for (int r = 0; r < R; ++r) s.o[i * V + j0 + r] = o[r];
   }
 
-  // State update, register-tiled R rows x kLane channels, inner loop over the chunk's tokens.
+  // State update, register tiles of RU rows x kLane channels, inner loop over the chunk's tokens.
   const T* dt = s.decay_total.data();
-  for (int64_t c0 = 0; c0 < Kp; c0 += kLane) {
-    T a[R][kLane];
-    for (int r = 0; r < R; ++r) {
+  constexpr int RU = R < kUpdateRows ? R : kUpdateRows;
+  for (int r0 = 0; r0 < R; r0 += RU) {
+    T* Sr = S + r0 * Kp;
+    for (int64_t c0 = 0; c0 < Kp; c0 += kLane) {
+      T a[RU][kLane];
+      for (int r = 0; r < RU; ++r) {
 #pragma omp simd
-      for (int w = 0; w < kLane; ++w) a[r][w] = dt[c0 + w] * S[r * Kp + c0 + w];
-    }
-    for (int i = 0; i < n; ++i) {
-      const T* kr = &s.k_restored[i * Kp + c0];
-      for (int r = 0; r < R; ++r) {
-        const T ui = U[i][r];
-#pragma omp simd
-        for (int w = 0; w < kLane; ++w) a[r][w] += ui * kr[w];
+        for (int w = 0; w < kLane; ++w) a[r][w] = dt[c0 + w] * Sr[r * Kp + c0 + w];
       }
-    }
-    for (int r = 0; r < R; ++r) {
+      for (int i = 0; i < n; ++i) {
+        const T* kr = &s.k_restored[i * Kp + c0];
+        for (int r = 0; r < RU; ++r) {
+          const T ui = U[i][r0 + r];
 #pragma omp simd
-      for (int w = 0; w < kLane; ++w) S[r * Kp + c0 + w] = a[r][w];
+          for (int w = 0; w < kLane; ++w) a[r][w] += ui * kr[w];
+        }
+      }
+      for (int r = 0; r < RU; ++r) {
+#pragma omp simd
+        for (int w = 0; w < kLane; ++w) Sr[r * Kp + c0 + w] = a[r][w];
+      }
     }
   }
 }
