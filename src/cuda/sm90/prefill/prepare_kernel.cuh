@@ -71,7 +71,7 @@ struct PrepareSmem {
   float L[kChunk][kChunk + 1];
   float beta[kChunk];
   float row_sumsq[2][kPrepThreads / 32][kChunk];
-  alignas(16) uint8_t record[kChunkRecordBytes - kGammaBytes];  // staging of the bf16 part
+  alignas(16) uint8_t record[kChunkRecordBytes];  // staging of the whole chunk record
 };
 
 // Byte offset of element (row t, channel c) of a 16x128 tile used as the B operand of
@@ -214,9 +214,12 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
     const float e = __expf(G[t]);
     store_bf16(sm.record, kOffQDecayed + frag_index_tk(t, c), q[t] * e);
     store_bf16(sm.record, kOffKDecayed + frag_index_tk(t, c), k[t] * e);
-    store_bf16(sm.record, kOffKRestored + frag_index_kt(t, c), k[t] * __expf(gamma - G[t]));
+    const float kr = k[t] * __expf(gamma - G[t]);
+    const float kr_hi = __bfloat162float(__float2bfloat16_rn(kr));
+    store_bf16(sm.record, kOffKRestored + frag_index_kt(t, c), kr_hi);
+    store_bf16(sm.record, kOffKRestoredLo + frag_index_kt(t, c), kr - kr_hi);
   }
-  reinterpret_cast<float*>(p.records + (slot * H + h) * kChunkRecordBytes + kOffGamma)[c] = __expf(gamma);
+  reinterpret_cast<float*>(sm.record + kOffGamma)[c] = __expf(gamma);
 
   // Operands of L = kd ki^T and Mqk = qd ki^T, shifted per channel by mid so no factor exceeds
   // e^{spread/2}; the pairwise path keeps k_hat, q_hat and G instead.
@@ -287,7 +290,7 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   // Coalesced 16-byte copy of the staged record to the workspace.
   const uint4* src = reinterpret_cast<const uint4*>(sm.record);
   uint4* dst = reinterpret_cast<uint4*>(p.records + (slot * H + h) * kChunkRecordBytes);
-  for (int i = c; i < (kChunkRecordBytes - kGammaBytes) / 16; i += kPrepThreads) dst[i] = src[i];
+  for (int i = c; i < kChunkRecordBytes / 16; i += kPrepThreads) dst[i] = src[i];
 }
 
 }  // namespace flashkda::sm90::prefill

@@ -10,7 +10,7 @@
 //   S^T  = S^T diag(e^Gamma) + U^T Kr                       (N = 128, K = 16)
 // The C fragments of one product are the A fragments of the next, so U and S never leave
 // registers; the chunk records and v stream through a cp.async ring of kStages stages.
-// kPrecise splits S and U into bf16 hi + lo halves (twice the MMAs on the S and U products).
+// kPrecise splits S, U and k_restored into bf16 hi + lo halves (2-3x the MMAs on those products).
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -24,11 +24,12 @@ using namespace flashkda::cuda_common;
 
 constexpr int kStages = 3;
 
-template <int kWarps>
+template <int kWarps, bool kPrecise>
 struct RecurSmem {
   static constexpr int kVCols = kWarps * 16;
+  static constexpr int kRecordBytes = kPrecise ? kChunkRecordBytes : kFastRecordBytes;
   struct Stage {
-    alignas(16) uint8_t record[kChunkRecordBytes];
+    alignas(16) uint8_t record[kRecordBytes];
     alignas(16) __nv_bfloat16 v[kChunk][kVCols];
   };
   Stage stage[kStages];
@@ -43,12 +44,12 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool v
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
-template <int kWarps>
-__device__ __forceinline__ void load_stage(typename RecurSmem<kWarps>::Stage& st, const Params& p, int64_t slot,
+template <int kWarps, bool kPrecise>
+__device__ __forceinline__ void load_stage(typename RecurSmem<kWarps, kPrecise>::Stage& st, const Params& p, int64_t slot,
                                            int h, int64_t row0, int rows, int v_base) {
   constexpr int kThreads = kWarps * 32;
-  constexpr int kRecordChunks = kChunkRecordBytes / 16;
-  constexpr int kVChunksPerRow = RecurSmem<kWarps>::kVCols / 8;
+  constexpr int kRecordChunks = RecurSmem<kWarps, kPrecise>::kRecordBytes / 16;
+  constexpr int kVChunksPerRow = RecurSmem<kWarps, kPrecise>::kVCols / 8;
   const uint8_t* rec = p.records + (slot * p.H + h) * kChunkRecordBytes;
   for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i, true);
   for (int i = threadIdx.x; i < kChunk * kVChunksPerRow; i += kThreads) {
@@ -108,7 +109,7 @@ __device__ __forceinline__ void acc_fragments(const float (&c0)[4], const float 
 
 template <int kWarps, bool kPrecise>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  using Smem = RecurSmem<kWarps>;
+  using Smem = RecurSmem<kWarps, kPrecise>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -150,7 +151,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_chunks)
-      load_stage<kWarps>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base);
+      load_stage<kWarps, kPrecise>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base);
     cute::cp_async_fence();
   }
 
@@ -160,7 +161,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     {
       const int64_t jn = j + kStages - 1;
       if (jn < num_chunks)
-        load_stage<kWarps>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
+        load_stage<kWarps, kPrecise>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
                            chunk_rows(jn), v_base);
       cute::cp_async_fence();
     }
@@ -243,8 +244,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       mma_bf16(S[2 * pr], uc, br.x, br.y);
       mma_bf16(S[2 * pr + 1], uc, br.z, br.w);
       if constexpr (kPrecise) {
+        const uint4 br_lo = lds128(rec + kOffKRestoredLo + (pr * 32 + lane) * 16);
         mma_bf16(S[2 * pr], uc_lo, br.x, br.y);
         mma_bf16(S[2 * pr + 1], uc_lo, br.z, br.w);
+        mma_bf16(S[2 * pr], uc, br_lo.x, br_lo.y);
+        mma_bf16(S[2 * pr + 1], uc, br_lo.z, br_lo.w);
       }
     }
 
