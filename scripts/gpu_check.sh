@@ -4,6 +4,7 @@
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
 #   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [sweep]   (default: all but sweep)
+#   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.
 #
 # Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
 # from the nvidia-cutlass wheel), .whl/*.whl (peer wheels, e.g. fla), .peers/setup.sh (a local
@@ -64,7 +65,7 @@ if want python || want bench; then
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip.log" 2>&1 || { status=1; tail -30 "$OUT/pip.log"; }
   [ -n "$peers_pid" ] && { wait "$peers_pid" || echo "peer setup failed (see peers.log)"; }
-  [ -f .peers/env.sh ] && source .peers/env.sh
+  [ -d /tmp/peers ] && export PYTHONPATH=/tmp/peers:${PYTHONPATH:-}
 fi
 
 if want python; then
