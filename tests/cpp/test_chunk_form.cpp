@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "cpu/chunk.h"
@@ -82,6 +83,8 @@ TEST(ChunkForm, MatchesTokenRecurrenceFp64) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
     const auto [out_err, state_err] = chunk_fp64_vs_reference(c.opt);
+    report(std::string("fp64 chunk vs token, ") + c.name + ", out", out_err);
+    report(std::string("fp64 chunk vs token, ") + c.name + ", final_state", state_err);
     EXPECT_LE(out_err, 1e-12);
     EXPECT_LE(state_err, 1e-12);
   }
@@ -108,6 +111,21 @@ TEST(InverseSolve, ExactForIdenticalKeysNoDecay) {
       }
     }
     EXPECT_LE(max_err, 1e-6);
+
+    // The same inverse with all 16 right-hand sides at once (the engine solves rows of the state
+    // in blocks this way): X <- (I + L)^{-1} I.
+    float X[C * C] = {};
+    for (int i = 0; i < C; ++i) X[i * C + i] = 1.0f;
+    cpu::solve_unit_lower<float, C>(L, X, C);
+    double max_err_multi = 0.0;
+    for (int i = 0; i < C; ++i) {
+      for (int col = 0; col < C; ++col) {
+        const double bf = double(float(b));
+        const double exact = i < col ? 0.0 : (i == col ? 1.0 : -bf * std::pow(1.0 - bf, i - col - 1));
+        max_err_multi = std::max(max_err_multi, std::abs(double(X[i * C + col]) - exact));
+      }
+    }
+    EXPECT_LE(max_err_multi, 1e-6);
   }
 }
 
