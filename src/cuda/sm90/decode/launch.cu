@@ -48,7 +48,8 @@ void launch(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_
   const int64_t ctas = num_heads * TileT::kCtasPerHead;
   FLASHKDA_CHECK(ctas <= std::numeric_limits<int32_t>::max(), ErrorCode::kUnsupported, "decode: num_seqs * H = ",
                  num_heads, " exceeds the GPU grid limit");
-  const size_t smem = size_t(args.stage_tokens) * sizeof(StagedToken);  // <= 17.6 KB: no opt-in needed
+  static_assert(kMaxTokens * sizeof(StagedToken) <= 48 * 1024, "dynamic smem above 48 KB needs an opt-in");
+  const size_t smem = size_t(args.stage_tokens) * sizeof(StagedToken);
   decode_kernel<StateT, TileT><<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(args);
   FLASHKDA_CHECK_LAUNCH();
 }
