@@ -85,7 +85,8 @@ struct ChunkScratch {
   ChunkScratch(int64_t K_, int64_t V_)
       : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * V),
         g_cumsum(C * Kp, T(0)), kq_decayed_t(Kp * 2 * C), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)),
-        mid(Kp, T(0)), decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * V), zero_bias(K, 0.0f), S(V * Kp, T(0)) {}
+        mid(Kp, T(0)), decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp),
+        k_inv_s(C * Kp), o(C * V), zero_bias(K, 0.0f), S(V * Kp, T(0)) {}
 };
 
 // Rows [tok0, tok0 + n) of head h, preprocessed; g_cumsum holds the log-decay a until the prefix sum.
