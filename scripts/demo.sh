@@ -20,7 +20,13 @@ fi
 command -v ninja >/dev/null || "$PY" -c "import ninja" 2>/dev/null || missing+=(ninja)
 if ((${#missing[@]})); then
   log "installing ${missing[*]}"
-  PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install --quiet "${missing[@]}"
+  export PIP_ROOT_USER_ACTION=ignore
+  # Offline machines: wheels put in .deps/wheels beforehand (pip download ... -d .deps/wheels) come first.
+  if [[ -d .deps/wheels ]] && "$PY" -m pip install --quiet --no-index --find-links .deps/wheels "${missing[@]}" 2>/dev/null; then
+    :
+  else
+    "$PY" -m pip install --quiet "${missing[@]}"
+  fi
 fi
 
 if [[ -z "${FLASHKDA_CUDA:-}" ]]; then
