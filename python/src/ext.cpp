@@ -51,6 +51,19 @@ std::string dlpack_dtype_name(nb::dlpack::dtype t) {
   return kind + std::to_string(int(t.bits));
 }
 
+// Strides (in elements) of a dense row-major array; size-1 dims may have any stride, and an empty
+// array is always fine.
+template <typename Array>
+bool is_c_contiguous(const Array& a) {
+  int64_t expected = 1;
+  bool contiguous = true;
+  for (size_t i = a.ndim(); i-- > 0;) {
+    if (a.shape(i) != 1 && a.stride(i) != expected) contiguous = false;
+    expected *= int64_t(a.shape(i));
+  }
+  return contiguous || expected == 0;
+}
+
 // One array argument as the C++ API sees it: pointer, element type, shape and location.
 struct View {
   std::string name;
@@ -103,14 +116,7 @@ View make_view(const char* name, const Array& a, bool u16_is_bf16) {
                      ": arrays on DLPack device type ", v.device_type,
                      " are not supported (expected CPU or CUDA memory)");
 
-  // C-contiguous: strides (in elements) of a dense row-major array; size-1 dims may have any stride.
-  int64_t expected = 1;
-  bool contiguous = true;
-  for (size_t i = a.ndim(); i-- > 0;) {
-    if (a.shape(i) != 1 && a.stride(i) != expected) contiguous = false;
-    expected *= int64_t(a.shape(i));
-  }
-  FLASHKDA_CHECK_ARG(contiguous || expected == 0, name, ": must be C-contiguous (dense row-major); shape ",
+  FLASHKDA_CHECK_ARG(is_c_contiguous(a), name, ": must be C-contiguous (dense row-major); shape ",
                      shape_str(v.shape));
   return v;
 }
@@ -322,15 +328,9 @@ void reference_forward(const InArray& q, const InArray& k, const InArray& v, con
     FLASHKDA_CHECK_ARG(a.device_type() == kDLCPU || a.device_type() == kDLCUDAHost, name,
                        ": must be host memory");
     std::vector<int64_t> got;
-    int64_t expected = 1;
-    bool contiguous = true;
-    for (size_t i = a.ndim(); i-- > 0;) {
-      if (a.shape(i) != 1 && a.stride(i) != expected) contiguous = false;
-      expected *= int64_t(a.shape(i));
-    }
     for (size_t i = 0; i < a.ndim(); ++i) got.push_back(int64_t(a.shape(i)));
     FLASHKDA_CHECK_ARG(got == shape, name, ": expected shape ", shape_str(shape), ", got ", shape_str(got));
-    FLASHKDA_CHECK_ARG(contiguous, name, ": must be C-contiguous");
+    FLASHKDA_CHECK_ARG(is_c_contiguous(a), name, ": must be C-contiguous");
     return static_cast<double*>(a.data());
   };
   double* o = f64_view(out, "out", {p.B, p.T, p.H, p.V});
