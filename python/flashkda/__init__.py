@@ -209,8 +209,6 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
         named = {n: _torch_arg(q, x, n) for n, x in named.items()}
         for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
             _torch_arg(q, x, n)
-        if not isinstance(v, torch.Tensor):
-            raise TypeError("v: expected a torch tensor like q")
         out = named["out"]
         if out is None:
             out = v.new_empty(v.shape, dtype=q.dtype)

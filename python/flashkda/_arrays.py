@@ -60,6 +60,10 @@ class NumpyOps:
     def is_contiguous(x) -> bool:
         return x.flags.c_contiguous
 
+    @staticmethod
+    def aligned(x):
+        return x  # the CPU backend reads any alignment
+
     @classmethod
     def empty(cls, shape, dtype: str, like):
         return np.empty(shape, dtype=cls.np_dtype(dtype))
@@ -141,6 +145,11 @@ class TorchOps:
     @staticmethod
     def is_contiguous(x) -> bool:
         return x.is_contiguous()
+
+    @staticmethod
+    def aligned(x):
+        """x, or a copy at a 16-byte aligned address (the GPU kernels load 16 bytes at a time)."""
+        return x.clone() if x.is_cuda and x.data_ptr() % 16 else x
 
     @classmethod
     def empty(cls, shape, dtype: str, like):

@@ -66,7 +66,7 @@ def _qkvgb(ops, q, k, v, g, beta):
             raise ValueError(f"{name}: dtype {ops.dtype_name(x)} differs from q's {dt} (q, k, v share one dtype)")
     _float_dtype(ops, g, "g")
     _float_dtype(ops, beta, "beta")
-    return [ops.contiguous(x) for x in (q, k, v, g, beta)]
+    return [ops.aligned(ops.contiguous(x)) for x in (q, k, v, g, beta)]
 
 
 def _cu_seqlens(ops, q, cu_seqlens):
@@ -98,7 +98,7 @@ def _param(ops, q, x, name, numel, shape):
         n *= s
     if n != numel:
         raise ValueError(f"{name}: expected {numel} elements (shape {list(shape)}), got shape {_shape(x)}")
-    return ops.astype(ops.contiguous(x).reshape(shape), F32)
+    return ops.aligned(ops.astype(ops.contiguous(x).reshape(shape), F32))
 
 
 def _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate=False):
