@@ -98,7 +98,7 @@ def decode_ready():
 
 
 def to_torch(x, device="cpu"):
-    """numpy (float32, int, or ml_dtypes bfloat16) -> torch tensor on device, same bits."""
+    """numpy (float32, int, or ml_dtypes bfloat16) -> a new torch tensor on device, same bits."""
     import torch
 
     if x is None:
@@ -107,7 +107,7 @@ def to_torch(x, device="cpu"):
         t = torch.from_numpy(np.ascontiguousarray(x).view(np.int16)).view(torch.bfloat16)
     else:
         t = torch.from_numpy(np.ascontiguousarray(x))
-    return t.to(device)
+    return t.to(device, copy=True)  # never shares memory with the numpy array
 
 
 def to_numpy(t):
