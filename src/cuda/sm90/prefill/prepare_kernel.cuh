@@ -283,7 +283,11 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
     }
     const float bj = sm.beta[j];
 #pragma unroll
-    for (int i = 0; i < kChunk; ++i) store_bf16(sm.record, kOffInvB + frag_index_small(i, j), x[i] * bj);
+    for (int i = 0; i < kChunk; ++i) {
+      const float val = x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
+      store_bf16(sm.record, kOffInvB + frag_index_small(i, j), hi);
+      store_bf16(sm.record, kOffInvBLo + frag_index_small(i, j), val - hi);
+    }
   }
   __syncthreads();
 

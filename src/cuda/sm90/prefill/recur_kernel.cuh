@@ -10,7 +10,8 @@
 //   S^T  = S^T diag(e^Gamma) + U^T Kr                       (N = 128, K = 16)
 // The C fragments of one product are the A fragments of the next, so U and S never leave
 // registers; the chunk records and v stream through a cp.async ring of kStages stages.
-// kPrecise splits S, U and k_restored into bf16 hi + lo halves (2-3x the MMAs on those products).
+// kPrecise splits S, U, inv_b and k_restored into bf16 hi + lo halves (2-3x the MMAs on those
+// products); the fast mode rounds them to bf16 (see config.h for what that costs in accuracy).
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -213,8 +214,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       mma_bf16(U[0], ua, bi.x, bi.y);
       mma_bf16(U[1], ua, bi.z, bi.w);
       if constexpr (kPrecise) {
+        const uint4 bi_lo = lds128(rec + kOffInvBLo + lane * 16);
         mma_bf16(U[0], ua_lo, bi.x, bi.y);
         mma_bf16(U[1], ua_lo, bi.z, bi.w);
+        mma_bf16(U[0], ua, bi_lo.x, bi_lo.y);
+        mma_bf16(U[1], ua, bi_lo.z, bi_lo.w);
       }
     }
     uint32_t uc[4], uc_lo[4];
