@@ -3,9 +3,10 @@
 // that names the argument and what was expected.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace flashkda {
 
@@ -26,12 +27,39 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
-// Streams any number of values into one message: make_message("T=", t, " must be >= 0").
+// Builds error messages without iostreams: a locale-free path that cannot fault even when the
+// host process has set up C++ locales in an unusual way (seen: an ostringstream crashing inside a
+// Python extension next to PyTorch's runtime).
+inline void append(std::string& s, const std::string& x) { s += x; }
+inline void append(std::string& s, const char* x) { s += (x != nullptr ? x : "(null)"); }
+template <size_t N>
+inline void append(std::string& s, const char (&x)[N]) { s += x; }
+inline void append(std::string& s, char x) { s += x; }
+inline void append(std::string& s, bool x) { s += x ? "true" : "false"; }
+template <typename T>
+inline void append(std::string& s, const T& x) {
+  if constexpr (std::is_integral_v<T>) {
+    s += std::to_string(x);
+  } else if constexpr (std::is_floating_point_v<T>) {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%g", double(x));
+    s += buf;
+  } else if constexpr (std::is_enum_v<T>) {
+    s += std::to_string(static_cast<long long>(x));
+  } else {
+    static_assert(std::is_pointer_v<T>, "make_message: unsupported argument type");
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%p", static_cast<const void*>(x));
+    s += buf;
+  }
+}
+
+// Concatenates any number of values into one message: make_message("T=", t, " must be >= 0").
 template <typename... Args>
 std::string make_message(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 }  // namespace detail
 
