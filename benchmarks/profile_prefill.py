@@ -1,0 +1,47 @@
+"""Where flashkda's prefill time goes: per-kernel GPU time (torch.profiler) for a few cases, in
+both precision modes, plus the wall time of one eager call. Same inputs as bench_prefill.py.
+
+    python benchmarks/profile_prefill.py
+"""
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_prefill import CASES, make_inputs, run_flashkda, time_ms  # noqa: E402
+
+
+def kernel_times(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    acc = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            acc[e.name.split("(")[0][-40:]] += e.device_time / reps / 1e3  # ms
+    return acc
+
+
+def main():
+    print("| case | precise | eager call ms | kernel | ms per call |")
+    print("|---|---|---|---|---|")
+    for name, H, seqlens in [CASES[0], CASES[6], CASES[8]]:
+        x = make_inputs(H, seqlens, True)
+        for precise in ("1", "0"):
+            os.environ["FLASHKDA_PRECISE"] = precise
+            fn = run_flashkda(x, True)[0]
+            wall = time_ms(fn, reps=10)
+            for kname, ms in sorted(kernel_times(fn).items(), key=lambda kv: -kv[1]):
+                print(f"| {name} | {precise} | {wall:.3f} | {kname} | {ms:.3f} |", flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
