@@ -41,6 +41,17 @@ def main():
                 print(f"| {name} | {precise} | {wall:.3f} | {kname} | {ms:.3f} |", flush=True)
         del x
         torch.cuda.empty_cache()
+    os.environ["FLASHKDA_PRECISE"] = "1"
+    print("| case | FLASHKDA_V_SPLITS | recurrence kernel ms |")
+    print("|---|---|---|")
+    for name, H, seqlens in [CASES[0], CASES[6]]:
+        x = make_inputs(H, seqlens, True)
+        for splits in ("1", "2", "4", "8"):
+            os.environ["FLASHKDA_V_SPLITS"] = splits
+            times = kernel_times(run_flashkda(x, True)[0], reps=5)
+            print(f"| {name} | {splits} | {sum(v for k, v in times.items() if 'recur' in k):.3f} |", flush=True)
+        del x
+    os.environ.pop("FLASHKDA_V_SPLITS")
 
 
 if __name__ == "__main__":

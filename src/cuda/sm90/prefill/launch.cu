@@ -35,13 +35,14 @@ int env_int(const char* name, int fallback) {
   return (s != nullptr && *s != '\0') ? std::atoi(s) : fallback;
 }
 
-// Warps per recurrence CTA: split V until N*H*splits covers the SMs about twice (each CTA is
-// one latency-bound sequential chain); FLASHKDA_V_SPLITS overrides for tuning.
+// Warps per recurrence CTA. Every value-column split re-reads the whole chunk record (~18 KB per
+// chunk), so splits trade SM count for L2/DRAM traffic: measured on an H200 at T=32768, H=32,
+// 8 splits (256 one-warp CTAs) ran the recurrence in 3.0 ms, bandwidth-bound on those re-reads.
+// Split in two only when N*H leaves most SMs idle; FLASHKDA_V_SPLITS (1, 2, 4, 8) overrides.
 int choose_warps(int64_t work) {
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  int splits = 1;
-  while (splits < 8 && work * splits < 2 * int64_t(sms)) splits *= 2;
+  int splits = (2 * work <= int64_t(sms)) ? 2 : 1;
   const int forced = env_int("FLASHKDA_V_SPLITS", 0);
   if (forced == 1 || forced == 2 || forced == 4 || forced == 8) splits = forced;
   return 8 / splits;

@@ -165,19 +165,27 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   const int c = threadIdx.x, lane = c & 31, warp = c >> 5;
   const int H = p.H;
 
-  // Load channel c of the 16 rows; rows past the sequence end are k = q = 0, a = 0.
+  // Load channel c of the 16 rows. Every load is issued before any is used (rows past the
+  // sequence end re-read the last valid row and are zeroed below: k = q = 0, a = 0), so the 48
+  // loads share one memory latency instead of paying one per row (measured: 1.72 ms for this
+  // kernel at T=8192, H=96 with the loads under a per-row branch).
   float q[kChunk], k[kChunk], G[kChunk];
   const float a_exp = (p.gate == Gate::kPrecomputed) ? 0.f : __expf(p.A_log[h]);
   const float bias = p.dt_bias != nullptr ? p.dt_bias[h * kHeadDim + c] : 0.f;
   const bool g_f32 = p.g_type == ElemType::kF32;
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
-    q[t] = k[t] = G[t] = 0.f;
+    const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * H + h) * kHeadDim + c;
+    q[t] = load_bf16(p.q, idx);
+    k[t] = load_bf16(p.k, idx);
+    G[t] = load_elem(p.g, idx, g_f32);
+  }
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) {
     if (t < rows) {
-      const int64_t idx = ((row0 + t) * H + h) * kHeadDim + c;
-      q[t] = load_bf16(p.q, idx);
-      k[t] = load_bf16(p.k, idx);
-      G[t] = log_decay(int(p.gate), load_elem(p.g, idx, g_f32), a_exp, bias, p.lower_bound);
+      G[t] = log_decay(int(p.gate), G[t], a_exp, bias, p.lower_bound);
+    } else {
+      q[t] = k[t] = G[t] = 0.f;
     }
   }
   if (c < kChunk) {
