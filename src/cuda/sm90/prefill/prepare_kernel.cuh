@@ -64,14 +64,21 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
 constexpr int kPrepThreads = kHeadDim;  // 128
 constexpr int kRowPad = kHeadDim + 8;   // fp32 rows padded to 136: conflict-free float2 fragment loads
 
+// The gemm operands (phase 2) and the staged record (phase 3) are never live together: sharing
+// their bytes keeps a CTA at ~28 KB so five fit on an SM instead of four (K1 is latency-bound:
+// ncu measured 25% occupancy and 11.8 cycles between issues at four CTAs per SM).
 struct PrepareSmem {
-  float op_a[kChunk][kRowPad];  // k_hat*e^{G-mid} (fast path) or k_hat (pairwise path)
-  float op_q[kChunk][kRowPad];  // scale*q_hat*e^{G-mid}           or scale*q_hat
-  float op_b[kChunk][kRowPad];  // k_hat*e^{mid-G}                 or G
+  union {
+    struct {
+      float op_a[kChunk][kRowPad];  // k_hat*e^{G-mid} (fast path) or k_hat (pairwise path)
+      float op_q[kChunk][kRowPad];  // scale*q_hat*e^{G-mid}           or scale*q_hat
+      float op_b[kChunk][kRowPad];  // k_hat*e^{mid-G}                 or G
+    };
+    alignas(16) uint8_t record[kChunkRecordBytes];  // staging of the whole chunk record
+  };
   float L[kChunk][kChunk + 1];
   float beta[kChunk];
-  float row_sumsq[2][kPrepThreads / 32][kChunk];
-  alignas(16) uint8_t record[kChunkRecordBytes];  // staging of the whole chunk record
+  float row_sumsq[kPrepThreads / 32][2 * kChunk];
 };
 
 // Byte offset of element (row t, channel c) of a 16x128 tile used as the B operand of
@@ -102,19 +109,36 @@ __device__ __forceinline__ void store_bf16(uint8_t* base, int byte_offset, float
   *reinterpret_cast<__nv_bfloat16*>(base + byte_offset) = __float2bfloat16_rn(x);
 }
 
-// Sums x over the 128 threads for each of the 16 rows; result in every thread's x[].
-__device__ __forceinline__ void rows_sum(float (&x)[kChunk], float (*scratch)[kChunk]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+// One transpose-reduce step over n values (lane bit n/2), then the next with n/2 values.
+template <int kN>
+__device__ __forceinline__ void butterfly_reduce(float (&x)[2 * kChunk], int lane) {
+  constexpr int kHalf = kN / 2;
+  const bool upper = (lane & kHalf) != 0;
 #pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    float s = x[t];
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) scratch[warp][t] = s;
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? x[i] : x[i + kHalf];
+    const float keep = upper ? x[i + kHalf] : x[i];
+    x[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
   }
+  if constexpr (kHalf > 1) butterfly_reduce<kHalf>(x, lane);
+}
+
+// Sums a[t] and b[t] over the 128 threads for each of the 16 rows; results in every thread.
+// Transpose-reduce: each butterfly step halves the values a lane carries (31 shuffles for the
+// 32 sums instead of 160), leaving lane l with the warp's sum of value l (a[0..15], b[0..15]).
+__device__ __forceinline__ void rows_sum2(float (&a)[kChunk], float (&b)[kChunk], float (*scratch)[2 * kChunk]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float x[2 * kChunk];
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) x[t] = a[t], x[kChunk + t] = b[t];
+  butterfly_reduce<2 * kChunk>(x, lane);
+  scratch[warp][lane] = x[0];
   __syncthreads();
 #pragma unroll
-  for (int t = 0; t < kChunk; ++t) x[t] = scratch[0][t] + scratch[1][t] + scratch[2][t] + scratch[3][t];
+  for (int t = 0; t < kChunk; ++t) {
+    a[t] = scratch[0][t] + scratch[1][t] + scratch[2][t] + scratch[3][t];
+    b[t] = scratch[0][kChunk + t] + scratch[1][kChunk + t] + scratch[2][kChunk + t] + scratch[3][kChunk + t];
+  }
 }
 
 // One warp: C (16x16, fp32) = A (16x128) * B^T where B is 16x128, both fp32 rows in shared
@@ -201,8 +225,7 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
     float sq[kChunk], sk[kChunk];
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) sq[t] = q[t] * q[t], sk[t] = k[t] * k[t];
-    rows_sum(sq, sm.row_sumsq[0]);
-    rows_sum(sk, sm.row_sumsq[1]);
+    rows_sum2(sq, sk, sm.row_sumsq);
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) q[t] *= rsqrtf(sq[t] + 1e-6f), k[t] *= rsqrtf(sk[t] + 1e-6f);
   }
@@ -216,21 +239,8 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   const float mid = 0.5f * (G[0] + gamma);
   const bool pairwise = __syncthreads_or(G[0] - gamma > kMaxFactorisedSpread);
 
-  // q_decayed, k_decayed, k_restored (all factors <= 1) into the bf16 staging record.
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    const float e = __expf(G[t]);
-    store_bf16(sm.record, kOffQDecayed + frag_index_tk(t, c), q[t] * e);
-    store_bf16(sm.record, kOffKDecayed + frag_index_tk(t, c), k[t] * e);
-    const float kr = k[t] * __expf(gamma - G[t]);
-    const float kr_hi = __bfloat162float(__float2bfloat16_rn(kr));
-    store_bf16(sm.record, kOffKRestored + frag_index_kt(t, c), kr_hi);
-    store_bf16(sm.record, kOffKRestoredLo + frag_index_kt(t, c), kr - kr_hi);
-  }
-  reinterpret_cast<float*>(sm.record + kOffGamma)[c] = __expf(gamma);
-
-  // Operands of L = kd ki^T and Mqk = qd ki^T, shifted per channel by mid so no factor exceeds
-  // e^{spread/2}; the pairwise path keeps k_hat, q_hat and G instead.
+  // Phase 2: L = kd ki^T and Mqk = qd ki^T from operands shifted per channel by mid, so no factor
+  // exceeds e^{spread/2}; the pairwise path keeps k_hat, q_hat and G instead.
 #pragma unroll
   for (int t = 0; t < kChunk; ++t) {
     if (!pairwise) {
@@ -247,6 +257,8 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   __syncthreads();
 
   const int g = lane >> 2, t4 = lane & 3;
+  float mqk[2][4] = {};    // fast path: warp 1's Mqk accumulators
+  float mqk_pair[2] = {};  // pairwise path: Mqk entries e = c + 256 and c + 384
   if (!pairwise) {
     if (warp < 2) {
       float acc[2][4];
@@ -257,24 +269,61 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
         for (int e = 0; e < 4; ++e) {
           const int i = g + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
           if (warp == 0) sm.L[i][j] = i > j ? sm.beta[i] * acc[nt][e] : 0.f;
-          else store_bf16(sm.record, kOffMqk + frag_index_small(i, j), i >= j ? acc[nt][e] : 0.f);
+          mqk[nt][e] = acc[nt][e];
         }
     }
   } else {
     // Pairwise: sum_c x_i,c k_j,c exp(G_i,c - G_j,c), exponent <= 0 for i >= j.
-    for (int e = c; e < 2 * kChunk * kChunk; e += kPrepThreads) {
-      const int which = e / (kChunk * kChunk), i = (e / kChunk) % kChunk, j = e % kChunk;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int e = c + r * kPrepThreads, i = (e / kChunk) % kChunk, j = e % kChunk;
       float acc = 0.f;
       if (i >= j) {
-        const float (*X)[kRowPad] = which == 0 ? sm.op_a : sm.op_q;
+        const float (*X)[kRowPad] = r < 2 ? sm.op_a : sm.op_q;
         for (int cc = 0; cc < kHeadDim; ++cc)
           acc += X[i][cc] * sm.op_a[j][cc] * __expf(sm.op_b[i][cc] - sm.op_b[j][cc]);
       }
-      if (which == 0) sm.L[i][j] = i > j ? sm.beta[i] * acc : 0.f;
-      else store_bf16(sm.record, kOffMqk + frag_index_small(i, j), acc);
+      if (r < 2) sm.L[i][j] = i > j ? sm.beta[i] * acc : 0.f;
+      else mqk_pair[r - 2] = acc;
     }
   }
+  // Read this channel's operands back (q, k and G are not kept in registers across the gemm, so
+  // K1 stays at <= 80 registers), then let the record staging reuse their bytes.
+  float xq[kChunk], xa[kChunk], xb[kChunk];
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) xq[t] = sm.op_q[t][c], xa[t] = sm.op_a[t][c], xb[t] = sm.op_b[t][c];
   __syncthreads();
+
+  // Phase 3: q_decayed, k_decayed, k_restored (all factors <= 1), Mqk, exp(Gamma) staged as bf16.
+  // Fast path: q_decayed = (q e^{G-mid}) e^{mid}, k_restored = (k e^{mid-G}) e^{Gamma-mid}, both
+  // factors <= 1; pairwise path: xq, xa, xb are q_hat, k_hat and G themselves.
+  const float e_mid = __expf(mid), e_gamma_mid = __expf(gamma - mid);
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) {
+    const float e = pairwise ? __expf(xb[t]) : e_mid;
+    const float kr = pairwise ? xa[t] * __expf(gamma - xb[t]) : xb[t] * e_gamma_mid;
+    store_bf16(sm.record, kOffQDecayed + frag_index_tk(t, c), xq[t] * e);
+    store_bf16(sm.record, kOffKDecayed + frag_index_tk(t, c), xa[t] * e);
+    const float kr_hi = __bfloat162float(__float2bfloat16_rn(kr));
+    store_bf16(sm.record, kOffKRestored + frag_index_kt(t, c), kr_hi);
+    store_bf16(sm.record, kOffKRestoredLo + frag_index_kt(t, c), kr - kr_hi);
+  }
+  reinterpret_cast<float*>(sm.record + kOffGamma)[c] = __expf(gamma);
+  if (!pairwise && warp == 1) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = g + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
+        store_bf16(sm.record, kOffMqk + frag_index_small(i, j), i >= j ? mqk[nt][e] : 0.f);
+      }
+  } else if (pairwise) {
+#pragma unroll
+    for (int r = 2; r < 4; ++r) {
+      const int e = c + r * kPrepThreads;
+      store_bf16(sm.record, kOffMqk + frag_index_small((e / kChunk) % kChunk, e % kChunk), mqk_pair[r - 2]);
+    }
+  }
 
   // inv_b = (I + L)^-1 diag(b) by fp32 forward substitution (lane j owns column j): exact for
   // strictly lower-triangular L and stable for near-collinear keys, where the Neumann series
