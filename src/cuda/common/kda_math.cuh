@@ -3,7 +3,7 @@
 
 #include <cuda_bf16.h>
 
-namespace flashkda::cuda_common {
+namespace flashkda::cuda {
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
 
@@ -26,4 +26,4 @@ __device__ __forceinline__ float load_elem(const void* p, long long i, bool is_f
   return is_f32 ? static_cast<const float*>(p)[i] : load_bf16(p, i);
 }
 
-}  // namespace flashkda::cuda_common
+}  // namespace flashkda::cuda

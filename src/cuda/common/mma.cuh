@@ -1,5 +1,5 @@
 // Tensor-core helpers: the CuTe SM80 m16n8k16 bf16 MMA atom (runs on sm_90a as mma.sync) and
-// bf16x2 packing. Fragment layouts (PTX ISA, g = lane / 4, t = lane % 4):
+// bf16 hi/lo splitting. Fragment layouts (PTX ISA, g = lane / 4, t = lane % 4):
 //   A 16x16: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
 //   B 16x8 : b0 (k 2t..2t+1, n g)  b1 (k 2t+8..2t+9, n g)
 //   C 16x8 : c0,c1 (g, 2t..2t+1)   c2,c3 (g+8, 2t..2t+1)
@@ -11,12 +11,9 @@
 #include <cstdint>
 #include <cute/arch/mma_sm80.hpp>
 
-namespace flashkda::cuda_common {
+#include "cuda/common/math.cuh"
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+namespace flashkda::cuda {
 
 // Split x = hi + lo with both halves bf16: hi*b + lo*b carries ~16 mantissa bits of x.
 __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
@@ -40,4 +37,4 @@ __device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)
   a[3] = pack_bf16x2(c1[2], c1[3]);
 }
 
-}  // namespace flashkda::cuda_common
+}  // namespace flashkda::cuda

@@ -23,13 +23,13 @@ struct HeadGate {
 
   // Log-decay a of one channel from the raw gate g and its dt_bias (0 when absent).
   __device__ __forceinline__ float log_decay(float g, float bias) const {
-    return cuda_common::log_decay(static_cast<int>(form), g, a_scale, bias, lower_bound);
+    return ::flashkda::cuda::log_decay(static_cast<int>(form), g, a_scale, bias, lower_bound);
   }
 };
 
 // b = sigmoid(beta) when beta is a logit, else beta.
 __device__ __forceinline__ float beta_activation(const Preprocess& pre, float beta) {
-  return pre.beta_is_logit ? cuda_common::sigmoidf_(beta) : beta;
+  return pre.beta_is_logit ? sigmoidf_(beta) : beta;
 }
 
 // x <- x / sqrt(sum x^2 + 1e-6) for a vector of 32 * kPerLane elements held kPerLane per lane

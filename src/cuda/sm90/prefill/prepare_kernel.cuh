@@ -18,7 +18,7 @@
 
 namespace flashkda::sm90::prefill {
 
-using namespace flashkda::cuda_common;
+using namespace flashkda::cuda;
 
 // ---- K0 ----------------------------------------------------------------------------------------
 constexpr int kScanThreads = 1024;

@@ -16,12 +16,13 @@
 
 #include <cute/arch/copy_sm80.hpp>
 
+#include "cuda/common/async_copy.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 
 namespace flashkda::sm90::prefill {
 
-using namespace flashkda::cuda_common;
+using namespace flashkda::cuda;
 
 constexpr int kStages = 3;
 
@@ -37,12 +38,6 @@ struct RecurSmem {
   alignas(16) __nv_bfloat16 out[kWarps][kChunk][16];
 };
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  const int bytes = valid ? 16 : 0;  // 0: zero-fill the 16 bytes
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(bytes));
-}
-
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
 template <int kWarps, bool kPrecise>
@@ -52,13 +47,13 @@ __device__ __forceinline__ void load_stage(typename RecurSmem<kWarps, kPrecise>:
   constexpr int kRecordChunks = RecurSmem<kWarps, kPrecise>::kRecordBytes / 16;
   constexpr int kVChunksPerRow = RecurSmem<kWarps, kPrecise>::kVCols / 8;
   const uint8_t* rec = p.records + (slot * p.H + h) * kChunkRecordBytes;
-  for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i, true);
+  for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i);
   for (int i = threadIdx.x; i < kChunk * kVChunksPerRow; i += kThreads) {
     const int t = i / kVChunksPerRow, part = i % kVChunksPerRow;
     const bool valid = t < rows;
     const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.v) +
                                ((row0 + (valid ? t : 0)) * p.H + h) * kHeadDim + v_base + part * 8;
-    cp_async_16(&st.v[t][part * 8], src, valid);
+    cp_async_16_zfill(&st.v[t][part * 8], src, valid);
   }
 }
 
