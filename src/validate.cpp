@@ -19,8 +19,8 @@ void check_shape(const PrefillParams& p, Backend backend) {
   FLASHKDA_CHECK_ARG(p.T >= 0, "T must be >= 0, got T=", p.T);
   FLASHKDA_CHECK_ARG(p.H >= 0, "H must be >= 0, got H=", p.H);
   if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK_ARG(p.K == 128, "K must be 128 on the CUDA backend, got K=", p.K);
-    FLASHKDA_CHECK_ARG(p.V == 128, "V must be 128 on the CUDA backend, got V=", p.V);
+    FLASHKDA_CHECK_ARG(p.K == kCudaHeadDim, "K must be 128 on the CUDA backend, got K=", p.K);
+    FLASHKDA_CHECK_ARG(p.V == kCudaHeadDim, "V must be 128 on the CUDA backend, got V=", p.V);
   } else {
     FLASHKDA_CHECK_ARG(p.K >= 1 && p.K <= 256, "K must be in [1, 256] on the CPU backend, got K=", p.K);
     FLASHKDA_CHECK_ARG(p.V >= 1 && p.V <= 256, "V must be in [1, 256] on the CPU backend, got V=", p.V);

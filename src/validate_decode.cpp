@@ -16,7 +16,6 @@
 namespace flashkda::detail {
 namespace {
 
-constexpr int64_t kMaxDecodeTokens = 16;
 
 bool is_float_dtype(DType t) { return t == DType::kF32 || t == DType::kBF16; }
 
@@ -61,7 +60,7 @@ void check_shapes(const DecodeParams& p, Backend backend) {
   FLASHKDA_CHECK_ARG(p.H >= 1, "decode: H must be >= 1, got ", p.H);
   FLASHKDA_CHECK_ARG(p.K >= 1 && p.V >= 1, "decode: K and V must be >= 1, got K=", p.K, ", V=", p.V);
   if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK(p.K == 128 && p.V == 128, ErrorCode::kUnsupported,
+    FLASHKDA_CHECK(p.K == kCudaHeadDim && p.V == kCudaHeadDim, ErrorCode::kUnsupported,
                    "decode: the GPU backend supports K = V = 128 only, got K=", p.K, ", V=", p.V);
   }
   if (p.cu_seqlens == nullptr) {

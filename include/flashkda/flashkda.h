@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flashkda/config.h"
 #include "flashkda/error.h"
 #include "flashkda/params.h"
 #include "flashkda/types.h"

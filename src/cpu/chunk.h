@@ -5,15 +5,12 @@
 
 #include <cstdint>
 
+#include "flashkda/config.h"
 #include "flashkda/params.h"
 
 namespace flashkda::cpu {
 
-constexpr int kChunk = 16;  // C: tokens per chunk (SPEC.md §4)
-
-// Largest |G_i,c - mid_c| for which the shifted factors e^{±(G - mid)} are built; e^80 ~ 5.5e34
-// stays inside fp32 range. Chunks beyond it build L and Mqk pairwise (exponents <= 0).
-constexpr double kMaxShift = 80.0;
+// kChunk and kMaxFactorisedShift (the largest |G - mid| built from shifted factors): config.h.
 
 // The chunked forward with state and arithmetic in T. out / final_state: when non-null, written
 // in T ([B, T, H, V] and [N, H, V, K]) instead of p.out / p.final_state in their dtypes.

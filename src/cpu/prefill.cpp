@@ -142,7 +142,7 @@ FLASHKDA_INLINE void dot2(const T* a, const T* b, const T* x, int64_t n, T& l, T
 }
 
 // L and Mqk from the shifted factors: kd_s_i . ki_s_j = sum_c k_i,c k_j,c e^{G_i,c - G_j,c},
-// every factor within e^{±kMaxShift}.
+// every factor within e^{±kMaxFactorisedShift}.
 template <typename T>
 FLASHKDA_INLINE void build_shifted(ChunkScratch<T>& s, int n, T scale) {
   const int64_t Kp = s.Kp;
@@ -217,7 +217,7 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
 #pragma omp simd reduction(max : max_shift)
     for (int64_t c = 0; c < K; ++c) max_shift = std::max(max_shift, std::abs(G[i * Kp + c] - s.mid[c]));
   }
-  const bool shifted = max_shift <= T(kMaxShift);
+  const bool shifted = max_shift <= T(kMaxFactorisedShift);
 
   // Rows past the sequence end read as k = q = 0: their columns of the transposed block are zero.
   std::fill(s.kq_decayed_t.begin(), s.kq_decayed_t.end(), T(0));
@@ -234,7 +234,7 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
       s.kq_decayed_t[c * 2 * C + C + i] = scale * qi[c] * e[c];
     }
     if (shifted) {
-      // |G - mid| <= kMaxShift: up and 1/up are finite, and e^{Γ - G} = e^{Γ - mid} e^{mid - G}
+      // |G - mid| <= kMaxFactorisedShift: up and 1/up are finite, and e^{Γ - G} = e^{Γ - mid} e^{mid - G}
       // is a product of two finite factors (Γ - mid lies within the same bound).
       T* kds = &s.k_decayed_s[i * Kp];
       T* qds = &s.q_decayed_s[i * Kp];

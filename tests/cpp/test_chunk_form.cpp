@@ -12,7 +12,7 @@
 namespace flashkda::test {
 namespace {
 
-constexpr int C = cpu::kChunk;
+constexpr int C = kChunk;
 
 // Runs chunk_forward<double> and the reference on the same inputs; returns {out, state} rel-RMS.
 std::pair<double, double> chunk_fp64_vs_reference(const KdaOptions& opt) {

@@ -3,11 +3,13 @@
 
 #include <cstdint>
 
+#include "flashkda/config.h"
+
 namespace flashkda::cuda::sm90::decode {
 
-constexpr int kHeadDimK = 128;  // K: state row length (contiguous in memory, [V, K] layout)
-constexpr int kHeadDimV = 128;  // V: state rows
-constexpr int kMaxTokens = 16;  // new tokens per sequence in one decode step (SPEC.md §5)
+constexpr int kHeadDimK = flashkda::kCudaHeadDim;  // K: state row length (contiguous in memory, [V, K] layout)
+constexpr int kHeadDimV = flashkda::kCudaHeadDim;  // V: state rows
+constexpr int kMaxTokens = flashkda::kMaxDecodeTokens;  // new tokens per sequence in one decode step (SPEC.md §5)
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;

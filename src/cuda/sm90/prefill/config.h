@@ -5,10 +5,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "flashkda/config.h"
+
 namespace flashkda::sm90::prefill {
 
-constexpr int kChunk = 16;      // tokens per chunk (SPEC.md §4)
-constexpr int kHeadDim = 128;   // K = V = 128
+constexpr int kChunk = flashkda::kChunk;         // tokens per chunk (SPEC.md §4)
+constexpr int kHeadDim = flashkda::kCudaHeadDim;  // K = V = 128
 constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 
 // One chunk of one head in the workspace, written by K1 and read by K2. Every 16x128 / 16x16
@@ -38,7 +40,7 @@ constexpr int kOffInvBLo = kOffKRestoredLo + kTileBytes;
 // Above this per-channel spread of the in-chunk log-decay (G_first - G_last) the factorised
 // exp(G_i - mid) * exp(mid - G_j) could leave the fp32/bf16 range (e^80 ~ 5.5e34 < 3.4e38), so K1
 // computes that chunk's L and Mqk pairwise with exp(G_i - G_j) <= 1 instead.
-constexpr float kMaxFactorisedSpread = 160.0f;
+constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift);
 
 // Workspace: [header: chunk_start[N+1] int32, error flag] [chunk records, slot-major, head-minor].
 constexpr size_t kAlign = 256;
