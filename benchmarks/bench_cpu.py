@@ -1,0 +1,204 @@
+"""CPU backend benchmark: tokens/s and GFLOP/s of flashkda's chunk-16 CPU forward, next to the
+library's fp64 token recurrence (flashkda.reference_forward) and this machine's sgemm rate.
+
+    python benchmarks/bench_cpu.py                      # T=8192, H in 4 8 16 32, K=V=128
+    python benchmarks/bench_cpu.py --out cpu.md         # also write the markdown section to a file
+
+Inputs as in FlashKDA's fwd: bf16 q, k, v, g, beta (ml_dtypes), lower-bound gate (A_log, dt_bias
+fp32), L2-normalised q and k, beta logits, fp32 initial and final state, one sequence. The CPU
+backend is timed through flashkda.fwd (median of --reps runs after one warm-up). The reference
+costs exactly T times its per-token cost, so it runs on the first --ref-T tokens and is scaled.
+
+FLOP counts (multiply-add = 2 FLOPs; preprocessing, exponentials and the decay scaling not counted):
+- chunk form (SPEC.md §4), per chunk of C = 16 tokens of one head:
+    Kd S0 (u), Qd S0 (O), Kr^T U (S1)       3 x 2 C K V
+    L (i > j) and Mqk (i >= j)             2 C^2 K      (C(C-1)/2 + C(C+1)/2 = C^2 dot products)
+    (I + L)^{-1} u and Mqk U               2 C^2 V      (forward substitution + lower-triangular product)
+  = 6 C K V + 2 C^2 (K + V) per chunk, i.e. 6 K V + 2 C (K + V) = 106,496 per token and head at 128.
+- token recurrence (SPEC.md §3), per token of one head: S^T k, the rank-1 update, S^T q
+  = 3 x 2 K V, plus K V for the decay = 7 K V = 114,688 at K = V = 128.
+The sgemm yardstick is numpy's float32 matmul of two --gemm-n square matrices (2 n^3 FLOPs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import ml_dtypes
+import numpy as np
+
+import flashkda
+
+CHUNK = 16
+BF16 = ml_dtypes.bfloat16
+
+
+def chunk_flops_per_token(K, V):
+    return 6 * K * V + 2 * CHUNK * (K + V)
+
+
+def token_flops_per_token(K, V):
+    return 7 * K * V
+
+
+def make_inputs(T, H, K, V, seed):
+    rng = np.random.default_rng(seed)
+    return dict(
+        q=rng.standard_normal((1, T, H, K), np.float32).astype(BF16),
+        k=rng.standard_normal((1, T, H, K), np.float32).astype(BF16),
+        v=rng.standard_normal((1, T, H, V), np.float32).astype(BF16),
+        g=rng.standard_normal((1, T, H, K), np.float32).astype(BF16),
+        beta=rng.standard_normal((1, T, H), np.float32).astype(BF16),
+        A_log=(0.5 * rng.standard_normal(H)).astype(np.float32),
+        dt_bias=(0.5 * rng.standard_normal((H, K))).astype(np.float32),
+        h0=(0.1 * rng.standard_normal((1, H, V, K))).astype(np.float32),
+    )
+
+
+def run_flashkda(x, T, lower_bound):
+    """flashkda.fwd on the first T tokens; returns (out, final_state)."""
+    q, k, v, g, beta = (x[n][:, :T] for n in ("q", "k", "v", "g", "beta"))
+    K = q.shape[-1]
+    out = np.empty(v.shape, BF16)
+    ht = np.empty(x["h0"].shape, np.float32)
+    flashkda.fwd(q, k, v, g, beta, K**-0.5, out, x["A_log"], x["dt_bias"], lower_bound, initial_state=x["h0"],
+                 final_state=ht)
+    return out, ht
+
+
+def run_reference(x, T, lower_bound):
+    q, k, v, g, beta = (x[n][:, :T] for n in ("q", "k", "v", "g", "beta"))
+    return flashkda.reference_forward(q, k, v, g, beta, gate="lower_bound", A_log=x["A_log"], dt_bias=x["dt_bias"],
+                                      lower_bound=lower_bound, initial_state=x["h0"])
+
+
+def timed(fn, reps, warmup=1):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def rel_rms(x, ref):
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    return float(np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref**2)))
+
+
+def sgemm_gflops(n, reps):
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), np.float32)
+    b = rng.standard_normal((n, n), np.float32)
+    t = timed(lambda: a @ b, reps)
+    return 2 * n**3 / t / 1e9
+
+
+def blas_name():
+    try:
+        blas = np.show_config(mode="dicts")["Build Dependencies"]["blas"]
+        return f"{blas.get('name', '?')} {blas.get('version', '')}".strip()
+    except Exception:  # noqa: BLE001 - older numpy: no dict mode
+        return "unknown BLAS"
+
+
+def machine():
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and model == "unknown CPU":
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags") and not flags:
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        model = platform.processor() or model
+    isa = ", ".join(f for f in ("avx2", "fma", "avx512f") if f in flags) or "no AVX2"
+    return model, isa
+
+
+def git_commit():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return rev + (" (with uncommitted changes)" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--T", type=int, default=8192, help="tokens (one sequence)")
+    ap.add_argument("--heads", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--K", type=int, default=128, help="head size (K = V)")
+    ap.add_argument("--ref-T", type=int, default=1024, help="tokens the fp64 reference runs on (then scaled to T)")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--gemm-n", type=int, default=4096)
+    ap.add_argument("--lower-bound", type=float, default=-5.0)
+    ap.add_argument("--out", help="also write the markdown section to this file")
+    args = ap.parse_args()
+    T, K = args.T, args.K
+    V = K
+    ref_T = min(args.ref_T, T)
+
+    model, isa = machine()
+    threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
+    gemm = sgemm_gflops(args.gemm_n, args.reps)
+    chunk_fpt = chunk_flops_per_token(K, V)
+    token_fpt = token_flops_per_token(K, V)
+
+    rows = []
+    for H in args.heads:
+        x = make_inputs(T, H, K, V, seed=H)
+        t_cpu = timed(lambda: run_flashkda(x, T, args.lower_bound), args.reps)
+        t_ref = timed(lambda: run_reference(x, ref_T, args.lower_bound), 1, warmup=0)
+        out_ref, ht_ref = run_reference(x, ref_T, args.lower_bound)
+        out_cpu, ht_cpu = run_flashkda(x, ref_T, args.lower_bound)
+        cpu_tps, ref_tps = T / t_cpu, ref_T / t_ref
+        cpu_gflops = T * H * chunk_fpt / t_cpu / 1e9
+        ref_gflops = ref_T * H * token_fpt / t_ref / 1e9
+        rows.append((H, t_cpu * 1e3, cpu_tps, cpu_gflops, 100 * cpu_gflops / gemm, t_ref * T / ref_T * 1e3, ref_tps,
+                     ref_gflops, cpu_tps / ref_tps, rel_rms(out_cpu, out_ref), rel_rms(ht_cpu, ht_ref)))
+        print(f"H={H}: flashkda {t_cpu * 1e3:.1f} ms, reference {t_ref * 1e3:.1f} ms on {ref_T} tokens", flush=True)
+
+    lines = [
+        f"- machine: {model}, {os.cpu_count()} cores (nproc), {isa}; OpenMP threads: {threads}",
+        f"- date: {datetime.date.today().isoformat()}; commit: {git_commit()}; flashkda {flashkda.version()}",
+        f"- command: `python benchmarks/bench_cpu.py --T {T} --heads {' '.join(map(str, args.heads))} "
+        f"--ref-T {args.ref_T} --reps {args.reps} --gemm-n {args.gemm_n}`",
+        f"- sgemm yardstick: numpy float32 matmul {args.gemm_n}x{args.gemm_n} ({blas_name()}): "
+        f"**{gemm:.1f} GFLOP/s**",
+        f"- inputs: one sequence of T={T}, K=V={K}, bf16 q/k/v/g/beta, lower-bound gate ({args.lower_bound}), "
+        f"fp32 initial and final state; flashkda times are the median of {args.reps} runs",
+        f"- fp64 reference: `flashkda.reference_forward` timed once on the first {ref_T} tokens, its time "
+        f"scaled by {T}/{ref_T}; errors compare the CPU backend with it on those tokens",
+        f"- FLOPs: chunk form {chunk_fpt:,} per token and head (6KV + 2C(K+V), C=16) for the CPU backend; "
+        f"token form {token_fpt:,} (7KV) for the reference",
+        "",
+        f"| H | CPU backend ms | tokens/s | GFLOP/s | % of sgemm | fp64 reference ms (T={T}, scaled) "
+        "| reference tokens/s | reference GFLOP/s | speed-up | out rel-RMS | state rel-RMS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r[0]} | {r[1]:.1f} | {r[2]:,.0f} | {r[3]:.1f} | {r[4]:.0f}% | {r[5]:,.0f} | {r[6]:,.0f} "
+                     f"| {r[7]:.2f} | {r[8]:.1f}x | {r[9]:.1e} | {r[10]:.1e} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
