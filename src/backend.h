@@ -23,6 +23,7 @@ float effective_scale(const Preprocess& pre, int64_t K);
 // backend decides which checks can read memory (cu_seqlens on the host) and which dtypes apply.
 void validate_prefill(const PrefillParams& p, Backend backend);
 void validate_decode(const DecodeParams& p, Backend backend);
+void validate_preprocess(const Preprocess& pre);  // gate form, lower_bound, A_log, scale
 }  // namespace detail
 
 namespace cpu {

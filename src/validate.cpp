@@ -81,7 +81,9 @@ void check_cu_seqlens(const PrefillParams& p, Backend backend) {
   }
 }
 
-void check_preprocess(const Preprocess& pre) {
+}  // namespace
+
+void validate_preprocess(const Preprocess& pre) {
   switch (pre.gate) {
     case GateForm::kLowerBound:
       // Written as a negated range test so that NaN is rejected as well.
@@ -103,14 +105,12 @@ void check_preprocess(const Preprocess& pre) {
   }
 }
 
-}  // namespace
-
 void validate_prefill(const PrefillParams& p, Backend backend) {
   check_shape(p, backend);
   check_pointers(p);
   check_dtypes(p, backend);
   check_cu_seqlens(p, backend);
-  check_preprocess(p.pre);
+  validate_preprocess(p.pre);
 }
 
 }  // namespace flashkda::detail

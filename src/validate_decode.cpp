@@ -88,23 +88,6 @@ void check_alignment(const DecodeParams& p) {
   FLASHKDA_CHECK_ARG(aligned(p.pre.dt_bias), "decode: dt_bias must be 16-byte aligned on the GPU");
 }
 
-void check_preprocess(const Preprocess& pre) {
-  switch (pre.gate) {
-    case GateForm::kLowerBound:
-      FLASHKDA_CHECK_ARG(pre.lower_bound >= -5.0f && pre.lower_bound < 0.0f,
-                         "decode: lower_bound must lie in [-5, 0), got ", pre.lower_bound);
-      FLASHKDA_CHECK_ARG(pre.A_log != nullptr, "decode: A_log must not be null for the lower_bound gate");
-      break;
-    case GateForm::kSoftplus:
-      FLASHKDA_CHECK_ARG(pre.A_log != nullptr, "decode: A_log must not be null for the softplus gate");
-      break;
-    case GateForm::kPrecomputed:
-      break;
-    default:
-      FLASHKDA_CHECK_ARG(false, "decode: unknown gate form ", static_cast<int>(pre.gate));
-  }
-}
-
 // Host-readable cu_seqlens: starts at 0, ends at T, every length in [1, 16]. Returns the longest.
 int64_t check_cu_seqlens(const DecodeParams& p) {
   FLASHKDA_CHECK_ARG(cu_at(p, 0) == 0, "decode: cu_seqlens[0] must be 0, got ", cu_at(p, 0));
@@ -148,7 +131,7 @@ void validate_decode(const DecodeParams& p, Backend backend) {
   check_pointers(p);
   check_dtypes(p, backend);
   check_shapes(p, backend);
-  check_preprocess(p.pre);
+  validate_preprocess(p.pre);  // shared with prefill (validate.cpp)
   if (backend == Backend::kCuda) {
     check_alignment(p);
     return;
