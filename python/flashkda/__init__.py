@@ -52,7 +52,13 @@ if os.environ.get("FLASHKDA_NO_TORCH", "") in ("", "0") and importlib.util.find_
 
 
 def _use_op(q) -> bool:
-    return _torch_ops is not None and is_torch(q)
+    """Route torch tensors through torch.ops.flashkda.* while torch.compile traces (one opaque
+    node); eager calls run the same implementation directly, without the dispatcher's overhead."""
+    if _torch_ops is None or not is_torch(q):
+        return False
+    import torch
+
+    return torch.compiler.is_compiling()
 
 
 # fla options with nothing to do here (inference forward, one algorithm): value ignored.

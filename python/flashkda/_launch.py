@@ -73,9 +73,8 @@ def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, fin
               cu_seqlens=ops.to_ext(cu_seqlens))
     if ops is TorchOps and q.is_cuda:
         def run(stream, torch):
-            nbytes = _C.workspace_size(*args, **kw)
-            ws = _workspace(torch, q.device, stream, nbytes) if nbytes else None
-            _C.forward(*args, workspace=ws, stream=stream, **kw)
+            _C.forward(*args, workspace_alloc=lambda nbytes: _workspace(torch, q.device, stream, nbytes),
+                       stream=stream, **kw)
 
         _cuda_call(q, run)
     else:

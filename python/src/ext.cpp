@@ -283,10 +283,21 @@ void attach_outputs(PrefillArrays& r, const OutArray& out_, const OptOut& final_
 void forward(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
              const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
              bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
-             OptOut final_state, OptIn cu_seqlens, OptOut workspace, uintptr_t stream, bool u16_is_bf16) {
+             OptOut final_state, OptIn cu_seqlens, OptOut workspace, nb::object workspace_alloc, uintptr_t stream,
+             bool u16_is_bf16) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
   PrefillArrays r = make_prefill(q, k, v, g, beta, initial_state, cu_seqlens, pre, u16_is_bf16);
   attach_outputs(r, out, final_state, u16_is_bf16);
+  // workspace_alloc(nbytes) -> array: asked only when no workspace was passed and the backend needs
+  // one, so a CUDA call validates and converts its arguments once (one DLPack import per tensor).
+  nb::object allocated;
+  if (!workspace && !workspace_alloc.is_none()) {
+    const size_t needed = flashkda::workspace_size(r.p);
+    if (needed > 0) {
+      allocated = workspace_alloc(needed);
+      workspace = nb::cast<OutArray>(allocated);
+    }
+  }
   void* ws = nullptr;
   size_t ws_bytes = 0;
   if (workspace) {
@@ -450,8 +461,10 @@ NB_MODULE(_C, m) {
         arg("lower_bound") = -5.0f, arg("l2norm_qk") = true, arg("beta_is_logit") = true,
         arg("scale").none() = nb::none(), arg("initial_state").none() = nb::none(),
         arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(),
-        arg("workspace").none() = nb::none(), arg("stream") = 0, arg("u16_is_bf16") = false,
-        "Chunked KDA forward (SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place.");
+        arg("workspace").none() = nb::none(), arg("workspace_alloc").none() = nb::none(), arg("stream") = 0,
+        arg("u16_is_bf16") = false,
+        "Chunked KDA forward (SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
+        "workspace: device bytes (any dtype); or workspace_alloc(nbytes) -> array, called when needed.");
 
   m.def("workspace_size", &py::workspace_size, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("out"),
         nb::kw_only(), arg("A_log").none() = nb::none(), arg("dt_bias").none() = nb::none(),
