@@ -78,6 +78,7 @@ if want bench; then
   step bench
   export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
   python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -40 || status=1
+  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --out "$OUT/bench_prefill_device.md" 2>&1 | tail -25 || status=1
   [ -f benchmarks/bench_decode.py ] && { python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tail -40 || status=1; }
 fi
 if want sweep; then
