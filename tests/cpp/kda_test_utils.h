@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string>
@@ -292,6 +293,18 @@ inline void report(const std::string& name, double value) {
 }
 
 // Number of non-finite elements (NaN poison left in place means an element was not written).
+// Calls fn and expects flashkda::Error(kInvalidArgument) whose message contains `needle`.
+inline void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no error thrown; expected one mentioning '" << needle << "'";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message '" << e.what() << "' does not mention '" << needle << "'";
+  }
+}
+
 inline int64_t count_nonfinite(const std::vector<double>& x) {
   int64_t bad = 0;
   for (double e : x) bad += std::isfinite(e) ? 0 : 1;

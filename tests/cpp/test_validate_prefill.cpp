@@ -14,18 +14,6 @@
 namespace flashkda::test {
 namespace {
 
-// Calls fn and expects flashkda::Error(kInvalidArgument) whose message contains `needle`.
-void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
-  try {
-    fn();
-    ADD_FAILURE() << "no error thrown; expected one mentioning '" << needle << "'";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
-        << "message '" << e.what() << "' does not mention '" << needle << "'";
-  }
-}
-
 // Applies `mutate` to valid params, then runs forward, workspace_size and reference_forward:
 // each must reject it, and out / final_state must stay bit-identical (NaN poison).
 void expect_rejected(const std::function<void(PrefillParams&)>& mutate, const std::string& needle,

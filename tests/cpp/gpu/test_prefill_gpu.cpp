@@ -335,6 +335,15 @@ TEST_F(PrefillGpu, BadArgumentsThrowBeforeAnyWork) {
   EXPECT_THROW(forward(p, dev.workspace->ptr, 0, nullptr), Error);  // workspace too small
   p.pre.lower_bound = -6.0f;
   EXPECT_THROW(forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr), Error);
+  // The kernels use 8- and 16-byte vector accesses: misaligned tensors are rejected by name.
+  p = dev.params();
+  p.q = static_cast<const uint8_t*>(p.q) + 2;
+  expect_invalid([&] { forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr); }, "q must be 16-byte aligned");
+  p = dev.params();
+  p.out = static_cast<uint8_t*>(p.out) + 8;
+  expect_invalid([&] { forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr); }, "out must be 16-byte aligned");
+  p = dev.params();
+  EXPECT_THROW(forward(p, static_cast<uint8_t*>(dev.workspace->ptr) + 4, dev.workspace->bytes - 4, nullptr), Error);
 }
 
 }  // namespace

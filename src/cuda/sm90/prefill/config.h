@@ -14,28 +14,41 @@ constexpr int kHeadDim = flashkda::kCudaHeadDim;  // K = V = 128
 constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 
 // One chunk of one head in the workspace, written by K1 and read by K2. Every 16x128 / 16x16
-// operand is stored in *fragment order*: word w = (step * 32 + lane) * 4 + reg holds the bf16x2
-// register `reg` of lane `lane` of the m16n8k16 B operand for k-step (or n-tile pair) `step`, so
-// K2 reads each fragment with one conflict-free 16-byte shared-memory load (no ldmatrix, no swizzle).
+// operand is stored in *fragment order*: 16-byte unit (step * 32 + lane) holds the four bf16x2
+// registers of lane `lane` of the m16n8k16 B operand for k-step (or n-tile pair) `step`, so K2
+// reads each fragment with one conflict-free 16-byte shared-memory load (no ldmatrix, no swizzle).
+// Channels enter the tiles in *position* order (channel_position below).
 constexpr int kTileBytes = kChunk * kHeadDim * 2;      // 4096: q_decayed, k_decayed, k_restored
 constexpr int kSmallTileBytes = kChunk * kChunk * 2;   // 512: Mqk, inv_b = (I+L)^-1 diag(b)
-constexpr int kGammaBytes = kHeadDim * 4;              // 512: exp(G_C) per channel, fp32
+constexpr int kGammaBytes = kHeadDim * 4;              // 512: exp(G_C) per channel position, fp32
 // The precise mode also reads the bf16 remainders x - bf16(x) of k_restored and inv_b, stored
-// last so the fast mode can skip them. With one key repeated and little decay, bf16 rounding of
+// last so the fast mode reads a prefix. With one key repeated and little decay, bf16 rounding of
 // either writes noise into state directions that neither the delta rule nor the gate ever
 // removes (measured 2.7e-2 rel-RMS at 16384 tokens); hi + lo keeps it at the ~2^-17 level.
 constexpr int kChunkRecordBytes = 4 * kTileBytes + 3 * kSmallTileBytes + kGammaBytes;  // 18432
-constexpr int kFastRecordBytes = 3 * kTileBytes + 2 * kSmallTileBytes + kGammaBytes;  // without remainders
+constexpr int kFastRecordBytes = 3 * kTileBytes + 2 * kSmallTileBytes + kGammaBytes;  // 13824
 
-// Offsets inside one chunk record.
+// Offsets inside one chunk record: the fast mode's operands first, then the remainders.
 constexpr int kOffQDecayed = 0;
 constexpr int kOffKDecayed = kTileBytes;
 constexpr int kOffKRestored = 2 * kTileBytes;
-constexpr int kOffMqk = 3 * kTileBytes;
-constexpr int kOffInvB = 3 * kTileBytes + kSmallTileBytes;
-constexpr int kOffGamma = 3 * kTileBytes + 2 * kSmallTileBytes;
-constexpr int kOffKRestoredLo = kOffGamma + kGammaBytes;
+constexpr int kOffGamma = 3 * kTileBytes;
+constexpr int kOffMqk = kOffGamma + kGammaBytes;
+constexpr int kOffInvB = kOffMqk + kSmallTileBytes;
+constexpr int kOffKRestoredLo = kOffInvB + kSmallTileBytes;  // == kFastRecordBytes
 constexpr int kOffInvBLo = kOffKRestoredLo + kTileBytes;
+static_assert(kOffKRestoredLo == kFastRecordBytes && kOffInvBLo + kSmallTileBytes == kChunkRecordBytes);
+
+// Channel order inside the tiles. The sums over channels (K of q_decayed/k_decayed products, N of
+// the state update) do not care which MMA index a channel takes, so within each 16-channel step
+// channel 4*t4 + 2*h + e sits at MMA index 8*h + 2*t4 + e. Then one 16-byte unit of a
+// q_decayed/k_decayed tile is 4 consecutive channels of rows t and t+8 (K1 loads 4 channels with
+// one 8-byte load and stores the unit with one 16-byte store), and the fp32 state a K2 lane owns
+// is 4 consecutive channels per step (one 16-byte load or store). The state stays [V, K] in
+// memory; only the registers and the records use positions.
+__host__ __device__ constexpr int channel_position(int c) {
+  return (c & ~15) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1);
+}
 
 // Above this per-channel spread of the in-chunk log-decay (G_first - G_last) the factorised
 // exp(G_i - mid) * exp(mid - G_j) could leave the fp32/bf16 range (e^80 ~ 5.5e34 < 3.4e38), so K1

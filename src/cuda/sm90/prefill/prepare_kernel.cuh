@@ -61,122 +61,139 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
 }
 
 // ---- K1 ----------------------------------------------------------------------------------------
-constexpr int kPrepThreads = kHeadDim;  // 128
-constexpr int kRowPad = kHeadDim + 8;   // fp32 rows padded to 136: conflict-free float2 fragment loads
+// Thread layout: warp w owns rows 2w, 2w+1, 2w+8 and 2w+9 of the chunk (index r = 0..3), lane l
+// owns channels 4l..4l+3 (index e = 0..3): every global load is 8 or 16 bytes, the row sums of the
+// L2 norm are warp reductions, and with the channel positions of config.h each thread writes
+// whole 16-byte fragment units of the record (two rows x four channels) straight from registers.
+// The in-chunk prefix sum of the log-decay runs down the columns of one shared tile.
+constexpr int kPrepThreads = 128;
+constexpr int kPrepWarps = kPrepThreads / 32;
 
-// The gemm operands (phase 2) and the staged record (phase 3) are never live together: sharing
-// their bytes keeps a CTA at ~28 KB so five fit on an SM instead of four (K1 is latency-bound:
-// ncu measured 25% occupancy and 11.8 cycles between issues at four CTAs per SM).
-struct PrepareSmem {
-  union {
-    struct {
-      float op_a[kChunk][kRowPad];  // k_hat*e^{G-mid} (fast path) or k_hat (pairwise path)
-      float op_q[kChunk][kRowPad];  // scale*q_hat*e^{G-mid}           or scale*q_hat
-      float op_b[kChunk][kRowPad];  // k_hat*e^{mid-G}                 or G
-    };
-    alignas(16) uint8_t record[kChunkRecordBytes];  // staging of the whole chunk record
-  };
-  float L[kChunk][kChunk + 1];
-  float beta[kChunk];
-  float row_sumsq[kPrepThreads / 32][2 * kChunk];
-};
+__device__ __forceinline__ int row_of(int warp, int r) { return 2 * warp + (r & 1) + 8 * (r >> 1); }
 
-// Byte offset of element (row t, channel c) of a 16x128 tile used as the B operand of
-// (M=v, N=t, K=c) products: q_decayed, k_decayed.
-__device__ __forceinline__ int frag_index_tk(int t, int c) {
-  const int s = c >> 4, cc = c & 15;
-  const int lane = (t & 7) * 4 + ((cc & 7) >> 1);
-  const int reg = (t >> 3) * 2 + (cc >> 3);
-  return (((s * 32 + lane) * 4 + reg) * 2 + (cc & 1)) * 2;
+// Unit (16 bytes) of a q_decayed / k_decayed style tile holding rows t, t+8 (t < 8) of channels
+// 4l..4l+3: {row t ch 0-1, row t ch 2-3, row t+8 ch 0-1, row t+8 ch 2-3}.
+__device__ __forceinline__ int unit_tk(int t, int l) { return (l >> 2) * 32 + t * 4 + (l & 3); }
+// Unit of the k_restored tile holding channels 4l+e and 4l+2+e of rows 2w, 2w+1, 2w+8, 2w+9:
+// {ch 4l+e rows 2w,2w+1; ch 4l+e rows 2w+8,2w+9; ch 4l+2+e rows 2w,2w+1; ch 4l+2+e rows 2w+8,2w+9}.
+__device__ __forceinline__ int unit_kt(int w, int l, int e) { return (l >> 2) * 32 + (2 * (l & 3) + e) * 4 + w; }
+// Byte offset of element (i, j) of a 16x16 matrix X used as the B operand of (M=v, N=i, K=j)
+// products (Mqk, inv_b).
+__device__ __forceinline__ void store_bf16_at(uint8_t* base, int byte_offset, float x) {
+  *reinterpret_cast<__nv_bfloat16*>(base + byte_offset) = __float2bfloat16_rn(x);
 }
 
-// ... of k_restored, the B operand of (M=v, N=c, K=t) products.
-__device__ __forceinline__ int frag_index_kt(int t, int c) {
-  const int pair = c >> 4;
-  const int lane = (c & 7) * 4 + ((t & 7) >> 1);
-  const int reg = ((c & 15) >> 3) * 2 + (t >> 3);
-  return (((pair * 32 + lane) * 4 + reg) * 2 + (t & 1)) * 2;
-}
-
-// ... of a 16x16 matrix X[i][j] used as the B operand of (M=v, N=i, K=j) products: Mqk, inv_b.
 __device__ __forceinline__ int frag_index_small(int i, int j) {
   const int lane = (i & 7) * 4 + ((j & 7) >> 1);
   const int reg = (i >> 3) * 2 + (j >> 3);
   return ((lane * 4 + reg) * 2 + (j & 1)) * 2;
 }
 
-__device__ __forceinline__ void store_bf16(uint8_t* base, int byte_offset, float x) {
-  *reinterpret_cast<__nv_bfloat16*>(base + byte_offset) = __float2bfloat16_rn(x);
+struct PrepareSmem {
+  float G[kChunk][kHeadDim];  // log-decay, then its in-chunk prefix sum (column scan)
+  union {
+    // Fast path: split-bf16 gemm operands in tk units: [operand][hi/lo][512 words].
+    // 0: k_hat e^{G-mid}, 1: scale q_hat e^{G-mid}, 2: k_hat e^{mid-G}.
+    uint4 ops[3][2][kTileBytes / 16];
+    // Pairwise path: fp32 k_hat, q_hat (and G above).
+    float raw[2][kChunk][kHeadDim];
+  };
+  float L[kChunk][kChunk + 1];
+  float beta[kChunk];
+  alignas(16) uint8_t small[3][kSmallTileBytes];  // Mqk (pairwise path), inv_b, inv_b_lo staging
+};
+
+// e^x and 1/x on the MUFU unit (flush-to-zero: the factors they feed are products of decays,
+// where anything below 1e-38 is zero to every consumer).
+__device__ __forceinline__ float exp_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+__device__ __forceinline__ float fast_rcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
-// One transpose-reduce step over n values (lane bit n/2), then the next with n/2 values.
-template <int kN>
-__device__ __forceinline__ void butterfly_reduce(float (&x)[2 * kChunk], int lane) {
-  constexpr int kHalf = kN / 2;
-  const bool upper = (lane & kHalf) != 0;
-#pragma unroll
-  for (int i = 0; i < kHalf; ++i) {
-    const float send = upper ? x[i] : x[i + kHalf];
-    const float keep = upper ? x[i + kHalf] : x[i];
-    x[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
+// x = hi + lo in bf16 for a pair of floats; returns the packed hi and lo words.
+__device__ __forceinline__ uint2 split_pair(float a, float b) {
+  uint2 r;
+  split_bf16x2(a, b, r.x, r.y);
+  return r;
+}
+
+__device__ __forceinline__ void load4(const void* base, int64_t idx, bool is_f32, float (&x)[4]) {
+  if (is_f32) {
+    const float4 v = *reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx);
+    x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+  } else {
+    const uint2 v = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(base) + idx);
+    x[0] = bf16_lo(v.x), x[1] = bf16_hi(v.x), x[2] = bf16_lo(v.y), x[3] = bf16_hi(v.y);
   }
-  if constexpr (kHalf > 1) butterfly_reduce<kHalf>(x, lane);
 }
 
-// Sums a[t] and b[t] over the 128 threads for each of the 16 rows; results in every thread.
-// Transpose-reduce: each butterfly step halves the values a lane carries (31 shuffles for the
-// 32 sums instead of 160), leaving lane l with the warp's sum of value l (a[0..15], b[0..15]).
-__device__ __forceinline__ void rows_sum2(float (&a)[kChunk], float (&b)[kChunk], float (*scratch)[2 * kChunk]) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float x[2 * kChunk];
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) x[t] = a[t], x[kChunk + t] = b[t];
-  butterfly_reduce<2 * kChunk>(x, lane);
-  scratch[warp][lane] = x[0];
-  __syncthreads();
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    a[t] = scratch[0][t] + scratch[1][t] + scratch[2][t] + scratch[3][t];
-    b[t] = scratch[0][kChunk + t] + scratch[1][kChunk + t] + scratch[2][kChunk + t] + scratch[3][kChunk + t];
-  }
-}
-
-// One warp: C (16x16, fp32) = A (16x128) * B^T where B is 16x128, both fp32 rows in shared
-// memory, as split-bf16 MMAs (hi*hi + hi*lo + lo*hi): ~fp32 accuracy on the tensor cores.
-__device__ __forceinline__ void gemm_16x16x128_split(const float (*A)[kRowPad], const float (*B)[kRowPad],
-                                                     float (&acc)[2][4]) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t4 = lane & 3;
+// One warp: C (16x16) = X * Y^T over 128 channels from split-bf16 operands in tk units
+// (hi*hi + hi*lo + lo*hi, about fp32 accuracy). acc[nt][e]: row g + 8(e>>1), column 8nt + 2t4 + (e&1).
+__device__ __forceinline__ void gemm_tk_split(const uint4 (&X)[2][kTileBytes / 16], const uint4 (&Y)[2][kTileBytes / 16],
+                                              float (&acc)[2][4]) {
+  const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
 #pragma unroll
   for (int s = 0; s < kHeadDim / kMmaK; ++s) {
-    const int c = s * kMmaK + 2 * t4;
-    uint32_t ah[4], al[4];
-    const float2 a0 = *reinterpret_cast<const float2*>(&A[g][c]);
-    const float2 a1 = *reinterpret_cast<const float2*>(&A[g + 8][c]);
-    const float2 a2 = *reinterpret_cast<const float2*>(&A[g][c + 8]);
-    const float2 a3 = *reinterpret_cast<const float2*>(&A[g + 8][c + 8]);
-    split_bf16x2(a0.x, a0.y, ah[0], al[0]);
-    split_bf16x2(a1.x, a1.y, ah[1], al[1]);
-    split_bf16x2(a2.x, a2.y, ah[2], al[2]);
-    split_bf16x2(a3.x, a3.y, ah[3], al[3]);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const float2 b0 = *reinterpret_cast<const float2*>(&B[nt * 8 + g][c]);
-      const float2 b1 = *reinterpret_cast<const float2*>(&B[nt * 8 + g][c + 8]);
-      uint32_t bh0, bl0, bh1, bl1;
-      split_bf16x2(b0.x, b0.y, bh0, bl0);
-      split_bf16x2(b1.x, b1.y, bh1, bl1);
-      mma_bf16(acc[nt], ah, bh0, bh1);
-      mma_bf16(acc[nt], ah, bl0, bl1);
-      mma_bf16(acc[nt], al, bh0, bh1);
-    }
+    const uint4 xh = X[0][s * 32 + lane], xl = X[1][s * 32 + lane];
+    const uint4 yh = Y[0][s * 32 + lane], yl = Y[1][s * 32 + lane];
+    const uint32_t ah[4] = {xh.x, xh.z, xh.y, xh.w}, al[4] = {xl.x, xl.z, xl.y, xl.w};
+    mma_bf16(acc[0], ah, yh.x, yh.y);
+    mma_bf16(acc[1], ah, yh.z, yh.w);
+    mma_bf16(acc[0], ah, yl.x, yl.y);
+    mma_bf16(acc[1], ah, yl.z, yl.w);
+    mma_bf16(acc[0], al, yh.x, yh.y);
+    mma_bf16(acc[1], al, yh.z, yh.w);
   }
 }
 
-__global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_constant__ Params p) {
+// Writes the two tk units (rows t and t+8 for t = 2w, 2w+1) of a 16x128 tile whose elements this
+// thread holds as x[r][e], as bf16 (hi) or as the split pair (hi into dst_hi, lo into dst_lo).
+__device__ __forceinline__ void store_tk(uint4* dst, const float (&x)[4][4], int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    uint4 u;
+    u.x = pack_bf16x2(x[r][0], x[r][1]);
+    u.y = pack_bf16x2(x[r][2], x[r][3]);
+    u.z = pack_bf16x2(x[r + 2][0], x[r + 2][1]);
+    u.w = pack_bf16x2(x[r + 2][2], x[r + 2][3]);
+    dst[unit_tk(2 * warp + r, lane)] = u;
+  }
+}
+
+__device__ __forceinline__ void store_tk_split(uint4* dst_hi, uint4* dst_lo, const float (&x)[4][4], int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const uint2 a = split_pair(x[r][0], x[r][1]), b = split_pair(x[r][2], x[r][3]);
+    const uint2 c = split_pair(x[r + 2][0], x[r + 2][1]), d = split_pair(x[r + 2][2], x[r + 2][3]);
+    const int u = unit_tk(2 * warp + r, lane);
+    dst_hi[u] = make_uint4(a.x, b.x, c.x, d.x);
+    dst_lo[u] = make_uint4(a.y, b.y, c.y, d.y);
+  }
+}
+
+// k_restored (hi and lo tiles) from the elements x[r][e] this thread holds.
+__device__ __forceinline__ void store_kt_split(uint4* dst_hi, uint4* dst_lo, const float (&x)[4][4], int warp, int lane) {
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const uint2 a = split_pair(x[0][e], x[1][e]), b = split_pair(x[2][e], x[3][e]);
+    const uint2 c = split_pair(x[0][e + 2], x[1][e + 2]), d = split_pair(x[2][e + 2], x[3][e + 2]);
+    const int u = unit_kt(warp, lane, e);
+    dst_hi[u] = make_uint4(a.x, b.x, c.x, d.x);
+    dst_lo[u] = make_uint4(a.y, b.y, c.y, d.y);
+  }
+}
+
+__global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& sm = *reinterpret_cast<PrepareSmem*>(smem_raw);
 
@@ -186,149 +203,198 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
   int rows;
   if (!locate_chunk(p, slot, row0, rows)) return;
 
-  const int c = threadIdx.x, lane = c & 31, warp = c >> 5;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int H = p.H;
+  uint8_t* rec = p.records + (slot * H + h) * kChunkRecordBytes;
 
-  // Load channel c of the 16 rows. Every load is issued before any is used (rows past the
-  // sequence end re-read the last valid row and are zeroed below: k = q = 0, a = 0), so the 48
-  // loads share one memory latency instead of paying one per row (measured: 1.72 ms for this
-  // kernel at T=8192, H=96 with the loads under a per-row branch).
-  float q[kChunk], k[kChunk], G[kChunk];
-  const float a_exp = (p.gate == Gate::kPrecomputed) ? 0.f : __expf(p.A_log[h]);
-  const float bias = p.dt_bias != nullptr ? p.dt_bias[h * kHeadDim + c] : 0.f;
+  // Load rows 2w, 2w+1, 2w+8, 2w+9, channels 4l..4l+3. Rows past the sequence end re-read the
+  // last valid row and are zeroed below (k = q = 0, log-decay 0), so all loads issue at once.
+  float q[4][4], k[4][4], a[4][4];
   const bool g_f32 = p.g_type == ElemType::kF32;
 #pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * H + h) * kHeadDim + c;
-    q[t] = load_bf16(p.q, idx);
-    k[t] = load_bf16(p.k, idx);
-    G[t] = load_elem(p.g, idx, g_f32);
+  for (int r = 0; r < 4; ++r) {
+    const int t = row_of(warp, r);
+    const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * H + h) * kHeadDim + 4 * lane;
+    load4(p.q, idx, false, q[r]);
+    load4(p.k, idx, false, k[r]);
+    load4(p.g, idx, g_f32, a[r]);
   }
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    if (t < rows) {
-      G[t] = log_decay(int(p.gate), G[t], a_exp, bias, p.lower_bound);
-    } else {
-      q[t] = k[t] = G[t] = 0.f;
-    }
-  }
-  if (c < kChunk) {
+  if (tid < kChunk) {
     float b = 0.f;
-    if (c < rows) {
-      b = load_elem(p.beta, (row0 + c) * H + h, p.beta_type == ElemType::kF32);
+    if (tid < rows) {
+      b = load_elem(p.beta, (row0 + tid) * H + h, p.beta_type == ElemType::kF32);
       if (p.beta_is_logit) b = sigmoidf_(b);
     }
-    sm.beta[c] = b;
+    sm.beta[tid] = b;
   }
-
-  if (p.l2norm_qk) {
-    float sq[kChunk], sk[kChunk];
+  {
+    const float a_exp = (p.gate == Gate::kPrecomputed) ? 0.f : __expf(p.A_log[h]);
+    float bias[4] = {0.f, 0.f, 0.f, 0.f};
+    if (p.dt_bias != nullptr) load4(p.dt_bias, int64_t(h) * kHeadDim + 4 * lane, true, bias);
+    // One branch on the gate form per thread, not per element.
+    auto apply = [&](auto log_decay_of) {
 #pragma unroll
-    for (int t = 0; t < kChunk; ++t) sq[t] = q[t] * q[t], sk[t] = k[t] * k[t];
-    rows_sum2(sq, sk, sm.row_sumsq);
+      for (int r = 0; r < 4; ++r) {
+        const bool valid = row_of(warp, r) < rows;
 #pragma unroll
-    for (int t = 0; t < kChunk; ++t) q[t] *= rsqrtf(sq[t] + 1e-6f), k[t] *= rsqrtf(sk[t] + 1e-6f);
-  }
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) q[t] *= p.scale;
-
-  // In-chunk inclusive prefix sum of the log-decay: G[t] = a_0 + ... + a_t (G[15] = Gamma).
-#pragma unroll
-  for (int t = 1; t < kChunk; ++t) G[t] += G[t - 1];
-  const float gamma = G[kChunk - 1];
-  const float mid = 0.5f * (G[0] + gamma);
-  const bool pairwise = __syncthreads_or(G[0] - gamma > kMaxFactorisedSpread);
-
-  // Phase 2: L = kd ki^T and Mqk = qd ki^T from operands shifted per channel by mid, so no factor
-  // exceeds e^{spread/2}; the pairwise path keeps k_hat, q_hat and G instead.
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    if (!pairwise) {
-      const float up = __expf(G[t] - mid), down = __expf(mid - G[t]);
-      sm.op_a[t][c] = k[t] * up;
-      sm.op_q[t][c] = q[t] * up;
-      sm.op_b[t][c] = k[t] * down;
+        for (int e = 0; e < 4; ++e) {
+          a[r][e] = valid ? log_decay_of(a[r][e] + bias[e]) : 0.f;
+          if (!valid) q[r][e] = k[r][e] = 0.f;
+        }
+        *reinterpret_cast<float4*>(&sm.G[row_of(warp, r)][4 * lane]) = make_float4(a[r][0], a[r][1], a[r][2], a[r][3]);
+      }
+    };
+    const float lb = p.lower_bound;
+    if (p.gate == Gate::kLowerBound) {
+      apply([&](float x) { return lb * fast_rcp(1.f + exp_ftz(-a_exp * x)); });
+    } else if (p.gate == Gate::kSoftplus) {
+      // softplus(x) = max(x, 0) + log(1 + e^{-|x|}): no overflow; absolute error ~1e-7.
+      apply([&](float x) { return -a_exp * (fmaxf(x, 0.f) + __logf(1.f + exp_ftz(-fabsf(x)))); });
     } else {
-      sm.op_a[t][c] = k[t];
-      sm.op_q[t][c] = q[t];
-      sm.op_b[t][c] = G[t];
+      apply([&](float x) { return x; });  // precomputed log-decay (dt_bias is null)
     }
   }
+
+  // L2 norms: each row's 128 channels live in one warp.
+  float qscale[4], kscale[4];
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sq += q[r][e] * q[r][e], sk += k[r][e] * k[r][e];
+    if (p.l2norm_qk) {
+      sq = group_sum<32>(sq), sk = group_sum<32>(sk);
+      qscale[r] = rsqrtf(sq + 1e-6f) * p.scale, kscale[r] = rsqrtf(sk + 1e-6f);
+    } else {
+      qscale[r] = p.scale, kscale[r] = 1.f;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) q[r][e] *= qscale[r], k[r][e] *= kscale[r];
+  }
+  __syncthreads();
+
+  // Column scan: thread c forms G[t][c] = a_0 + ... + a_t in place, writes exp(Gamma_c) and
+  // flags a spread the factorised form cannot hold.
+  bool wide = false;
+  {
+    const int c = tid;
+    float run = 0.f;
+#pragma unroll
+    for (int t = 0; t < kChunk; ++t) run += sm.G[t][c], sm.G[t][c] = run;
+    wide = sm.G[0][c] - run > kMaxFactorisedSpread;
+    reinterpret_cast<float*>(rec + kOffGamma)[channel_position(c)] = exp_ftz(run);
+  }
+  const bool pairwise = __syncthreads_or(wide);
+
+  float G[4][4], first[4], gamma[4];
+  {
+    const float4 f = *reinterpret_cast<const float4*>(&sm.G[0][4 * lane]);
+    const float4 l = *reinterpret_cast<const float4*>(&sm.G[kChunk - 1][4 * lane]);
+    first[0] = f.x, first[1] = f.y, first[2] = f.z, first[3] = f.w;
+    gamma[0] = l.x, gamma[1] = l.y, gamma[2] = l.z, gamma[3] = l.w;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float4 v = *reinterpret_cast<const float4*>(&sm.G[row_of(warp, r)][4 * lane]);
+      G[r][0] = v.x, G[r][1] = v.y, G[r][2] = v.z, G[r][3] = v.w;
+    }
+  }
+
+  // q_decayed = q e^{G}, k_decayed = k e^{G}, k_restored = k e^{Gamma - G}: every factor <= 1.
+  // Fast path: formed from the mid-shifted gemm operands, x e^{G-mid} e^{mid} etc.
+  float qd[4][4], kd[4][4], kr[4][4];
+  uint4* rec_units = reinterpret_cast<uint4*>(rec);
+  if (!pairwise) {
+    float op_k[4][4], op_b[4][4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float mid = 0.5f * (first[e] + gamma[e]);
+      const float e_mid = exp_ftz(mid), e_gamma_mid = exp_ftz(gamma[e] - mid);
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float up = exp_ftz(G[r][e] - mid), down = exp_ftz(mid - G[r][e]);
+        op_k[r][e] = k[r][e] * up;
+        q[r][e] *= up;  // op_q
+        op_b[r][e] = k[r][e] * down;
+        qd[r][e] = q[r][e] * e_mid;
+        kd[r][e] = op_k[r][e] * e_mid;
+        kr[r][e] = op_b[r][e] * e_gamma_mid;
+      }
+    }
+    store_tk_split(sm.ops[0][0], sm.ops[0][1], op_k, warp, lane);
+    store_tk_split(sm.ops[1][0], sm.ops[1][1], q, warp, lane);
+    store_tk_split(sm.ops[2][0], sm.ops[2][1], op_b, warp, lane);
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = row_of(warp, r);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float eg = exp_ftz(G[r][e]);
+        qd[r][e] = q[r][e] * eg;
+        kd[r][e] = k[r][e] * eg;
+        kr[r][e] = k[r][e] * exp_ftz(gamma[e] - G[r][e]);
+      }
+      *reinterpret_cast<float4*>(&sm.raw[0][t][4 * lane]) = make_float4(k[r][0], k[r][1], k[r][2], k[r][3]);
+      *reinterpret_cast<float4*>(&sm.raw[1][t][4 * lane]) = make_float4(q[r][0], q[r][1], q[r][2], q[r][3]);
+    }
+  }
+  store_tk(rec_units + kOffQDecayed / 16, qd, warp, lane);
+  store_tk(rec_units + kOffKDecayed / 16, kd, warp, lane);
+  store_kt_split(rec_units + kOffKRestored / 16, rec_units + kOffKRestoredLo / 16, kr, warp, lane);
   __syncthreads();
 
   const int g = lane >> 2, t4 = lane & 3;
-  float mqk[2][4] = {};    // fast path: warp 1's Mqk accumulators
-  float mqk_pair[2] = {};  // pairwise path: Mqk entries e = c + 256 and c + 384
   if (!pairwise) {
-    if (warp < 2) {
-      float acc[2][4];
-      gemm_16x16x128_split(warp == 0 ? sm.op_a : sm.op_q, sm.op_b, acc);
+    // Warp 0: L = b_i (k e^{G-mid}) (k e^{mid-G})^T (i > j); warp 1: Mqk (i >= j), written as
+    // this lane's own fragment unit. Warps 2 and 3 are done.
+    if (warp >= 2) return;
+    float acc[2][4];
+    gemm_tk_split(sm.ops[warp], sm.ops[2], acc);
+    if (warp == 1) {
+      float m[2][4];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = g + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
-          if (warp == 0) sm.L[i][j] = i > j ? sm.beta[i] * acc[nt][e] : 0.f;
-          mqk[nt][e] = acc[nt][e];
-        }
+        for (int e = 0; e < 4; ++e) m[nt][e] = (g + 8 * (e >> 1) >= 8 * nt + 2 * t4 + (e & 1)) ? acc[nt][e] : 0.f;
+      reinterpret_cast<uint4*>(rec + kOffMqk)[lane] =
+          make_uint4(pack_bf16x2(m[0][0], m[0][1]), pack_bf16x2(m[1][0], m[1][1]), pack_bf16x2(m[0][2], m[0][3]),
+                     pack_bf16x2(m[1][2], m[1][3]));
+      return;
     }
-  } else {
-    // Pairwise: sum_c x_i,c k_j,c exp(G_i,c - G_j,c), exponent <= 0 for i >= j.
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int e = c + r * kPrepThreads, i = (e / kChunk) % kChunk, j = e % kChunk;
-      float acc = 0.f;
-      if (i >= j) {
-        const float (*X)[kRowPad] = r < 2 ? sm.op_a : sm.op_q;
-        for (int cc = 0; cc < kHeadDim; ++cc)
-          acc += X[i][cc] * sm.op_a[j][cc] * __expf(sm.op_b[i][cc] - sm.op_b[j][cc]);
-      }
-      if (r < 2) sm.L[i][j] = i > j ? sm.beta[i] * acc : 0.f;
-      else mqk_pair[r - 2] = acc;
-    }
-  }
-  // Read this channel's operands back (q, k and G are not kept in registers across the gemm, so
-  // K1 stays at <= 80 registers), then let the record staging reuse their bytes.
-  float xq[kChunk], xa[kChunk], xb[kChunk];
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) xq[t] = sm.op_q[t][c], xa[t] = sm.op_a[t][c], xb[t] = sm.op_b[t][c];
-  __syncthreads();
-
-  // Phase 3: q_decayed, k_decayed, k_restored (all factors <= 1), Mqk, exp(Gamma) staged as bf16.
-  // Fast path: q_decayed = (q e^{G-mid}) e^{mid}, k_restored = (k e^{mid-G}) e^{Gamma-mid}, both
-  // factors <= 1; pairwise path: xq, xa, xb are q_hat, k_hat and G themselves.
-  const float e_mid = __expf(mid), e_gamma_mid = __expf(gamma - mid);
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) {
-    const float e = pairwise ? __expf(xb[t]) : e_mid;
-    const float kr = pairwise ? xa[t] * __expf(gamma - xb[t]) : xb[t] * e_gamma_mid;
-    store_bf16(sm.record, kOffQDecayed + frag_index_tk(t, c), xq[t] * e);
-    store_bf16(sm.record, kOffKDecayed + frag_index_tk(t, c), xa[t] * e);
-    const float kr_hi = __bfloat162float(__float2bfloat16_rn(kr));
-    store_bf16(sm.record, kOffKRestored + frag_index_kt(t, c), kr_hi);
-    store_bf16(sm.record, kOffKRestoredLo + frag_index_kt(t, c), kr - kr_hi);
-  }
-  reinterpret_cast<float*>(sm.record + kOffGamma)[c] = __expf(gamma);
-  if (!pairwise && warp == 1) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = g + (e >> 1) * 8, j = nt * 8 + 2 * t4 + (e & 1);
-        store_bf16(sm.record, kOffMqk + frag_index_small(i, j), i >= j ? mqk[nt][e] : 0.f);
+        sm.L[i][j] = i > j ? sm.beta[i] * acc[nt][e] : 0.f;
       }
-  } else if (pairwise) {
+    __syncwarp();
+  } else {
+    // Pairwise (a chunk spread beyond e^{2 * kMaxFactorisedShift}): sum_c x_i,c k_j,c e^{G_i,c - G_j,c}
+    // with the exponent <= 0 for i >= j. Rare and slow; all 128 threads, 4 entries each.
 #pragma unroll
-    for (int r = 2; r < 4; ++r) {
-      const int e = c + r * kPrepThreads;
-      store_bf16(sm.record, kOffMqk + frag_index_small((e / kChunk) % kChunk, e % kChunk), mqk_pair[r - 2]);
+    for (int r = 0; r < 4; ++r) {
+      const int e = tid + r * kPrepThreads, i = (e / kChunk) % kChunk, j = e % kChunk;
+      float acc = 0.f;
+      if (i >= j) {
+        const float(*X)[kHeadDim] = r < 2 ? sm.raw[0] : sm.raw[1];
+        for (int cc = 0; cc < kHeadDim; ++cc)
+          acc += X[i][cc] * sm.raw[0][j][cc] * exp_ftz(sm.G[i][cc] - sm.G[j][cc]);
+      }
+      if (r < 2) sm.L[i][j] = i > j ? sm.beta[i] * acc : 0.f;
+      else store_bf16_at(sm.small[0], frag_index_small(i, j), acc);
+    }
+    __syncthreads();
+    if (warp >= 1) {
+      if (warp == 1) reinterpret_cast<uint4*>(rec + kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
+      return;
     }
   }
 
-  // inv_b = (I + L)^-1 diag(b) by fp32 forward substitution (lane j owns column j): exact for
-  // strictly lower-triangular L and stable for near-collinear keys, where the Neumann series
+  // Warp 0: inv_b = (I + L)^-1 diag(b) by fp32 forward substitution (lane j owns column j): exact
+  // for strictly lower-triangular L and stable for near-collinear keys, where the Neumann series
   // of (I + L)^-1 cancels catastrophically.
-  if (warp == 0 && lane < kChunk) {
+  if (lane < kChunk) {
     const int j = lane;
     float x[kChunk];
 #pragma unroll
@@ -342,16 +408,13 @@ __global__ void __launch_bounds__(kPrepThreads) prepare_kernel(const __grid_cons
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       const float val = x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
-      store_bf16(sm.record, kOffInvB + frag_index_small(i, j), hi);
-      store_bf16(sm.record, kOffInvBLo + frag_index_small(i, j), val - hi);
+      store_bf16_at(sm.small[1], frag_index_small(i, j), hi);
+      store_bf16_at(sm.small[2], frag_index_small(i, j), val - hi);
     }
   }
-  __syncthreads();
-
-  // Coalesced 16-byte copy of the staged record to the workspace.
-  const uint4* src = reinterpret_cast<const uint4*>(sm.record);
-  uint4* dst = reinterpret_cast<uint4*>(p.records + (slot * H + h) * kChunkRecordBytes);
-  for (int i = c; i < kChunkRecordBytes / 16; i += kPrepThreads) dst[i] = src[i];
+  __syncwarp();
+  reinterpret_cast<uint4*>(rec + kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
+  reinterpret_cast<uint4*>(rec + kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
 }
 
 }  // namespace flashkda::sm90::prefill

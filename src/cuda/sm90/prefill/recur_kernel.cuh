@@ -123,22 +123,23 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   const SeqChunks sc = seq_chunks(p, n);
   const int64_t state_base = (n * p.H + h) * int64_t(kHeadDim) * kHeadDim;
 
-  // S^T tile: S[nt][e] = state(v = v_row + 8 * (e >> 1), k = 8 * nt + 2 * t4 + (e & 1)).
+  // S^T tile: S[nt][e] = state(v = v_row + 8 * (e >> 1), position 8 * nt + 2 * t4 + (e & 1)); with the
+  // channel positions of config.h, n-tiles 2s and 2s + 1 hold channels 16s + 4 * t4 .. + 3.
   float S[16][4];
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
+  for (int s = 0; s < 8; ++s) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float2 s2 = make_float2(0.f, 0.f);
-      const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 8 * nt + 2 * t4;
+      float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f);
+      const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 16 * s + 4 * t4;
       if (p.initial_state_type == ElemType::kF32) {
-        s2 = *reinterpret_cast<const float2*>(static_cast<const float*>(p.initial_state) + idx);
+        s4 = *reinterpret_cast<const float4*>(static_cast<const float*>(p.initial_state) + idx);
       } else if (p.initial_state_type == ElemType::kBF16) {
-        s2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(
-            static_cast<const __nv_bfloat16*>(p.initial_state) + idx));
+        const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.initial_state) + idx);
+        s4 = make_float4(bf16_lo(b.x), bf16_hi(b.x), bf16_lo(b.y), bf16_hi(b.y));
       }
-      S[nt][2 * half] = s2.x;
-      S[nt][2 * half + 1] = s2.y;
+      S[2 * s][2 * half] = s4.x, S[2 * s][2 * half + 1] = s4.y;
+      S[2 * s + 1][2 * half] = s4.z, S[2 * s + 1][2 * half + 1] = s4.w;
     }
   }
 
@@ -273,16 +274,17 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 
   if (p.final_state != nullptr) {
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
+    for (int s = 0; s < 8; ++s)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 8 * nt + 2 * t4;
+        const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 16 * s + 4 * t4;
+        const float4 s4 = make_float4(S[2 * s][2 * half], S[2 * s][2 * half + 1], S[2 * s + 1][2 * half],
+                                      S[2 * s + 1][2 * half + 1]);
         if (p.final_state_type == ElemType::kF32) {
-          *reinterpret_cast<float2*>(static_cast<float*>(p.final_state) + idx) =
-              make_float2(S[nt][2 * half], S[nt][2 * half + 1]);
+          *reinterpret_cast<float4*>(static_cast<float*>(p.final_state) + idx) = s4;
         } else {
-          *reinterpret_cast<__nv_bfloat162*>(static_cast<__nv_bfloat16*>(p.final_state) + idx) =
-              __floats2bfloat162_rn(S[nt][2 * half], S[nt][2 * half + 1]);
+          *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.final_state) + idx) =
+              make_uint2(pack_bf16x2(s4.x, s4.y), pack_bf16x2(s4.z, s4.w));
         }
       }
   }
