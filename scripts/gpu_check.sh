@@ -3,7 +3,9 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [sweep]   (default: all but sweep)
+#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [profile] [decode] [sweep]
+#   (default: build test sanitize python bench; bench = prefill and decode against the peers,
+#   decode = the decode benchmark alone, profile = per-kernel times and ncu of K1/K2)
 #   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.
 #
 # Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
@@ -60,7 +62,7 @@ if want sanitize; then
   done
 fi
 
-if want python || want bench; then
+if want python || want bench || want profile || want decode; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip.log" 2>&1 || { status=1; tail -30 "$OUT/pip.log"; }
@@ -80,6 +82,25 @@ if want bench; then
   python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -40 || status=1
   python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --out "$OUT/bench_prefill_device.md" 2>&1 | tail -25 || status=1
   [ -f benchmarks/bench_decode.py ] && { python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tail -40 || status=1; }
+fi
+if want decode && ! want bench; then
+  step bench-decode
+  python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tail -40 || status=1
+fi
+if want profile; then
+  step profile
+  python3 benchmarks/profile_prefill.py 2>&1 | tee "$OUT/profile.md" | grep -v Warn | tail -30
+  if command -v ncu > /dev/null; then
+    for c in 0; do  # T=8192 H=96, fp32 state, first call of K1 and K2
+      ncu --clock-control none -k regex:"prepare_kernel|recur_kernel" -c 2 --section SpeedOfLight \
+        --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
+        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
+from bench_prefill import CASES, make_inputs, run_flashkda
+_, H, lens = CASES[$c]; fn = run_flashkda(make_inputs(H, lens, True), True)[0]; fn(); torch.cuda.synchronize()" \
+        > "$OUT/ncu_case$c.txt" 2>&1 || echo "ncu case $c failed (see ncu_case$c.txt)"
+    done
+  fi
 fi
 if want sweep; then
   step sweep

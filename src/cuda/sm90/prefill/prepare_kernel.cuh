@@ -100,7 +100,7 @@ struct PrepareSmem {
   };
   float L[kChunk][kChunk + 1];
   float beta[kChunk];
-  alignas(16) uint8_t small[3][kSmallTileBytes];  // Mqk (pairwise path), inv_b, inv_b_lo staging
+  alignas(16) uint8_t small[4][kSmallTileBytes];  // Mqk, Mqk_lo (pairwise path), inv_b, inv_b_lo staging
 };
 
 // e^x and 1/x on the MUFU unit (flush-to-zero: the factors they feed are products of decays,
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
       *reinterpret_cast<float4*>(&sm.raw[1][t][4 * lane]) = make_float4(q[r][0], q[r][1], q[r][2], q[r][3]);
     }
   }
-  store_tk(rec_units + kOffQDecayed / 16, qd, warp, lane);
+  store_tk_split(rec_units + kOffQDecayed / 16, rec_units + kOffQDecayedLo / 16, qd, warp, lane);
   store_tk(rec_units + kOffKDecayed / 16, kd, warp, lane);
   store_kt_split(rec_units + kOffKRestored / 16, rec_units + kOffKRestoredLo / 16, kr, warp, lane);
   __syncthreads();
@@ -356,9 +356,10 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) m[nt][e] = (g + 8 * (e >> 1) >= 8 * nt + 2 * t4 + (e & 1)) ? acc[nt][e] : 0.f;
-      reinterpret_cast<uint4*>(rec + kOffMqk)[lane] =
-          make_uint4(pack_bf16x2(m[0][0], m[0][1]), pack_bf16x2(m[1][0], m[1][1]), pack_bf16x2(m[0][2], m[0][3]),
-                     pack_bf16x2(m[1][2], m[1][3]));
+      const uint2 a = split_pair(m[0][0], m[0][1]), b = split_pair(m[1][0], m[1][1]);
+      const uint2 c = split_pair(m[0][2], m[0][3]), d = split_pair(m[1][2], m[1][3]);
+      reinterpret_cast<uint4*>(rec + kOffMqk)[lane] = make_uint4(a.x, b.x, c.x, d.x);
+      reinterpret_cast<uint4*>(rec + kOffMqkLo)[lane] = make_uint4(a.y, b.y, c.y, d.y);
       return;
     }
 #pragma unroll
@@ -382,11 +383,18 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
           acc += X[i][cc] * sm.raw[0][j][cc] * exp_ftz(sm.G[i][cc] - sm.G[j][cc]);
       }
       if (r < 2) sm.L[i][j] = i > j ? sm.beta[i] * acc : 0.f;
-      else store_bf16_at(sm.small[0], frag_index_small(i, j), acc);
+      else {
+        const float hi = __bfloat162float(__float2bfloat16_rn(acc));
+        store_bf16_at(sm.small[0], frag_index_small(i, j), hi);
+        store_bf16_at(sm.small[1], frag_index_small(i, j), acc - hi);
+      }
     }
     __syncthreads();
     if (warp >= 1) {
-      if (warp == 1) reinterpret_cast<uint4*>(rec + kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
+      if (warp == 1) {
+        reinterpret_cast<uint4*>(rec + kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
+        reinterpret_cast<uint4*>(rec + kOffMqkLo)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
+      }
       return;
     }
   }
@@ -408,13 +416,13 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       const float val = x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
-      store_bf16_at(sm.small[1], frag_index_small(i, j), hi);
-      store_bf16_at(sm.small[2], frag_index_small(i, j), val - hi);
+      store_bf16_at(sm.small[2], frag_index_small(i, j), hi);
+      store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
     }
   }
   __syncwarp();
-  reinterpret_cast<uint4*>(rec + kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
-  reinterpret_cast<uint4*>(rec + kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
+  reinterpret_cast<uint4*>(rec + kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
+  reinterpret_cast<uint4*>(rec + kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[3])[lane];
 }
 
 }  // namespace flashkda::sm90::prefill

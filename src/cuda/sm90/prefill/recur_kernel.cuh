@@ -10,8 +10,8 @@
 //   S^T  = S^T diag(e^Gamma) + U^T Kr                       (N = 128, K = 16)
 // The C fragments of one product are the A fragments of the next, so U and S never leave
 // registers; the chunk records and v stream through a cp.async ring of kStages stages.
-// kPrecise splits S, U, inv_b and k_restored into bf16 hi + lo halves (2-3x the MMAs on those
-// products); the fast mode rounds them to bf16 (see config.h for what that costs in accuracy).
+// kPrecise splits S, U, inv_b, k_restored, q_decayed and Mqk into bf16 hi + lo halves (2-3x the
+// MMAs on those products); the fast mode rounds them to bf16 (see config.h for what that costs in accuracy).
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
@@ -181,10 +181,13 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       mma_bf16(O[0], sa[s], bq.x, bq.y);
       mma_bf16(O[1], sa[s], bq.z, bq.w);
       if constexpr (kPrecise) {
+        const uint4 bq_lo = lds128(rec + kOffQDecayedLo + (s * 32 + lane) * 16);
         mma_bf16(W[0], sa_lo[s], bk.x, bk.y);
         mma_bf16(W[1], sa_lo[s], bk.z, bk.w);
         mma_bf16(O[0], sa_lo[s], bq.x, bq.y);
         mma_bf16(O[1], sa_lo[s], bq.z, bq.w);
+        mma_bf16(O[0], sa[s], bq_lo.x, bq_lo.y);
+        mma_bf16(O[1], sa[s], bq_lo.z, bq_lo.w);
       }
     }
     float W[2][4], O[2][4];
@@ -226,8 +229,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       mma_bf16(O[0], uc, bm.x, bm.y);
       mma_bf16(O[1], uc, bm.z, bm.w);
       if constexpr (kPrecise) {
+        const uint4 bm_lo = lds128(rec + kOffMqkLo + lane * 16);
         mma_bf16(O[0], uc_lo, bm.x, bm.y);
         mma_bf16(O[1], uc_lo, bm.z, bm.w);
+        mma_bf16(O[0], uc, bm_lo.x, bm_lo.y);
+        mma_bf16(O[1], uc, bm_lo.z, bm_lo.w);
       }
     }
 
