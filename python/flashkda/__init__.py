@@ -20,8 +20,18 @@ import importlib.util
 import os
 import warnings
 
-from . import _C, _impl
-from ._arrays import is_torch, ops_for
+_WANT_TORCH = os.environ.get("FLASHKDA_NO_TORCH", "") in ("", "0") and importlib.util.find_spec("torch") is not None
+if _WANT_TORCH:
+    # torch first: loading the CUDA extension before torch's own CUDA libraries crashed the
+    # interpreter on the H200 machine (`python -c "import flashkda"`); torch first is the order
+    # every torch extension is tested in.
+    try:
+        import torch  # noqa: F401
+    except Exception:  # pragma: no cover - a broken torch install must not break numpy use
+        _WANT_TORCH = False
+
+from . import _C, _impl  # noqa: E402
+from ._arrays import is_torch, ops_for  # noqa: E402
 
 __all__ = ["chunk_kda", "fwd", "fused_recurrent_kda", "reference_forward", "cuda_available", "version",
            "built_with_cuda"]
@@ -43,7 +53,7 @@ def cuda_available() -> bool:
 reference_forward = _impl.reference_forward
 
 _torch_ops = None
-if os.environ.get("FLASHKDA_NO_TORCH", "") in ("", "0") and importlib.util.find_spec("torch") is not None:
+if _WANT_TORCH:
     try:  # (not `from . import`: that would return the None bound above)
         _torch_ops = importlib.import_module("._torch_ops", __name__)
     except Exception as e:  # pragma: no cover - a broken torch install must not break numpy use
