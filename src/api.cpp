@@ -1,5 +1,4 @@
 // Public entry points: pick the backend from where the tensors live, validate, dispatch.
-#include <cstdint>
 #include <cmath>
 
 #include "backend.h"
@@ -43,7 +42,7 @@ void forward(const PrefillParams& params, void* workspace, size_t workspace_byte
     FLASHKDA_CHECK_ARG(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),
                        "workspace: need ", needed, " bytes of device memory, got ", workspace_bytes,
                        workspace == nullptr ? " (null pointer)" : "");
-    FLASHKDA_CHECK_ARG(reinterpret_cast<uintptr_t>(workspace) % 16 == 0, "workspace must be 16-byte aligned");
+    detail::check_aligned16({{workspace, "workspace"}}, "");
     cuda::forward(params, workspace, workspace_bytes, stream);
     return;
   }

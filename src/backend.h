@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "flashkda/flashkda.h"
 
@@ -24,6 +25,14 @@ float effective_scale(const Preprocess& pre, int64_t K);
 void validate_prefill(const PrefillParams& p, Backend backend);
 void validate_decode(const DecodeParams& p, Backend backend);
 void validate_preprocess(const Preprocess& pre);  // gate form, lower_bound, A_log, scale
+
+// The GPU kernels use 8- and 16-byte vector accesses: each named pointer (null passes) must be
+// 16-byte aligned, else "<prefix><name> must be 16-byte aligned on the GPU".
+struct NamedPointer {
+  const void* ptr;
+  const char* name;
+};
+void check_aligned16(std::initializer_list<NamedPointer> tensors, const char* prefix);
 }  // namespace detail
 
 namespace cpu {

@@ -105,17 +105,11 @@ void validate_preprocess(const Preprocess& pre) {
   }
 }
 
-// The GPU kernels move every tensor with 8- or 16-byte vector accesses.
-void check_alignment(const PrefillParams& p) {
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  FLASHKDA_CHECK_ARG(aligned(p.q), "q must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.k), "k must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.v), "v must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.g), "g must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.out), "out must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.pre.dt_bias), "dt_bias must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.initial_state), "initial_state must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.final_state), "final_state must be 16-byte aligned on the GPU");
+void check_aligned16(std::initializer_list<NamedPointer> tensors, const char* prefix) {
+  for (const NamedPointer& t : tensors) {
+    FLASHKDA_CHECK_ARG(reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0, prefix, t.name,
+                       " must be 16-byte aligned on the GPU");
+  }
 }
 
 void validate_prefill(const PrefillParams& p, Backend backend) {
@@ -124,7 +118,11 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
   check_dtypes(p, backend);
   check_cu_seqlens(p, backend);
   validate_preprocess(p.pre);
-  if (backend == Backend::kCuda) check_alignment(p);
+  if (backend == Backend::kCuda) {
+    check_aligned16({{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.out, "out"}, {p.pre.dt_bias, "dt_bias"},
+                     {p.initial_state, "initial_state"}, {p.final_state, "final_state"}},
+                    "");
+  }
 }
 
 }  // namespace flashkda::detail

@@ -77,17 +77,6 @@ void check_shapes(const DecodeParams& p, Backend backend) {
   }
 }
 
-// The GPU kernel moves q, k, v, g, dt_bias and the state with 16-byte vector accesses.
-void check_alignment(const DecodeParams& p) {
-  const auto aligned = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  FLASHKDA_CHECK_ARG(aligned(p.q), "decode: q must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.k), "decode: k must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.v), "decode: v must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.g), "decode: g must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.state_pool), "decode: state_pool must be 16-byte aligned on the GPU");
-  FLASHKDA_CHECK_ARG(aligned(p.pre.dt_bias), "decode: dt_bias must be 16-byte aligned on the GPU");
-}
-
 // Host-readable cu_seqlens: starts at 0, ends at T, every length in [1, 16]. Returns the longest.
 int64_t check_cu_seqlens(const DecodeParams& p) {
   FLASHKDA_CHECK_ARG(cu_at(p, 0) == 0, "decode: cu_seqlens[0] must be 0, got ", cu_at(p, 0));
@@ -133,7 +122,10 @@ void validate_decode(const DecodeParams& p, Backend backend) {
   check_shapes(p, backend);
   validate_preprocess(p.pre);  // shared with prefill (validate.cpp)
   if (backend == Backend::kCuda) {
-    check_alignment(p);
+    // The GPU kernel moves q, k, v, g, dt_bias and the state with 16-byte vector accesses.
+    check_aligned16({{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.state_pool, "state_pool"},
+                     {p.pre.dt_bias, "dt_bias"}},
+                    "decode: ");
     return;
   }
   if (p.cu_seqlens != nullptr) {

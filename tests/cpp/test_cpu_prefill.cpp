@@ -220,7 +220,9 @@ TEST(CpuPrefill, OddHeadSizes) {
   for (auto [K, V] : {std::pair<int64_t, int64_t>{1, 1}, {40, 24}, {64, 200}, {256, 256}}) {
     KdaOptions o = fp32_options();
     o.T = 37;
-    o.H = 1;
+    // rel-RMS over a 1x1 state is the relative error of one number, which is large whenever that
+    // number is near zero (1 failure in ~300 seeds at 2.5e-5): give tiny heads enough elements.
+    o.H = K * V < 256 ? 32 : 1;
     o.K = K;
     o.V = V;
     check_against_reference(o);
