@@ -29,6 +29,13 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
                                             d[1], d[2], d[3]);
 }
 
+// Both 16x8 n-tiles of a 16x16 B operand held as one 16-byte fragment unit {b0, b1 of n-tile 0,
+// b0, b1 of n-tile 1}: d0 += A * n-tile 0, then d1 += A * n-tile 1.
+__device__ __forceinline__ void mma_bf16_n16(float (&d0)[4], float (&d1)[4], const uint32_t (&a)[4], const uint4& b) {
+  mma_bf16(d0, a, b.x, b.y);
+  mma_bf16(d1, a, b.z, b.w);
+}
+
 // The accumulators of two adjacent 16x8 n-tiles as the bf16 A fragment of one 16x16 operand.
 __device__ __forceinline__ void acc_to_a(const float (&c0)[4], const float (&c1)[4], uint32_t (&a)[4]) {
   a[0] = pack_bf16x2(c0[0], c0[1]);

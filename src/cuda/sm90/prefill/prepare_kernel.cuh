@@ -147,12 +147,9 @@ __device__ __forceinline__ void gemm_tk_split(const uint4 (&X)[2][kTileBytes / 1
     const uint4 xh = X[0][s * 32 + lane], xl = X[1][s * 32 + lane];
     const uint4 yh = Y[0][s * 32 + lane], yl = Y[1][s * 32 + lane];
     const uint32_t ah[4] = {xh.x, xh.z, xh.y, xh.w}, al[4] = {xl.x, xl.z, xl.y, xl.w};
-    mma_bf16(acc[0], ah, yh.x, yh.y);
-    mma_bf16(acc[1], ah, yh.z, yh.w);
-    mma_bf16(acc[0], ah, yl.x, yl.y);
-    mma_bf16(acc[1], ah, yl.z, yl.w);
-    mma_bf16(acc[0], al, yh.x, yh.y);
-    mma_bf16(acc[1], al, yh.z, yh.w);
+    mma_bf16_n16(acc[0], acc[1], ah, yh);
+    mma_bf16_n16(acc[0], acc[1], ah, yl);
+    mma_bf16_n16(acc[0], acc[1], al, yh);
   }
 }
 

@@ -176,18 +176,13 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       const uint4 bq = lds128(rec + kOffQDecayed + (s * 32 + lane) * 16);
       float(&W)[2][4] = W2[s & 1];
       float(&O)[2][4] = O2[s & 1];
-      mma_bf16(W[0], sa[s], bk.x, bk.y);
-      mma_bf16(W[1], sa[s], bk.z, bk.w);
-      mma_bf16(O[0], sa[s], bq.x, bq.y);
-      mma_bf16(O[1], sa[s], bq.z, bq.w);
+      mma_bf16_n16(W[0], W[1], sa[s], bk);
+      mma_bf16_n16(O[0], O[1], sa[s], bq);
       if constexpr (kPrecise) {
         const uint4 bq_lo = lds128(rec + kOffQDecayedLo + (s * 32 + lane) * 16);
-        mma_bf16(W[0], sa_lo[s], bk.x, bk.y);
-        mma_bf16(W[1], sa_lo[s], bk.z, bk.w);
-        mma_bf16(O[0], sa_lo[s], bq.x, bq.y);
-        mma_bf16(O[1], sa_lo[s], bq.z, bq.w);
-        mma_bf16(O[0], sa[s], bq_lo.x, bq_lo.y);
-        mma_bf16(O[1], sa[s], bq_lo.z, bq_lo.w);
+        mma_bf16_n16(W[0], W[1], sa_lo[s], bk);
+        mma_bf16_n16(O[0], O[1], sa_lo[s], bq);
+        mma_bf16_n16(O[0], O[1], sa[s], bq_lo);
       }
     }
     float W[2][4], O[2][4];
@@ -210,14 +205,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     float U[2][4] = {};
     {
       const uint4 bi = lds128(rec + kOffInvB + lane * 16);
-      mma_bf16(U[0], ua, bi.x, bi.y);
-      mma_bf16(U[1], ua, bi.z, bi.w);
+      mma_bf16_n16(U[0], U[1], ua, bi);
       if constexpr (kPrecise) {
         const uint4 bi_lo = lds128(rec + kOffInvBLo + lane * 16);
-        mma_bf16(U[0], ua_lo, bi.x, bi.y);
-        mma_bf16(U[1], ua_lo, bi.z, bi.w);
-        mma_bf16(U[0], ua, bi_lo.x, bi_lo.y);
-        mma_bf16(U[1], ua, bi_lo.z, bi_lo.w);
+        mma_bf16_n16(U[0], U[1], ua_lo, bi);
+        mma_bf16_n16(U[0], U[1], ua, bi_lo);
       }
     }
     uint32_t uc[4], uc_lo[4];
@@ -226,14 +218,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     // O^T += U^T Mqk^T.
     {
       const uint4 bm = lds128(rec + kOffMqk + lane * 16);
-      mma_bf16(O[0], uc, bm.x, bm.y);
-      mma_bf16(O[1], uc, bm.z, bm.w);
+      mma_bf16_n16(O[0], O[1], uc, bm);
       if constexpr (kPrecise) {
         const uint4 bm_lo = lds128(rec + kOffMqkLo + lane * 16);
-        mma_bf16(O[0], uc_lo, bm.x, bm.y);
-        mma_bf16(O[1], uc_lo, bm.z, bm.w);
-        mma_bf16(O[0], uc, bm_lo.x, bm_lo.y);
-        mma_bf16(O[1], uc, bm_lo.z, bm_lo.w);
+        mma_bf16_n16(O[0], O[1], uc_lo, bm);
+        mma_bf16_n16(O[0], O[1], uc, bm_lo);
       }
     }
 
@@ -247,14 +236,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 #pragma unroll
     for (int pr = 0; pr < 8; ++pr) {
       const uint4 br = lds128(rec + kOffKRestored + (pr * 32 + lane) * 16);
-      mma_bf16(S[2 * pr], uc, br.x, br.y);
-      mma_bf16(S[2 * pr + 1], uc, br.z, br.w);
+      mma_bf16_n16(S[2 * pr], S[2 * pr + 1], uc, br);
       if constexpr (kPrecise) {
         const uint4 br_lo = lds128(rec + kOffKRestoredLo + (pr * 32 + lane) * 16);
-        mma_bf16(S[2 * pr], uc_lo, br.x, br.y);
-        mma_bf16(S[2 * pr + 1], uc_lo, br.z, br.w);
-        mma_bf16(S[2 * pr], uc, br_lo.x, br_lo.y);
-        mma_bf16(S[2 * pr + 1], uc, br_lo.z, br_lo.w);
+        mma_bf16_n16(S[2 * pr], S[2 * pr + 1], uc_lo, br);
+        mma_bf16_n16(S[2 * pr], S[2 * pr + 1], uc, br_lo);
       }
     }
 
