@@ -60,6 +60,18 @@ def make_problem(rng, *, B=1, T=37, H=2, K=64, V=64, dtype=np.float32, gate="low
     return p
 
 
+def gate_kwargs(p, arrays=None):
+    """The gate arguments of the fla-style entry points for problem p; A_log and dt_bias come from
+    `arrays` (e.g. torch_problem(p)) when given, else from p itself."""
+    if p["gate"] == "precomputed":
+        return {}
+    arrays = p if arrays is None else arrays
+    kw = dict(use_gate_in_kernel=True, A_log=arrays["A_log"], dt_bias=arrays["dt_bias"])
+    if p["gate"] == "lower_bound":
+        kw["lower_bound"] = p["lower_bound"]
+    return kw
+
+
 @pytest.fixture
 def rng(request):
     # fresh inputs per test, reproducible per test name

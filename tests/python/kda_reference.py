@@ -69,16 +69,23 @@ def seq_bounds(B, T, cu_seqlens):
     return list(zip(cu[:-1], cu[1:]))
 
 
+def flat_inputs(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, l2norm, beta_logit, scale, cu_seqlens):
+    """Shared by prefill and decode: the scale, the sequence bounds and the preprocessed q, k, v,
+    decay and beta flattened to [B*T, ...]."""
+    B, T, _, K = q.shape
+    scale = K ** -0.5 if scale is None else scale
+    qh, kh, a, b = preprocess(q, k, g, beta, gate, A_log, dt_bias, lower_bound, l2norm, beta_logit)
+    flat = lambda x: x.reshape((B * T,) + x.shape[2:])  # noqa: E731
+    return scale, seq_bounds(B, T, cu_seqlens), tuple(flat(x) for x in (qh, kh, f64(v), a, b))
+
+
 def kda_forward(q, k, v, g, beta, *, gate="precomputed", A_log=None, dt_bias=None, lower_bound=-5.0,
                 l2norm=False, beta_logit=False, scale=None, initial_state=None, cu_seqlens=None):
     """Chunk-free prefill: returns o [B, T, H, V] and final_state [N, H, V, K], float64."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    qh, kh, a, b = preprocess(q, k, g, beta, gate, A_log, dt_bias, lower_bound, l2norm, beta_logit)
-    flat = lambda x: x.reshape((B * T,) + x.shape[2:])  # noqa: E731
-    qh, kh, vv, a, b = flat(qh), flat(kh), flat(f64(v)), flat(a), flat(b)
-    bounds = seq_bounds(B, T, cu_seqlens)
+    scale, bounds, (qh, kh, vv, a, b) = flat_inputs(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, l2norm,
+                                                     beta_logit, scale, cu_seqlens)
     o = np.zeros((B * T, H, V))
     final = np.zeros((len(bounds), H, V, K))
     for n, (bos, eos) in enumerate(bounds):
@@ -100,11 +107,8 @@ def kda_decode(q, k, v, g, beta, pool, state_indices=None, num_accepted_tokens=N
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
-    scale = K ** -0.5 if scale is None else scale
-    qh, kh, a, b = preprocess(q, k, g, beta, gate, A_log, dt_bias, lower_bound, l2norm, beta_logit)
-    flat = lambda x: x.reshape((B * T,) + x.shape[2:])  # noqa: E731
-    qh, kh, vv, a, b = flat(qh), flat(kh), flat(f64(v)), flat(a), flat(b)
-    bounds = seq_bounds(B, T, cu_seqlens)
+    scale, bounds, (qh, kh, vv, a, b) = flat_inputs(q, k, v, g, beta, gate, A_log, dt_bias, lower_bound, l2norm,
+                                                     beta_logit, scale, cu_seqlens)
     pool = f64(pool).copy()
     idx = np.arange(len(bounds)) if state_indices is None else np.asarray(state_indices)
     o = np.zeros((B * T, H, V))

@@ -6,7 +6,7 @@ import warnings
 
 import numpy as np
 import pytest
-from conftest import GATES, make_problem
+from conftest import GATES, gate_kwargs, make_problem
 from kda_reference import kda_forward, rel_rms
 
 import flashkda
@@ -14,15 +14,6 @@ import flashkda
 # rel-RMS bounds (output, final state): fp32 inputs; bf16 inputs (the bf16 output rounding dominates,
 # the fp32 state stays close to the fp64 one).
 TOL = {np.float32: (1e-5, 1e-5), "bf16": (5e-3, 1e-4)}
-
-
-def gate_kwargs(p):
-    if p["gate"] == "precomputed":
-        return {}
-    kw = dict(use_gate_in_kernel=True, A_log=p["A_log"], dt_bias=p["dt_bias"])
-    if p["gate"] == "lower_bound":
-        kw["lower_bound"] = p["lower_bound"]
-    return kw
 
 
 def run_chunk(p, *, l2norm=True, beta_logit=True, scale=None, state_v_first=False, **extra):

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import GATES, make_problem
+from conftest import GATES, gate_kwargs, make_problem
 from kda_reference import kda_decode, kda_forward, rel_rms
 
 import flashkda
 
 H, K, V = 2, 64, 32
-
-
-def gate_kwargs(p):
-    if p["gate"] == "precomputed":
-        return {}
-    kw = dict(use_gate_in_kernel=True, A_log=p["A_log"], dt_bias=p["dt_bias"])
-    if p["gate"] == "lower_bound":
-        kw["lower_bound"] = p["lower_bound"]
-    return kw
 
 
 def decode_ref(p, pool_vk, idx=None, acc=None):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import GATES, make_problem, to_numpy, to_torch, torch_problem
+from conftest import GATES, gate_kwargs, make_problem, to_numpy, to_torch, torch_problem
 from kda_reference import kda_decode, kda_forward, rel_rms
 
 torch = pytest.importorskip("torch", reason="no CUDA GPU (torch is not installed)")
@@ -30,15 +30,6 @@ def bf16(need_bf16):
 def cuda_problem(rng, bf16, gate="lower_bound", lengths=LENGTHS, state=True, **kw):
     p = make_problem(rng, lengths=lengths, H=H, K=K, V=V, dtype=bf16, gate=gate, state=state, **kw)
     return p, torch_problem(p, "cuda")
-
-
-def gate_kwargs(p, t):
-    if p["gate"] == "precomputed":
-        return {}
-    kw = dict(use_gate_in_kernel=True, A_log=t["A_log"], dt_bias=t["dt_bias"])
-    if p["gate"] == "lower_bound":
-        kw["lower_bound"] = p["lower_bound"]
-    return kw
 
 
 def chunk(p, t, state_v_first=True, **over):
