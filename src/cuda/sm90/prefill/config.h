@@ -13,46 +13,59 @@ constexpr int kChunk = flashkda::kChunk;         // tokens per chunk (SPEC.md §
 constexpr int kHeadDim = flashkda::kCudaHeadDim;  // K = V = 128
 constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 
-// One chunk of one head in the workspace, written by K1 and read by K2. Every 16x128 / 16x16
-// operand is stored in *fragment order*: 16-byte unit (step * 32 + lane) holds the four bf16x2
-// registers of lane `lane` of the m16n8k16 B operand for k-step (or n-tile pair) `step`, so K2
-// reads each fragment with one conflict-free 16-byte shared-memory load (no ldmatrix, no swizzle).
-// Channels enter the tiles in *position* order (channel_position below).
-constexpr int kTileBytes = kChunk * kHeadDim * 2;      // 4096: q_decayed, k_decayed, k_restored
-constexpr int kSmallTileBytes = kChunk * kChunk * 2;   // 512: Mqk, inv_b = (I+L)^-1 diag(b)
-constexpr int kGammaBytes = kHeadDim * 4;              // 512: exp(G_C) per channel position, fp32
+// One chunk of one head in the workspace, written by K1 and read by K2 (23040 bytes).
+//
+// The three 16x128 operands of K2's warpgroup MMAs (wgmma, docs/notes/wgmma.md) are stored in the
+// canonical no-swizzle shared-memory layouts those instructions read, so K2 copies the record
+// into shared memory unchanged and points a descriptor at it. A "core matrix" is 8 rows x 16
+// bytes (8 bf16 along the contiguous dimension), 128 contiguous bytes.
+//  - WO tile: B operand of W^T|O^T = S^T [kd | qd | qd_lo]^T (N = 48 rows n = 16 * which + t,
+//    K = 128 channels c, K-major). Element (which, t, c) at
+//        768 * (c / 8) + 128 * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8)
+//    i.e. LBO (next 8 channels) = 768 B, SBO (next 8 rows) = 128 B; which = 0 k_decayed,
+//    1 q_decayed, 2 the bf16 remainder of q_decayed. k-step s (channels 16s..16s+15) starts at
+//    1536 * s. The fast mode reads the first 32 rows (N = 32) with the same descriptor strides.
+//  - Kr tiles (k_restored and its remainder): B operand of the state update S^T += U^T Kr
+//    (N = 128 channels, K = 16 tokens), MN-major (channels contiguous). Element (t, c) at
+//        2048 * (t / 8) + 128 * (c / 8) + 16 * (t % 8) + 2 * (c % 8)
+//    i.e. LBO (next 8 tokens) = 2048 B, SBO (next 8 channels) = 128 B.
+//  - gamma: exp(G_C) per channel, fp32.
+//  - Mqk and inv_b = (I+L)^-1 diag(b), and their remainders: 16x16 B operands of per-warp
+//    m16n8k16 MMAs in fragment order (16-byte unit `lane` holds lane's four bf16x2 registers).
+// In both big layouts a 16-byte granule is 8 consecutive channels of one token, and K1's lane l
+// (channels 4l..4l+3) writes half of one with an 8-byte store.
+//
 // The precise mode also reads the bf16 remainders x - bf16(x) of k_restored, q_decayed, inv_b and
-// Mqk, stored last so the fast mode reads a prefix. With one key repeated and little decay, bf16
-// rounding of k_restored or inv_b writes noise into state directions that neither the delta rule
-// nor the gate ever removes (measured 2.7e-2 rel-RMS at 16384 tokens), and the output is a sum
-// of two nearly cancelling terms, S q_decayed^T and Mqk U, so bf16 rounding of q_decayed and Mqk
-// is amplified (an fp64 simulation: 3.5e-3 with both rounded, 1.7e-3 with both split, against a
-// 1.65e-3 floor from rounding the output to bf16).
-constexpr int kChunkRecordBytes = 5 * kTileBytes + 4 * kSmallTileBytes + kGammaBytes;  // 23040
-constexpr int kFastRecordBytes = 3 * kTileBytes + 2 * kSmallTileBytes + kGammaBytes;  // 13824
+// Mqk. With one key repeated and little decay, bf16 rounding of k_restored or inv_b writes noise
+// into state directions that neither the delta rule nor the gate ever removes (measured 2.7e-2
+// rel-RMS at 16384 tokens), and the output is a sum of two nearly cancelling terms, S q_decayed^T
+// and Mqk U, so bf16 rounding of q_decayed and Mqk is amplified (an fp64 simulation: 3.5e-3 with
+// both rounded, 1.7e-3 with both split, against a 1.65e-3 floor from rounding the output to bf16).
+constexpr int kTileBytes = kChunk * kHeadDim * 2;      // 4096: one bf16 16x128 operand
+constexpr int kSmallTileBytes = kChunk * kChunk * 2;   // 512: Mqk, inv_b
+constexpr int kGammaBytes = kHeadDim * 4;              // 512: exp(G_C) per channel, fp32
+constexpr int kWoTileBytes = 3 * kTileBytes;           // 12288: k_decayed | q_decayed | q_decayed_lo
+constexpr int kWoLbo = 768, kWoSbo = 128, kWoStepBytes = 2 * kWoLbo;
+constexpr int kKrLbo = 2048, kKrSbo = 128;
 
-// Offsets inside one chunk record: the fast mode's operands first, then the remainders.
-constexpr int kOffQDecayed = 0;
-constexpr int kOffKDecayed = kTileBytes;
-constexpr int kOffKRestored = 2 * kTileBytes;
-constexpr int kOffGamma = 3 * kTileBytes;
+constexpr int kOffWo = 0;
+constexpr int kOffKRestored = kOffWo + kWoTileBytes;
+constexpr int kOffKRestoredLo = kOffKRestored + kTileBytes;
+constexpr int kOffGamma = kOffKRestoredLo + kTileBytes;
 constexpr int kOffMqk = kOffGamma + kGammaBytes;
 constexpr int kOffInvB = kOffMqk + kSmallTileBytes;
-constexpr int kOffKRestoredLo = kOffInvB + kSmallTileBytes;  // == kFastRecordBytes
-constexpr int kOffQDecayedLo = kOffKRestoredLo + kTileBytes;
-constexpr int kOffInvBLo = kOffQDecayedLo + kTileBytes;
-constexpr int kOffMqkLo = kOffInvBLo + kSmallTileBytes;
-static_assert(kOffKRestoredLo == kFastRecordBytes && kOffMqkLo + kSmallTileBytes == kChunkRecordBytes);
+constexpr int kOffMqkLo = kOffInvB + kSmallTileBytes;
+constexpr int kOffInvBLo = kOffMqkLo + kSmallTileBytes;
+constexpr int kChunkRecordBytes = kOffInvBLo + kSmallTileBytes;  // 23040
+static_assert(kChunkRecordBytes == 23040 && kChunkRecordBytes % 128 == 0);
 
-// Channel order inside the tiles. The sums over channels (K of q_decayed/k_decayed products, N of
-// the state update) do not care which MMA index a channel takes, so within each 16-channel step
-// channel 4*t4 + 2*h + e sits at MMA index 8*h + 2*t4 + e. Then one 16-byte unit of a
-// q_decayed/k_decayed tile is 4 consecutive channels of rows t and t+8 (K1 loads 4 channels with
-// one 8-byte load and stores the unit with one 16-byte store), and the fp32 state a K2 lane owns
-// is 4 consecutive channels per step (one 16-byte load or store). The state stays [V, K] in
-// memory; only the registers and the records use positions.
-__host__ __device__ constexpr int channel_position(int c) {
-  return (c & ~15) | (((c >> 1) & 1) << 3) | (((c >> 2) & 3) << 1) | (c & 1);
+// Byte offset of the granule half (8 bytes: channels 4l'..4l'+3 with l' = c / 4) holding channel
+// c of token t in the WO tile (operand `which`) and in a Kr tile.
+__host__ __device__ constexpr int wo_offset(int which, int t, int c) {
+  return kWoLbo * (c / 8) + kWoSbo * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8);
+}
+__host__ __device__ constexpr int kr_offset(int t, int c) {
+  return kKrLbo * (t / 8) + kKrSbo * (c / 8) + 16 * (t % 8) + 2 * (c % 8);
 }
 
 // Above this per-channel spread of the in-chunk log-decay (G_first - G_last) the factorised

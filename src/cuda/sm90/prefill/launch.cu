@@ -35,27 +35,23 @@ int env_int(const char* name, int fallback) {
   return (s != nullptr && *s != '\0') ? std::atoi(s) : fallback;
 }
 
-// Warps per recurrence CTA. Every value-column split re-reads the whole chunk record (~18 KB per
-// chunk), so splits trade SM count for L2/DRAM traffic: measured on an H200 at T=32768, H=32,
-// 8 splits (256 one-warp CTAs) ran the recurrence in 3.0 ms, bandwidth-bound on those re-reads.
-// Split in two only when N*H leaves most SMs idle; FLASHKDA_V_SPLITS (1, 2, 4, 8) overrides.
+// Warps per recurrence CTA: two warpgroups (all 128 value columns) or one (a half, two CTAs per
+// head). Every value-column split re-reads the whole chunk record (23 KB per chunk), so splits
+// trade SM count for L2/DRAM traffic; split in two only when N*H leaves most SMs idle.
+// FLASHKDA_V_SPLITS (1 or 2) overrides.
 int choose_warps(int64_t work) {
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   int splits = (2 * work <= int64_t(sms)) ? 2 : 1;
   const int forced = env_int("FLASHKDA_V_SPLITS", 0);
-  if (forced == 1 || forced == 2 || forced == 4 || forced == 8) splits = forced;
+  if (forced == 1 || forced == 2) splits = forced;
   return 8 / splits;
 }
 
 template <bool kPrecise>
 void dispatch_recur(int warps, const Params& kp, cudaStream_t stream) {
-  switch (warps) {
-    case 8: return launch_recur<8, kPrecise>(kp, stream);
-    case 4: return launch_recur<4, kPrecise>(kp, stream);
-    case 2: return launch_recur<2, kPrecise>(kp, stream);
-    default: return launch_recur<1, kPrecise>(kp, stream);
-  }
+  if (warps == 8) launch_recur<8, kPrecise>(kp, stream);
+  else launch_recur<4, kPrecise>(kp, stream);
 }
 
 }  // namespace

@@ -3,9 +3,9 @@
 // K0: grid = 1, block = 1024. Validates cu_seqlens (starts at 0, non-decreasing, ends at the
 //     token count) and writes chunk_start[n] = sum_{m<n} ceil(len_m / 16). On invalid input it
 //     raises error_flag and writes zeros, so K1/K2 do no work and K2 fills the outputs with NaN.
-// K1: grid = chunk_slots * H, block = 128 (thread c owns channel c of all 16 rows).
+// K1: grid = chunk_slots * H, block = 128.
 //     One CTA builds, for one 16-token chunk of one head: q_decayed, k_decayed, k_restored,
-//     Mqk, inv_b = (I + L)^-1 diag(b) and exp(G_C), in fragment order (config.h).
+//     Mqk, inv_b = (I + L)^-1 diag(b) and exp(G_C), in the record layout of config.h.
 #pragma once
 
 #include <cub/block/block_reduce.cuh>
@@ -63,20 +63,17 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
 // ---- K1 ----------------------------------------------------------------------------------------
 // Thread layout: warp w owns rows 2w, 2w+1, 2w+8 and 2w+9 of the chunk (index r = 0..3), lane l
 // owns channels 4l..4l+3 (index e = 0..3): every global load is 8 or 16 bytes, the row sums of the
-// L2 norm are warp reductions, and with the channel positions of config.h each thread writes
-// whole 16-byte fragment units of the record (two rows x four channels) straight from registers.
+// L2 norm are warp reductions, and each thread writes its share of the record (config.h layouts)
+// straight from registers.
 // The in-chunk prefix sum of the log-decay runs down the columns of one shared tile.
 constexpr int kPrepThreads = 128;
 constexpr int kPrepWarps = kPrepThreads / 32;
 
 __device__ __forceinline__ int row_of(int warp, int r) { return 2 * warp + (r & 1) + 8 * (r >> 1); }
 
-// Unit (16 bytes) of a q_decayed / k_decayed style tile holding rows t, t+8 (t < 8) of channels
-// 4l..4l+3: {row t ch 0-1, row t ch 2-3, row t+8 ch 0-1, row t+8 ch 2-3}.
+// Unit (16 bytes) of the m16n8k16 fragment-order operands K1 keeps in shared memory for L and
+// Mqk, holding rows t, t+8 (t < 8) of channels 4l..4l+3: {row t ch 0-1, row t ch 2-3, row t+8 ch 0-1, row t+8 ch 2-3}.
 __device__ __forceinline__ int unit_tk(int t, int l) { return (l >> 2) * 32 + t * 4 + (l & 3); }
-// Unit of the k_restored tile holding channels 4l+e and 4l+2+e of rows 2w, 2w+1, 2w+8, 2w+9:
-// {ch 4l+e rows 2w,2w+1; ch 4l+e rows 2w+8,2w+9; ch 4l+2+e rows 2w,2w+1; ch 4l+2+e rows 2w+8,2w+9}.
-__device__ __forceinline__ int unit_kt(int w, int l, int e) { return (l >> 2) * 32 + (2 * (l & 3) + e) * 4 + w; }
 // Byte offset of element (i, j) of a 16x16 matrix X used as the B operand of (M=v, N=i, K=j)
 // products (Mqk, inv_b).
 __device__ __forceinline__ void store_bf16_at(uint8_t* base, int byte_offset, float x) {
@@ -153,20 +150,6 @@ __device__ __forceinline__ void gemm_tk_split(const uint4 (&X)[2][kTileBytes / 1
   }
 }
 
-// Writes the two tk units (rows t and t+8 for t = 2w, 2w+1) of a 16x128 tile whose elements this
-// thread holds as x[r][e], as bf16 (hi) or as the split pair (hi into dst_hi, lo into dst_lo).
-__device__ __forceinline__ void store_tk(uint4* dst, const float (&x)[4][4], int warp, int lane) {
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    uint4 u;
-    u.x = pack_bf16x2(x[r][0], x[r][1]);
-    u.y = pack_bf16x2(x[r][2], x[r][3]);
-    u.z = pack_bf16x2(x[r + 2][0], x[r + 2][1]);
-    u.w = pack_bf16x2(x[r + 2][2], x[r + 2][3]);
-    dst[unit_tk(2 * warp + r, lane)] = u;
-  }
-}
-
 __device__ __forceinline__ void store_tk_split(uint4* dst_hi, uint4* dst_lo, const float (&x)[4][4], int warp, int lane) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -178,15 +161,33 @@ __device__ __forceinline__ void store_tk_split(uint4* dst_hi, uint4* dst_lo, con
   }
 }
 
-// k_restored (hi and lo tiles) from the elements x[r][e] this thread holds.
-__device__ __forceinline__ void store_kt_split(uint4* dst_hi, uint4* dst_lo, const float (&x)[4][4], int warp, int lane) {
+// Record tiles in wgmma layout (config.h): row t = row_of(warp, r), channels 4l..4l+3 of this
+// lane are half a 16-byte granule, written with one 8-byte store per row.
+__device__ __forceinline__ void store_wo(uint8_t* rec, int which, const float (&x)[4][4], int warp, int lane) {
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const uint2 a = split_pair(x[0][e], x[1][e]), b = split_pair(x[2][e], x[3][e]);
-    const uint2 c = split_pair(x[0][e + 2], x[1][e + 2]), d = split_pair(x[2][e + 2], x[3][e + 2]);
-    const int u = unit_kt(warp, lane, e);
-    dst_hi[u] = make_uint4(a.x, b.x, c.x, d.x);
-    dst_lo[u] = make_uint4(a.y, b.y, c.y, d.y);
+  for (int r = 0; r < 4; ++r)
+    *reinterpret_cast<uint2*>(rec + kOffWo + wo_offset(which, row_of(warp, r), 4 * lane)) =
+        make_uint2(pack_bf16x2(x[r][0], x[r][1]), pack_bf16x2(x[r][2], x[r][3]));
+}
+
+// hi into WO operand `which_hi`, lo into `which_hi + 1` (q_decayed and its remainder).
+__device__ __forceinline__ void store_wo_split(uint8_t* rec, int which_hi, const float (&x)[4][4], int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint2 a = split_pair(x[r][0], x[r][1]), b = split_pair(x[r][2], x[r][3]);
+    const int t = row_of(warp, r);
+    *reinterpret_cast<uint2*>(rec + kOffWo + wo_offset(which_hi, t, 4 * lane)) = make_uint2(a.x, b.x);
+    *reinterpret_cast<uint2*>(rec + kOffWo + wo_offset(which_hi + 1, t, 4 * lane)) = make_uint2(a.y, b.y);
+  }
+}
+
+__device__ __forceinline__ void store_kr_split(uint8_t* rec, const float (&x)[4][4], int warp, int lane) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const uint2 a = split_pair(x[r][0], x[r][1]), b = split_pair(x[r][2], x[r][3]);
+    const int off = kr_offset(row_of(warp, r), 4 * lane);
+    *reinterpret_cast<uint2*>(rec + kOffKRestored + off) = make_uint2(a.x, b.x);
+    *reinterpret_cast<uint2*>(rec + kOffKRestoredLo + off) = make_uint2(a.y, b.y);
   }
 }
 
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) run += sm.G[t][c], sm.G[t][c] = run;
     wide = sm.G[0][c] - run > kMaxFactorisedSpread;
-    reinterpret_cast<float*>(rec + kOffGamma)[channel_position(c)] = exp_ftz(run);
+    reinterpret_cast<float*>(rec + kOffGamma)[c] = exp_ftz(run);
   }
   const bool pairwise = __syncthreads_or(wide);
 
@@ -299,7 +300,6 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
   // q_decayed = q e^{G}, k_decayed = k e^{G}, k_restored = k e^{Gamma - G}: every factor <= 1.
   // Fast path: formed from the mid-shifted gemm operands, x e^{G-mid} e^{mid} etc.
   float qd[4][4], kd[4][4], kr[4][4];
-  uint4* rec_units = reinterpret_cast<uint4*>(rec);
   if (!pairwise) {
     float op_k[4][4], op_b[4][4];
 #pragma unroll
@@ -335,9 +335,9 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
       *reinterpret_cast<float4*>(&sm.raw[1][t][4 * lane]) = make_float4(q[r][0], q[r][1], q[r][2], q[r][3]);
     }
   }
-  store_tk_split(rec_units + kOffQDecayed / 16, rec_units + kOffQDecayedLo / 16, qd, warp, lane);
-  store_tk(rec_units + kOffKDecayed / 16, kd, warp, lane);
-  store_kt_split(rec_units + kOffKRestored / 16, rec_units + kOffKRestoredLo / 16, kr, warp, lane);
+  store_wo(rec, 0, kd, warp, lane);
+  store_wo_split(rec, 1, qd, warp, lane);
+  store_kr_split(rec, kr, warp, lane);
   __syncthreads();
 
   const int g = lane >> 2, t4 = lane & 3;

@@ -1,20 +1,27 @@
 // K2 of the sm90 prefill: the chunk recurrence (SPEC.md §4) over the records K1 wrote.
 //
-// grid = (N * H, 8 / kWarps), block = kWarps * 32. One CTA runs the whole recurrence of one
-// sequence and head for a slice of kWarps * 16 value columns; each warp owns 16 value columns
-// of the state, S^T [16 v x 128 k], in fp32 registers for the whole sequence (value columns
-// evolve independently, so splitting V needs no communication). Per chunk, with M = v rows:
-//   W^T  = S^T kd^T               (16 x 16, K = 128)      u^T = v^T - W^T
-//   U^T  = u^T inv_b^T            (K = 16)                 inv_b = (I + L)^-1 diag(b)
-//   O^T  = S^T qd^T + U^T Mqk^T
-//   S^T  = S^T diag(e^Gamma) + U^T Kr                       (N = 128, K = 16)
-// The C fragments of one product are the A fragments of the next, so U and S never leave
-// registers; the chunk records and v stream through a cp.async ring of kStages stages.
-// kPrecise splits S, U, inv_b, k_restored, q_decayed and Mqk into bf16 hi + lo halves (2-3x the
-// MMAs on those products); the fast mode rounds them to bf16 (see config.h for what that costs in accuracy).
+// grid = (N * H, 8 / kWarps), block = kWarps * 32 (kWarps = 4 or 8: one or two warpgroups). One
+// CTA runs the whole recurrence of one sequence and head for a slice of kWarps * 16 value
+// columns; each warpgroup owns 64 value columns of the state, S^T [64 v x 128 k], in fp32
+// registers for the whole sequence (warp w of the group rows 16w..16w+15; value columns evolve
+// independently, so splitting V needs no communication). Per chunk, with M = v rows:
+//   W^T|O^T = S^T [kd | qd]^T     (N = 32, K = 128)  wgmma, B from the record in shared memory
+//   u^T = v^T - W^T,  U^T = u^T inv_b^T (K = 16)      per-warp mma.sync, inv_b = (I + L)^-1 diag(b)
+//   O^T += U^T Mqk^T                                   per-warp mma.sync
+//   S^T  = S^T diag(e^Gamma) + U^T Kr (N = 128, K = 16) wgmma into the state registers
+// wgmma's register layouts per warp equal mma.sync's (docs/notes/wgmma.md), so the accumulator
+// of one product is the A operand of the next and U and S never leave registers; the chunk
+// records (already in wgmma's shared-memory layouts, config.h) and v stream through a cp.async
+// ring of kStages stages. kPrecise splits S, U, inv_b, k_restored, q_decayed and Mqk into bf16
+// hi + lo halves (2-3x the MMAs on those products); the fast mode rounds them to bf16 (see
+// config.h for what that costs in accuracy).
 #pragma once
 
 #include <cute/arch/copy_sm80.hpp>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90_gmma_ext.hpp>  // m64n48k16
+
+#include <utility>
 
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/mma.cuh"
@@ -28,10 +35,11 @@ constexpr int kStages = 3;
 
 template <int kWarps, bool kPrecise>
 struct RecurSmem {
+  static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
   static constexpr int kVCols = kWarps * 16;
-  static constexpr int kRecordBytes = kPrecise ? kChunkRecordBytes : kFastRecordBytes;
-  struct Stage {
-    alignas(16) uint8_t record[kRecordBytes];
+  static constexpr int kRecordBytes = kChunkRecordBytes;
+  struct alignas(128) Stage {
+    alignas(128) uint8_t record[kRecordBytes];
     alignas(16) __nv_bfloat16 v[kChunk][kVCols];
   };
   Stage stage[kStages];
@@ -72,20 +80,17 @@ __device__ inline void poison_outputs(const Params& p) {
   }
 }
 
-// Converts the 16 n-tiles of S^T (or any 16 x 128 accumulator) into 8 A fragments; with
-// kPrecise also the bf16 remainders.
+// Converts the 16 n-tiles of S^T (flat: S[4j + e] is n-tile j, element e) into the 8 A fragments
+// of the K = 128 products; with kPrecise also the bf16 remainders.
 template <bool kPrecise>
-__device__ __forceinline__ void state_fragments(const float (&S)[16][4], uint32_t (&hi)[8][4], uint32_t (&lo)[8][4]) {
+__device__ __forceinline__ void state_fragments(const float (&S)[64], uint32_t (&hi)[8][4], uint32_t (&lo)[8][4]) {
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
-    if constexpr (kPrecise) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float(&c)[4] = S[2 * s + (r >> 1)];
-        split_bf16x2(c[(r & 1) * 2], c[(r & 1) * 2 + 1], hi[s][r], lo[s][r]);
-      }
-    } else {
-      acc_to_a(S[2 * s], S[2 * s + 1], hi[s]);
+    for (int r = 0; r < 4; ++r) {
+      const float* c = &S[4 * (2 * s + (r >> 1)) + (r & 1) * 2];
+      if constexpr (kPrecise) split_bf16x2_trunc(c[0], c[1], hi[s][r], lo[s][r]);
+      else hi[s][r] = pack_bf16x2(c[0], c[1]);
     }
   }
 }
@@ -94,19 +99,55 @@ template <bool kPrecise>
 __device__ __forceinline__ void acc_fragments(const float (&c0)[4], const float (&c1)[4], uint32_t (&hi)[4],
                                               uint32_t (&lo)[4]) {
   if constexpr (kPrecise) {
-    split_bf16x2(c0[0], c0[1], hi[0], lo[0]);
-    split_bf16x2(c0[2], c0[3], hi[1], lo[1]);
-    split_bf16x2(c1[0], c1[1], hi[2], lo[2]);
-    split_bf16x2(c1[2], c1[3], hi[3], lo[3]);
+    split_bf16x2_trunc(c0[0], c0[1], hi[0], lo[0]);
+    split_bf16x2_trunc(c0[2], c0[3], hi[1], lo[1]);
+    split_bf16x2_trunc(c1[0], c1[1], hi[2], lo[2]);
+    split_bf16x2_trunc(c1[2], c1[3], hi[3], lo[3]);
   } else {
     acc_to_a(c0, c1, hi);
   }
 }
 
+// ---- wgmma (docs/notes/wgmma.md): A from registers, B from shared memory, fp32 accumulate ----
+namespace gmma = cute::SM90::GMMA;
+using WgmmaN48 = cute::SM90::GMMA::MMA_64x48x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
+using WgmmaN32 = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
+using WgmmaUpdate = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+
+// No-swizzle descriptor: start address, LBO and SBO in 16-byte units (layout type 0).
+__device__ __forceinline__ uint64_t smem_desc(const void* p, int lbo, int sbo) {
+  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
+  return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t(lbo >> 4) << 16) | (uint64_t(sbo >> 4) << 32);
+}
+
+template <class Op, int N, size_t... I>
+__device__ __forceinline__ void wgmma_impl(const uint32_t (&a)[4], uint64_t desc, float (&d)[N], gmma::ScaleOut sc,
+                                           std::index_sequence<I...>) {
+  Op::fma(a[0], a[1], a[2], a[3], desc, d[I]..., sc);
+}
+template <class Op, int N>
+__device__ __forceinline__ void wgmma(const uint32_t (&a)[4], uint64_t desc, float (&d)[N], bool accumulate) {
+  wgmma_impl<Op, N>(a, desc, d, accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero, std::make_index_sequence<N>{});
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+template <int N>
+__device__ __forceinline__ void fence_regs(uint32_t (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+// Orders this thread's completed cp.async writes to shared memory before the async proxy
+// (wgmma) reads them; followed by a CTA barrier.
+__device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 template <int kWarps, bool kPrecise>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
   using Smem = RecurSmem<kWarps, kPrecise>;
-  extern __shared__ __align__(16) uint8_t smem_raw[];
+  extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
   if (p.cu_seqlens != nullptr && *p.error_flag != 0) {
@@ -123,23 +164,21 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   const SeqChunks sc = seq_chunks(p, n);
   const int64_t state_base = (n * p.H + h) * int64_t(kHeadDim) * kHeadDim;
 
-  // S^T tile: S[nt][e] = state(v = v_row + 8 * (e >> 1), position 8 * nt + 2 * t4 + (e & 1)); with the
-  // channel positions of config.h, n-tiles 2s and 2s + 1 hold channels 16s + 4 * t4 .. + 3.
-  float S[16][4];
+  // S^T tile, flat: S[4j + e] = state(v = v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1)).
+  float S[64];
 #pragma unroll
-  for (int s = 0; s < 8; ++s) {
+  for (int j = 0; j < 16; ++j) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float4 s4 = make_float4(0.f, 0.f, 0.f, 0.f);
-      const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 16 * s + 4 * t4;
+      float2 s2 = make_float2(0.f, 0.f);
+      const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 8 * j + 2 * t4;
       if (p.initial_state_type == ElemType::kF32) {
-        s4 = *reinterpret_cast<const float4*>(static_cast<const float*>(p.initial_state) + idx);
+        s2 = *reinterpret_cast<const float2*>(static_cast<const float*>(p.initial_state) + idx);
       } else if (p.initial_state_type == ElemType::kBF16) {
-        const uint2 b = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p.initial_state) + idx);
-        s4 = make_float4(bf16_lo(b.x), bf16_hi(b.x), bf16_lo(b.y), bf16_hi(b.y));
+        const uint32_t b = *reinterpret_cast<const uint32_t*>(static_cast<const __nv_bfloat16*>(p.initial_state) + idx);
+        s2 = make_float2(bf16_lo(b), bf16_hi(b));
       }
-      S[2 * s][2 * half] = s4.x, S[2 * s][2 * half + 1] = s4.y;
-      S[2 * s + 1][2 * half] = s4.z, S[2 * s + 1][2 * half + 1] = s4.w;
+      S[4 * j + 2 * half] = s2.x, S[4 * j + 2 * half + 1] = s2.y;
     }
   }
 
@@ -154,6 +193,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 
   for (int64_t j = 0; j < num_chunks; ++j) {
     cute::cp_async_wait<kStages - 2>();
+    fence_proxy_async_smem();
     __syncthreads();
     {
       const int64_t jn = j + kStages - 1;
@@ -165,31 +205,49 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     const typename Smem::Stage& st = sm.stage[j % kStages];
     const uint8_t* rec = st.record;
 
-    // W^T = S^T kd^T and O^T = S^T qd^T (K = 128); even and odd k-steps accumulate into two
-    // sets so each dependent MMA chain is half as long.
+    // W^T | O^T = S^T [kd | qd | qd_lo]^T over K = 128 (8 k-steps): the precise mode adds
+    // S_lo^T [kd | qd]^T in a second accumulator (different wgmma shapes never share one).
     uint32_t sa[8][4], sa_lo[8][4];
     state_fragments<kPrecise>(S, sa, sa_lo);
-    float W2[2][2][4] = {}, O2[2][2][4] = {};
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      const uint4 bk = lds128(rec + kOffKDecayed + (s * 32 + lane) * 16);
-      const uint4 bq = lds128(rec + kOffQDecayed + (s * 32 + lane) * 16);
-      float(&W)[2][4] = W2[s & 1];
-      float(&O)[2][4] = O2[s & 1];
-      mma_bf16_n16(W[0], W[1], sa[s], bk);
-      mma_bf16_n16(O[0], O[1], sa[s], bq);
+    float W[2][4], O[2][4];
+    {
+      const uint64_t desc = smem_desc(rec + kOffWo, kWoLbo, kWoSbo);
       if constexpr (kPrecise) {
-        const uint4 bq_lo = lds128(rec + kOffQDecayedLo + (s * 32 + lane) * 16);
-        mma_bf16_n16(W[0], W[1], sa_lo[s], bk);
-        mma_bf16_n16(O[0], O[1], sa_lo[s], bq);
-        mma_bf16_n16(O[0], O[1], sa[s], bq_lo);
+        float D[24], Dl[16];
+#pragma unroll
+        for (int s = 0; s < 8; ++s) fence_regs(sa[s]), fence_regs(sa_lo[s]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          wgmma<WgmmaN48>(sa[s], desc + s * (kWoStepBytes >> 4), D, s > 0);
+          wgmma<WgmmaN32>(sa_lo[s], desc + s * (kWoStepBytes >> 4), Dl, s > 0);
+        }
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs(D), fence_regs(Dl);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            W[nt][e] = D[4 * nt + e] + Dl[4 * nt + e];
+            O[nt][e] = D[8 + 4 * nt + e] + (D[16 + 4 * nt + e] + Dl[8 + 4 * nt + e]);
+          }
+      } else {
+        float D[16];
+#pragma unroll
+        for (int s = 0; s < 8; ++s) fence_regs(sa[s]);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int s = 0; s < 8; ++s) wgmma<WgmmaN32>(sa[s], desc + s * (kWoStepBytes >> 4), D, s > 0);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        fence_regs(D);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) W[nt][e] = D[4 * nt + e], O[nt][e] = D[8 + 4 * nt + e];
       }
     }
-    float W[2][4], O[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) W[nt][e] = W2[0][nt][e] + W2[1][nt][e], O[nt][e] = O2[0][nt][e] + O2[1][nt][e];
 
     // u^T = v^T - W^T, then U^T = u^T inv_b^T.
 #pragma unroll
@@ -226,22 +284,26 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       }
     }
 
-    // S^T = S^T diag(e^Gamma) + U^T Kr.
+    // S^T = S^T diag(e^Gamma) + U^T Kr: the decay in registers, then the update on the tensor
+    // cores while this warp writes its output.
     const float* gamma = reinterpret_cast<const float*>(rec + kOffGamma);
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const float2 eg = *reinterpret_cast<const float2*>(gamma + 8 * nt + 2 * t4);
-      S[nt][0] *= eg.x, S[nt][1] *= eg.y, S[nt][2] *= eg.x, S[nt][3] *= eg.y;
+    for (int jt = 0; jt < 16; ++jt) {
+      const float2 eg = *reinterpret_cast<const float2*>(gamma + 8 * jt + 2 * t4);
+      S[4 * jt] *= eg.x, S[4 * jt + 1] *= eg.y, S[4 * jt + 2] *= eg.x, S[4 * jt + 3] *= eg.y;
     }
-#pragma unroll
-    for (int pr = 0; pr < 8; ++pr) {
-      const uint4 br = lds128(rec + kOffKRestored + (pr * 32 + lane) * 16);
-      mma_bf16_n16(S[2 * pr], S[2 * pr + 1], uc, br);
+    {
+      const uint64_t desc_kr = smem_desc(rec + kOffKRestored, kKrLbo, kKrSbo);
+      fence_regs(S), fence_regs(uc);
+      if constexpr (kPrecise) fence_regs(uc_lo);
+      cute::warpgroup_arrive();
+      wgmma<WgmmaUpdate>(uc, desc_kr, S, true);
       if constexpr (kPrecise) {
-        const uint4 br_lo = lds128(rec + kOffKRestoredLo + (pr * 32 + lane) * 16);
-        mma_bf16_n16(S[2 * pr], S[2 * pr + 1], uc_lo, br);
-        mma_bf16_n16(S[2 * pr], S[2 * pr + 1], uc, br_lo);
+        const uint64_t desc_kr_lo = smem_desc(rec + kOffKRestoredLo, kKrLbo, kKrSbo);
+        wgmma<WgmmaUpdate>(uc_lo, desc_kr, S, true);
+        wgmma<WgmmaUpdate>(uc, desc_kr_lo, S, true);
       }
+      cute::warpgroup_commit_batch();
     }
 
     // Output: stage O^T as [t][16 v] in this warp's tile, then one 16-byte store per lane.
@@ -261,22 +323,24 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sm.out[warp][t][part * 8]);
       }
     }
+    // The update must finish before S is read again and before the next iteration's barrier
+    // lets a cp.async overwrite this stage.
+    cute::warpgroup_wait<0>();
+    fence_regs(S);
   }
   cute::cp_async_wait<0>();
 
   if (p.final_state != nullptr) {
 #pragma unroll
-    for (int s = 0; s < 8; ++s)
+    for (int jt = 0; jt < 16; ++jt)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 16 * s + 4 * t4;
-        const float4 s4 = make_float4(S[2 * s][2 * half], S[2 * s][2 * half + 1], S[2 * s + 1][2 * half],
-                                      S[2 * s + 1][2 * half + 1]);
+        const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 8 * jt + 2 * t4;
+        const float x0 = S[4 * jt + 2 * half], x1 = S[4 * jt + 2 * half + 1];
         if (p.final_state_type == ElemType::kF32) {
-          *reinterpret_cast<float4*>(static_cast<float*>(p.final_state) + idx) = s4;
+          *reinterpret_cast<float2*>(static_cast<float*>(p.final_state) + idx) = make_float2(x0, x1);
         } else {
-          *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(p.final_state) + idx) =
-              make_uint2(pack_bf16x2(s4.x, s4.y), pack_bf16x2(s4.z, s4.w));
+          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.final_state) + idx) = pack_bf16x2(x0, x1);
         }
       }
   }

@@ -1,7 +1,0 @@
-// K2 recurrence with 1 warp(s) per CTA (16 value columns each), both precision modes.
-#include "cuda/sm90/prefill/recur_launch.cuh"
-
-namespace flashkda::sm90::prefill {
-template void launch_recur<1, false>(const Params&, cudaStream_t);
-template void launch_recur<1, true>(const Params&, cudaStream_t);
-}  // namespace flashkda::sm90::prefill
