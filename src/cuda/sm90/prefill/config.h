@@ -19,12 +19,12 @@ constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 // canonical no-swizzle shared-memory layouts those instructions read, so K2 copies the record
 // into shared memory unchanged and points a descriptor at it. A "core matrix" is 8 rows x 16
 // bytes (8 bf16 along the contiguous dimension), 128 contiguous bytes.
-//  - WO tile: B operand of W^T|O^T = S^T [kd | qd | qd_lo]^T (N = 48 rows n = 16 * which + t,
-//    K = 128 channels c, K-major). Element (which, t, c) at
+//  - WO tile: B operands of W^T = S^T kd^T and O^T = S^T [qd | qd_lo]^T (rows n = 16 * which + t,
+//    K = 128 channels c, K-major; W reads rows 0..15, O rows 16..47). Element (which, t, c) at
 //        768 * (c / 8) + 128 * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8)
 //    i.e. LBO (next 8 channels) = 768 B, SBO (next 8 rows) = 128 B; which = 0 k_decayed,
 //    1 q_decayed, 2 the bf16 remainder of q_decayed. k-step s (channels 16s..16s+15) starts at
-//    1536 * s. The fast mode reads the first 32 rows (N = 32) with the same descriptor strides.
+//    1536 * s; the fast mode reads rows 0..31 only.
 //  - Kr tiles (k_restored and its remainder): B operand of the state update S^T += U^T Kr
 //    (N = 128 channels, K = 16 tokens), MN-major (channels contiguous). Element (t, c) at
 //        2048 * (t / 8) + 128 * (c / 8) + 16 * (t % 8) + 2 * (c % 8)

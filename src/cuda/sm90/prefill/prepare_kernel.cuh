@@ -161,33 +161,50 @@ __device__ __forceinline__ void store_tk_split(uint4* dst_hi, uint4* dst_lo, con
   }
 }
 
-// Record tiles in wgmma layout (config.h): row t = row_of(warp, r), channels 4l..4l+3 of this
-// lane are half a 16-byte granule, written with one 8-byte store per row.
+// Record tiles in wgmma layout (config.h). Lanes 2m and 2m+1 hold channels 8m..8m+3 and
+// 8m+4..8m+7 of rows tA and tA + 1 (pieces a and b, four bf16 each); after one exchange lane 2m
+// stores the 16-byte granule of row tA and lane 2m+1 the adjacent one of row tA + 1, so each
+// lane pair writes one whole 32-byte sector. dst_even: the granule of row tA.
+__device__ __forceinline__ void store_granules(uint8_t* dst_even, uint2 a, uint2 b, int lane) {
+  const bool odd = lane & 1;
+  const uint2 send = odd ? a : b;
+  const uint2 recv = make_uint2(__shfl_xor_sync(0xffffffffu, send.x, 1), __shfl_xor_sync(0xffffffffu, send.y, 1));
+  const uint4 v = odd ? make_uint4(recv.x, recv.y, b.x, b.y) : make_uint4(a.x, a.y, recv.x, recv.y);
+  *reinterpret_cast<uint4*>(dst_even + (odd ? 16 : 0)) = v;
+}
+
+__device__ __forceinline__ uint2 pack4(const float (&x)[4]) {
+  return make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
+}
+
+// Rows r = 0, 1 of this thread are tokens 2w, 2w+1 and rows 2, 3 are 2w+8, 2w+9.
 __device__ __forceinline__ void store_wo(uint8_t* rec, int which, const float (&x)[4][4], int warp, int lane) {
 #pragma unroll
-  for (int r = 0; r < 4; ++r)
-    *reinterpret_cast<uint2*>(rec + kOffWo + wo_offset(which, row_of(warp, r), 4 * lane)) =
-        make_uint2(pack_bf16x2(x[r][0], x[r][1]), pack_bf16x2(x[r][2], x[r][3]));
+  for (int rp = 0; rp < 2; ++rp)
+    store_granules(rec + kOffWo + wo_offset(which, row_of(warp, 2 * rp), 8 * (lane >> 1)), pack4(x[2 * rp]),
+                   pack4(x[2 * rp + 1]), lane);
 }
 
 // hi into WO operand `which_hi`, lo into `which_hi + 1` (q_decayed and its remainder).
 __device__ __forceinline__ void store_wo_split(uint8_t* rec, int which_hi, const float (&x)[4][4], int warp, int lane) {
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const uint2 a = split_pair(x[r][0], x[r][1]), b = split_pair(x[r][2], x[r][3]);
-    const int t = row_of(warp, r);
-    *reinterpret_cast<uint2*>(rec + kOffWo + wo_offset(which_hi, t, 4 * lane)) = make_uint2(a.x, b.x);
-    *reinterpret_cast<uint2*>(rec + kOffWo + wo_offset(which_hi + 1, t, 4 * lane)) = make_uint2(a.y, b.y);
+  for (int rp = 0; rp < 2; ++rp) {
+    const uint2 a0 = split_pair(x[2 * rp][0], x[2 * rp][1]), a1 = split_pair(x[2 * rp][2], x[2 * rp][3]);
+    const uint2 b0 = split_pair(x[2 * rp + 1][0], x[2 * rp + 1][1]), b1 = split_pair(x[2 * rp + 1][2], x[2 * rp + 1][3]);
+    const int t = row_of(warp, 2 * rp), c = 8 * (lane >> 1);
+    store_granules(rec + kOffWo + wo_offset(which_hi, t, c), make_uint2(a0.x, a1.x), make_uint2(b0.x, b1.x), lane);
+    store_granules(rec + kOffWo + wo_offset(which_hi + 1, t, c), make_uint2(a0.y, a1.y), make_uint2(b0.y, b1.y), lane);
   }
 }
 
 __device__ __forceinline__ void store_kr_split(uint8_t* rec, const float (&x)[4][4], int warp, int lane) {
 #pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const uint2 a = split_pair(x[r][0], x[r][1]), b = split_pair(x[r][2], x[r][3]);
-    const int off = kr_offset(row_of(warp, r), 4 * lane);
-    *reinterpret_cast<uint2*>(rec + kOffKRestored + off) = make_uint2(a.x, b.x);
-    *reinterpret_cast<uint2*>(rec + kOffKRestoredLo + off) = make_uint2(a.y, b.y);
+  for (int rp = 0; rp < 2; ++rp) {
+    const uint2 a0 = split_pair(x[2 * rp][0], x[2 * rp][1]), a1 = split_pair(x[2 * rp][2], x[2 * rp][3]);
+    const uint2 b0 = split_pair(x[2 * rp + 1][0], x[2 * rp + 1][1]), b1 = split_pair(x[2 * rp + 1][2], x[2 * rp + 1][3]);
+    const int off = kr_offset(row_of(warp, 2 * rp), 8 * (lane >> 1));
+    store_granules(rec + kOffKRestored + off, make_uint2(a0.x, a1.x), make_uint2(b0.x, b1.x), lane);
+    store_granules(rec + kOffKRestoredLo + off, make_uint2(a0.y, a1.y), make_uint2(b0.y, b1.y), lane);
   }
 }
 

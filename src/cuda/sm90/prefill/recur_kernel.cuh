@@ -5,7 +5,7 @@
 // columns; each warpgroup owns 64 value columns of the state, S^T [64 v x 128 k], in fp32
 // registers for the whole sequence (warp w of the group rows 16w..16w+15; value columns evolve
 // independently, so splitting V needs no communication). Per chunk, with M = v rows:
-//   W^T|O^T = S^T [kd | qd]^T     (N = 32, K = 128)  wgmma, B from the record in shared memory
+//   W^T = S^T kd^T, O^T = S^T qd^T (K = 128)        wgmma, B from the record in shared memory
 //   u^T = v^T - W^T,  U^T = u^T inv_b^T (K = 16)      per-warp mma.sync, inv_b = (I + L)^-1 diag(b)
 //   O^T += U^T Mqk^T                                   per-warp mma.sync
 //   S^T  = S^T diag(e^Gamma) + U^T Kr (N = 128, K = 16) wgmma into the state registers
@@ -19,7 +19,6 @@
 
 #include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
-#include <cute/arch/mma_sm90_gmma_ext.hpp>  // m64n48k16
 
 #include <utility>
 
@@ -110,7 +109,7 @@ __device__ __forceinline__ void acc_fragments(const float (&c0)[4], const float 
 
 // ---- wgmma (docs/notes/wgmma.md): A from registers, B from shared memory, fp32 accumulate ----
 namespace gmma = cute::SM90::GMMA;
-using WgmmaN48 = cute::SM90::GMMA::MMA_64x48x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
+using WgmmaN16 = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
 using WgmmaN32 = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
 using WgmmaUpdate = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
 
@@ -205,49 +204,45 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     const typename Smem::Stage& st = sm.stage[j % kStages];
     const uint8_t* rec = st.record;
 
-    // W^T | O^T = S^T [kd | qd | qd_lo]^T over K = 128 (8 k-steps): the precise mode adds
-    // S_lo^T [kd | qd]^T in a second accumulator (different wgmma shapes never share one).
+    // W^T = S^T kd^T and O^T = S^T [qd | qd_lo]^T over K = 128 (8 k-steps), as two wgmma groups:
+    // W is on the recurrence's critical path and is waited for first; O completes while this
+    // warp forms u and U. The precise mode adds S_lo^T kd^T to W and S_lo^T qd^T to O (a second
+    // O accumulator: different wgmma shapes never share one).
     uint32_t sa[8][4], sa_lo[8][4];
     state_fragments<kPrecise>(S, sa, sa_lo);
-    float W[2][4], O[2][4];
-    {
-      const uint64_t desc = smem_desc(rec + kOffWo, kWoLbo, kWoSbo);
+    const uint64_t desc_w = smem_desc(rec + kOffWo, kWoLbo, kWoSbo);  // rows 0..15: kd
+    const uint64_t desc_o = desc_w + ((2 * kWoSbo) >> 4);              // rows 16..47: qd, qd_lo
+    constexpr uint64_t kStep = kWoStepBytes >> 4;
+    float Dw[8], Do[kPrecise ? 16 : 8], Dol[8];
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      fence_regs(sa[s]);
+      if constexpr (kPrecise) fence_regs(sa_lo[s]);
+    }
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      wgmma<WgmmaN16>(sa[s], desc_w + s * kStep, Dw, s > 0);
+      if constexpr (kPrecise) wgmma<WgmmaN16>(sa_lo[s], desc_w + s * kStep, Dw, true);
+    }
+    cute::warpgroup_commit_batch();
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
       if constexpr (kPrecise) {
-        float D[24], Dl[16];
-#pragma unroll
-        for (int s = 0; s < 8; ++s) fence_regs(sa[s]), fence_regs(sa_lo[s]);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          wgmma<WgmmaN48>(sa[s], desc + s * (kWoStepBytes >> 4), D, s > 0);
-          wgmma<WgmmaN32>(sa_lo[s], desc + s * (kWoStepBytes >> 4), Dl, s > 0);
-        }
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        fence_regs(D), fence_regs(Dl);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            W[nt][e] = D[4 * nt + e] + Dl[4 * nt + e];
-            O[nt][e] = D[8 + 4 * nt + e] + (D[16 + 4 * nt + e] + Dl[8 + 4 * nt + e]);
-          }
+        wgmma<WgmmaN32>(sa[s], desc_o + s * kStep, Do, s > 0);
+        wgmma<WgmmaN16>(sa_lo[s], desc_o + s * kStep, Dol, s > 0);
       } else {
-        float D[16];
-#pragma unroll
-        for (int s = 0; s < 8; ++s) fence_regs(sa[s]);
-        cute::warpgroup_arrive();
-#pragma unroll
-        for (int s = 0; s < 8; ++s) wgmma<WgmmaN32>(sa[s], desc + s * (kWoStepBytes >> 4), D, s > 0);
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        fence_regs(D);
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) W[nt][e] = D[4 * nt + e], O[nt][e] = D[8 + 4 * nt + e];
+        wgmma<WgmmaN16>(sa[s], desc_o + s * kStep, Do, s > 0);
       }
     }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<1>();
+    fence_regs(Dw);
+    float W[2][4], O[2][4];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) W[nt][e] = Dw[4 * nt + e];
 
     // u^T = v^T - W^T, then U^T = u^T inv_b^T.
 #pragma unroll
@@ -272,6 +267,17 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     }
     uint32_t uc[4], uc_lo[4];
     acc_fragments<kPrecise>(U[0], U[1], uc, uc_lo);
+
+    cute::warpgroup_wait<0>();
+    fence_regs(Do);
+    if constexpr (kPrecise) fence_regs(Dol);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if constexpr (kPrecise) O[nt][e] = Do[4 * nt + e] + (Do[8 + 4 * nt + e] + Dol[4 * nt + e]);
+        else O[nt][e] = Do[4 * nt + e];
+      }
 
     // O^T += U^T Mqk^T.
     {
