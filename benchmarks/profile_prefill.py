@@ -28,7 +28,41 @@ def kernel_times(fn, reps=10):
     return acc
 
 
+def host_us(fn, reps=20):
+    """Median host time of one call (enqueue only: the GPU is idle when each call starts)."""
+    import statistics
+    import time
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def host_overhead():
+    """Host microseconds per eager call, flashkda and FlashKDA (when importable), same inputs."""
+    try:
+        from bench_prefill import run_flash_kda
+        import flash_kda  # noqa: F401
+        peers = [("FlashKDA", run_flash_kda)]
+    except ImportError:
+        peers = []
+    print("| case | library | host us per call | eager ms |")
+    print("|---|---|---|---|")
+    for name, H, seqlens in [CASES[0], CASES[8]]:
+        x = make_inputs(H, seqlens, True)
+        for lib, make in [("flashkda", run_flashkda)] + peers:
+            fn = make(x, True)[0]
+            print(f"| {name} | {lib} | {host_us(fn):.0f} | {time_ms(fn, reps=10):.3f} |", flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 def main():
+    host_overhead()
     print("| case | precise | eager call ms | kernel | ms per call |")
     print("|---|---|---|---|---|")
     for name, H, seqlens in [CASES[0], CASES[6], CASES[8]]:
