@@ -3,9 +3,11 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [profile] [decode] [sweep]
-#   (default: build test sanitize python bench; bench = prefill and decode against the peers,
-#   decode = the decode benchmark alone, profile = per-kernel times and ncu of K1/K2)
+#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [bench-device] [decode] [profile] [sweep]
+#   (default: build test sanitize python bench bench-device decode; bench = prefill against the
+#   peers, eager calls, plus accuracy; bench-device = the same with 10 back-to-back calls per
+#   sample; decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2. Each
+#   benchmark step fits one 10-minute device call on its own.)
 #   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.
 #
 # Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
@@ -16,7 +18,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize python bench)
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize python bench bench-device decode)
 want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 CUTLASS=${CUTLASS_DIR:-$PWD/.deps/cutlass/cutlass_library/source/include}
 JOBS=$(nproc)
@@ -28,7 +30,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 peers_pid=""
-if want bench && [ -x .peers/setup.sh ]; then
+if { want bench || want bench-device || want decode; } && [ -x .peers/setup.sh ]; then
   .peers/setup.sh > "$OUT/peers.log" 2>&1 &
   peers_pid=$!
 fi
@@ -62,7 +64,7 @@ if want sanitize; then
   done
 fi
 
-if want python || want bench || want profile || want decode; then
+if want python || want bench || want bench-device || want profile || want decode; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip.log" 2>&1 || { status=1; tail -30 "$OUT/pip.log"; }
@@ -76,14 +78,16 @@ if want python; then
   tail -15 "$OUT/pytest.log"
 fi
 
+export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want bench; then
   step bench
-  export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
   python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -40 || status=1
-  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --out "$OUT/bench_prefill_device.md" 2>&1 | tail -25 || status=1
-  [ -f benchmarks/bench_decode.py ] && { python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tail -40 || status=1; }
 fi
-if want decode && ! want bench; then
+if want bench-device; then
+  step bench-device
+  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --out "$OUT/bench_prefill_device.md" 2>&1 | tail -25 || status=1
+fi
+if want decode; then
   step bench-decode
   python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tail -40 || status=1
 fi
