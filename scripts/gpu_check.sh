@@ -30,7 +30,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 peers_pid=""
-if { want bench || want bench-device || want decode; } && [ -x .peers/setup.sh ]; then
+if { want bench || want bench-device || want decode; } && [ -x .peers/setup.sh ] && [ ! -d /tmp/peers ]; then
   .peers/setup.sh > "$OUT/peers.log" 2>&1 &
   peers_pid=$!
 fi
