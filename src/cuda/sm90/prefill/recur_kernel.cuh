@@ -79,13 +79,12 @@ __device__ inline void poison_outputs(const Params& p) {
   }
 }
 
-// Converts n-tiles 2*kFirst .. 2*kLast-1 of S^T (flat: S[4j + e] is n-tile j, element e) into the
-// A fragments of k-steps kFirst .. kLast-1 of the K = 128 products; with kPrecise also the bf16
-// remainders.
-template <bool kPrecise, int kFirst = 0, int kLast = 8>
+// Converts the 16 n-tiles of S^T (flat: S[4j + e] is n-tile j, element e) into the 8 A fragments
+// of the K = 128 products; with kPrecise also the bf16 remainders.
+template <bool kPrecise>
 __device__ __forceinline__ void state_fragments(const float (&S)[64], uint32_t (&hi)[8][4], uint32_t (&lo)[8][4]) {
 #pragma unroll
-  for (int s = kFirst; s < kLast; ++s) {
+  for (int s = 0; s < 8; ++s) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const float* c = &S[4 * (2 * s + (r >> 1)) + (r & 1) * 2];
@@ -112,7 +111,7 @@ __device__ __forceinline__ void acc_fragments(const float (&c0)[4], const float 
 namespace gmma = cute::SM90::GMMA;
 using WgmmaN16 = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
 using WgmmaN32 = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
-using WgmmaUpdateHalf = cute::SM90::GMMA::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+using WgmmaUpdate = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
 
 // No-swizzle descriptor: start address, LBO and SBO in 16-byte units (layout type 0).
 __device__ __forceinline__ uint64_t smem_desc(const void* p, int lbo, int sbo) {
@@ -128,21 +127,6 @@ __device__ __forceinline__ void wgmma_impl(const uint32_t (&a)[4], uint64_t desc
 template <class Op, int N>
 __device__ __forceinline__ void wgmma(const uint32_t (&a)[4], uint64_t desc, float (&d)[N], bool accumulate) {
   wgmma_impl<Op, N>(a, desc, d, accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero, std::make_index_sequence<N>{});
-}
-// The same on d[kOff .. kOff + N) of a larger accumulator array.
-template <class Op, int N, int kOff, int M, size_t... I>
-__device__ __forceinline__ void wgmma_sub_impl(const uint32_t (&a)[4], uint64_t desc, float (&d)[M], std::index_sequence<I...>) {
-  static_assert(kOff + N <= M);
-  Op::fma(a[0], a[1], a[2], a[3], desc, d[kOff + I]..., gmma::ScaleOut::One);
-}
-template <class Op, int N, int kOff, int M>
-__device__ __forceinline__ void wgmma_sub(const uint32_t (&a)[4], uint64_t desc, float (&d)[M]) {
-  wgmma_sub_impl<Op, N, kOff, M>(a, desc, d, std::make_index_sequence<N>{});
-}
-template <int kFirst, int kLast, int M>
-__device__ __forceinline__ void fence_range(float (&d)[M]) {
-#pragma unroll
-  for (int i = kFirst; i < kLast; ++i) cute::warpgroup_fence_operand(d[i]);
 }
 template <int N>
 __device__ __forceinline__ void fence_regs(float (&d)[N]) {
@@ -206,11 +190,6 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     cute::cp_async_fence();
   }
 
-  // A fragments of S^T for the first chunk; later chunks get theirs at the end of the previous
-  // iteration, overlapped with the second half of the state update.
-  uint32_t sa[8][4], sa_lo[8][4];
-  state_fragments<kPrecise>(S, sa, sa_lo);
-
   for (int64_t j = 0; j < num_chunks; ++j) {
     cute::cp_async_wait<kStages - 2>();
     fence_proxy_async_smem();
@@ -229,6 +208,8 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     // W is on the recurrence's critical path and is waited for first; O completes while this
     // warp forms u and U. The precise mode adds S_lo^T kd^T to W and S_lo^T qd^T to O (a second
     // O accumulator: different wgmma shapes never share one).
+    uint32_t sa[8][4], sa_lo[8][4];
+    state_fragments<kPrecise>(S, sa, sa_lo);
     const uint64_t desc_w = smem_desc(rec + kOffWo, kWoLbo, kWoSbo);  // rows 0..15: kd
     const uint64_t desc_o = desc_w + ((2 * kWoSbo) >> 4);              // rows 16..47: qd, qd_lo
     constexpr uint64_t kStep = kWoStepBytes >> 4;
@@ -255,39 +236,38 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       }
     }
     cute::warpgroup_commit_batch();
-
-    // While the products run: fetch v and the 16x16 operands.
-    float W[2][4];
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        W[nt][e] = __bfloat162float(st.v[nt * 8 + 2 * t4 + (e & 1)][warp * 16 + g + 8 * (e >> 1)]);
-    const uint4 bi = lds128(rec + kOffInvB + lane * 16), bm = lds128(rec + kOffMqk + lane * 16);
-    uint4 bi_lo{}, bm_lo{};
-    if constexpr (kPrecise) bi_lo = lds128(rec + kOffInvBLo + lane * 16), bm_lo = lds128(rec + kOffMqkLo + lane * 16);
-
-    // u^T = v^T - W^T, then U^T = u^T inv_b^T.
     cute::warpgroup_wait<1>();
     fence_regs(Dw);
+    float W[2][4], O[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) W[nt][e] -= Dw[4 * nt + e];
+      for (int e = 0; e < 4; ++e) W[nt][e] = Dw[4 * nt + e];
+
+    // u^T = v^T - W^T, then U^T = u^T inv_b^T.
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int t = nt * 8 + 2 * t4 + (e & 1);
+        const int col = warp * 16 + g + 8 * (e >> 1);
+        W[nt][e] = __bfloat162float(st.v[t][col]) - W[nt][e];
+      }
     uint32_t ua[4], ua_lo[4];
     acc_fragments<kPrecise>(W[0], W[1], ua, ua_lo);
     float U[2][4] = {};
-    mma_bf16_n16(U[0], U[1], ua, bi);
-    if constexpr (kPrecise) {
-      mma_bf16_n16(U[0], U[1], ua_lo, bi);
-      mma_bf16_n16(U[0], U[1], ua, bi_lo);
+    {
+      const uint4 bi = lds128(rec + kOffInvB + lane * 16);
+      mma_bf16_n16(U[0], U[1], ua, bi);
+      if constexpr (kPrecise) {
+        const uint4 bi_lo = lds128(rec + kOffInvBLo + lane * 16);
+        mma_bf16_n16(U[0], U[1], ua_lo, bi);
+        mma_bf16_n16(U[0], U[1], ua, bi_lo);
+      }
     }
     uint32_t uc[4], uc_lo[4];
     acc_fragments<kPrecise>(U[0], U[1], uc, uc_lo);
 
-    // O^T = S^T qd^T + U^T Mqk^T (the O group has had the whole u, U computation to finish; the
-    // per-warp MMA reads U's fragments, so it runs before they become wgmma operands below).
-    float O[2][4];
     cute::warpgroup_wait<0>();
     fence_regs(Do);
     if constexpr (kPrecise) fence_regs(Dol);
@@ -298,40 +278,36 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
         if constexpr (kPrecise) O[nt][e] = Do[4 * nt + e] + (Do[8 + 4 * nt + e] + Dol[4 * nt + e]);
         else O[nt][e] = Do[4 * nt + e];
       }
-    mma_bf16_n16(O[0], O[1], uc, bm);
-    if constexpr (kPrecise) {
-      mma_bf16_n16(O[0], O[1], uc_lo, bm);
-      mma_bf16_n16(O[0], O[1], uc, bm_lo);
+
+    // O^T += U^T Mqk^T.
+    {
+      const uint4 bm = lds128(rec + kOffMqk + lane * 16);
+      mma_bf16_n16(O[0], O[1], uc, bm);
+      if constexpr (kPrecise) {
+        const uint4 bm_lo = lds128(rec + kOffMqkLo + lane * 16);
+        mma_bf16_n16(O[0], O[1], uc_lo, bm);
+        mma_bf16_n16(O[0], O[1], uc, bm_lo);
+      }
     }
 
-    // S^T diag(e^Gamma) before the update accumulates into it.
+    // S^T = S^T diag(e^Gamma) + U^T Kr: the decay in registers, then the update on the tensor
+    // cores while this warp writes its output.
     const float* gamma = reinterpret_cast<const float*>(rec + kOffGamma);
 #pragma unroll
     for (int jt = 0; jt < 16; ++jt) {
       const float2 eg = *reinterpret_cast<const float2*>(gamma + 8 * jt + 2 * t4);
       S[4 * jt] *= eg.x, S[4 * jt + 1] *= eg.y, S[4 * jt + 2] *= eg.x, S[4 * jt + 3] *= eg.y;
     }
-    fence_regs(S);
-
-    // S^T += U^T Kr on the tensor cores, in two halves of 64 channels (two groups, so the next
-    // chunk's fragments of the first half can be formed while the second half runs).
     {
       const uint64_t desc_kr = smem_desc(rec + kOffKRestored, kKrLbo, kKrSbo);
-      const uint64_t desc_kr_lo = smem_desc(rec + kOffKRestoredLo, kKrLbo, kKrSbo);
-      constexpr uint64_t kHalf = (8 * kKrSbo) >> 4;  // channels 64..127
-      fence_regs(uc);
+      fence_regs(S), fence_regs(uc);
       if constexpr (kPrecise) fence_regs(uc_lo);
       cute::warpgroup_arrive();
-      wgmma_sub<WgmmaUpdateHalf, 32, 0>(uc, desc_kr, S);
+      wgmma<WgmmaUpdate>(uc, desc_kr, S, true);
       if constexpr (kPrecise) {
-        wgmma_sub<WgmmaUpdateHalf, 32, 0>(uc_lo, desc_kr, S);
-        wgmma_sub<WgmmaUpdateHalf, 32, 0>(uc, desc_kr_lo, S);
-      }
-      cute::warpgroup_commit_batch();
-      wgmma_sub<WgmmaUpdateHalf, 32, 32>(uc, desc_kr + kHalf, S);
-      if constexpr (kPrecise) {
-        wgmma_sub<WgmmaUpdateHalf, 32, 32>(uc_lo, desc_kr + kHalf, S);
-        wgmma_sub<WgmmaUpdateHalf, 32, 32>(uc, desc_kr_lo + kHalf, S);
+        const uint64_t desc_kr_lo = smem_desc(rec + kOffKRestoredLo, kKrLbo, kKrSbo);
+        wgmma<WgmmaUpdate>(uc_lo, desc_kr, S, true);
+        wgmma<WgmmaUpdate>(uc, desc_kr_lo, S, true);
       }
       cute::warpgroup_commit_batch();
     }
@@ -353,16 +329,10 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
         *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sm.out[warp][t][part * 8]);
       }
     }
-
-    // The next chunk's fragments, half by half as the update completes. Both halves must be done
-    // before S is read again and before the next iteration's barrier lets a cp.async overwrite
-    // this stage.
-    cute::warpgroup_wait<1>();
-    fence_range<0, 32>(S);
-    state_fragments<kPrecise, 0, 4>(S, sa, sa_lo);
+    // The update must finish before S is read again and before the next iteration's barrier
+    // lets a cp.async overwrite this stage.
     cute::warpgroup_wait<0>();
-    fence_range<32, 64>(S);
-    state_fragments<kPrecise, 4, 8>(S, sa, sa_lo);
+    fence_regs(S);
   }
   cute::cp_async_wait<0>();
 
