@@ -14,8 +14,15 @@ import numpy as np
 BF16, F32, F16, F64, I32, I64 = "bfloat16", "float32", "float16", "float64", "int32", "int64"
 
 
+_torch_module = None
+
+
 def _torch():
-    return sys.modules.get("torch")
+    """torch if it has been imported (by anyone), else None; cached once found."""
+    global _torch_module
+    if _torch_module is None:
+        _torch_module = sys.modules.get("torch")
+    return _torch_module
 
 
 def is_torch(x) -> bool:
@@ -130,9 +137,15 @@ class TorchOps:
         return {BF16: torch.bfloat16, F32: torch.float32, I32: torch.int32, I64: torch.int64,
                 F16: torch.float16, F64: torch.float64}[name]
 
-    @staticmethod
-    def dtype_name(x) -> str:
-        return str(x.dtype).replace("torch.", "")
+    _dtype_names: dict = {}
+
+    @classmethod
+    def dtype_name(cls, x) -> str:
+        dt = x.dtype
+        name = cls._dtype_names.get(dt)
+        if name is None:
+            name = cls._dtype_names[dt] = str(dt).replace("torch.", "")
+        return name
 
     @staticmethod
     def is_array(x) -> bool:
@@ -161,6 +174,8 @@ class TorchOps:
 
     @classmethod
     def astype(cls, x, dtype: str):
+        if cls.dtype_name(x) == dtype and x.is_contiguous():
+            return x
         return x.to(cls._dt(dtype)).contiguous()
 
     @staticmethod
@@ -190,7 +205,9 @@ class TorchOps:
 
     @staticmethod
     def to_ext(x):
-        return None if x is None else x.detach()
+        """A DLPack capsule for flashkda._C (torch.utils.dlpack.to_dlpack: ~0.7 us, against ~4 us for
+        the ext's own tensor.__dlpack__() call; no stream synchronisation either way). Single use."""
+        return None if x is None else _torch().utils.dlpack.to_dlpack(x)
 
     @staticmethod
     def device_str(x) -> str:

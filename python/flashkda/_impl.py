@@ -98,7 +98,9 @@ def _param(ops, q, x, name, numel, shape):
         n *= s
     if n != numel:
         raise ValueError(f"{name}: expected {numel} elements (shape {list(shape)}), got shape {_shape(x)}")
-    return ops.aligned(ops.astype(ops.contiguous(x).reshape(shape), F32))
+    if tuple(x.shape) != tuple(shape):
+        x = ops.contiguous(x).reshape(shape)
+    return ops.aligned(ops.astype(x, F32))
 
 
 def _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate=False):
