@@ -10,6 +10,9 @@
 #   benchmark step fits one 10-minute device call on its own.)
 #   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.
 #
+# Every step writes its log under $OUT as it goes, so a call cut off by its time limit still
+# returns what finished.
+#
 # Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
 # from the nvidia-cutlass wheel), .whl/*.whl (peer wheels, e.g. fla), .peers/setup.sh (a local
 # hook that builds other peers). Missing peers are reported and skipped.
@@ -85,11 +88,12 @@ if want bench; then
 fi
 if want bench-device; then
   step bench-device
-  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --out "$OUT/bench_prefill_device.md" 2>&1 | tail -25 || status=1
+  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --out "$OUT/bench_prefill_device.md" 2>&1 |
+    tee "$OUT/bench_prefill_device.log" | tail -25 || status=1
 fi
 if want decode; then
   step bench-decode
-  python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tail -40 || status=1
+  python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tee "$OUT/bench_decode.log" | tail -40 || status=1
 fi
 if want profile; then
   step profile
