@@ -11,7 +11,9 @@
 #   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.
 #
 # Every step writes its log under $OUT as it goes, so a call cut off by its time limit still
-# returns what finished.
+# returns what finished, in at most 8 files (the device tool returns no more): build.log (GPU,
+# CMake, pip, peers), ctest.log, sanitize.log, pytest.log, bench_prefill.log, bench_device.log,
+# bench_decode.log, profile.log.
 #
 # Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
 # from the nvidia-cutlass wheel), .whl/*.whl (peer wheels, e.g. fla), .peers/setup.sh (a local
@@ -28,19 +30,19 @@ JOBS=$(nproc)
 status=0
 step() { echo "=== $* ($(date +%T))"; }
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/build.log"
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 peers_pid=""
 if { want bench || want bench-device || want decode; } && [ -x .peers/setup.sh ] && [ ! -d /tmp/peers ]; then
-  .peers/setup.sh > "$OUT/peers.log" 2>&1 &
+  .peers/setup.sh > /tmp/peers.log 2>&1 &
   peers_pid=$!
 fi
 
 if want build; then
   step build
-  cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DCUTLASS_DIR="$CUTLASS" > "$OUT/build.log" 2>&1 &&
+  cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20
 fi
@@ -50,28 +52,37 @@ if want test; then
   ctest --test-dir build-gpu --output-on-failure -j 4 --timeout 900 > "$OUT/ctest.log" 2>&1 || status=1
   grep -E "tests passed|tests failed|Failed|\*\*\*|measure" "$OUT/ctest.log" | head -60
   for t in build-gpu/tests/cpp/test_*gpu; do
-    [ -x "$t" ] && "$t" --gtest_brief=1 2>&1 | grep -E "measure|FAILED|PASSED|SKIPPED" | head -40
+    [ -x "$t" ] && "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | head -40
   done
 fi
 
 if want sanitize; then
   step compute-sanitizer
   san=(--gtest_filter='*VarlenWithEmpty*:*GateForms*:*OddLengths*')
+  san_log="$OUT/sanitize.log"
+  : > "$san_log"
+  sanitize() {  # name, tool, command...
+    local name=$1 tool=$2 tmp=/tmp/sanitize_$1_$2.log
+    shift 2
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$tmp" 2>&1
+    local rc=$?
+    { echo "=== $name $tool (exit $rc)"; grep -E "SUMMARY|PASSED|FAILED|tests ran" "$tmp"; [ $rc -ne 0 ] && tail -40 "$tmp"; } >> "$san_log"
+    if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
+  }
   for tool in memcheck racecheck synccheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 build-gpu/tests/cpp/test_prefill_gpu "${san[@]}" \
-      > "$OUT/sanitize_prefill_$tool.log" 2>&1 && echo "prefill $tool: clean" || { echo "prefill $tool: FAILED"; status=1; tail -20 "$OUT/sanitize_prefill_$tool.log"; }
-    if [ -x build-gpu/tests/cpp/test_decode_gpu ]; then
-      compute-sanitizer --tool "$tool" --error-exitcode 9 build-gpu/tests/cpp/test_decode_gpu \
-        > "$OUT/sanitize_decode_$tool.log" 2>&1 && echo "decode $tool: clean" || { echo "decode $tool: FAILED"; status=1; tail -20 "$OUT/sanitize_decode_$tool.log"; }
-    fi
+    sanitize prefill "$tool" build-gpu/tests/cpp/test_prefill_gpu "${san[@]}"
+    [ -x build-gpu/tests/cpp/test_decode_gpu ] && sanitize decode "$tool" build-gpu/tests/cpp/test_decode_gpu
   done
 fi
 
 if want python || want bench || want bench-device || want profile || want decode; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
-    python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip.log" 2>&1 || { status=1; tail -30 "$OUT/pip.log"; }
-  [ -n "$peers_pid" ] && { wait "$peers_pid" || echo "peer setup failed (see peers.log)"; }
+    python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
+  if [ -n "$peers_pid" ]; then
+    wait "$peers_pid" || { echo "peer setup failed"; tail -20 /tmp/peers.log; }
+    { echo "=== peers"; tail -20 /tmp/peers.log; } >> "$OUT/build.log"
+  fi
   [ -d /tmp/peers ] && export PYTHONPATH=/tmp/peers:${PYTHONPATH:-}
 fi
 
@@ -84,20 +95,19 @@ fi
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want bench; then
   step bench
-  python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -40 || status=1
+  python3 benchmarks/bench_prefill.py 2>&1 | tee "$OUT/bench_prefill.log" | tail -40 || status=1
 fi
 if want bench-device; then
   step bench-device
-  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --out "$OUT/bench_prefill_device.md" 2>&1 |
-    tee "$OUT/bench_prefill_device.log" | tail -25 || status=1
+  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 2>&1 | tee "$OUT/bench_device.log" | tail -25 || status=1
 fi
 if want decode; then
   step bench-decode
-  python3 benchmarks/bench_decode.py --out "$OUT/bench_decode.md" 2>&1 | tee "$OUT/bench_decode.log" | tail -40 || status=1
+  python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" | tail -40 || status=1
 fi
 if want profile; then
   step profile
-  python3 benchmarks/profile_prefill.py 2>&1 | tee "$OUT/profile.md" | grep -v Warn | tail -30
+  python3 benchmarks/profile_prefill.py 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
   if command -v ncu > /dev/null; then
     for c in 0; do  # T=8192 H=96, fp32 state, first call of K1 and K2
       ncu --clock-control none -k regex:"prepare_kernel|recur_kernel" -c 2 --section SpeedOfLight \
@@ -106,13 +116,13 @@ if want profile; then
         python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
 from bench_prefill import CASES, make_inputs, run_flashkda
 _, H, lens = CASES[$c]; fn = run_flashkda(make_inputs(H, lens, True), True)[0]; fn(); torch.cuda.synchronize()" \
-        > "$OUT/ncu_case$c.txt" 2>&1 || echo "ncu case $c failed (see ncu_case$c.txt)"
+        >> "$OUT/profile.log" 2>&1 || echo "ncu case $c failed (see profile.log)"
     done
   fi
 fi
 if want sweep; then
   step sweep
-  python3 benchmarks/bench_prefill.py --sweep --reps 10 2>&1 | grep -E "^\| .*\| [0-9.]+ \|$" | tee "$OUT/sweep.md"
+  python3 benchmarks/bench_prefill.py --sweep --reps 10 2>&1 | grep -E "^\| .*\| [0-9.]+ \|$" | tee -a "$OUT/profile.log"
 fi
 step done status=$status
 exit $status
