@@ -32,13 +32,13 @@ using namespace flashkda::cuda;
 
 constexpr int kStages = 3;
 
-template <int kWarps, bool kPrecise>
+// Both precision modes copy the whole record (config.h), so the layout depends on kWarps only.
+template <int kWarps>
 struct RecurSmem {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
   static constexpr int kVCols = kWarps * 16;
-  static constexpr int kRecordBytes = kChunkRecordBytes;
   struct alignas(128) Stage {
-    alignas(128) uint8_t record[kRecordBytes];
+    alignas(128) uint8_t record[kChunkRecordBytes];
     alignas(16) __nv_bfloat16 v[kChunk][kVCols];
   };
   Stage stage[kStages];
@@ -47,12 +47,12 @@ struct RecurSmem {
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
-template <int kWarps, bool kPrecise>
-__device__ __forceinline__ void load_stage(typename RecurSmem<kWarps, kPrecise>::Stage& st, const Params& p, int64_t slot,
+template <int kWarps>
+__device__ __forceinline__ void load_stage(typename RecurSmem<kWarps>::Stage& st, const Params& p, int64_t slot,
                                            int h, int64_t row0, int rows, int v_base) {
   constexpr int kThreads = kWarps * 32;
-  constexpr int kRecordChunks = RecurSmem<kWarps, kPrecise>::kRecordBytes / 16;
-  constexpr int kVChunksPerRow = RecurSmem<kWarps, kPrecise>::kVCols / 8;
+  constexpr int kRecordChunks = kChunkRecordBytes / 16;
+  constexpr int kVChunksPerRow = RecurSmem<kWarps>::kVCols / 8;
   const uint8_t* rec = p.records + (slot * p.H + h) * kChunkRecordBytes;
   for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i);
   for (int i = threadIdx.x; i < kChunk * kVChunksPerRow; i += kThreads) {
@@ -128,13 +128,9 @@ template <class Op, int N>
 __device__ __forceinline__ void wgmma(const uint32_t (&a)[4], uint64_t desc, float (&d)[N], bool accumulate) {
   wgmma_impl<Op, N>(a, desc, d, accumulate ? gmma::ScaleOut::One : gmma::ScaleOut::Zero, std::make_index_sequence<N>{});
 }
-template <int N>
-__device__ __forceinline__ void fence_regs(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
-}
-template <int N>
-__device__ __forceinline__ void fence_regs(uint32_t (&d)[N]) {
+// Pins every register of an accumulator (float) or A fragment (uint32_t) in program order.
+template <class T, int N>
+__device__ __forceinline__ void fence_regs(T (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
 }
@@ -145,7 +141,7 @@ __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.p
 
 template <int kWarps, bool kPrecise>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  using Smem = RecurSmem<kWarps, kPrecise>;
+  using Smem = RecurSmem<kWarps>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -186,7 +182,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_chunks)
-      load_stage<kWarps, kPrecise>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base);
+      load_stage<kWarps>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base);
     cute::cp_async_fence();
   }
 
@@ -197,7 +193,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     {
       const int64_t jn = j + kStages - 1;
       if (jn < num_chunks)
-        load_stage<kWarps, kPrecise>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
+        load_stage<kWarps>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
                            chunk_rows(jn), v_base);
       cute::cp_async_fence();
     }
