@@ -64,6 +64,8 @@ TEST(PrefillRecordLayout, GranulesPairUpForK1Stores) {
         for (int i = 0; i < 8; ++i) ASSERT_EQ(wo_offset(which, t, c + i), wo_offset(which, t, c) + 2 * i);
         ASSERT_EQ(wo_offset(which, t + 1, c), wo_offset(which, t, c) + 16);
         ASSERT_EQ(wo_offset(which, t, c) % 32, 0);
+        // K1 stores q_decayed and its remainder at wo_offset(0, t, c) from the operand's base.
+        ASSERT_EQ(wo_offset(which, t, c), wo_offset(which, 0, 0) + wo_offset(0, t, c));
       }
       for (int i = 0; i < 8; ++i) ASSERT_EQ(kr_offset(t, c + i), kr_offset(t, c) + 2 * i);
       ASSERT_EQ(kr_offset(t + 1, c), kr_offset(t, c) + 16);

@@ -185,26 +185,18 @@ __device__ __forceinline__ void store_wo(uint8_t* rec, int which, const float (&
                    pack4(x[2 * rp + 1]), lane);
 }
 
-// hi into WO operand `which_hi`, lo into `which_hi + 1` (q_decayed and its remainder).
-__device__ __forceinline__ void store_wo_split(uint8_t* rec, int which_hi, const float (&x)[4][4], int warp, int lane) {
+// The bf16 split of x: hi into hi_tile, lo into lo_tile, both at tile offset off(t, c) of the
+// granule (t = token, c = first of its 8 channels).
+template <class Offset>
+__device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, const float (&x)[4][4], int warp,
+                                            int lane, Offset off) {
 #pragma unroll
   for (int rp = 0; rp < 2; ++rp) {
     const uint2 a0 = split_pair(x[2 * rp][0], x[2 * rp][1]), a1 = split_pair(x[2 * rp][2], x[2 * rp][3]);
     const uint2 b0 = split_pair(x[2 * rp + 1][0], x[2 * rp + 1][1]), b1 = split_pair(x[2 * rp + 1][2], x[2 * rp + 1][3]);
-    const int t = row_of(warp, 2 * rp), c = 8 * (lane >> 1);
-    store_granules(rec + kOffWo + wo_offset(which_hi, t, c), make_uint2(a0.x, a1.x), make_uint2(b0.x, b1.x), lane);
-    store_granules(rec + kOffWo + wo_offset(which_hi + 1, t, c), make_uint2(a0.y, a1.y), make_uint2(b0.y, b1.y), lane);
-  }
-}
-
-__device__ __forceinline__ void store_kr_split(uint8_t* rec, const float (&x)[4][4], int warp, int lane) {
-#pragma unroll
-  for (int rp = 0; rp < 2; ++rp) {
-    const uint2 a0 = split_pair(x[2 * rp][0], x[2 * rp][1]), a1 = split_pair(x[2 * rp][2], x[2 * rp][3]);
-    const uint2 b0 = split_pair(x[2 * rp + 1][0], x[2 * rp + 1][1]), b1 = split_pair(x[2 * rp + 1][2], x[2 * rp + 1][3]);
-    const int off = kr_offset(row_of(warp, 2 * rp), 8 * (lane >> 1));
-    store_granules(rec + kOffKRestored + off, make_uint2(a0.x, a1.x), make_uint2(b0.x, b1.x), lane);
-    store_granules(rec + kOffKRestoredLo + off, make_uint2(a0.y, a1.y), make_uint2(b0.y, b1.y), lane);
+    const int o = off(row_of(warp, 2 * rp), 8 * (lane >> 1));
+    store_granules(hi_tile + o, make_uint2(a0.x, a1.x), make_uint2(b0.x, b1.x), lane);
+    store_granules(lo_tile + o, make_uint2(a0.y, a1.y), make_uint2(b0.y, b1.y), lane);
   }
 }
 
@@ -353,8 +345,11 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
     }
   }
   store_wo(rec, 0, kd, warp, lane);
-  store_wo_split(rec, 1, qd, warp, lane);
-  store_kr_split(rec, kr, warp, lane);
+  {
+    const auto wo = [](int t, int c) { return wo_offset(0, t, c); };  // operand `which` adds 256 * which
+    store_split(rec + kOffWo + wo_offset(1, 0, 0), rec + kOffWo + wo_offset(2, 0, 0), qd, warp, lane, wo);
+    store_split(rec + kOffKRestored, rec + kOffKRestoredLo, kr, warp, lane, kr_offset);
+  }
   __syncthreads();
 
   const int g = lane >> 2, t4 = lane & 3;
