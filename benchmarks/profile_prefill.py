@@ -44,12 +44,8 @@ def host_us(fn, reps=20):
 
 def host_overhead():
     """Host microseconds per eager call, flashkda and FlashKDA (when importable), same inputs."""
-    try:
-        from bench_prefill import run_flash_kda
-        import flash_kda  # noqa: F401
-        peers = [("FlashKDA", run_flash_kda)]
-    except ImportError:
-        peers = []
+    from bench_prefill import flash_kda, run_flash_kda
+    peers = [("FlashKDA", run_flash_kda)] if flash_kda is not None else []
     print("| case | library | host us per call | eager ms |")
     print("|---|---|---|---|")
     for name, H, seqlens in [CASES[0], CASES[8]]:
