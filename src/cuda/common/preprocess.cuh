@@ -16,8 +16,13 @@ struct HeadGate {
   float a_scale;  // exp(A_log[h]); unused for kPrecomputed
 
   __device__ __forceinline__ static HeadGate make(const Preprocess& pre, int64_t h) {
+    return from_a_log(pre, pre.gate != GateForm::kPrecomputed ? __ldg(pre.A_log + h) : 0.0f);
+  }
+
+  // From A_log[h] already loaded (by a caller that fetches it ahead of use).
+  __device__ __forceinline__ static HeadGate from_a_log(const Preprocess& pre, float a_log) {
     HeadGate gate{pre.gate, pre.lower_bound, 0.0f};
-    if (pre.gate != GateForm::kPrecomputed) gate.a_scale = __expf(__ldg(pre.A_log + h));
+    if (pre.gate != GateForm::kPrecomputed) gate.a_scale = __expf(a_log);
     return gate;
   }
 

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -96,12 +97,22 @@ struct DeviceDecode {
   }
 };
 
-class DecodeGpu : public ::testing::Test {
+// Every test runs on both kernel variants: the one-CTA-per-item kernels ("tile") and the
+// persistent kernel with shared-memory prefetch (kernel.cuh), forced through
+// FLASHKDA_DECODE_PERSISTENT; unset, the launcher picks by state dtype and N·H.
+class DecodeGpu : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU decode tests skipped";
+    setenv("FLASHKDA_DECODE_PERSISTENT", GetParam(), 1);
   }
+  void TearDown() override { unsetenv("FLASHKDA_DECODE_PERSISTENT"); }
 };
+
+INSTANTIATE_TEST_SUITE_P(Kernels, DecodeGpu, ::testing::Values("0", "1"),
+                         [](const ::testing::TestParamInfo<const char*>& info) {
+                           return std::string(info.param[0] == '1' ? "Persistent" : "Tile");
+                         });
 
 void run_and_check(DecodeProblem& prob, const std::string& tag = "") {
   DeviceDecode dev(prob);
@@ -115,7 +126,7 @@ void run_and_check(const DecodeOptions& o) {
   run_and_check(prob);
 }
 
-TEST_F(DecodeGpu, TokensOneToSixteenBothStateDtypes) {
+TEST_P(DecodeGpu, TokensOneToSixteenBothStateDtypes) {
   for (int64_t T : {1, 2, 4, 16}) {
     for (DType s : {DType::kF32, DType::kBF16}) {
       DecodeOptions o;
@@ -127,7 +138,7 @@ TEST_F(DecodeGpu, TokensOneToSixteenBothStateDtypes) {
 }
 
 // N·H >= 2048 selects the 64-rows-per-CTA tile (config.h kLargeTileMinHeads).
-TEST_F(DecodeGpu, LargeBatchUsesLargeTile) {
+TEST_P(DecodeGpu, LargeBatchUsesLargeTile) {
   for (DType s : {DType::kF32, DType::kBF16}) {
     DecodeOptions o;
     o.N = 520, o.T = 1, o.H = 4;
@@ -142,7 +153,21 @@ TEST_F(DecodeGpu, LargeBatchUsesLargeTile) {
   run_and_check(o);
 }
 
-TEST_F(DecodeGpu, VarlenInt32AndInt64) {
+// Many items per persistent CTA (N·H·2 items against a grid of a few CTAs per SM) with empty,
+// padded and varlen sequences mixed in, so every branch of its prefetch loop runs between
+// ordinary items; both state dtypes.
+TEST_P(DecodeGpu, ManyItemsPerCtaWithEmptyAndPaddedSequences) {
+  for (DType s : {DType::kF32, DType::kBF16}) {
+    DecodeOptions o;
+    o.H = 4;
+    for (int64_t n = 0; n < 600; ++n) o.seqlens.push_back(n % 7 == 3 ? 0 : 1 + (n * 5) % 4);
+    o.padding = {0, 1, 57, 300, 301, 599};
+    o.state_dtype = s;
+    run_and_check(o);
+  }
+}
+
+TEST_P(DecodeGpu, VarlenInt32AndInt64) {
   for (DType cu : {DType::kI32, DType::kI64}) {
     DecodeOptions o;
     o.seqlens = {1, 16, 3, 7, 1};
@@ -152,7 +177,7 @@ TEST_F(DecodeGpu, VarlenInt32AndInt64) {
   }
 }
 
-TEST_F(DecodeGpu, GateFormsFlagsAndFloat32GateBeta) {
+TEST_P(DecodeGpu, GateFormsFlagsAndFloat32GateBeta) {
   for (GateForm gate : {GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed}) {
     for (DType gb : {DType::kBF16, DType::kF32}) {
       DecodeOptions o;
@@ -174,7 +199,7 @@ TEST_F(DecodeGpu, GateFormsFlagsAndFloat32GateBeta) {
   run_and_check(o);
 }
 
-TEST_F(DecodeGpu, PaddingEntriesTouchNothingAndOutputZero) {
+TEST_P(DecodeGpu, PaddingEntriesTouchNothingAndOutputZero) {
   DecodeOptions o;
   o.N = 6, o.T = 2, o.H = 2;
   o.padding = {0, 3, 5};
@@ -187,7 +212,7 @@ TEST_F(DecodeGpu, PaddingEntriesTouchNothingAndOutputZero) {
 // What the GPU does with indices the CPU backend would reject (they cannot be checked without a
 // sync): a start slot >= pool_size or an accepted count outside [1, stride] is padding, a store
 // slot >= pool_size is skipped.
-TEST_F(DecodeGpu, OutOfRangeIndicesAreSkipped) {
+TEST_P(DecodeGpu, OutOfRangeIndicesAreSkipped) {
   DecodeOptions o;
   o.N = 5, o.T = 3, o.H = 2;
   o.speculative = true;
@@ -201,7 +226,7 @@ TEST_F(DecodeGpu, OutOfRangeIndicesAreSkipped) {
   run_and_check(prob);
 }
 
-TEST_F(DecodeGpu, SpeculativeSlotsPerToken) {
+TEST_P(DecodeGpu, SpeculativeSlotsPerToken) {
   for (DType s : {DType::kF32, DType::kBF16}) {
     DecodeOptions o;
     o.N = 4, o.T = 3, o.H = 2;
@@ -222,7 +247,7 @@ TEST_F(DecodeGpu, SpeculativeSlotsPerToken) {
 }
 
 // The GPU and the CPU backends agree far below the bf16 tolerance (both fp32 math).
-TEST_F(DecodeGpu, MatchesCpuDecode) {
+TEST_P(DecodeGpu, MatchesCpuDecode) {
   DecodeOptions o;
   o.N = 7, o.T = 5, o.H = 3;
   o.extra_slots = 0;  // every slot is named and written: no NaN sentinel in the comparison
@@ -243,7 +268,7 @@ TEST_F(DecodeGpu, MatchesCpuDecode) {
   EXPECT_LE(err_out, 4e-3);  // a few bf16 outputs may round the other way
 }
 
-TEST_F(DecodeGpu, RepeatRunsAreBitIdentical) {
+TEST_P(DecodeGpu, RepeatRunsAreBitIdentical) {
   DecodeOptions o;
   o.N = 9, o.T = 4, o.H = 3;
   o.speculative = true;
@@ -262,7 +287,7 @@ TEST_F(DecodeGpu, RepeatRunsAreBitIdentical) {
 
 // decode() is capturable: no host sync, no allocation. The replayed graph writes exactly what the
 // eager call wrote.
-TEST_F(DecodeGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
+TEST_P(DecodeGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
   DecodeOptions o;
   o.seqlens = {3, 1, 16, 2};
   o.state_dtype = DType::kBF16;
@@ -299,7 +324,7 @@ TEST_F(DecodeGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
 
 // GPU prefill over the first T0 tokens into a pool slot, then GPU decode of the rest: the same
 // outputs and final state as the fp64 recurrence over the whole sequence.
-TEST_F(DecodeGpu, DecodeAfterPrefillMatchesWholeSequence) {
+TEST_P(DecodeGpu, DecodeAfterPrefillMatchesWholeSequence) {
   const int64_t T0 = 77, T1 = 4, H = 2, K = 128, V = 128, slice = H * V * K, P = 3, slot = 1;
   KdaOptions ko;
   ko.B = 1, ko.T = T0 + T1, ko.H = H;
@@ -374,7 +399,7 @@ TEST_F(DecodeGpu, DecodeAfterPrefillMatchesWholeSequence) {
   }
 }
 
-TEST_F(DecodeGpu, BadArgumentsThrowBeforeAnyWork) {
+TEST_P(DecodeGpu, BadArgumentsThrowBeforeAnyWork) {
   DecodeOptions o;
   o.N = 2, o.T = 1;
   DecodeProblem prob(o);

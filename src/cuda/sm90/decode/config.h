@@ -36,11 +36,19 @@ struct Tile {
 };
 using SmallTile = Tile<2, 4>;  // 32 rows per CTA, 4 CTAs per (seq, head): N = 1, H = 32 gives 128 CTAs
 using LargeTile = Tile<4, 4>;  // 64 rows per CTA, 2 CTAs per (seq, head)
+// The persistent kernel keeps the next items' bookkeeping in registers on top of the state rows:
+// three CTAs per SM leave it the registers of LargeTile without spilling.
+using PersistentLargeTile = Tile<4, 3>;
 constexpr int kMaxRowsPerCta = LargeTile::kRowsPerCta;
 
 // N·H from which LargeTile is used: SmallTile CTAs then number >= 8192, many waves on 132 SMs.
 // A starting point to tune with benchmarks/bench_decode.py on the H200.
 constexpr int64_t kLargeTileMinHeads = 2048;
+
+// N·H from which bf16 pools use the persistent kernel (kernel.cuh): one CTA's load -> compute ->
+// store leaves the memory pipe idle, and a bf16 row puts half the bytes of an fp32 row in flight
+// per register, so at large batches the next item's state is prefetched into shared memory.
+constexpr int64_t kPersistentMinHeads = kLargeTileMinHeads;
 
 static_assert(kPrepPerLane == 4, "the preprocessing reads 4 channels (one 8- or 16-byte vector) per lane");
 

@@ -65,21 +65,27 @@ struct RowAccess {
   // Streaming (.cs) accesses: every state byte is touched once per launch.
   __device__ __forceinline__ static void load(const StateT* row, int col, float (&r)[kKPerLane]) {
 #pragma unroll
-    for (int j = 0; j < kChunks; ++j) {
-      if constexpr (sizeof(StateT) == 4) {
-        const float4 x = __ldcs(reinterpret_cast<const float4*>(row + column(col, j)));
-        r[j * kVec + 0] = x.x;
-        r[j * kVec + 1] = x.y;
-        r[j * kVec + 2] = x.z;
-        r[j * kVec + 3] = x.w;
-      } else {
-        const uint4 x = __ldcs(reinterpret_cast<const uint4*>(row + column(col, j)));
-        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+    for (int j = 0; j < kChunks; ++j) unpack(__ldcs(reinterpret_cast<const uint4*>(row + column(col, j))), j, r);
+  }
+
+  // The same columns from a shared-memory copy of the row (plain 16-byte loads).
+  __device__ __forceinline__ static void load_shared(const StateT* row, int col, float (&r)[kKPerLane]) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          r[j * kVec + 2 * i] = bf16_lo(w[i]);
-          r[j * kVec + 2 * i + 1] = bf16_hi(w[i]);
-        }
+    for (int j = 0; j < kChunks; ++j) unpack(*reinterpret_cast<const uint4*>(row + column(col, j)), j, r);
+  }
+
+  __device__ __forceinline__ static void unpack(const uint4 x, int j, float (&r)[kKPerLane]) {
+    if constexpr (sizeof(StateT) == 4) {
+      r[j * kVec + 0] = __uint_as_float(x.x);
+      r[j * kVec + 1] = __uint_as_float(x.y);
+      r[j * kVec + 2] = __uint_as_float(x.z);
+      r[j * kVec + 3] = __uint_as_float(x.w);
+    } else {
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        r[j * kVec + 2 * i] = bf16_lo(w[i]);
+        r[j * kVec + 2 * i + 1] = bf16_hi(w[i]);
       }
     }
   }
@@ -122,11 +128,11 @@ struct alignas(16) StagedToken {
   int32_t store_slot;                 // speculative: slot receiving the state after this token, else -1
 };
 
-// Stages tokens [t0, t0 + count) of the sequence starting at token bos. Every thread of the CTA
-// calls it; the caller waits (cp_async_wait_all) and synchronises the CTA before reading.
+// Requests tokens [t0, t0 + count) of the sequence starting at token bos: q, k, g and the CTA's
+// rows of v, with cp.async (no registers held in flight) and without committing the group.
 template <class TileT>
-__device__ __forceinline__ void stage_tokens(const DecodeArgs& a, const Coord& c, int64_t bos, int t0, int count,
-                                             StagedToken* staged) {
+__device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, int h, int cta_row0, int64_t bos, int t0,
+                                                    int count, StagedToken* staged) {
   constexpr int kQChunks = kHeadDimK * 2 / 16;
   constexpr int kVChunks = TileT::kRowsPerCta * 2 / 16;
   const int g_chunks = a.g_is_f32 ? kHeadDimK * 4 / 16 : kHeadDimK * 2 / 16;
@@ -134,7 +140,7 @@ __device__ __forceinline__ void stage_tokens(const DecodeArgs& a, const Coord& c
   for (int i = threadIdx.x; i < count * per_token; i += kThreads) {
     const int t = i / per_token;
     int r = i % per_token;
-    const int64_t row = (bos + t0 + t) * a.H + c.h;  // token-head row of q, k, g, v
+    const int64_t row = (bos + t0 + t) * a.H + h;  // token-head row of q, k, g, v
     StagedToken& st = staged[t];
     if (r < kQChunks) {
       cp_async_16(&st.q[r], reinterpret_cast<const uint4*>(a.q + row * kHeadDimK) + r);
@@ -145,20 +151,42 @@ __device__ __forceinline__ void stage_tokens(const DecodeArgs& a, const Coord& c
       cp_async_16(&st.g[r], reinterpret_cast<const uint4*>(g_row) + r);
     } else {
       r -= g_chunks;
-      cp_async_16(&st.v[r], reinterpret_cast<const uint4*>(a.v + row * kHeadDimV + c.cta_row0) + r);
+      cp_async_16(&st.v[r], reinterpret_cast<const uint4*>(a.v + row * kHeadDimV + cta_row0) + r);
     }
   }
+}
+
+// The per-token scalars too small for cp.async: beta (2 or 4 bytes) and the speculative store
+// slot of token t (-1: none). Loaded into registers by thread t of the CTA.
+struct TokenWords {
+  uint32_t beta;
+  int32_t store_slot;
+};
+
+__device__ __forceinline__ TokenWords load_token_words(const DecodeArgs& a, int64_t n, int h, int64_t bos, int t) {
+  const int64_t beta_offset = (bos + t) * a.H + h;
+  TokenWords w;
+  w.beta = a.beta_is_f32 ? __ldg(static_cast<const uint32_t*>(a.beta) + beta_offset)
+                         : uint32_t(__ldg(static_cast<const uint16_t*>(a.beta) + beta_offset));
+  w.store_slot = -1;
+  if (a.num_accepted_tokens != nullptr && t < a.indices_stride) {
+    w.store_slot = __ldg(a.state_indices + n * a.indices_stride + t);
+  }
+  return w;
+}
+
+// Stages tokens [t0, t0 + count) completely: the vectors (one committed cp.async group) and the
+// scalars. Every thread of the CTA calls it; the caller waits for the group and synchronises the
+// CTA before reading.
+template <class TileT>
+__device__ __forceinline__ void stage_tokens(const DecodeArgs& a, const Coord& c, int64_t bos, int t0, int count,
+                                             StagedToken* staged) {
+  stage_token_vectors<TileT>(a, c.h, c.cta_row0, bos, t0, count, staged);
   cp_async_commit();
-  if (threadIdx.x < count) {  // beta (2 or 4 bytes: too small for cp.async) and the store slot
-    const int t = t0 + int(threadIdx.x);
-    const int64_t beta_offset = (bos + t) * a.H + c.h;
-    StagedToken& st = staged[threadIdx.x];
-    st.beta = a.beta_is_f32 ? __ldg(static_cast<const uint32_t*>(a.beta) + beta_offset)
-                            : uint32_t(__ldg(static_cast<const uint16_t*>(a.beta) + beta_offset));
-    st.store_slot = -1;
-    if (a.num_accepted_tokens != nullptr && t < a.indices_stride) {
-      st.store_slot = __ldg(a.state_indices + c.n * a.indices_stride + t);
-    }
+  if (threadIdx.x < count) {
+    const TokenWords w = load_token_words(a, c.n, c.h, bos, t0 + int(threadIdx.x));
+    staged[threadIdx.x].beta = w.beta;
+    staged[threadIdx.x].store_slot = w.store_slot;
   }
 }
 
@@ -323,61 +351,76 @@ __device__ __forceinline__ void store_state(const DecodeArgs& a, const Coord& c,
   }
 }
 
-template <typename StateT, class TileT>
-__global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(const DecodeArgs a) {
-  constexpr int kRows = TileT::kRowsPerThread;
-  __shared__ WarpScratch scratch[kWarps];
-  extern __shared__ StagedToken staged[];  // [a.stage_tokens]
-
+// The thread's coordinates for work item x: rows [kRowsPerCta * (x % kCtasPerHead), +kRowsPerCta)
+// of head (x / kCtasPerHead) % H of sequence x / (kCtasPerHead * H).
+template <class TileT>
+__device__ __forceinline__ Coord coord_of(const DecodeArgs& a, int64_t x) {
   Coord c;
-  c.cta_row0 = int(blockIdx.x % TileT::kCtasPerHead) * TileT::kRowsPerCta;
-  const int64_t nh = blockIdx.x / TileT::kCtasPerHead;
+  c.cta_row0 = int(x % TileT::kCtasPerHead) * TileT::kRowsPerCta;
+  const int64_t nh = x / TileT::kCtasPerHead;
   c.h = int(nh % a.H);
   c.n = nh / a.H;
   c.lane = int(threadIdx.x) % 32;
   c.warp = int(threadIdx.x) / 32;
   c.col = c.lane % kLanesPerRow;
   c.row0 = c.cta_row0 + c.warp * TileT::kRowsPerWarp + c.lane / kLanesPerRow;
+  return c;
+}
 
-  const int64_t bos = a.cu_seqlens != nullptr ? cu_at(a, c.n) : c.n * a.tokens_per_seq;
-  const int64_t eos = a.cu_seqlens != nullptr ? cu_at(a, c.n + 1) : bos + a.tokens_per_seq;
-  if (eos <= bos) return;  // empty sequence: nothing to read or write
+// A sequence's tokens and start slot. len <= 0: empty (nothing read or written); slot < 0:
+// padding (no slot touched, outputs zero).
+struct Span {
+  int64_t bos;
+  int len;
+  int32_t slot;
+};
 
-  const int32_t slot = start_slot(a, c.n);
-  if (slot < 0) {  // padding: no slot touched, outputs zero
-    for (int64_t tok = bos; tok < eos; ++tok) {
-      if (threadIdx.x < TileT::kRowsPerCta) a.out[(tok * a.H + c.h) * kHeadDimV + c.cta_row0 + threadIdx.x] = 0;
-    }
-    return;
+__device__ __forceinline__ Span span_of(const DecodeArgs& a, int64_t n) {
+  Span sp;
+  sp.bos = a.cu_seqlens != nullptr ? cu_at(a, n) : n * a.tokens_per_seq;
+  const int64_t eos = a.cu_seqlens != nullptr ? cu_at(a, n + 1) : sp.bos + a.tokens_per_seq;
+  sp.len = eos > sp.bos ? int(eos - sp.bos) : 0;
+  sp.slot = sp.len > 0 ? start_slot(a, n) : -1;
+  return sp;
+}
+
+__device__ __forceinline__ float4 load_bias(const DecodeArgs& a, const Coord& c) {
+  if (a.pre.gate == GateForm::kPrecomputed || a.pre.dt_bias == nullptr) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  return __ldg(reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
+}
+
+template <class TileT>
+__device__ __forceinline__ void write_zero_outputs(const DecodeArgs& a, const Coord& c, const Span& sp) {
+  for (int64_t tok = sp.bos; tok < sp.bos + sp.len; ++tok) {
+    if (threadIdx.x < TileT::kRowsPerCta) a.out[(tok * a.H + c.h) * kHeadDimV + c.cta_row0 + threadIdx.x] = 0;
   }
+}
 
-  // The state loads go first: they are the bulk of the traffic and everything below overlaps them.
-  float state[kRows][kKPerLane];
-  load_state<StateT>(a, c, slot, state);
-  const HeadGate gate = HeadGate::make(a.pre, c.h);
-  float4 bias = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
-    bias = __ldg(reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
-  }
-
+// Runs every token of one item on the state in registers: outputs, speculative stores, the final
+// store. Tokens stage in groups of the stage capacity (one group unless the input is invalid:
+// more than 16 tokens); kFirstGroupStaged: the caller has staged the first group already.
+template <typename StateT, class TileT, bool kFirstGroupStaged>
+__device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, const Span& sp, const HeadGate& gate,
+                                           const float4& bias, StagedToken* staged, WarpScratch& scratch,
+                                           float (&state)[TileT::kRowsPerThread][kKPerLane]) {
+  constexpr int kRows = TileT::kRowsPerThread;
   const bool speculative = a.num_accepted_tokens != nullptr;
-  const int len = int(eos - bos);
-  // Valid inputs (len <= 16, len <= stage capacity) stage once; longer ones go group by group.
-  for (int t0 = 0; t0 < len; t0 += a.stage_tokens) {
-    const int count = min(a.stage_tokens, len - t0);
-    if (t0 > 0) __syncthreads();  // every warp has read the previous group
-    stage_tokens<TileT>(a, c, bos, t0, count, staged);
-    cp_async_wait_all();
-    __syncthreads();
-
+  for (int t0 = 0; t0 < sp.len; t0 += a.stage_tokens) {
+    const int count = min(a.stage_tokens, sp.len - t0);
+    if (!kFirstGroupStaged || t0 > 0) {
+      if (t0 > 0) __syncthreads();  // every warp has read the previous group
+      stage_tokens<TileT>(a, c, sp.bos, t0, count, staged);
+      cp_async_wait_all();
+      __syncthreads();
+    }
     for (int t = 0; t < count; ++t) {
       const StagedToken& raw = staged[t];
-      const TokenScalars<kRows> scalars = prepare_token<TileT>(a, c, gate, bias, raw, scratch[c.warp]);
+      const TokenScalars<kRows> scalars = prepare_token<TileT>(a, c, gate, bias, raw, scratch);
       float o[kRows];
-      recur_token<StateT>(c, scalars, scratch[c.warp], state, o);
+      recur_token<StateT>(c, scalars, scratch, state, o);
 
       if (c.col == 0) {
-        uint16_t* out_row = a.out + ((bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
+        uint16_t* out_row = a.out + ((sp.bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
 #pragma unroll
         for (int i = 0; i < kRows; ++i) out_row[i * kRowsPerPass] = float_to_bf16_bits(o[i]);
       }
@@ -385,7 +428,145 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(
       if (speculative && store_slot >= 0 && store_slot < a.pool_size) store_state<StateT>(a, c, store_slot, state);
     }
   }
-  if (!speculative) store_state<StateT>(a, c, slot, state);
+  if (!speculative) store_state<StateT>(a, c, sp.slot, state);
+}
+
+// One CTA per work item (grid = N * H * kCtasPerHead).
+template <typename StateT, class TileT>
+__global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(const DecodeArgs a) {
+  constexpr int kRows = TileT::kRowsPerThread;
+  __shared__ WarpScratch scratch[kWarps];
+  extern __shared__ StagedToken staged[];  // [a.stage_tokens]
+
+  const Coord c = coord_of<TileT>(a, blockIdx.x);
+  const Span sp = span_of(a, c.n);
+  if (sp.len <= 0) return;  // empty sequence: nothing to read or write
+  if (sp.slot < 0) {
+    write_zero_outputs<TileT>(a, c, sp);
+    return;
+  }
+
+  // The state loads go first: they are the bulk of the traffic and everything below overlaps them.
+  float state[kRows][kKPerLane];
+  load_state<StateT>(a, c, sp.slot, state);
+  const HeadGate gate = HeadGate::make(a.pre, c.h);
+  const float4 bias = load_bias(a, c);
+
+  run_tokens<StateT, TileT, false>(a, c, sp, gate, bias, staged, scratch[c.warp], state);
+}
+
+// Persistent variant: grid = a few CTAs per SM, each looping over items x = blockIdx.x, +gridDim.x,
+// ... with two shared-memory buffers. While item i computes, item i+1's state rows, token
+// vectors, dt_bias row and A_log are in flight into the other buffer (cp.async: bytes in flight
+// without registers), and item i+2's cu_seqlens and slot are being loaded, so the memory pipe
+// never waits on one item's load -> compute -> store sequence. Dynamic shared memory:
+//   [state 0][state 1]    kRowsPerCta x K StateT each, row-major (a thread reads back what it copied)
+//   [consts 0][consts 1]  dt_bias row and A_log of the item's head
+//   [staged 0][staged 1]  stage_tokens StagedToken each
+struct alignas(16) HeadConsts {
+  float4 bias[kHeadDimK / 4];
+  float a_log;
+};
+
+template <class TileT, typename StateT>
+struct PersistentLayout {
+  static constexpr int kStateBytes = TileT::kRowsPerCta * kHeadDimK * int(sizeof(StateT));
+  static constexpr int kStateElems = TileT::kRowsPerCta * kHeadDimK;
+  static_assert(kStateBytes % 16 == 0 && sizeof(HeadConsts) % 16 == 0);
+  __host__ __device__ static constexpr size_t bytes(int stage_tokens) {
+    return 2 * (size_t(kStateBytes) + sizeof(HeadConsts) + size_t(stage_tokens) * sizeof(StagedToken));
+  }
+};
+
+// Issues item (c, sp)'s copies into one buffer as one cp.async group (possibly empty, so that
+// wait_group<1> always means "the previous item's copies have landed"). Returns the scalars of
+// token threadIdx.x for threads below the first group's count.
+template <typename StateT, class TileT>
+__device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const Coord& c, const Span& sp,
+                                                    StateT* state_buf, HeadConsts* consts, StagedToken* staged) {
+  TokenWords words{0u, -1};
+  if (sp.len > 0 && sp.slot >= 0) {
+    using Row = RowAccess<StateT>;
+#pragma unroll
+    for (int i = 0; i < TileT::kRowsPerThread; ++i) {
+      const int row = c.row0 + i * kRowsPerPass;
+      const StateT* src = state_row<StateT>(a, sp.slot, c.h, row);
+      StateT* dst = state_buf + (row - c.cta_row0) * kHeadDimK;
+#pragma unroll
+      for (int j = 0; j < Row::kChunks; ++j) cp_async_16(dst + Row::column(c.col, j), src + Row::column(c.col, j));
+    }
+    const int count = min(a.stage_tokens, sp.len);
+    stage_token_vectors<TileT>(a, c.h, c.cta_row0, sp.bos, 0, count, staged);
+    if (c.warp == kWarps - 1) {  // the head's dt_bias row and A_log (warp 0 stages beta)
+      if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
+        cp_async_16(&consts->bias[c.lane], reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
+      } else {
+        consts->bias[c.lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+      if (c.lane == 0 && a.pre.gate != GateForm::kPrecomputed) cp_async_4(&consts->a_log, a.pre.A_log + c.h);
+    }
+    if (threadIdx.x < count) words = load_token_words(a, c.n, c.h, sp.bos, int(threadIdx.x));
+  }
+  cp_async_commit();
+  return words;
+}
+
+template <typename StateT, class TileT>
+__global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persistent_kernel(const DecodeArgs a,
+                                                                                           int64_t items) {
+  constexpr int kRows = TileT::kRowsPerThread;
+  using Layout = PersistentLayout<TileT, StateT>;
+  __shared__ WarpScratch scratch[kWarps];
+  extern __shared__ uint4 smem[];
+  StateT* const state0 = reinterpret_cast<StateT*>(smem);
+  HeadConsts* const consts0 = reinterpret_cast<HeadConsts*>(reinterpret_cast<char*>(smem) + 2 * Layout::kStateBytes);
+  StagedToken* const staged0 = reinterpret_cast<StagedToken*>(consts0 + 2);
+
+  // Item i = x lives in buffer b; sp_next is item i+1's span (its loads issued an iteration ago).
+  int64_t x = blockIdx.x;  // the launcher keeps gridDim.x <= items
+  Coord c = coord_of<TileT>(a, x);
+  Span sp = span_of(a, c.n);
+  TokenWords words = prefetch_item<StateT, TileT>(a, c, sp, state0, consts0, staged0);
+  Span sp_next{0, 0, -1};
+  if (x + gridDim.x < items) sp_next = span_of(a, coord_of<TileT>(a, x + gridDim.x).n);
+
+  for (int b = 0; x < items; x += gridDim.x, b ^= 1) {
+    StagedToken* const staged = staged0 + b * a.stage_tokens;
+    __syncthreads();  // every thread is done with item i-1 and buffer b ^ 1
+    if (threadIdx.x < min(a.stage_tokens, sp.len)) {
+      staged[threadIdx.x].beta = words.beta;
+      staged[threadIdx.x].store_slot = words.store_slot;
+    }
+    // Item i+1's copies into buffer b ^ 1, then item i+2's span.
+    const int64_t xn = x + gridDim.x;
+    const Coord cn = coord_of<TileT>(a, xn);
+    const Span sp_cur = sp;
+    if (xn < items) {
+      words = prefetch_item<StateT, TileT>(a, cn, sp_next, state0 + (b ^ 1) * Layout::kStateElems, consts0 + (b ^ 1),
+                                           staged0 + (b ^ 1) * a.stage_tokens);
+    } else {
+      cp_async_commit();
+    }
+    sp = sp_next;
+    if (xn + gridDim.x < items) sp_next = span_of(a, coord_of<TileT>(a, xn + gridDim.x).n);
+    cp_async_wait_group<1>();  // this thread's copies of item i have landed
+    __syncthreads();           // and everyone's
+
+    if (sp_cur.len > 0 && sp_cur.slot < 0) write_zero_outputs<TileT>(a, c, sp_cur);
+    if (sp_cur.len > 0 && sp_cur.slot >= 0) {
+      const StateT* rows = state0 + b * Layout::kStateElems;
+      float state[kRows][kKPerLane];
+#pragma unroll
+      for (int i = 0; i < kRows; ++i) {
+        RowAccess<StateT>::load_shared(rows + (c.row0 + i * kRowsPerPass - c.cta_row0) * kHeadDimK, c.col, state[i]);
+      }
+      const HeadConsts& hc = consts0[b];
+      const HeadGate gate = HeadGate::from_a_log(a.pre, hc.a_log);
+      run_tokens<StateT, TileT, true>(a, c, sp_cur, gate, hc.bias[c.lane], staged, scratch[c.warp], state);
+    }
+    c = cn;
+  }
+  cp_async_wait_all();  // nothing may be in flight into shared memory when the CTA exits
 }
 
 }  // namespace flashkda::cuda::sm90::decode

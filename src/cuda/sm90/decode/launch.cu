@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 
 #include "backend.h"
@@ -54,10 +56,51 @@ void launch(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_
   FLASHKDA_CHECK_LAUNCH();
 }
 
+// CTAs of the persistent kernel resident per SM for a stage capacity (1..16): queried once per
+// capacity and cached (not a stream operation, so it is allowed under graph capture).
+template <typename StateT, class TileT>
+int persistent_ctas_per_sm(int stage_tokens, size_t smem) {
+  static std::atomic<int> cache[sm90::decode::kMaxTokens + 1] = {};
+  int n = cache[stage_tokens].load(std::memory_order_relaxed);
+  if (n == 0) {
+    FLASHKDA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, sm90::decode::decode_persistent_kernel<StateT, TileT>, sm90::decode::kThreads, smem));
+    n = std::max(n, 1);
+    cache[stage_tokens].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+template <typename StateT, class TileT>
+void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
+  using namespace sm90::decode;
+  const int64_t items = num_heads * TileT::kCtasPerHead;
+  const size_t smem = PersistentLayout<TileT, StateT>::bytes(args.stage_tokens);
+  auto kernel = decode_persistent_kernel<StateT, TileT>;
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  int device = 0, sms = 132;
+  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  const int64_t grid = std::min<int64_t>(items, int64_t(sms) * persistent_ctas_per_sm<StateT, TileT>(args.stage_tokens, smem));
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args, items);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
+// FLASHKDA_DECODE_PERSISTENT: 1 always uses the persistent kernel, 0 never; unset, bf16 pools with
+// N·H >= kPersistentMinHeads do (config.h).
+bool use_persistent(bool bf16_state, int64_t num_heads) {
+  const char* s = std::getenv("FLASHKDA_DECODE_PERSISTENT");
+  if (s != nullptr && *s != '\0') return std::atoi(s) != 0;
+  return bf16_state && num_heads >= sm90::decode::kPersistentMinHeads;
+}
+
 template <typename StateT>
 void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
   using namespace sm90::decode;
-  if (num_heads >= kLargeTileMinHeads) {
+  const bool large = num_heads >= kLargeTileMinHeads;
+  if (use_persistent(sizeof(StateT) == 2, num_heads)) {
+    if (large) launch_persistent<StateT, PersistentLargeTile>(args, num_heads, stream);
+    else launch_persistent<StateT, SmallTile>(args, num_heads, stream);
+  } else if (large) {
     launch<StateT, LargeTile>(args, num_heads, stream);
   } else {
     launch<StateT, SmallTile>(args, num_heads, stream);
