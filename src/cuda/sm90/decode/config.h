@@ -39,6 +39,8 @@ using LargeTile = Tile<4, 4>;  // 64 rows per CTA, 2 CTAs per (seq, head)
 // The persistent kernel keeps the next items' bookkeeping in registers on top of the state rows:
 // three CTAs per SM leave it the registers of LargeTile without spilling.
 using PersistentLargeTile = Tile<4, 3>;
+// Items whose copies are in flight or computing at once in one persistent CTA (shared-memory ring).
+constexpr int kPersistentStages = 3;
 constexpr int kMaxRowsPerCta = LargeTile::kRowsPerCta;
 
 // N·H from which LargeTile is used: SmallTile CTAs then number >= 8192, many waves on 132 SMs.

@@ -456,13 +456,14 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(
 }
 
 // Persistent variant: grid = a few CTAs per SM, each looping over items x = blockIdx.x, +gridDim.x,
-// ... with two shared-memory buffers. While item i computes, item i+1's state rows, token
-// vectors, dt_bias row and A_log are in flight into the other buffer (cp.async: bytes in flight
-// without registers), and item i+2's cu_seqlens and slot are being loaded, so the memory pipe
-// never waits on one item's load -> compute -> store sequence. Dynamic shared memory:
-//   [state 0][state 1]    kRowsPerCta x K StateT each, row-major (a thread reads back what it copied)
-//   [consts 0][consts 1]  dt_bias row and A_log of the item's head
-//   [staged 0][staged 1]  stage_tokens StagedToken each
+// ... through a ring of kPersistentStages shared-memory buffers. While item i computes, items i+1
+// and i+2 have their state rows, token vectors, dt_bias row and A_log in flight into the other
+// buffers (cp.async: bytes in flight without registers), and item i+3's cu_seqlens and slot are
+// being loaded, so the memory pipe never waits on one item's load -> compute -> store sequence.
+// Dynamic shared memory, kPersistentStages of each:
+//   [state]   kRowsPerCta x K StateT, row-major (a thread reads back what it copied)
+//   [consts]  dt_bias row and A_log of the item's head
+//   [staged]  stage_tokens StagedToken
 struct alignas(16) HeadConsts {
   float4 bias[kHeadDimK / 4];
   float a_log;
@@ -474,12 +475,12 @@ struct PersistentLayout {
   static constexpr int kStateElems = TileT::kRowsPerCta * kHeadDimK;
   static_assert(kStateBytes % 16 == 0 && sizeof(HeadConsts) % 16 == 0);
   __host__ __device__ static constexpr size_t bytes(int stage_tokens) {
-    return 2 * (size_t(kStateBytes) + sizeof(HeadConsts) + size_t(stage_tokens) * sizeof(StagedToken));
+    return kPersistentStages * (size_t(kStateBytes) + sizeof(HeadConsts) + size_t(stage_tokens) * sizeof(StagedToken));
   }
 };
 
 // Issues item (c, sp)'s copies into one buffer as one cp.async group (possibly empty, so that
-// wait_group<1> always means "the previous item's copies have landed"). Returns the scalars of
+// wait_group<kPersistentStages - 1> always means "item i's copies have landed"). Returns the scalars of
 // token threadIdx.x for threads below the first group's count.
 template <typename StateT, class TileT>
 __device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const Coord& c, const Span& sp,
@@ -515,45 +516,50 @@ template <typename StateT, class TileT>
 __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persistent_kernel(const DecodeArgs a,
                                                                                            int64_t items) {
   constexpr int kRows = TileT::kRowsPerThread;
+  constexpr int kStages = kPersistentStages;
+  static_assert(kStages == 3, "the register rotation below holds items i, i+1, i+2 and i+3");
   using Layout = PersistentLayout<TileT, StateT>;
   __shared__ WarpScratch scratch[kWarps];
   extern __shared__ uint4 smem[];
   StateT* const state0 = reinterpret_cast<StateT*>(smem);
-  HeadConsts* const consts0 = reinterpret_cast<HeadConsts*>(reinterpret_cast<char*>(smem) + 2 * Layout::kStateBytes);
-  StagedToken* const staged0 = reinterpret_cast<StagedToken*>(consts0 + 2);
+  HeadConsts* const consts0 =
+      reinterpret_cast<HeadConsts*>(reinterpret_cast<char*>(smem) + kStages * Layout::kStateBytes);
+  StagedToken* const staged0 = reinterpret_cast<StagedToken*>(consts0 + kStages);
+  const auto prefetch = [&](int64_t y, const Span& sp, int b) {
+    return prefetch_item<StateT, TileT>(a, coord_of<TileT>(a, y), sp, state0 + b * Layout::kStateElems, consts0 + b,
+                                        staged0 + b * a.stage_tokens);
+  };
+  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, y).n) : Span{0, 0, -1}; };
 
-  // Item i = x lives in buffer b; sp_next is item i+1's span (its loads issued an iteration ago).
+  // Item i = x lives in buffer b = i % 3. Registers: spans of items i, i+1, i+2 (the last one's
+  // loads issued an iteration ago) and the token scalars of items i and i+1.
+  const int64_t step = gridDim.x;
   int64_t x = blockIdx.x;  // the launcher keeps gridDim.x <= items
-  Coord c = coord_of<TileT>(a, x);
-  Span sp = span_of(a, c.n);
-  TokenWords words = prefetch_item<StateT, TileT>(a, c, sp, state0, consts0, staged0);
-  Span sp_next{0, 0, -1};
-  if (x + gridDim.x < items) sp_next = span_of(a, coord_of<TileT>(a, x + gridDim.x).n);
+  Span sp0 = span_at(x), sp1 = span_at(x + step);
+  TokenWords w0 = prefetch(x, sp0, 0);
+  TokenWords w1{0u, -1};
+  if (x + step < items) w1 = prefetch(x + step, sp1, 1);
+  else cp_async_commit();
+  Span sp2 = span_at(x + 2 * step);
 
-  for (int b = 0; x < items; x += gridDim.x, b ^= 1) {
+  for (int b = 0; x < items; x += step, b = (b == kStages - 1) ? 0 : b + 1) {
     StagedToken* const staged = staged0 + b * a.stage_tokens;
-    __syncthreads();  // every thread is done with item i-1 and buffer b ^ 1
-    if (threadIdx.x < min(a.stage_tokens, sp.len)) {
-      staged[threadIdx.x].beta = words.beta;
-      staged[threadIdx.x].store_slot = words.store_slot;
+    __syncthreads();  // every thread is done with item i-1, whose buffer item i+2 takes
+    if (threadIdx.x < min(a.stage_tokens, sp0.len)) {
+      staged[threadIdx.x].beta = w0.beta;
+      staged[threadIdx.x].store_slot = w0.store_slot;
     }
-    // Item i+1's copies into buffer b ^ 1, then item i+2's span.
-    const int64_t xn = x + gridDim.x;
-    const Coord cn = coord_of<TileT>(a, xn);
-    const Span sp_cur = sp;
-    if (xn < items) {
-      words = prefetch_item<StateT, TileT>(a, cn, sp_next, state0 + (b ^ 1) * Layout::kStateElems, consts0 + (b ^ 1),
-                                           staged0 + (b ^ 1) * a.stage_tokens);
-    } else {
-      cp_async_commit();
-    }
-    sp = sp_next;
-    if (xn + gridDim.x < items) sp_next = span_of(a, coord_of<TileT>(a, xn + gridDim.x).n);
-    cp_async_wait_group<1>();  // this thread's copies of item i have landed
-    __syncthreads();           // and everyone's
+    const int b2 = (b == 0) ? kStages - 1 : b - 1;  // (i + 2) % 3
+    TokenWords w2{0u, -1};
+    if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);
+    else cp_async_commit();
+    const Span sp3 = span_at(x + 3 * step);
+    cp_async_wait_group<kStages - 1>();  // this thread's copies of item i have landed
+    __syncthreads();                      // and everyone's
 
-    if (sp_cur.len > 0 && sp_cur.slot < 0) write_zero_outputs<TileT>(a, c, sp_cur);
-    if (sp_cur.len > 0 && sp_cur.slot >= 0) {
+    const Coord c = coord_of<TileT>(a, x);
+    if (sp0.len > 0 && sp0.slot < 0) write_zero_outputs<TileT>(a, c, sp0);
+    if (sp0.len > 0 && sp0.slot >= 0) {
       const StateT* rows = state0 + b * Layout::kStateElems;
       float state[kRows][kKPerLane];
 #pragma unroll
@@ -562,9 +568,10 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
       }
       const HeadConsts& hc = consts0[b];
       const HeadGate gate = HeadGate::from_a_log(a.pre, hc.a_log);
-      run_tokens<StateT, TileT, true>(a, c, sp_cur, gate, hc.bias[c.lane], staged, scratch[c.warp], state);
+      run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch[c.warp], state);
     }
-    c = cn;
+    sp0 = sp1, sp1 = sp2, sp2 = sp3;
+    w0 = w1, w1 = w2;
   }
   cp_async_wait_all();  // nothing may be in flight into shared memory when the CTA exits
 }
