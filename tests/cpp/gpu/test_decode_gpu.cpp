@@ -167,6 +167,20 @@ TEST_P(DecodeGpu, ManyItemsPerCtaWithEmptyAndPaddedSequences) {
   }
 }
 
+// Device cu_seqlens cannot be checked without a sync, so a sequence longer than 16 tokens reaches
+// the kernels, which run the same recurrence over it in groups of 16 staged tokens (the
+// validator's documented behaviour); it must match the fp64 reference like any other.
+TEST_P(DecodeGpu, SequencesLongerThan16OnDeviceCuSeqlensRunInGroups) {
+  for (DType s : {DType::kF32, DType::kBF16}) {
+    DecodeOptions o;
+    o.seqlens = {3, 20, 1, 37, 16, 0, 33};
+    o.H = 2;
+    o.padding = {3};
+    o.state_dtype = s;
+    run_and_check(o);
+  }
+}
+
 TEST_P(DecodeGpu, VarlenInt32AndInt64) {
   for (DType cu : {DType::kI32, DType::kI64}) {
     DecodeOptions o;
