@@ -34,6 +34,7 @@ def main():
     ap.add_argument("--H", type=int, default=96)
     ap.add_argument("--T", type=int, default=16)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--api", choices=["fwd", "chunk_kda"], default="fwd")
     args = ap.parse_args()
     H, T, D = args.H, args.T, 128
     rnd = lambda *s: torch.randn(*s).to(torch.bfloat16)  # noqa: E731
@@ -47,6 +48,13 @@ def main():
     def call():
         flashkda.fwd(q, k, v, g, beta, D ** -0.5, out, A_log, dt_bias, -5.0, initial_state=h0, final_state=ht,
                      cu_seqlens=cu)
+
+    if args.api == "chunk_kda":  # fla's call as in benchmarks/bench_prefill.py (flat dt_bias, v-first states)
+        def call():
+            flashkda.chunk_kda(q, k, v, g, beta, scale=D ** -0.5, initial_state=h0, output_final_state=True,
+                               use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                               safe_gate=True, lower_bound=-5.0, A_log=A_log, dt_bias=dt_bias.reshape(H * D),
+                               state_v_first=True, cu_seqlens=cu)
 
     real = launch._C
     launch._C = _NoKernel(real)
@@ -62,7 +70,7 @@ def main():
             samples.append((time.perf_counter() - t0) / n * 1e6)
     finally:
         launch._C = real
-    print(f"flashkda.fwd argument path, H={H}: median {statistics.median(samples):.1f} us per call "
+    print(f"flashkda.{args.api} argument path, H={H}: median {statistics.median(samples):.1f} us per call "
           f"(samples: {', '.join(f'{s:.1f}' for s in samples)})")
 
 

@@ -139,6 +139,10 @@ class TorchOps:
 
     _dtype_names: dict = {}
 
+    @staticmethod
+    def tensor_type():
+        return _torch().Tensor
+
     @classmethod
     def dtype_name(cls, x) -> str:
         dt = x.dtype

@@ -155,10 +155,55 @@ def _scale(scale):
 # ---- chunk_kda (fla semantics) ----------------------------------------------------------------
 
 
+def _all_tensors(required, optional):
+    Tensor = TorchOps.tensor_type()
+    return (all(isinstance(x, Tensor) for x in required)
+            and all(x is None or isinstance(x, Tensor) for x in optional))
+
+
+def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, use_gate, beta_sigmoid,
+                      safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens):
+    """chunk_kda's fast path for torch tensors already in the kernels' layout (states absent or
+    [N, H, V, K]): flashkda._C checks shapes, dtypes, devices, contiguity and values itself
+    (ValueError, before any work). Returns None when it refuses or the call needs the checked
+    path's layout work (transposed states, a default A_log, casts)."""
+    if not use_gate:
+        form, lb, A_log, dt_bias = "precomputed", -5.0, None, None
+    elif lower_bound is not None:
+        form, lb = "lower_bound", float(lower_bound)
+    elif safe_gate:
+        return None  # an error: the checked path says which
+    else:
+        form, lb = "softplus", -5.0
+    if (use_gate and A_log is None) or (initial_state is not None and not state_v_first):
+        return None
+    if not _all_tensors((q, k, v, g, beta), (A_log, dt_bias, initial_state, cu_seqlens)):
+        return None
+    if q.dim() != 4 or v.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
+        return None
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    H, K, V = q.shape[2], q.shape[3], v.shape[3]
+    out = TorchOps.empty(tuple(v.shape), TorchOps.dtype_name(q), q)
+    ht = TorchOps.empty((N, H, V, K), F32, q) if output_final_state else None
+    pre = Preprocess(form, A_log, dt_bias, lb, bool(l2norm), bool(beta_sigmoid), _scale(scale))
+    try:
+        _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=ht,
+                        cu_seqlens=cu_seqlens)
+    except (ValueError, TypeError):
+        return None
+    return out, (None if ht is None else _state_out(TorchOps, ht, state_v_first))
+
+
 def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False,
               cu_seqlens=None):
+    if ops is TorchOps:
+        res = _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                                use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log,
+                                dt_bias, state_v_first, cu_seqlens)
+        if res is not None:
+            return res
     q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[3]
@@ -188,8 +233,27 @@ def _inplace_target(ops, q, x, name, want, dtypes):
     return x
 
 
+def _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
+    """fwd's fast path for torch tensors already in the kernels' layout: flashkda._C checks every
+    shape, dtype, device, contiguity and value itself (ValueError, before any work), so the
+    Python checks below only need to run when it refuses. Returns False then."""
+    if not _all_tensors((q, k, v, g, beta, out, A_log), (dt_bias, initial_state, final_state, cu_seqlens)):
+        return False
+    pre = Preprocess("lower_bound", A_log, dt_bias, float(lower_bound), True, True, float(scale))
+    try:
+        _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=final_state,
+                        cu_seqlens=cu_seqlens)
+    except (ValueError, TypeError):
+        return False  # the checked path names the problem, or makes the layout (casts, copies) and calls again
+    return True
+
+
 def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
         cu_seqlens=None):
+    if (ops is TorchOps and scale is not None and lower_bound is not None and A_log is not None
+            and _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
+                            cu_seqlens)):
+        return
     q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[3]

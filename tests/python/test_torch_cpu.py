@@ -81,6 +81,136 @@ def test_fwd_errors_are_value_errors(rng):
                      t["dt_bias"], -2.0)
 
 
+def _count_direct(monkeypatch):
+    """Records what fwd's direct path (arguments already in the kernels' layout) returned per call."""
+    from flashkda import _impl
+    taken = []
+    real = _impl._fwd_direct
+
+    def spy(*args):
+        taken.append(real(*args))
+        return taken[-1]
+
+    monkeypatch.setattr(_impl, "_fwd_direct", spy)
+    return taken
+
+
+def test_fwd_direct_path_and_checked_path_agree(rng, monkeypatch):
+    """Tensors in the kernels' layout go straight to flashkda._C; anything it refuses (float64
+    A_log, flat dt_bias, a strided q) takes the checked path, which fixes the layout: same results."""
+    taken = _count_direct(monkeypatch)
+    p = make_problem(rng, lengths=[9, 30], state=True, cu_dtype=np.int64)
+    t = torch_problem(p)
+    H, K = t["q"].shape[2], t["q"].shape[3]
+
+    def run(q, A_log, dt_bias):
+        out = torch.full(t["v"].shape, float("nan"))
+        ht = torch.full(t["h0_vk"].shape, float("nan"))
+        flashkda.fwd(q, t["k"], t["v"], t["g"], t["beta"], 0.125, out, A_log, dt_bias, p["lower_bound"],
+                     initial_state=t["h0_vk"], final_state=ht, cu_seqlens=t["cu_seqlens"])
+        return out, ht
+
+    o1, h1 = run(t["q"], t["A_log"], t["dt_bias"])
+    strided_q = t["q"].transpose(-1, -2).contiguous().transpose(-1, -2)
+    o2, h2 = run(strided_q, t["A_log"].double(), t["dt_bias"].double().reshape(H * K))
+    assert taken == [True, False]
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(h1, h2, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("out shape", r"out: expected shape \[1, 8, 2, 64\]"),
+    ("v heads", r"v: grouped value heads"),
+    ("lower_bound", r"lower_bound: must lie in \[-5, 0\)"),
+    ("cu batch", r"q: the batch size is expected to be 1"),
+    ("state shape", r"initial_state: expected shape"),
+])
+def test_fwd_errors_keep_the_checked_paths_messages(rng, monkeypatch, case, pattern):
+    """A refusal by flashkda._C on the direct path hands over to the checked path, whose message
+    names the argument the Python way."""
+    taken = _count_direct(monkeypatch)
+    p = make_problem(rng, B=2 if case == "cu batch" else 1, T=8)
+    t = torch_problem(p)
+    args = dict(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], scale=0.125,
+                out=torch.empty(t["v"].shape), A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=-2.0)
+    if case == "out shape":
+        args["out"] = torch.empty(1, 8, 2, 3)
+    elif case == "v heads":
+        args["v"] = torch.randn(1, 8, 4, 64)
+    elif case == "lower_bound":
+        args["lower_bound"] = 1.0
+    elif case == "cu batch":
+        args["cu_seqlens"] = torch.tensor([0, 8])
+    elif case == "state shape":
+        args["initial_state"] = torch.zeros(2, 2, 64, 64)
+    with pytest.raises(ValueError, match=pattern):
+        flashkda.fwd(**args)
+    assert taken == [False]
+
+
+def test_chunk_kda_direct_path_and_checked_path_agree(rng, monkeypatch):
+    """v-first states and fp32 gate parameters go straight to flashkda._C; [N, H, K, V] states and
+    float64 A_log take the checked path (transposes, casts): same results. Without the gate in the
+    kernel the direct path ignores A_log and dt_bias like the checked path."""
+    from flashkda import _impl
+    taken = []
+    real = _impl._chunk_kda_direct
+
+    def spy(*args):
+        res = real(*args)
+        taken.append(res is not None)
+        return res
+
+    monkeypatch.setattr(_impl, "_chunk_kda_direct", spy)
+    p = make_problem(rng, lengths=[9, 30], state=True, cu_dtype=np.int64)
+    t = torch_problem(p)
+    H, K = t["q"].shape[2], t["q"].shape[3]
+    kw = chunk_kwargs(t, p)
+    kw["dt_bias"] = t["dt_bias"].reshape(H * K)
+    o1, h1 = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0_vk"],
+                                state_v_first=True, **kw)
+    kw2 = dict(kw, A_log=t["A_log"].double())
+    o2, h2 = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"],
+                                initial_state=t["h0_vk"].transpose(-1, -2).contiguous(), **kw2)
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(h1, h2.transpose(-1, -2), rtol=0, atol=0)
+    g = torch.nn.functional.logsigmoid(t["g"])  # a log-decay <= 0 for the precomputed form
+    o3, _ = flashkda.chunk_kda(t["q"], t["k"], t["v"], g, t["beta"], A_log=torch.zeros(7), dt_bias=torch.zeros(3),
+                               cu_seqlens=t["cu_seqlens"])
+    o4, _ = flashkda.chunk_kda(t["q"], t["k"], t["v"], g, t["beta"], cu_seqlens=t["cu_seqlens"])
+    torch.testing.assert_close(o3, o4, rtol=0, atol=0)
+    assert taken == [True, False, True, True]
+
+
+@pytest.mark.parametrize("case, pattern", [
+    ("v heads", r"v: grouped value heads"),
+    ("beta per channel", r"per-channel beta"),
+    ("lower_bound", r"lower_bound: must lie in \[-5, 0\)"),
+    ("safe_gate", r"lower_bound: must be specified when safe_gate=True"),
+    ("softplus without A_log", r"A_log: must be provided"),
+    ("state shape", r"initial_state: expected shape"),
+])
+def test_chunk_kda_errors_keep_the_checked_paths_messages(rng, case, pattern):
+    p = make_problem(rng, B=1, T=8)
+    t = torch_problem(p)
+    args = dict(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], use_gate_in_kernel=True,
+                A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=-2.0, state_v_first=True)
+    if case == "v heads":
+        args["v"] = torch.randn(1, 8, 4, 64)
+    elif case == "beta per channel":
+        args["beta"] = torch.randn(1, 8, 2, 64)
+    elif case == "lower_bound":
+        args["lower_bound"] = 1.0
+    elif case == "safe_gate":
+        args.update(lower_bound=None, safe_gate=True)
+    elif case == "softplus without A_log":
+        args.update(lower_bound=None, A_log=None)
+    elif case == "state shape":
+        args["initial_state"] = torch.zeros(2, 2, 64, 64)
+    with pytest.raises(ValueError, match=pattern):
+        flashkda.chunk_kda(**args)
+
+
 def test_fused_recurrent_pool_in_place(rng):
     H, K, V = 2, 64, 64
     p = make_problem(rng, B=3, T=1, H=H, K=K, V=V)
