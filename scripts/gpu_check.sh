@@ -3,11 +3,12 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [bench-device] [decode] [profile] [sweep]
+#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [bench-device] [decode] [profile] [sweep] [ab]
 #   (default: build test sanitize python bench bench-device decode; bench = prefill against the
 #   peers, eager calls, plus accuracy; bench-device = the timings with 10 back-to-back calls per
-#   sample; decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2. Each
-#   benchmark step fits one 10-minute device call on its own.)
+#   sample; decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2; ab =
+#   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
+#   Each benchmark step fits one 10-minute device call on its own.)
 #   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.
 #
 # Every step writes its log under $OUT as it goes, so a call cut off by its time limit still
@@ -123,6 +124,10 @@ fi
 if want sweep; then
   step sweep
   python3 benchmarks/bench_prefill.py --sweep --reps 10 2>&1 | grep -E "^\| .*\| [0-9.]+ \|$" | tee -a "$OUT/profile.log"
+fi
+if want ab; then
+  step ab
+  bash scripts/gpu_ab.sh || status=1
 fi
 step done status=$status
 exit $status

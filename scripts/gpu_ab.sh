@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Candidate kernel changes side by side in one device call: for every patch .ab/NAME.patch
+# (made with `git diff main BRANCH > .ab/NAME.patch`; .ab/ is ignored, carry it), copy the
+# tree to /tmp/ab/NAME, apply the patch, build the CUDA library, tests and Python extension
+# there, run the GPU test binaries, compute-sanitizer memcheck and racecheck on the small cases,
+# and the per-kernel profile. Everything goes to one log, $OUT/ab.log (the device tool returns
+# at most 8 files). Run scripts/gpu_check.sh profile in the same call for the baseline.
+#
+#   scripts/gpu_ab.sh [NAME ...]     (default: every .ab/*.patch)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+LOG="$OUT/ab.log"
+CUTLASS=${CUTLASS_DIR:-$PWD/.deps/cutlass/cutlass_library/source/include}
+JOBS=$(nproc)
+names=("$@")
+if [ ${#names[@]} -eq 0 ]; then
+  for p in .ab/*.patch; do [ -e "$p" ] && names+=("$(basename "$p" .patch)"); done
+fi
+[ ${#names[@]} -eq 0 ] && { echo "no .ab/*.patch" | tee -a "$LOG"; exit 1; }
+status=0
+say() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+
+for name in "${names[@]}"; do
+  dir=/tmp/ab/$name
+  say "$name: apply"
+  rm -rf "$dir" && mkdir -p "$dir"
+  tar --exclude='./build*' --exclude='./.git' --exclude='./.ab' --exclude='./.peers' --exclude='./.whl' --exclude='./.deps' -cf - . | tar -xf - -C "$dir"
+  if ! (cd "$dir" && patch -p1 < "$OLDPWD/.ab/$name.patch" >> "$LOG" 2>&1); then
+    echo "$name: the patch does not apply" | tee -a "$LOG"; status=1; continue
+  fi
+  say "$name: build"
+  if ! (cd "$dir" && cmake -S . -B build -G Ninja -DFLASHKDA_CUDA=ON -DCUTLASS_DIR="$CUTLASS" > /dev/null &&
+        cmake --build build -j "$JOBS" 2>&1 | grep -E "error|warning|spill" >> "$LOG"; [ "${PIPESTATUS[0]}" -eq 0 ]); then
+    echo "$name: build failed" | tee -a "$LOG"; status=1; continue
+  fi
+  (cd "$dir" && CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
+     python3 -m pip install --no-build-isolation --no-deps -q --target "$dir/site" . >> "$LOG" 2>&1) ||
+    { echo "$name: Python build failed" | tee -a "$LOG"; status=1; }
+  say "$name: GPU tests"
+  for t in "$dir"/build/tests/cpp/test_*gpu; do
+    timeout 600 "$t" --gtest_brief=1 2>&1 | grep -E "measure|FAILED|PASSED|tests ran" | tee -a "$LOG" | grep -E "FAILED" && status=1
+  done
+  say "$name: compute-sanitizer"
+  for tool in memcheck racecheck; do
+    for bin in test_prefill_gpu test_decode_gpu; do
+      filter='*'
+      [ $bin = test_prefill_gpu ] && filter='*VarlenWithEmpty*:*GateForms*:*OddLengths*'
+      timeout 300 compute-sanitizer --tool $tool --error-exitcode 9 "$dir/build/tests/cpp/$bin" \
+        --gtest_filter="$filter" --gtest_brief=1 > /tmp/ab_san.log 2>&1
+      rc=$?
+      echo "$name $bin $tool: exit $rc $(grep -E 'SUMMARY' /tmp/ab_san.log | head -1)" | tee -a "$LOG"
+      [ $rc -ne 0 ] && { status=1; tail -20 /tmp/ab_san.log >> "$LOG"; }
+    done
+  done
+  say "$name: profile"
+  PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py 2>&1 |
+    grep -v Warn | tee -a "$LOG" | tail -24
+done
+say "done status=$status"
+exit $status
