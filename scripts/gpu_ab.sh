@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Candidate kernel changes side by side in one device call: for every patch .ab/NAME.patch
-# (made with `git diff main BRANCH > .ab/NAME.patch`; .ab/ is ignored, carry it), copy the
+# (made with `git diff main...BRANCH > .ab/NAME.patch`; .ab/ is ignored, carry it), copy the
 # tree to /tmp/ab/NAME, apply the patch, build the CUDA library, tests and Python extension
 # there, run the GPU test binaries, compute-sanitizer memcheck and racecheck on the small cases,
-# and the per-kernel profile. Everything goes to one log, $OUT/ab.log (the device tool returns
+# and the per-kernel profile (again with the KEY=VALUE lines of .ab/NAME.env exported, when that
+# file exists). Everything goes to one log, $OUT/ab.log (the device tool returns
 # at most 8 files). Run scripts/gpu_check.sh profile in the same call for the baseline.
 #
 #   scripts/gpu_ab.sh [NAME ...]     (default: every .ab/*.patch)
@@ -43,6 +44,9 @@ for name in "${names[@]}"; do
     timeout 600 "$t" --gtest_brief=1 2>&1 | grep -E "measure|FAILED|PASSED|tests ran" | tee -a "$LOG" | grep -E "FAILED" && status=1
   done
   say "$name: compute-sanitizer"
+  # with the patch's switches when it has them (the riskier path); the tests above ran both ways
+  # only where they set the switches themselves
+  [ -f ".ab/$name.env" ] && { set -a; . ".ab/$name.env"; set +a; }
   for tool in memcheck racecheck; do
     for bin in test_prefill_gpu test_decode_gpu; do
       filter='*'
@@ -54,9 +58,16 @@ for name in "${names[@]}"; do
       [ $rc -ne 0 ] && { status=1; tail -20 /tmp/ab_san.log >> "$LOG"; }
     done
   done
+  [ -f ".ab/$name.env" ] && while IFS='=' read -r key _; do [ -n "$key" ] && unset "$key"; done < ".ab/$name.env"
   say "$name: profile"
   PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py 2>&1 |
     grep -v Warn | tee -a "$LOG" | tail -24
+  if [ -f ".ab/$name.env" ]; then  # a second profile with the patch's switches (KEY=VALUE lines)
+    say "$name: profile with $(tr '\n' ' ' < ".ab/$name.env")"
+    (set -a; . ".ab/$name.env"; set +a
+     PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py 2>&1 |
+       grep -v Warn | tee -a "$LOG" | tail -24)
+  fi
 done
 say "done status=$status"
 exit $status
