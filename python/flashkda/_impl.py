@@ -161,22 +161,28 @@ def _all_tensors(required, optional):
             and all(x is None or isinstance(x, Tensor) for x in optional))
 
 
+def _direct_gate(use_gate, lower_bound, safe_gate, A_log, dt_bias):
+    """_gate's form for the direct paths: (form, lower_bound, A_log, dt_bias), or None where the
+    checked path has work to do (a default A_log) or an error to name."""
+    if not use_gate:
+        return "precomputed", -5.0, None, None
+    if A_log is None or (safe_gate and lower_bound is None):
+        return None
+    if lower_bound is not None:
+        return "lower_bound", float(lower_bound), A_log, dt_bias
+    return "softplus", -5.0, A_log, dt_bias
+
+
 def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, use_gate, beta_sigmoid,
                       safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens):
     """chunk_kda's fast path for torch tensors already in the kernels' layout (states absent or
     [N, H, V, K]): flashkda._C checks shapes, dtypes, devices, contiguity and values itself
     (ValueError, before any work). Returns None when it refuses or the call needs the checked
     path's layout work (transposed states, a default A_log, casts)."""
-    if not use_gate:
-        form, lb, A_log, dt_bias = "precomputed", -5.0, None, None
-    elif lower_bound is not None:
-        form, lb = "lower_bound", float(lower_bound)
-    elif safe_gate:
-        return None  # an error: the checked path says which
-    else:
-        form, lb = "softplus", -5.0
-    if (use_gate and A_log is None) or (initial_state is not None and not state_v_first):
+    gate = _direct_gate(use_gate, lower_bound, safe_gate, A_log, dt_bias)
+    if gate is None or (initial_state is not None and not state_v_first):
         return None
+    form, lb, A_log, dt_bias = gate
     if not _all_tensors((q, k, v, g, beta), (A_log, dt_bias, initial_state, cu_seqlens)):
         return None
     if q.dim() != 4 or v.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
@@ -287,11 +293,39 @@ def _long_sequences(ops, T, cu, N):
     return any(n == 0 or n > MAX_DECODE_TOKENS for n in lengths)
 
 
+def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_gate, beta_sigmoid, lower_bound,
+                   cu_seqlens, idx, acc, out):
+    """The serving call's fast path (torch tensors, a [P, H, V, K] pool updated in place through
+    int32 indices): flashkda._C checks every shape, dtype, device and contiguity before any work.
+    Returns None when it refuses or the call needs the checked path's conversions."""
+    gate = _direct_gate(use_gate, lower_bound, False, A_log, dt_bias)
+    if gate is None or not _all_tensors((q, k, v, g, beta, pool, idx), (A_log, dt_bias, cu_seqlens, acc, out)):
+        return None
+    if pool.dim() != 4 or idx.dim() == 0 or pool.shape[0] < idx.shape[0]:
+        return None  # the checked path names the pool's size
+    form, lb, A_log, dt_bias = gate
+    if out is None:
+        out = TorchOps.empty(tuple(v.shape), TorchOps.dtype_name(q), q)
+    pre = Preprocess(form, A_log, dt_bias, lb, bool(l2norm), bool(beta_sigmoid), _scale(scale))
+    try:
+        _launch.decode(TorchOps, q, k, v, g, beta, out, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu_seqlens)
+    except (ValueError, TypeError):
+        return None
+    return out, pool
+
+
 def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
                         ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, out=None):
     """Returns (out, final_state); see flashkda.fused_recurrent_kda for the state semantics."""
+    if (ops is TorchOps and inplace_final_state and state_v_first and initial_state is not None
+            and ssm_state_indices is not None):
+        res = _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
+                             use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, cu_seqlens,
+                             ssm_state_indices, num_accepted_tokens, out)
+        if res is not None:
+            return res
     q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
     B, T, H, K = q.shape
     V = v.shape[3]

@@ -81,24 +81,26 @@ def test_fwd_errors_are_value_errors(rng):
                      t["dt_bias"], -2.0)
 
 
-def _count_direct(monkeypatch):
-    """Records what fwd's direct path (arguments already in the kernels' layout) returned per call."""
+def _spy_direct(monkeypatch, name):
+    """Records, per call, whether the direct path _impl.<name> (arguments already in the kernels'
+    layout, straight to flashkda._C) took the call."""
     from flashkda import _impl
     taken = []
-    real = _impl._fwd_direct
+    real = getattr(_impl, name)
 
     def spy(*args):
-        taken.append(real(*args))
-        return taken[-1]
+        res = real(*args)
+        taken.append(res is True or (res is not None and res is not False))
+        return res
 
-    monkeypatch.setattr(_impl, "_fwd_direct", spy)
+    monkeypatch.setattr(_impl, name, spy)
     return taken
 
 
 def test_fwd_direct_path_and_checked_path_agree(rng, monkeypatch):
     """Tensors in the kernels' layout go straight to flashkda._C; anything it refuses (float64
     A_log, flat dt_bias, a strided q) takes the checked path, which fixes the layout: same results."""
-    taken = _count_direct(monkeypatch)
+    taken = _spy_direct(monkeypatch, "_fwd_direct")
     p = make_problem(rng, lengths=[9, 30], state=True, cu_dtype=np.int64)
     t = torch_problem(p)
     H, K = t["q"].shape[2], t["q"].shape[3]
@@ -128,7 +130,7 @@ def test_fwd_direct_path_and_checked_path_agree(rng, monkeypatch):
 def test_fwd_errors_keep_the_checked_paths_messages(rng, monkeypatch, case, pattern):
     """A refusal by flashkda._C on the direct path hands over to the checked path, whose message
     names the argument the Python way."""
-    taken = _count_direct(monkeypatch)
+    taken = _spy_direct(monkeypatch, "_fwd_direct")
     p = make_problem(rng, B=2 if case == "cu batch" else 1, T=8)
     t = torch_problem(p)
     args = dict(q=t["q"], k=t["k"], v=t["v"], g=t["g"], beta=t["beta"], scale=0.125,
@@ -152,16 +154,7 @@ def test_chunk_kda_direct_path_and_checked_path_agree(rng, monkeypatch):
     """v-first states and fp32 gate parameters go straight to flashkda._C; [N, H, K, V] states and
     float64 A_log take the checked path (transposes, casts): same results. Without the gate in the
     kernel the direct path ignores A_log and dt_bias like the checked path."""
-    from flashkda import _impl
-    taken = []
-    real = _impl._chunk_kda_direct
-
-    def spy(*args):
-        res = real(*args)
-        taken.append(res is not None)
-        return res
-
-    monkeypatch.setattr(_impl, "_chunk_kda_direct", spy)
+    taken = _spy_direct(monkeypatch, "_chunk_kda_direct")
     p = make_problem(rng, lengths=[9, 30], state=True, cu_dtype=np.int64)
     t = torch_problem(p)
     H, K = t["q"].shape[2], t["q"].shape[3]
@@ -228,6 +221,51 @@ def test_fused_recurrent_pool_in_place(rng):
     assert rel_rms(o.numpy(), ref_o) <= 1e-5
     assert rel_rms(pool.numpy()[[4, 1]], ref_pool[[4, 1]]) <= 1e-5
     np.testing.assert_array_equal(pool.numpy()[[0, 2, 3]], pool_vk[[0, 2, 3]])
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_fused_recurrent_direct_path_and_checked_path_agree(rng, monkeypatch, speculative):
+    """The serving call (a [P, H, V, K] pool updated in place through int32 indices) goes straight to
+    flashkda._C; int64 indices and a strided out take the checked path (casts, a copy): same pool
+    and outputs, bit for bit."""
+    taken = _spy_direct(monkeypatch, "_decode_direct")
+    H, K, V, N, T = 2, 64, 64, 3, (3 if speculative else 1)
+    p = make_problem(rng, B=N, T=T, H=H, K=K, V=V)
+    t = torch_problem(p)
+    pool0 = torch.from_numpy((0.1 * rng.standard_normal((9, H, V, K))).astype(np.float32))
+    idx = torch.tensor([[4, 6, 7], [-1, 0, 0], [1, 2, 3]] if speculative else [4, -1, 1], dtype=torch.int32)
+    acc = torch.tensor([1, 2, 3], dtype=torch.int32) if speculative else None
+
+    def run(idx, acc, out):
+        pool = pool0.clone()
+        o, ht = flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], A_log=t["A_log"],
+                                             dt_bias=t["dt_bias"], initial_state=pool, use_qk_l2norm_in_kernel=True,
+                                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                             lower_bound=p["lower_bound"], state_v_first=True,
+                                             ssm_state_indices=idx, num_accepted_tokens=acc, out=out)
+        assert ht is pool
+        return o, pool
+
+    o1, pool1 = run(idx, acc, None)
+    strided_out = torch.empty(N, T, V, H).transpose(-1, -2)
+    o2, pool2 = run(idx.long(), None if acc is None else acc.long(), strided_out)
+    assert taken == [True, False]
+    torch.testing.assert_close(o1, o2, rtol=0, atol=0)
+    torch.testing.assert_close(pool1, pool2, rtol=0, atol=0)
+
+
+def test_fused_recurrent_errors_keep_the_checked_paths_messages(rng):
+    p = make_problem(rng, B=3, T=1, H=2, K=64, V=64)
+    t = torch_problem(p)
+    kw = dict(A_log=t["A_log"], dt_bias=t["dt_bias"], use_gate_in_kernel=True, lower_bound=p["lower_bound"],
+              state_v_first=True)
+    small_pool = torch.zeros(2, 2, 64, 64)
+    with pytest.raises(ValueError, match=r"initial_state: expected shape .* with at least 3 states"):
+        flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=small_pool,
+                                     ssm_state_indices=torch.tensor([0, 1, -1], dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match=r"ssm_state_indices: expected an int32 array \[N\] or \[N, S\] with N=3"):
+        flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=torch.zeros(4, 2, 64, 64),
+                                     ssm_state_indices=torch.tensor([0, 1], dtype=torch.int32), **kw)
 
 
 def test_fused_recurrent_kv_layout_not_in_place(rng):
