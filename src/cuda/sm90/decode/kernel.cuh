@@ -117,6 +117,13 @@ struct Coord {
   int cta_row0;  // first state row of the CTA
 };
 
+// The per-token scalars too small for cp.async: beta (2 or 4 bytes) and the speculative store
+// slot of token t (-1: none). Loaded into registers by thread t of the CTA.
+struct TokenWords {
+  uint32_t beta;
+  int32_t store_slot;
+};
+
 // One token's raw inputs for this CTA, staged in shared memory with cp.async (no registers held
 // while in flight; all tokens of the sequence are requested at once, next to the state loads).
 struct alignas(16) StagedToken {
@@ -124,14 +131,13 @@ struct alignas(16) StagedToken {
   uint4 k[kHeadDimK * 2 / 16];        // bf16
   uint4 g[kHeadDimK * 4 / 16];        // fp32, or bf16 in the first half
   uint4 v[kMaxRowsPerCta * 2 / 16];   // bf16, the CTA's rows only
-  uint32_t beta;                      // fp32 bits, or bf16 bits in the low half
-  int32_t store_slot;                 // speculative: slot receiving the state after this token, else -1
+  TokenWords words;                   // beta: fp32 bits, or bf16 bits in the low half
 };
 
 // Requests tokens [t0, t0 + count) of the sequence starting at token bos: q, k, g and the CTA's
 // rows of v, with cp.async (no registers held in flight) and without committing the group.
 template <class TileT>
-__device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, int h, int cta_row0, int64_t bos, int t0,
+__device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, const Coord& c, int64_t bos, int t0,
                                                     int count, StagedToken* staged) {
   constexpr int kQChunks = kHeadDimK * 2 / 16;
   constexpr int kVChunks = TileT::kRowsPerCta * 2 / 16;
@@ -140,7 +146,7 @@ __device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, int h, 
   for (int i = threadIdx.x; i < count * per_token; i += kThreads) {
     const int t = i / per_token;
     int r = i % per_token;
-    const int64_t row = (bos + t0 + t) * a.H + h;  // token-head row of q, k, g, v
+    const int64_t row = (bos + t0 + t) * a.H + c.h;  // token-head row of q, k, g, v
     StagedToken& st = staged[t];
     if (r < kQChunks) {
       cp_async_16(&st.q[r], reinterpret_cast<const uint4*>(a.q + row * kHeadDimK) + r);
@@ -151,26 +157,19 @@ __device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, int h, 
       cp_async_16(&st.g[r], reinterpret_cast<const uint4*>(g_row) + r);
     } else {
       r -= g_chunks;
-      cp_async_16(&st.v[r], reinterpret_cast<const uint4*>(a.v + row * kHeadDimV + cta_row0) + r);
+      cp_async_16(&st.v[r], reinterpret_cast<const uint4*>(a.v + row * kHeadDimV + c.cta_row0) + r);
     }
   }
 }
 
-// The per-token scalars too small for cp.async: beta (2 or 4 bytes) and the speculative store
-// slot of token t (-1: none). Loaded into registers by thread t of the CTA.
-struct TokenWords {
-  uint32_t beta;
-  int32_t store_slot;
-};
-
-__device__ __forceinline__ TokenWords load_token_words(const DecodeArgs& a, int64_t n, int h, int64_t bos, int t) {
-  const int64_t beta_offset = (bos + t) * a.H + h;
+__device__ __forceinline__ TokenWords load_token_words(const DecodeArgs& a, const Coord& c, int64_t bos, int t) {
+  const int64_t beta_offset = (bos + t) * a.H + c.h;
   TokenWords w;
   w.beta = a.beta_is_f32 ? __ldg(static_cast<const uint32_t*>(a.beta) + beta_offset)
                          : uint32_t(__ldg(static_cast<const uint16_t*>(a.beta) + beta_offset));
   w.store_slot = -1;
   if (a.num_accepted_tokens != nullptr && t < a.indices_stride) {
-    w.store_slot = __ldg(a.state_indices + n * a.indices_stride + t);
+    w.store_slot = __ldg(a.state_indices + c.n * a.indices_stride + t);
   }
   return w;
 }
@@ -181,13 +180,9 @@ __device__ __forceinline__ TokenWords load_token_words(const DecodeArgs& a, int6
 template <class TileT>
 __device__ __forceinline__ void stage_tokens(const DecodeArgs& a, const Coord& c, int64_t bos, int t0, int count,
                                              StagedToken* staged) {
-  stage_token_vectors<TileT>(a, c.h, c.cta_row0, bos, t0, count, staged);
+  stage_token_vectors<TileT>(a, c, bos, t0, count, staged);
   cp_async_commit();
-  if (threadIdx.x < count) {
-    const TokenWords w = load_token_words(a, c.n, c.h, bos, t0 + int(threadIdx.x));
-    staged[threadIdx.x].beta = w.beta;
-    staged[threadIdx.x].store_slot = w.store_slot;
-  }
+  if (threadIdx.x < count) staged[threadIdx.x].words = load_token_words(a, c, bos, t0 + int(threadIdx.x));
 }
 
 // Shared scratch of one warp: the prepared scale·q̂, k̂, exp(a) of the current token, all K channels.
@@ -250,7 +245,7 @@ __device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> prepare_token(
   const uint16_t* v_rows = reinterpret_cast<const uint16_t*>(raw.v) + (c.row0 - c.cta_row0);
 #pragma unroll
   for (int i = 0; i < TileT::kRowsPerThread; ++i) s.v[i] = bf16_bits_to_float(v_rows[i * kRowsPerPass]);
-  s.b = beta_activation(a.pre, a.beta_is_f32 ? __uint_as_float(raw.beta) : bf16_bits_to_float(raw.beta));
+  s.b = beta_activation(a.pre, a.beta_is_f32 ? __uint_as_float(raw.words.beta) : bf16_bits_to_float(raw.words.beta));
   return s;
 }
 
@@ -424,7 +419,7 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
 #pragma unroll
         for (int i = 0; i < kRows; ++i) out_row[i * kRowsPerPass] = float_to_bf16_bits(o[i]);
       }
-      const int32_t store_slot = raw.store_slot;
+      const int32_t store_slot = raw.words.store_slot;
       if (speculative && store_slot >= 0 && store_slot < a.pool_size) store_state<StateT>(a, c, store_slot, state);
     }
   }
@@ -497,7 +492,7 @@ __device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const C
       for (int j = 0; j < Row::kChunks; ++j) cp_async_16(dst + Row::column(c.col, j), src + Row::column(c.col, j));
     }
     const int count = min(a.stage_tokens, sp.len);
-    stage_token_vectors<TileT>(a, c.h, c.cta_row0, sp.bos, 0, count, staged);
+    stage_token_vectors<TileT>(a, c, sp.bos, 0, count, staged);
     if (c.warp == kWarps - 1) {  // the head's dt_bias row and A_log (warp 0 stages beta)
       if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
         cp_async_16(&consts->bias[c.lane], reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
@@ -506,7 +501,7 @@ __device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const C
       }
       if (c.lane == 0 && a.pre.gate != GateForm::kPrecomputed) cp_async_4(&consts->a_log, a.pre.A_log + c.h);
     }
-    if (threadIdx.x < count) words = load_token_words(a, c.n, c.h, sp.bos, int(threadIdx.x));
+    if (threadIdx.x < count) words = load_token_words(a, c, sp.bos, int(threadIdx.x));
   }
   cp_async_commit();
   return words;
@@ -545,10 +540,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
   for (int b = 0; x < items; x += step, b = (b == kStages - 1) ? 0 : b + 1) {
     StagedToken* const staged = staged0 + b * a.stage_tokens;
     __syncthreads();  // every thread is done with item i-1, whose buffer item i+2 takes
-    if (threadIdx.x < min(a.stage_tokens, sp0.len)) {
-      staged[threadIdx.x].beta = w0.beta;
-      staged[threadIdx.x].store_slot = w0.store_slot;
-    }
+    if (threadIdx.x < min(a.stage_tokens, sp0.len)) staged[threadIdx.x].words = w0;
     const int b2 = (b == 0) ? kStages - 1 : b - 1;  // (i + 2) % 3
     TokenWords w2{0u, -1};
     if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);

@@ -11,6 +11,7 @@
 
 #include "backend.h"
 #include "cuda/common/check.h"
+#include "cuda/common/host_env.h"
 #include "cuda/sm90/decode/config.h"
 #include "cuda/sm90/decode/kernel.cuh"
 
@@ -78,9 +79,8 @@ void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, 
   const size_t smem = PersistentLayout<TileT, StateT>::bytes(args.stage_tokens);
   auto kernel = decode_persistent_kernel<StateT, TileT>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  const int64_t grid = std::min<int64_t>(items, int64_t(sms) * persistent_ctas_per_sm<StateT, TileT>(args.stage_tokens, smem));
+  const int64_t grid =
+      std::min<int64_t>(items, int64_t(sm_count()) * persistent_ctas_per_sm<StateT, TileT>(args.stage_tokens, smem));
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args, items);
   FLASHKDA_CHECK_LAUNCH();
 }
@@ -88,8 +88,7 @@ void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, 
 // FLASHKDA_DECODE_PERSISTENT: 1 always uses the persistent kernel, 0 never; unset, bf16 pools with
 // N·H >= kPersistentMinHeads do (config.h).
 bool use_persistent(bool bf16_state, int64_t num_heads) {
-  const char* s = std::getenv("FLASHKDA_DECODE_PERSISTENT");
-  if (s != nullptr && *s != '\0') return std::atoi(s) != 0;
+  if (const char* s = env_value("FLASHKDA_DECODE_PERSISTENT")) return std::atoi(s) != 0;
   return bf16_state && num_heads >= sm90::decode::kPersistentMinHeads;
 }
 

@@ -1,10 +1,10 @@
 // Host side of the sm90 prefill: workspace layout, kernel parameters, K0/K1/K2 launches and
 // the choice of the recurrence variant (value-column split, precision mode).
-#include <cstdlib>
 #include <cstring>
 
 #include "backend.h"
 #include "cuda/common/check.h"
+#include "cuda/common/host_env.h"
 #include "cuda/sm90/prefill/launch.h"
 #include "cuda/sm90/prefill/prepare_kernel.cuh"
 
@@ -30,19 +30,14 @@ ElemType elem_type(const void* ptr, DType t) {
   return t == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
 }
 
-int env_int(const char* name, int fallback) {
-  const char* s = std::getenv(name);
-  return (s != nullptr && *s != '\0') ? std::atoi(s) : fallback;
-}
+using flashkda::cuda::env_int;
 
 // Warps per recurrence CTA: two warpgroups (all 128 value columns) or one (a half, two CTAs per
 // head). Every value-column split re-reads the whole chunk record (23 KB per chunk), so splits
 // trade SM count for L2/DRAM traffic; split in two only when N*H leaves most SMs idle.
 // FLASHKDA_V_SPLITS (1 or 2) overrides.
 int choose_warps(int64_t work) {
-  int device = 0, sms = 132;
-  if (cudaGetDevice(&device) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  int splits = (2 * work <= int64_t(sms)) ? 2 : 1;
+  int splits = (2 * work <= int64_t(flashkda::cuda::sm_count())) ? 2 : 1;
   const int forced = env_int("FLASHKDA_V_SPLITS", 0);
   if (forced == 1 || forced == 2) splits = forced;
   return 8 / splits;
