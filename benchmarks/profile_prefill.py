@@ -1,7 +1,10 @@
 """Where flashkda's prefill time goes: per-kernel GPU time (torch.profiler) for a few cases, in
 both precision modes, plus the wall time of one eager call. Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py
+    python benchmarks/profile_prefill.py [--quick]
+
+--quick (used by scripts/gpu_ab.sh to compare candidates): the per-kernel table only, without the
+host-time table and the V-split comparison.
 """
 import os
 import sys
@@ -58,10 +61,14 @@ def host_overhead():
 
 
 def main():
-    host_overhead()
+    quick = "--quick" in sys.argv[1:]
+    if not quick:
+        host_overhead()
     print("| case | precise | eager call ms | kernel | ms per call |")
     print("|---|---|---|---|---|")
-    for name, H, seqlens in [CASES[0], CASES[6], CASES[8]]:
+    # one sequence at H=96 and H=32 (latency-bound recurrence), 8 x 1024 at H=96 and 128 x 64
+    # (throughput-bound: more (sequence, head) pairs than SMs)
+    for name, H, seqlens in [CASES[0], CASES[2], CASES[6], CASES[8]]:
         x = make_inputs(H, seqlens, True)
         for precise in ("1", "0"):
             os.environ["FLASHKDA_PRECISE"] = precise
@@ -72,6 +79,8 @@ def main():
         del x
         torch.cuda.empty_cache()
     os.environ["FLASHKDA_PRECISE"] = "1"
+    if quick:
+        return
     print("| case | FLASHKDA_V_SPLITS | recurrence kernel ms |")
     print("|---|---|---|")
     for name, H, seqlens in [CASES[0], CASES[6]]:

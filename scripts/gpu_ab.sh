@@ -75,12 +75,12 @@ for name in "${names[@]}"; do
   fi
   ab_want profile || continue
   say "$name: profile"
-  PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py 2>&1 |
+  PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py --quick 2>&1 |
     grep -v Warn | tee -a "$LOG" | tail -24
   if [ -f ".ab/$name.env" ]; then  # a second profile with the patch's switches (KEY=VALUE lines)
     say "$name: profile with $(tr '\n' ' ' < ".ab/$name.env")"
     (set -a; . ".ab/$name.env"; set +a
-     PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py 2>&1 |
+     PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py --quick 2>&1 |
        grep -v Warn | tee -a "$LOG" | tail -24)
   fi
 done

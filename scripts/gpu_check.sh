@@ -109,7 +109,7 @@ fi
 if want profile; then
   step profile
   python3 benchmarks/profile_prefill.py 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
-  if command -v ncu > /dev/null; then
+  if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
     for c in 0; do  # T=8192 H=96, fp32 state, first call of K1 and K2
       ncu --clock-control none -k regex:"prepare_kernel|recur_kernel" -c 2 --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
