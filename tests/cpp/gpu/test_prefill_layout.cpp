@@ -3,6 +3,9 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "cuda/sm90/prefill/config.h"
@@ -25,24 +28,39 @@ void expect_bijection(int tile_bytes, int rows, int cols, Offset off) {
   for (int b = 0; b < tile_bytes; ++b) ASSERT_EQ(hits[b], 1) << "byte " << b;
 }
 
-TEST(PrefillRecordLayout, WoTileCoversEveryByteOnce) {
-  expect_bijection(kWoTileBytes, 3 * kChunk, kHeadDim,
-                   [](int n, int c) { return wo_offset(n / kChunk, n % kChunk, c); });
+// Both record layouts (precise and fast mode) satisfy the same contracts.
+template <class Rec>
+class PrefillRecordLayout : public ::testing::Test {};
+using Layouts = ::testing::Types<PreciseRecord, FastRecord>;
+struct LayoutName {
+  template <class Rec>
+  static std::string GetName(int) {
+    return std::is_same_v<Rec, PreciseRecord> ? "Precise" : "Fast";
+  }
+};
+TYPED_TEST_SUITE(PrefillRecordLayout, Layouts, LayoutName);
+
+TYPED_TEST(PrefillRecordLayout, WoTileCoversEveryByteOnce) {
+  using Rec = TypeParam;
+  expect_bijection(Rec::kWoTileBytes, Rec::kWoOperands * kChunk, kHeadDim,
+                   [](int n, int c) { return Rec::wo_offset(n / kChunk, n % kChunk, c); });
 }
 
-TEST(PrefillRecordLayout, KrTileCoversEveryByteOnce) {
+TEST(PrefillRecordLayoutKr, KrTileCoversEveryByteOnce) {
   expect_bijection(kTileBytes, kChunk, kHeadDim, [](int t, int c) { return kr_offset(t, c); });
 }
 
 // The wgmma canonical no-swizzle layouts (docs/notes/wgmma.md) with the descriptor strides K2
 // uses: K-major B for the WO tile (n = 16 * which + t, k = channel), MN-major B for Kr
 // (n = channel, k = token).
-TEST(PrefillRecordLayout, OffsetsMatchTheDescriptorStrides) {
-  for (int which = 0; which < 3; ++which)
+TYPED_TEST(PrefillRecordLayout, OffsetsMatchTheDescriptorStrides) {
+  using Rec = TypeParam;
+  for (int which = 0; which < Rec::kWoOperands; ++which)
     for (int t = 0; t < kChunk; ++t)
       for (int c = 0; c < kHeadDim; ++c) {
         const int n = kChunk * which + t, k = c;
-        ASSERT_EQ(wo_offset(which, t, c), 16 * (n % 8) + 2 * (k % 8) + kWoSbo * (n / 8) + kWoLbo * (k / 8));
+        ASSERT_EQ(Rec::wo_offset(which, t, c),
+                  16 * (n % 8) + 2 * (k % 8) + Rec::kWoSbo * (n / 8) + Rec::kWoLbo * (k / 8));
       }
   for (int t = 0; t < kChunk; ++t)
     for (int c = 0; c < kHeadDim; ++c) {
@@ -50,22 +68,24 @@ TEST(PrefillRecordLayout, OffsetsMatchTheDescriptorStrides) {
       ASSERT_EQ(kr_offset(t, c), 16 * (k % 8) + 2 * (n % 8) + kKrSbo * (n / 8) + kKrLbo * (k / 8));
     }
   // k-step s of the W/O products starts kWoStepBytes further on; the update's second half of
-  // channels starts 8 core-matrix rows further on.
-  EXPECT_EQ(wo_offset(0, 0, 16), kWoStepBytes);
+  // channels starts 8 core-matrix rows further on; LBO spans the tile's rows once.
+  EXPECT_EQ(Rec::wo_offset(0, 0, 16), Rec::kWoStepBytes);
+  EXPECT_EQ(Rec::kWoLbo, Rec::kWoOperands * kChunk * 16);
   EXPECT_EQ(kr_offset(0, 64), 8 * kKrSbo);
 }
 
 // K1's store_granules: a granule is 8 consecutive channels of one token (16 contiguous bytes), and
 // the granule of token t + 1 (t even) follows that of token t, so a lane pair writes 32 bytes.
-TEST(PrefillRecordLayout, GranulesPairUpForK1Stores) {
+TYPED_TEST(PrefillRecordLayout, GranulesPairUpForK1Stores) {
+  using Rec = TypeParam;
   for (int t = 0; t < kChunk; t += 2)
     for (int c = 0; c < kHeadDim; c += 8) {
-      for (int which = 0; which < 3; ++which) {
-        for (int i = 0; i < 8; ++i) ASSERT_EQ(wo_offset(which, t, c + i), wo_offset(which, t, c) + 2 * i);
-        ASSERT_EQ(wo_offset(which, t + 1, c), wo_offset(which, t, c) + 16);
-        ASSERT_EQ(wo_offset(which, t, c) % 32, 0);
-        // K1 stores q_decayed and its remainder at wo_offset(0, t, c) from the operand's base.
-        ASSERT_EQ(wo_offset(which, t, c), wo_offset(which, 0, 0) + wo_offset(0, t, c));
+      for (int which = 0; which < Rec::kWoOperands; ++which) {
+        for (int i = 0; i < 8; ++i) ASSERT_EQ(Rec::wo_offset(which, t, c + i), Rec::wo_offset(which, t, c) + 2 * i);
+        ASSERT_EQ(Rec::wo_offset(which, t + 1, c), Rec::wo_offset(which, t, c) + 16);
+        ASSERT_EQ(Rec::wo_offset(which, t, c) % 32, 0);
+        // K1 stores each operand at wo_offset(0, t, c) from the operand's base.
+        ASSERT_EQ(Rec::wo_offset(which, t, c), Rec::wo_offset(which, 0, 0) + Rec::wo_offset(0, t, c));
       }
       for (int i = 0; i < 8; ++i) ASSERT_EQ(kr_offset(t, c + i), kr_offset(t, c) + 2 * i);
       ASSERT_EQ(kr_offset(t + 1, c), kr_offset(t, c) + 16);
@@ -73,11 +93,44 @@ TEST(PrefillRecordLayout, GranulesPairUpForK1Stores) {
     }
 }
 
-TEST(PrefillRecordLayout, RecordOffsetsAreAligned) {
-  for (int off : {kOffWo, kOffKRestored, kOffKRestoredLo}) EXPECT_EQ(off % 128, 0) << off;
-  for (int off : {kOffGamma, kOffMqk, kOffInvB, kOffMqkLo, kOffInvBLo}) EXPECT_EQ(off % 16, 0) << off;
-  EXPECT_EQ(kOffInvBLo + kSmallTileBytes, kChunkRecordBytes);
-  EXPECT_EQ(kChunkRecordBytes % 128, 0);
+// The parts of a record tile it exactly, in order, with the alignment their readers need
+// (128 B for wgmma operands, 16 B for the 16-byte fragment loads).
+TYPED_TEST(PrefillRecordLayout, PartsTileTheRecordAligned) {
+  using Rec = TypeParam;
+  constexpr bool kPrecise = std::is_same_v<Rec, PreciseRecord>;
+  std::vector<std::pair<int, int>> parts = {{Rec::kOffWo, Rec::kWoTileBytes}, {Rec::kOffKRestored, kTileBytes}};
+  if (kPrecise) parts.push_back({Rec::kOffKRestoredLo, kTileBytes});
+  parts.push_back({Rec::kOffGamma, kGammaBytes});
+  parts.push_back({Rec::kOffMqk, kSmallTileBytes});
+  parts.push_back({Rec::kOffInvB, kSmallTileBytes});
+  if (kPrecise) {
+    parts.push_back({Rec::kOffMqkLo, kSmallTileBytes});
+    parts.push_back({Rec::kOffInvBLo, kSmallTileBytes});
+  }
+  int end = 0;
+  for (auto [off, bytes] : parts) {
+    EXPECT_EQ(off, end);
+    EXPECT_EQ(off % 16, 0) << off;
+    end = off + bytes;
+  }
+  EXPECT_EQ(end, Rec::kBytes);
+  for (int off : {Rec::kOffWo, Rec::kOffKRestored}) EXPECT_EQ(off % 128, 0) << off;
+  if (kPrecise) EXPECT_EQ(Rec::kOffKRestoredLo % 128, 0);
+  EXPECT_EQ(Rec::kBytes % 128, 0);
+  EXPECT_LE(Rec::kBytes, kMaxRecordBytes);  // the workspace is sized for the larger record
+}
+
+// The precise record keeps the layout that the GPU runs up to device run 18 validated.
+TEST(PrefillRecordLayoutKr, PreciseRecordUnchanged) {
+  EXPECT_EQ(PreciseRecord::kOffKRestored, 12288);
+  EXPECT_EQ(PreciseRecord::kOffKRestoredLo, 16384);
+  EXPECT_EQ(PreciseRecord::kOffGamma, 20480);
+  EXPECT_EQ(PreciseRecord::kOffMqk, 20992);
+  EXPECT_EQ(PreciseRecord::kOffInvB, 21504);
+  EXPECT_EQ(PreciseRecord::kOffMqkLo, 22016);
+  EXPECT_EQ(PreciseRecord::kOffInvBLo, 22528);
+  EXPECT_EQ(PreciseRecord::kBytes, 23040);
+  EXPECT_EQ(PreciseRecord::kWoLbo, 768);
 }
 
 }  // namespace

@@ -13,25 +13,28 @@ constexpr int kChunk = flashkda::kChunk;         // tokens per chunk (SPEC.md §
 constexpr int kHeadDim = flashkda::kCudaHeadDim;  // K = V = 128
 constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 
-// One chunk of one head in the workspace, written by K1 and read by K2 (23040 bytes).
+// One chunk of one head in the workspace, written by K1 and read by K2: 23040 bytes in the
+// precise mode, 13824 in the fast mode (RecordLayout below).
 //
 // The three 16x128 operands of K2's warpgroup MMAs (wgmma, docs/notes/wgmma.md) are stored in the
 // canonical no-swizzle shared-memory layouts those instructions read, so K2 copies the record
 // into shared memory unchanged and points a descriptor at it. A "core matrix" is 8 rows x 16
 // bytes (8 bf16 along the contiguous dimension), 128 contiguous bytes.
 //  - WO tile: B operands of W^T = S^T kd^T and O^T = S^T [qd | qd_lo]^T (rows n = 16 * which + t,
-//    K = 128 channels c, K-major; W reads rows 0..15, O rows 16..47). Element (which, t, c) at
-//        768 * (c / 8) + 128 * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8)
-//    i.e. LBO (next 8 channels) = 768 B, SBO (next 8 rows) = 128 B; which = 0 k_decayed,
-//    1 q_decayed, 2 the bf16 remainder of q_decayed. k-step s (channels 16s..16s+15) starts at
-//    1536 * s; the fast mode reads rows 0..31 only.
-//  - Kr tiles (k_restored and its remainder): B operand of the state update S^T += U^T Kr
-//    (N = 128 channels, K = 16 tokens), MN-major (channels contiguous). Element (t, c) at
+//    K = 128 channels c, K-major; W reads rows 0..15, O rows 16..). Element (which, t, c) at
+//        kWoLbo * (c / 8) + 128 * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8)
+//    i.e. LBO (next 8 channels) = 256 bytes per operand (768 B precise, 512 B fast), SBO (next 8
+//    rows) = 128 B; which = 0 k_decayed, 1 q_decayed, 2 (precise only) the bf16 remainder of
+//    q_decayed. k-step s (channels 16s..16s+15) starts at 2 * kWoLbo * s.
+//  - Kr tiles (k_restored and, precise only, its remainder): B operand of the state update
+//    S^T += U^T Kr (N = 128 channels, K = 16 tokens), MN-major (channels contiguous). Element
+//    (t, c) at
 //        2048 * (t / 8) + 128 * (c / 8) + 16 * (t % 8) + 2 * (c % 8)
 //    i.e. LBO (next 8 tokens) = 2048 B, SBO (next 8 channels) = 128 B.
 //  - gamma: exp(G_C) per channel, fp32.
-//  - Mqk and inv_b = (I+L)^-1 diag(b), and their remainders: 16x16 B operands of per-warp
-//    m16n8k16 MMAs in fragment order (16-byte unit `lane` holds lane's four bf16x2 registers).
+//  - Mqk and inv_b = (I+L)^-1 diag(b), and (precise only) their remainders: 16x16 B operands of
+//    per-warp m16n8k16 MMAs in fragment order (16-byte unit `lane` holds lane's four bf16x2
+//    registers).
 // In both big layouts a 16-byte granule is 8 consecutive channels of one token, and K1's lane l
 // (channels 4l..4l+3) writes half of one with an 8-byte store.
 //
@@ -41,29 +44,46 @@ constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 // rel-RMS at 16384 tokens), and the output is a sum of two nearly cancelling terms, S q_decayed^T
 // and Mqk U, so bf16 rounding of q_decayed and Mqk is amplified (an fp64 simulation: 3.5e-3 with
 // both rounded, 1.7e-3 with both split, against a 1.65e-3 floor from rounding the output to bf16).
+// The fast mode reads none of the remainders, so its record leaves them out: every value it
+// holds is the bf16 rounding that the precise record stores as the hi part, so the fast mode
+// computes what it computed when it read the hi parts of a precise record.
 constexpr int kTileBytes = kChunk * kHeadDim * 2;      // 4096: one bf16 16x128 operand
 constexpr int kSmallTileBytes = kChunk * kChunk * 2;   // 512: Mqk, inv_b
 constexpr int kGammaBytes = kHeadDim * 4;              // 512: exp(G_C) per channel, fp32
-constexpr int kWoTileBytes = 3 * kTileBytes;           // 12288: k_decayed | q_decayed | q_decayed_lo
-constexpr int kWoLbo = 768, kWoSbo = 128, kWoStepBytes = 2 * kWoLbo;
 constexpr int kKrLbo = 2048, kKrSbo = 128;
 
-constexpr int kOffWo = 0;
-constexpr int kOffKRestored = kOffWo + kWoTileBytes;
-constexpr int kOffKRestoredLo = kOffKRestored + kTileBytes;
-constexpr int kOffGamma = kOffKRestoredLo + kTileBytes;
-constexpr int kOffMqk = kOffGamma + kGammaBytes;
-constexpr int kOffInvB = kOffMqk + kSmallTileBytes;
-constexpr int kOffMqkLo = kOffInvB + kSmallTileBytes;
-constexpr int kOffInvBLo = kOffMqkLo + kSmallTileBytes;
-constexpr int kChunkRecordBytes = kOffInvBLo + kSmallTileBytes;  // 23040
-static_assert(kChunkRecordBytes == 23040 && kChunkRecordBytes % 128 == 0);
+template <bool kPrecise>
+struct RecordLayout {
+  static constexpr int kWoOperands = kPrecise ? 3 : 2;        // k_decayed | q_decayed [| q_decayed_lo]
+  static constexpr int kWoLbo = 2 * 128 * kWoOperands;        // 768 / 512
+  static constexpr int kWoSbo = 128;
+  static constexpr int kWoStepBytes = 2 * kWoLbo;
+  static constexpr int kWoTileBytes = kWoOperands * kTileBytes;
+  static constexpr int kKrTiles = kPrecise ? 2 : 1;          // k_restored [| k_restored_lo]
 
-// Byte offset of the granule half (8 bytes: channels 4l'..4l'+3 with l' = c / 4) holding channel
-// c of token t in the WO tile (operand `which`) and in a Kr tile.
-__host__ __device__ constexpr int wo_offset(int which, int t, int c) {
-  return kWoLbo * (c / 8) + kWoSbo * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8);
-}
+  static constexpr int kOffWo = 0;
+  static constexpr int kOffKRestored = kOffWo + kWoTileBytes;
+  static constexpr int kOffKRestoredLo = kOffKRestored + kTileBytes;  // precise only
+  static constexpr int kOffGamma = kOffKRestored + kKrTiles * kTileBytes;
+  static constexpr int kOffMqk = kOffGamma + kGammaBytes;
+  static constexpr int kOffInvB = kOffMqk + kSmallTileBytes;
+  static constexpr int kOffMqkLo = kOffInvB + kSmallTileBytes;   // precise only
+  static constexpr int kOffInvBLo = kOffMqkLo + kSmallTileBytes;  // precise only
+  static constexpr int kBytes = kPrecise ? kOffInvBLo + kSmallTileBytes : kOffInvB + kSmallTileBytes;
+
+  // Byte offset of the granule half (8 bytes: channels 4l'..4l'+3 with l' = c / 4) holding
+  // channel c of token t of WO operand `which`.
+  __host__ __device__ static constexpr int wo_offset(int which, int t, int c) {
+    return kWoLbo * (c / 8) + kWoSbo * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8);
+  }
+};
+using PreciseRecord = RecordLayout<true>;
+using FastRecord = RecordLayout<false>;
+static_assert(PreciseRecord::kBytes == 23040 && PreciseRecord::kBytes % 128 == 0);
+static_assert(FastRecord::kBytes == 13824 && FastRecord::kBytes % 128 == 0);
+constexpr int kMaxRecordBytes = PreciseRecord::kBytes;
+
+// The same for a Kr tile (both modes).
 __host__ __device__ constexpr int kr_offset(int t, int c) {
   return kKrLbo * (t / 8) + kKrSbo * (c / 8) + 16 * (t % 8) + 2 * (c % 8);
 }
@@ -113,7 +133,7 @@ struct Params {
   float scale;
   int32_t* chunk_start;       // workspace header: [N+1]
   int32_t* error_flag;        // workspace header: 1 when cu_seqlens is invalid
-  uint8_t* records;           // workspace chunk records [slots][H][kChunkRecordBytes]
+  uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<precise>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
 };
 

@@ -10,6 +10,7 @@
 
 namespace flashkda::sm90::prefill {
 
+template <bool kPrecise>
 void launch_prepare(const Params& p, cudaStream_t stream) {
   if (p.cu_seqlens != nullptr) {
     chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
@@ -18,8 +19,9 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   const int64_t blocks = p.chunk_slots * p.H;
   if (blocks == 0) return;
   constexpr int smem = sizeof(PrepareSmem);
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(prepare_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  prepare_kernel<<<unsigned(blocks), kPrepThreads, smem, stream>>>(p);
+  auto kernel = prepare_kernel<kPrecise>;
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  kernel<<<unsigned(blocks), kPrepThreads, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
 }
 
@@ -43,8 +45,10 @@ int choose_warps(int64_t work) {
   return 8 / splits;
 }
 
+// K1 writes the mode's record layout and K2 reads it (config.h RecordLayout).
 template <bool kPrecise>
-void dispatch_recur(int warps, const Params& kp, cudaStream_t stream) {
+void launch_mode(int warps, const Params& kp, cudaStream_t stream) {
+  launch_prepare<kPrecise>(kp, stream);
   if (warps == 8) launch_recur<8, kPrecise>(kp, stream);
   else launch_recur<4, kPrecise>(kp, stream);
 }
@@ -59,7 +63,7 @@ using namespace flashkda::sm90::prefill;
 size_t prefill_workspace_size(const PrefillParams& p) {
   const int64_t N = detail::num_sequences(p);
   const int64_t slots = max_chunk_slots(p.B * p.T, N);
-  return header_bytes(N) + size_t(slots) * size_t(p.H) * kChunkRecordBytes;
+  return header_bytes(N) + size_t(slots) * size_t(p.H) * kMaxRecordBytes;  // either mode's records fit
 }
 
 void forward(const PrefillParams& p, void* workspace, size_t, Stream stream_handle) {
@@ -92,10 +96,9 @@ void forward(const PrefillParams& p, void* workspace, size_t, Stream stream_hand
   kp.records = ws + header_bytes(N);
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
 
-  launch_prepare(kp, stream);
   const int warps = choose_warps(N * p.H);
-  if (env_int("FLASHKDA_PRECISE", 1) != 0) dispatch_recur<true>(warps, kp, stream);
-  else dispatch_recur<false>(warps, kp, stream);
+  if (env_int("FLASHKDA_PRECISE", 1) != 0) launch_mode<true>(warps, kp, stream);
+  else launch_mode<false>(warps, kp, stream);
 }
 
 }  // namespace flashkda::cuda

@@ -8,7 +8,8 @@
 
 namespace flashkda::sm90::prefill {
 
-void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) + K1
+template <bool kPrecise>
+void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) + K1 (the mode's record)
 
 template <int kWarps, bool kPrecise>
 void launch_recur(const Params& p, cudaStream_t stream);  // K2, grid (N*H, 8 / kWarps)

@@ -177,12 +177,13 @@ __device__ __forceinline__ uint2 pack4(const float (&x)[4]) {
   return make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
 }
 
-// Rows r = 0, 1 of this thread are tokens 2w, 2w+1 and rows 2, 3 are 2w+8, 2w+9.
-__device__ __forceinline__ void store_wo(uint8_t* rec, int which, const float (&x)[4][4], int warp, int lane) {
+// x rounded to bf16 at tile offset off(t, c) of the granule (t = token, c = first of its 8
+// channels). Rows r = 0, 1 of this thread are tokens 2w, 2w+1 and rows 2, 3 are 2w+8, 2w+9.
+template <class Offset>
+__device__ __forceinline__ void store_rounded(uint8_t* tile, const float (&x)[4][4], int warp, int lane, Offset off) {
 #pragma unroll
   for (int rp = 0; rp < 2; ++rp)
-    store_granules(rec + kOffWo + wo_offset(which, row_of(warp, 2 * rp), 8 * (lane >> 1)), pack4(x[2 * rp]),
-                   pack4(x[2 * rp + 1]), lane);
+    store_granules(tile + off(row_of(warp, 2 * rp), 8 * (lane >> 1)), pack4(x[2 * rp]), pack4(x[2 * rp + 1]), lane);
 }
 
 // The bf16 split of x: hi into hi_tile, lo into lo_tile, both at tile offset off(t, c) of the
@@ -200,7 +201,11 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
   }
 }
 
+// kPrecise: the record of the precise mode (with the bf16 remainders), else the fast mode's
+// (config.h RecordLayout).
+template <bool kPrecise>
 __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_constant__ Params p) {
+  using Rec = RecordLayout<kPrecise>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& sm = *reinterpret_cast<PrepareSmem*>(smem_raw);
 
@@ -212,7 +217,7 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int H = p.H;
-  uint8_t* rec = p.records + (slot * H + h) * kChunkRecordBytes;
+  uint8_t* rec = p.records + (slot * H + h) * Rec::kBytes;
 
   // Load rows 2w, 2w+1, 2w+8, 2w+9, channels 4l..4l+3. Rows past the sequence end re-read the
   // last valid row and are zeroed below (k = q = 0, log-decay 0), so all loads issue at once.
@@ -289,7 +294,7 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) run += sm.G[t][c], sm.G[t][c] = run;
     wide = sm.G[0][c] - run > kMaxFactorisedSpread;
-    reinterpret_cast<float*>(rec + kOffGamma)[c] = exp_ftz(run);
+    reinterpret_cast<float*>(rec + Rec::kOffGamma)[c] = exp_ftz(run);
   }
   const bool pairwise = __syncthreads_or(wide);
 
@@ -344,11 +349,18 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
       *reinterpret_cast<float4*>(&sm.raw[1][t][4 * lane]) = make_float4(q[r][0], q[r][1], q[r][2], q[r][3]);
     }
   }
-  store_wo(rec, 0, kd, warp, lane);
   {
-    const auto wo = [](int t, int c) { return wo_offset(0, t, c); };  // operand `which` adds 256 * which
-    store_split(rec + kOffWo + wo_offset(1, 0, 0), rec + kOffWo + wo_offset(2, 0, 0), qd, warp, lane, wo);
-    store_split(rec + kOffKRestored, rec + kOffKRestoredLo, kr, warp, lane, kr_offset);
+    const auto wo = [](int t, int c) { return Rec::wo_offset(0, t, c); };  // operand `which` adds 256 * which
+    const auto kr_at = [](int t, int c) { return kr_offset(t, c); };
+    uint8_t* const wo_tile = rec + Rec::kOffWo;
+    store_rounded(wo_tile + Rec::wo_offset(0, 0, 0), kd, warp, lane, wo);
+    if constexpr (kPrecise) {
+      store_split(wo_tile + Rec::wo_offset(1, 0, 0), wo_tile + Rec::wo_offset(2, 0, 0), qd, warp, lane, wo);
+      store_split(rec + Rec::kOffKRestored, rec + Rec::kOffKRestoredLo, kr, warp, lane, kr_at);
+    } else {  // the bf16 roundings, i.e. the hi parts the precise record holds
+      store_rounded(wo_tile + Rec::wo_offset(1, 0, 0), qd, warp, lane, wo);
+      store_rounded(rec + Rec::kOffKRestored, kr, warp, lane, kr_at);
+    }
   }
   __syncthreads();
 
@@ -367,8 +379,8 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
         for (int e = 0; e < 4; ++e) m[nt][e] = (g + 8 * (e >> 1) >= 8 * nt + 2 * t4 + (e & 1)) ? acc[nt][e] : 0.f;
       const uint2 a = split_pair(m[0][0], m[0][1]), b = split_pair(m[1][0], m[1][1]);
       const uint2 c = split_pair(m[0][2], m[0][3]), d = split_pair(m[1][2], m[1][3]);
-      reinterpret_cast<uint4*>(rec + kOffMqk)[lane] = make_uint4(a.x, b.x, c.x, d.x);
-      reinterpret_cast<uint4*>(rec + kOffMqkLo)[lane] = make_uint4(a.y, b.y, c.y, d.y);
+      reinterpret_cast<uint4*>(rec + Rec::kOffMqk)[lane] = make_uint4(a.x, b.x, c.x, d.x);
+      if constexpr (kPrecise) reinterpret_cast<uint4*>(rec + Rec::kOffMqkLo)[lane] = make_uint4(a.y, b.y, c.y, d.y);
       return;
     }
 #pragma unroll
@@ -395,14 +407,15 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
       else {
         const float hi = __bfloat162float(__float2bfloat16_rn(acc));
         store_bf16_at(sm.small[0], frag_index_small(i, j), hi);
-        store_bf16_at(sm.small[1], frag_index_small(i, j), acc - hi);
+        if constexpr (kPrecise) store_bf16_at(sm.small[1], frag_index_small(i, j), acc - hi);
       }
     }
     __syncthreads();
     if (warp >= 1) {
       if (warp == 1) {
-        reinterpret_cast<uint4*>(rec + kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
-        reinterpret_cast<uint4*>(rec + kOffMqkLo)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
+        reinterpret_cast<uint4*>(rec + Rec::kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
+        if constexpr (kPrecise)
+          reinterpret_cast<uint4*>(rec + Rec::kOffMqkLo)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
       }
       return;
     }
@@ -426,12 +439,13 @@ __global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_c
     for (int i = 0; i < kChunk; ++i) {
       const float val = x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
       store_bf16_at(sm.small[2], frag_index_small(i, j), hi);
-      store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
+      if constexpr (kPrecise) store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
     }
   }
   __syncwarp();
-  reinterpret_cast<uint4*>(rec + kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
-  reinterpret_cast<uint4*>(rec + kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[3])[lane];
+  reinterpret_cast<uint4*>(rec + Rec::kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
+  if constexpr (kPrecise)
+    reinterpret_cast<uint4*>(rec + Rec::kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[3])[lane];
 }
 
 }  // namespace flashkda::sm90::prefill

@@ -32,13 +32,13 @@ using namespace flashkda::cuda;
 
 constexpr int kStages = 3;
 
-// Both precision modes copy the whole record (config.h), so the layout depends on kWarps only.
-template <int kWarps>
+// Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v.
+template <int kWarps, bool kPrecise>
 struct RecurSmem {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
   static constexpr int kVCols = kWarps * 16;
   struct alignas(128) Stage {
-    alignas(128) uint8_t record[kChunkRecordBytes];
+    alignas(128) uint8_t record[RecordLayout<kPrecise>::kBytes];
     alignas(16) __nv_bfloat16 v[kChunk][kVCols];
   };
   Stage stage[kStages];
@@ -47,13 +47,14 @@ struct RecurSmem {
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
-template <int kWarps>
-__device__ __forceinline__ void load_stage(typename RecurSmem<kWarps>::Stage& st, const Params& p, int64_t slot,
-                                           int h, int64_t row0, int rows, int v_base) {
+template <int kWarps, bool kPrecise>
+__device__ __forceinline__ void load_stage(typename RecurSmem<kWarps, kPrecise>::Stage& st, const Params& p,
+                                           int64_t slot, int h, int64_t row0, int rows, int v_base) {
   constexpr int kThreads = kWarps * 32;
-  constexpr int kRecordChunks = kChunkRecordBytes / 16;
-  constexpr int kVChunksPerRow = RecurSmem<kWarps>::kVCols / 8;
-  const uint8_t* rec = p.records + (slot * p.H + h) * kChunkRecordBytes;
+  constexpr int kRecordBytes = RecordLayout<kPrecise>::kBytes;
+  constexpr int kRecordChunks = kRecordBytes / 16;
+  constexpr int kVChunksPerRow = RecurSmem<kWarps, kPrecise>::kVCols / 8;
+  const uint8_t* rec = p.records + (slot * p.H + h) * kRecordBytes;
   for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i);
   for (int i = threadIdx.x; i < kChunk * kVChunksPerRow; i += kThreads) {
     const int t = i / kVChunksPerRow, part = i % kVChunksPerRow;
@@ -141,7 +142,8 @@ __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.p
 
 template <int kWarps, bool kPrecise>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  using Smem = RecurSmem<kWarps>;
+  using Smem = RecurSmem<kWarps, kPrecise>;
+  using Rec = RecordLayout<kPrecise>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -182,7 +184,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_chunks)
-      load_stage<kWarps>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base);
+      load_stage<kWarps, kPrecise>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base);
     cute::cp_async_fence();
   }
 
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     {
       const int64_t jn = j + kStages - 1;
       if (jn < num_chunks)
-        load_stage<kWarps>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
+        load_stage<kWarps, kPrecise>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
                            chunk_rows(jn), v_base);
       cute::cp_async_fence();
     }
@@ -206,9 +208,9 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     // O accumulator: different wgmma shapes never share one).
     uint32_t sa[8][4], sa_lo[8][4];
     state_fragments<kPrecise>(S, sa, sa_lo);
-    const uint64_t desc_w = smem_desc(rec + kOffWo, kWoLbo, kWoSbo);  // rows 0..15: kd
-    const uint64_t desc_o = desc_w + ((2 * kWoSbo) >> 4);              // rows 16..47: qd, qd_lo
-    constexpr uint64_t kStep = kWoStepBytes >> 4;
+    const uint64_t desc_w = smem_desc(rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: kd
+    const uint64_t desc_o = desc_w + ((2 * Rec::kWoSbo) >> 4);  // rows 16..: qd (and qd_lo)
+    constexpr uint64_t kStep = Rec::kWoStepBytes >> 4;
     float Dw[8], Do[kPrecise ? 16 : 8], Dol[8];
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -253,10 +255,10 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     acc_fragments<kPrecise>(W[0], W[1], ua, ua_lo);
     float U[2][4] = {};
     {
-      const uint4 bi = lds128(rec + kOffInvB + lane * 16);
+      const uint4 bi = lds128(rec + Rec::kOffInvB + lane * 16);
       mma_bf16_n16(U[0], U[1], ua, bi);
       if constexpr (kPrecise) {
-        const uint4 bi_lo = lds128(rec + kOffInvBLo + lane * 16);
+        const uint4 bi_lo = lds128(rec + Rec::kOffInvBLo + lane * 16);
         mma_bf16_n16(U[0], U[1], ua_lo, bi);
         mma_bf16_n16(U[0], U[1], ua, bi_lo);
       }
@@ -277,10 +279,10 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 
     // O^T += U^T Mqk^T.
     {
-      const uint4 bm = lds128(rec + kOffMqk + lane * 16);
+      const uint4 bm = lds128(rec + Rec::kOffMqk + lane * 16);
       mma_bf16_n16(O[0], O[1], uc, bm);
       if constexpr (kPrecise) {
-        const uint4 bm_lo = lds128(rec + kOffMqkLo + lane * 16);
+        const uint4 bm_lo = lds128(rec + Rec::kOffMqkLo + lane * 16);
         mma_bf16_n16(O[0], O[1], uc_lo, bm);
         mma_bf16_n16(O[0], O[1], uc, bm_lo);
       }
@@ -288,20 +290,20 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 
     // S^T = S^T diag(e^Gamma) + U^T Kr: the decay in registers, then the update on the tensor
     // cores while this warp writes its output.
-    const float* gamma = reinterpret_cast<const float*>(rec + kOffGamma);
+    const float* gamma = reinterpret_cast<const float*>(rec + Rec::kOffGamma);
 #pragma unroll
     for (int jt = 0; jt < 16; ++jt) {
       const float2 eg = *reinterpret_cast<const float2*>(gamma + 8 * jt + 2 * t4);
       S[4 * jt] *= eg.x, S[4 * jt + 1] *= eg.y, S[4 * jt + 2] *= eg.x, S[4 * jt + 3] *= eg.y;
     }
     {
-      const uint64_t desc_kr = smem_desc(rec + kOffKRestored, kKrLbo, kKrSbo);
+      const uint64_t desc_kr = smem_desc(rec + Rec::kOffKRestored, kKrLbo, kKrSbo);
       fence_regs(S), fence_regs(uc);
       if constexpr (kPrecise) fence_regs(uc_lo);
       cute::warpgroup_arrive();
       wgmma<WgmmaUpdate>(uc, desc_kr, S, true);
       if constexpr (kPrecise) {
-        const uint64_t desc_kr_lo = smem_desc(rec + kOffKRestoredLo, kKrLbo, kKrSbo);
+        const uint64_t desc_kr_lo = smem_desc(rec + Rec::kOffKRestoredLo, kKrLbo, kKrSbo);
         wgmma<WgmmaUpdate>(uc_lo, desc_kr, S, true);
         wgmma<WgmmaUpdate>(uc, desc_kr_lo, S, true);
       }

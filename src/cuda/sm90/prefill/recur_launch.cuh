@@ -11,7 +11,7 @@ template <int kWarps, bool kPrecise>
 void launch_recur(const Params& p, cudaStream_t stream) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
-  constexpr int smem = sizeof(RecurSmem<kWarps>);
+  constexpr int smem = sizeof(RecurSmem<kWarps, kPrecise>);
   auto kernel = recur_kernel<kWarps, kPrecise>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(work), 8 / kWarps);
