@@ -200,7 +200,9 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
   }
 }
 
-__global__ void __launch_bounds__(kPrepThreads, 5) prepare_kernel(const __grid_constant__ Params p) {
+// Six CTAs per SM (24 warps): 80 registers, no local memory (SASS 3040 instructions against 3024
+// at five CTAs and 96 registers); 6 x 36 KB of shared memory fits the SM's 228 KB.
+__global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& sm = *reinterpret_cast<PrepareSmem*>(smem_raw);
 
