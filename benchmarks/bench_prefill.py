@@ -69,11 +69,12 @@ def make_inputs(H, seqlens, with_state, seed=0):
     return x
 
 
-def run_flashkda(x, with_state):
+def run_flashkda(x, with_state, precision="precise"):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
     return lambda: flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
-                                LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"]), out, ht
+                                LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"],
+                                precision=precision), out, ht
 
 
 def run_flash_kda(x, with_state):
@@ -173,9 +174,10 @@ def accuracy_table(seqlens, adversarial=False):
         x = repeated_key(x)
     ref_o, ref_s = reference_fp64(x, seqlens)
     rows = []
-    fn, o, ht = run_flashkda(x, True)
-    fn()
-    rows.append(("flashkda", rel_rms(o[0], ref_o), rel_rms(ht, ref_s)))
+    for precision in ("precise", "fast"):
+        fn, o, ht = run_flashkda(x, True, precision)
+        fn()
+        rows.append((f"flashkda {precision}", rel_rms(o[0], ref_o), rel_rms(ht, ref_s)))
     if fla_chunk_kda is not None:
         fn, res = run_fla(x, True)
         fn()
@@ -212,6 +214,7 @@ def main():
                     help="back-to-back calls per timed sample (1: eager, host overhead included; 10: device time)")
     ap.add_argument("--no-accuracy", action="store_true",
                     help="skip the accuracy table (it does not depend on --inner; the eager run measures it)")
+    ap.add_argument("--accuracy-only", action="store_true", help="the accuracy table only, no timings")
     args = ap.parse_args()
     if args.sweep:
         sweep_variants(args.reps)
@@ -223,19 +226,22 @@ def main():
                  f"copy bandwidth: {bw / 1e12:.2f} TB/s | torch {torch.__version__} | "
                  f"{'eager calls' if args.inner == 1 else f'{args.inner} back-to-back calls'} per timed sample")
     lines.append("")
-    lines.append("| case | state | flashkda ms | fla ms | FlashKDA ms | vs fla | vs FlashKDA | floor ms | % of floor |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("| case | state | flashkda ms | fla ms | FlashKDA ms | vs fla | vs FlashKDA | floor ms | % of floor "
+                 "| flashkda fast ms | fast vs fla | fast vs FlashKDA |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(lines), flush=True)
-    for name, H, seqlens in CASES:
+    for name, H, seqlens in ([] if args.accuracy_only else CASES):
         for with_state in (False, True):
             x = make_inputs(H, seqlens, with_state)
             timed = dict(reps=args.reps, inner=args.inner)
             t_ours = time_ms(run_flashkda(x, with_state)[0], **timed)
+            t_fast = time_ms(run_flashkda(x, with_state, "fast")[0], **timed)
             t_fla = time_ms(run_fla(x, with_state)[0], **timed) if fla_chunk_kda else float("nan")
             t_fk = time_ms(run_flash_kda(x, with_state)[0], **timed) if flash_kda else float("nan")
             floor = floor_bytes(H, sum(seqlens), len(seqlens), with_state) / bw * 1e3
             lines.append(f"| {name} | {'fp32' if with_state else 'none'} | {t_ours:.3f} | {t_fla:.3f} | {t_fk:.3f} | "
-                         f"{t_fla / t_ours:.2f}x | {t_fk / t_ours:.2f}x | {floor:.3f} | {100 * floor / t_ours:.0f}% |")
+                         f"{t_fla / t_ours:.2f}x | {t_fk / t_ours:.2f}x | {floor:.3f} | {100 * floor / t_ours:.0f}% | "
+                         f"{t_fast:.3f} | {t_fla / t_fast:.2f}x | {t_fk / t_fast:.2f}x |")
             print(lines[-1], flush=True)
             del x
             torch.cuda.empty_cache()

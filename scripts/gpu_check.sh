@@ -3,10 +3,11 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [sanitize] [python] [bench] [bench-device] [decode] [profile] [sweep] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [sanitize] [python] [bench] [bench-device] [decode] [profile] [sweep] [ab]
 #   (default: build test sanitize python bench bench-device decode; bench = prefill against the
 #   peers, eager calls, plus accuracy; bench-device = the timings with 10 back-to-back calls per
-#   sample; decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2; ab =
+#   sample; gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
+#   decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2; ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
 #   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.
@@ -54,6 +55,14 @@ if want test; then
   grep -E "tests passed|tests failed|Failed|\*\*\*|measure" "$OUT/ctest.log" | head -60
   for t in build-gpu/tests/cpp/test_*gpu; do
     [ -x "$t" ] && "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | head -40
+  done
+fi
+
+if want gpu-tests && ! want test; then  # the GPU test binaries only, once each (test runs them too)
+  step gpu-tests
+  for t in build-gpu/tests/cpp/test_*gpu; do
+    [ -x "$t" ] && { "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | head -60
+                     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
   done
 fi
 

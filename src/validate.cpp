@@ -118,6 +118,8 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
   check_dtypes(p, backend);
   check_cu_seqlens(p, backend);
   validate_preprocess(p.pre);
+  FLASHKDA_CHECK_ARG(p.precision == Precision::kPrecise || p.precision == Precision::kFast,
+                     "precision must be Precision::kPrecise or Precision::kFast, got ", int(p.precision));
   if (backend == Backend::kCuda) {
     check_aligned16({{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.out, "out"}, {p.pre.dt_bias, "dt_bias"},
                      {p.initial_state, "initial_state"}, {p.final_state, "final_state"}},

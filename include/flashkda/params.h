@@ -31,6 +31,7 @@ struct PrefillParams {
 
   int64_t B = 0, T = 0, H = 0, K = 128, V = 128;
   Preprocess pre;
+  Precision precision = Precision::kPrecise;  // GPU recurrence only (types.h)
 };
 
 // One decode step for N sequences of 1..16 new tokens each, states in a pool updated in place.

@@ -120,7 +120,7 @@ def _opt_float(x):
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False, cu_seqlens=None,
-              **kwargs):
+              precision="precise", **kwargs):
     """Chunked KDA forward with fla 0.6's `chunk_kda` semantics. Returns (o, final_state).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K]; beta: [B, T, H]. q, k, v bfloat16 or float32
@@ -135,6 +135,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     - initial_state: [N, H, K, V] ([N, H, V, K] with state_v_first=True), float32 or bfloat16.
       final_state (output_final_state=True): float32, same layout; otherwise None.
     - cu_seqlens: [N + 1] int32/int64 boundaries of N sequences packed along T (then B must be 1).
+    - precision (flashkda's own): 'precise' (default) or 'fast', the GPU recurrence's mode: 'fast'
+      rounds the tensor-core operands to bf16 instead of splitting them (about 2x the output error,
+      a shorter prefill; docs/BENCHMARKS.md). The CPU computes in fp32 either way.
 
     fla options without effect here (disable_recompute, use_graph, chunk_size, ...) are accepted;
     allow_neg_eigval, return_intermediate_states and cp_context raise NotImplementedError when set.
@@ -151,15 +154,16 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         o, ht = torch.ops.flashkda.chunk_kda(
             q, k, v, g, beta, _opt_float(scale), initial_state, bool(output_final_state),
             bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
-            bool(safe_gate), _opt_float(lower_bound), A_log, dt_bias, bool(state_v_first), cu_seqlens)
+            bool(safe_gate), _opt_float(lower_bound), A_log, dt_bias, bool(state_v_first), cu_seqlens,
+            _impl._precision(precision))
         return o, (ht if output_final_state else None)
     return _impl.chunk_kda(ops_for(q), q, k, v, g, beta, scale, initial_state, output_final_state,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
-                           lower_bound, A_log, dt_bias, state_v_first, cu_seqlens)
+                           lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None):
+        cu_seqlens=None, precision="precise"):
     """MoonshotAI FlashKDA's `flash_kda.fwd`: writes `out` (and `final_state`) in place, returns None.
 
     q, k, v, g: [B, T, H, K|V] bfloat16 (float32 also on the CPU); beta: [B, T, H] logits (sigmoid
@@ -167,6 +171,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     dt_bias [H, K] fp32, lower_bound in [-5, 0); q and k are L2-normalised; out: [B, T, H, V].
     initial_state / final_state: [N, H, V, K] float32 or bfloat16 (None: zeros / not written).
     cu_seqlens: [N + 1] int64 (or int32) with B = 1.
+    precision (flashkda's own): 'precise' (default) or 'fast'; see chunk_kda.
     """
     if _use_op(q):
         import torch
@@ -182,10 +187,10 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
         if scale is None or lower_bound is None:
             raise ValueError(f"{'scale' if scale is None else 'lower_bound'}: required (a float)")
         torch.ops.flashkda.fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, float(lower_bound),
-                               initial_state, final_state, cu_seqlens)
+                               initial_state, final_state, cu_seqlens, _impl._precision(precision))
         return None
     _impl.fwd(ops_for(q), q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-              cu_seqlens)
+              cu_seqlens, precision)
     return None
 
 

@@ -173,8 +173,15 @@ def _direct_gate(use_gate, lower_bound, safe_gate, A_log, dt_bias):
     return "softplus", -5.0, A_log, dt_bias
 
 
+def _precision(precision):
+    """The prefill precision mode ('precise' or 'fast'; flashkda::Precision), checked by name."""
+    if precision not in ("precise", "fast"):
+        raise ValueError(f"precision: expected 'precise' or 'fast', got {precision!r}")
+    return precision
+
+
 def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state, l2norm, use_gate, beta_sigmoid,
-                      safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens):
+                      safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision):
     """chunk_kda's fast path for torch tensors already in the kernels' layout (states absent or
     [N, H, V, K]): flashkda._C checks shapes, dtypes, devices, contiguity and values itself
     (ValueError, before any work). Returns None when it refuses or the call needs the checked
@@ -194,7 +201,7 @@ def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state
     pre = Preprocess(form, A_log, dt_bias, lb, bool(l2norm), bool(beta_sigmoid), _scale(scale))
     try:
         _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=ht,
-                        cu_seqlens=cu_seqlens)
+                        cu_seqlens=cu_seqlens, precision=precision)
     except (ValueError, TypeError):
         return None
     return out, (None if ht is None else _state_out(TorchOps, ht, state_v_first))
@@ -203,11 +210,12 @@ def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state
 def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False,
-              cu_seqlens=None):
+              cu_seqlens=None, precision="precise"):
+    precision = _precision(precision)
     if ops is TorchOps:
         res = _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log,
-                                dt_bias, state_v_first, cu_seqlens)
+                                dt_bias, state_v_first, cu_seqlens, precision)
         if res is not None:
             return res
     q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
@@ -221,7 +229,8 @@ def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_fina
     ht = ops.empty((N, H, V, K), F32, q) if output_final_state else None
     pre = Preprocess(form, A_log, dt_bias, lb, bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
                      _scale(scale))
-    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=ht, cu_seqlens=cu)
+    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=ht, cu_seqlens=cu,
+                    precision=precision)
     return out, (None if ht is None else _state_out(ops, ht, state_v_first))
 
 
@@ -239,7 +248,8 @@ def _inplace_target(ops, q, x, name, want, dtypes):
     return x
 
 
-def _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
+def _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens,
+                precision):
     """fwd's fast path for torch tensors already in the kernels' layout: flashkda._C checks every
     shape, dtype, device, contiguity and value itself (ValueError, before any work), so the
     Python checks below only need to run when it refuses. Returns False then."""
@@ -248,17 +258,18 @@ def _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     pre = Preprocess("lower_bound", A_log, dt_bias, float(lower_bound), True, True, float(scale))
     try:
         _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=final_state,
-                        cu_seqlens=cu_seqlens)
+                        cu_seqlens=cu_seqlens, precision=precision)
     except (ValueError, TypeError):
         return False  # the checked path names the problem, or makes the layout (casts, copies) and calls again
     return True
 
 
 def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None):
+        cu_seqlens=None, precision="precise"):
+    precision = _precision(precision)
     if (ops is TorchOps and scale is not None and lower_bound is not None and A_log is not None
             and _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-                            cu_seqlens)):
+                            cu_seqlens, precision)):
         return
     q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
     B, T, H, K = q.shape
@@ -276,7 +287,8 @@ def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     if final_state is not None:
         _inplace_target(ops, q, final_state, "final_state", [N, H, V, K], _FLOATS)
     pre = Preprocess(form, A_log, dt_bias, lb, True, True, float(scale))
-    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=final_state, cu_seqlens=cu)
+    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=final_state, cu_seqlens=cu,
+                    precision=precision)
 
 
 # ---- fused_recurrent_kda (fla semantics, serving extensions of fused_recurrent_kda_fwd) ------------

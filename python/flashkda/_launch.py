@@ -65,12 +65,13 @@ def _cuda_call(q, fn):
         return fn(torch.cuda.current_stream(q.device).cuda_stream, torch)
 
 
-def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, final_state=None, cu_seqlens=None):
+def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, final_state=None, cu_seqlens=None,
+            precision="precise"):
     """flashkda::forward on checked, contiguous arrays; writes out and final_state ([N,H,V,K])."""
     args = [ops.to_ext(x) for x in (q, k, v, g, beta, out)]
     kw = pre.ext_kwargs(ops)
     kw.update(initial_state=ops.to_ext(initial_state), final_state=ops.to_ext(final_state),
-              cu_seqlens=ops.to_ext(cu_seqlens))
+              cu_seqlens=ops.to_ext(cu_seqlens), precision=precision)
     if ops is TorchOps and q.is_cuda:
         def run(stream, torch):
             _C.forward(*args, workspace_alloc=lambda nbytes: _workspace(torch, q.device, stream, nbytes),

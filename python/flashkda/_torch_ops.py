@@ -30,16 +30,16 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
               initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
               use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, safe_gate: bool,
               lower_bound: Optional[float], A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-              state_v_first: bool, cu_seqlens: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+              state_v_first: bool, cu_seqlens: Optional[Tensor], precision: str) -> Tuple[Tensor, Tensor]:
     o, ht = _impl.chunk_kda(TorchOps, q, k, v, g, beta, scale, initial_state, output_final_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
-                            lower_bound, A_log, dt_bias, state_v_first, cu_seqlens)
+                            lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision)
     return o, (_no_state(q) if ht is None else ht)
 
 
 @chunk_kda.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-      use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens):
+      use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision):
     o = v.new_empty(v.shape, dtype=q.dtype)
     if not output_final_state:
         return o, _no_state(q)
@@ -50,13 +50,13 @@ def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_
 @torch.library.custom_op("flashkda::fwd", mutates_args=("out", "final_state"))
 def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, out: Tensor, A_log: Tensor,
         dt_bias: Optional[Tensor], lower_bound: float, initial_state: Optional[Tensor],
-        final_state: Optional[Tensor], cu_seqlens: Optional[Tensor]) -> None:
+        final_state: Optional[Tensor], cu_seqlens: Optional[Tensor], precision: str) -> None:
     _impl.fwd(TorchOps, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-              cu_seqlens)
+              cu_seqlens, precision)
 
 
 @fwd.register_fake
-def _(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens):
+def _(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens, precision):
     return None
 
 

@@ -158,6 +158,13 @@ GateForm parse_gate(const std::string& gate) {
   return GateForm::kPrecomputed;
 }
 
+Precision parse_precision(const std::string& precision) {
+  if (precision == "precise") return Precision::kPrecise;
+  if (precision == "fast") return Precision::kFast;
+  FLASHKDA_CHECK_ARG(false, "precision: expected 'precise' or 'fast', got '", precision, "'");
+  return Precision::kPrecise;
+}
+
 // The preprocessing options shared by forward, reference_forward and decode (SPEC.md §2).
 struct PreArgs {
   OptIn A_log, dt_bias;
@@ -284,10 +291,11 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
              const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
              bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
              OptOut final_state, OptIn cu_seqlens, OptOut workspace, nb::object workspace_alloc, uintptr_t stream,
-             bool u16_is_bf16) {
+             bool u16_is_bf16, const std::string& precision) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
   PrefillArrays r = make_prefill(q, k, v, g, beta, initial_state, cu_seqlens, pre, u16_is_bf16);
   attach_outputs(r, out, final_state, u16_is_bf16);
+  r.p.precision = parse_precision(precision);
   // workspace_alloc(nbytes) -> array: asked only when no workspace was passed and the backend needs
   // one, so a CUDA call validates and converts its arguments once (one DLPack import per tensor).
   nb::object allocated;
@@ -462,9 +470,10 @@ NB_MODULE(_C, m) {
         arg("scale").none() = nb::none(), arg("initial_state").none() = nb::none(),
         arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(),
         arg("workspace").none() = nb::none(), arg("workspace_alloc").none() = nb::none(), arg("stream") = 0,
-        arg("u16_is_bf16") = false,
+        arg("u16_is_bf16") = false, arg("precision") = "precise",
         "Chunked KDA forward (SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
-        "workspace: device bytes (any dtype); or workspace_alloc(nbytes) -> array, called when needed.");
+        "workspace: device bytes (any dtype); or workspace_alloc(nbytes) -> array, called when needed. "
+        "precision: 'precise' or 'fast' (the GPU recurrence; flashkda::Precision).");
 
   m.def("workspace_size", &py::workspace_size, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("out"),
         nb::kw_only(), arg("A_log").none() = nb::none(), arg("dt_bias").none() = nb::none(),

@@ -116,6 +116,7 @@ struct KdaOptions {
   double beta_min = -3.0, beta_max = 3.0;  // logit range (activated beta: [0, 1] is used)
   bool has_scale = false;
   float scale = 0.0f;
+  Precision precision = Precision::kPrecise;  // the GPU recurrence's mode
 
   StateKind initial_state = StateKind::kNone;
   StateKind final_state = StateKind::kNone;
@@ -233,6 +234,7 @@ struct KdaInputs {
     p.pre.beta_is_logit = opt.beta_is_logit;
     p.pre.has_scale = opt.has_scale;
     p.pre.scale = opt.scale;
+    p.precision = opt.precision;
     return p;
   }
 

@@ -52,6 +52,11 @@ TEST(ValidatePrefill, RejectsNullTensors) {
   expect_rejected([](PrefillParams& p) { p.out = nullptr; }, "out must not be null");
 }
 
+TEST(ValidatePrefill, RejectsUnknownPrecision) {
+  expect_rejected([](PrefillParams& p) { p.precision = static_cast<Precision>(7); }, "precision must be");
+  expect_rejected([](PrefillParams& p) { p.precision = static_cast<Precision>(-1); }, "precision must be");
+}
+
 TEST(ValidatePrefill, RejectsNegativeSizes) {
   expect_rejected([](PrefillParams& p) { p.B = -1; }, "B must be >= 0");
   expect_rejected([](PrefillParams& p) { p.T = -3; }, "T must be >= 0");

@@ -294,15 +294,16 @@ def test_opcheck_chunk_kda(rng):
     p = make_problem(rng, lengths=[5, 11], state=True, K=32, V=16)
     t = torch_problem(p)
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"], None, t["h0_vk"].transpose(-1, -2).contiguous(), True,
-            True, True, True, False, -2.0, t["A_log"], t["dt_bias"], False, t["cu_seqlens"])
+            True, True, True, False, -2.0, t["A_log"], t["dt_bias"], False, t["cu_seqlens"], "precise")
     torch.library.opcheck(torch.ops.flashkda.chunk_kda.default, args)
+    torch.library.opcheck(torch.ops.flashkda.chunk_kda.default, args[:-1] + ("fast",))
 
 
 def test_opcheck_fwd(rng):
     p = make_problem(rng, B=2, T=7, state=True, K=32, V=16)
     t = torch_problem(p)
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"], 0.2, torch.empty(t["v"].shape), t["A_log"], t["dt_bias"],
-            -2.0, t["h0_vk"], torch.empty(t["h0_vk"].shape), None)
+            -2.0, t["h0_vk"], torch.empty(t["h0_vk"].shape), None, "precise")
     torch.library.opcheck(torch.ops.flashkda.fwd.default, args)
 
 

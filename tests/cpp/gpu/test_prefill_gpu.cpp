@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <memory>
 #include <vector>
 
@@ -203,19 +204,55 @@ TEST_F(PrefillGpu, GateFormsAndFlags) {
 
 // One key repeated for every token, b ~ 1 and almost no decay: the Neumann series of (I+L)^-1
 // cancels catastrophically here; forward substitution must stay exact.
+// The fast mode (Precision::kFast) rounds k_restored, U and inv_b to bf16, and on this input that
+// noise accumulates in state directions the delta rule never corrects (docs/DESIGN.md): its bound
+// here is the measured level with a margin, not the 6e-3 of the precise mode.
 TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+    KdaOptions o;
+    o.T = 16384, o.H = 2;
+    o.final_state = StateKind::kF32;
+    o.precision = precision;
+    KdaInputs in(o);
+    for (int64_t t = 1; t < o.T; ++t)
+      for (int64_t h = 0; h < o.H; ++h)
+        for (int64_t c = 0; c < o.K; ++c) in.k.set((t * o.H + h) * o.K + c, in.k.get(h * o.K + c));
+    for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
+    for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
+    const bool fast = precision == Precision::kFast;
+    const Errors e = fast ? check_against_reference(in, 5e-2, 5e-2) : check_against_reference(in);
+    const std::string name = fast ? "repeated_key_fast" : "repeated_key";
+    report(name + "_out_rel_rms", e.out);
+    report(name + "_state_rel_rms", e.state);
+  }
+}
+
+// PrefillParams::precision reaches the kernels: kFast gives what FLASHKDA_PRECISE=0 gives, bit
+// for bit, and something other than kPrecise.
+TEST_F(PrefillGpu, PrecisionParameterSelectsTheMode) {
   KdaOptions o;
-  o.T = 16384, o.H = 2;
-  o.final_state = StateKind::kF32;
+  o.seqlens = {300, 17, 64};
+  o.H = 4;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
   KdaInputs in(o);
-  for (int64_t t = 1; t < o.T; ++t)
-    for (int64_t h = 0; h < o.H; ++h)
-      for (int64_t c = 0; c < o.K; ++c) in.k.set((t * o.H + h) * o.K + c, in.k.get(h * o.K + c));
-  for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
-  for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
-  const Errors e = check_against_reference(in);
-  report("repeated_key_out_rel_rms", e.out);
-  report("repeated_key_state_rel_rms", e.state);
+  auto run = [&](Precision precision, const char* env) {
+    if (env != nullptr) setenv("FLASHKDA_PRECISE", env, 1);
+    in.opt.precision = precision;
+    DeviceProblem dev(in);
+    dev.poison();
+    dev.run();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    unsetenv("FLASHKDA_PRECISE");
+    return std::make_pair(in.out.bytes, in.final_state.bytes);
+  };
+  const auto fast = run(Precision::kFast, nullptr);
+  const auto fast_env = run(Precision::kPrecise, "0");
+  const auto precise = run(Precision::kPrecise, nullptr);
+  const auto precise_env = run(Precision::kFast, "1");
+  EXPECT_TRUE(fast == fast_env) << "Precision::kFast differs from FLASHKDA_PRECISE=0";
+  EXPECT_TRUE(precise == precise_env) << "Precision::kPrecise differs from FLASHKDA_PRECISE=1";
+  EXPECT_FALSE(fast.first == precise.first) << "kFast and kPrecise gave bit-identical outputs";
 }
 
 TEST_F(PrefillGpu, VeryLongSequence131072) {

@@ -97,7 +97,9 @@ void forward(const PrefillParams& p, void* workspace, size_t, Stream stream_hand
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
 
   const int warps = choose_warps(N * p.H);
-  if (env_int("FLASHKDA_PRECISE", 1) != 0) launch_mode<true>(warps, kp, stream);
+  // FLASHKDA_PRECISE=0|1 overrides the caller's choice (for experiments and benchmarks).
+  const int forced = env_int("FLASHKDA_PRECISE", -1);
+  if (forced >= 0 ? forced != 0 : p.precision == Precision::kPrecise) launch_mode<true>(warps, kp, stream);
   else launch_mode<false>(warps, kp, stream);
 }
 
