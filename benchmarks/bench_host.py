@@ -22,7 +22,7 @@ class _NoKernel:
     def __init__(self, real):
         self._real = real
 
-    def forward(self, *args, workspace_alloc=None, stream=0, workspace=None, **kwargs):
+    def forward(self, *args, workspace_alloc=None, stream=0, workspace=None, precision="precise", **kwargs):
         return self._real.workspace_size(*args, **kwargs)
 
     def __getattr__(self, name):

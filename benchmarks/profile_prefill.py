@@ -1,10 +1,10 @@
 """Where flashkda's prefill time goes: per-kernel GPU time (torch.profiler) for a few cases, in
 both precision modes, plus the wall time of one eager call. Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick]
+    python benchmarks/profile_prefill.py [--quick | --host-only]
 
 --quick (used by scripts/gpu_ab.sh to compare candidates): the per-kernel table only, without the
-host-time table and the V-split comparison.
+host-time table and the V-split comparison. --host-only: the host-time table only.
 """
 import os
 import sys
@@ -64,6 +64,8 @@ def main():
     quick = "--quick" in sys.argv[1:]
     if not quick:
         host_overhead()
+    if "--host-only" in sys.argv[1:]:
+        return
     print("| case | precise | eager call ms | kernel | ms per call |")
     print("|---|---|---|---|---|")
     # one sequence at H=96 and H=32 (latency-bound recurrence), 8 x 1024 at H=96 and 128 x 64

@@ -206,7 +206,8 @@ TEST_F(PrefillGpu, GateFormsAndFlags) {
 // cancels catastrophically here; forward substitution must stay exact.
 // The fast mode (Precision::kFast) rounds k_restored, U and inv_b to bf16, and on this input that
 // noise accumulates in state directions the delta rule never corrects (docs/DESIGN.md): its bound
-// here is the measured level with a margin, not the 6e-3 of the precise mode.
+// here is the measured level with a margin, not the 6e-3 of the precise mode (fla measures 2.0e-2
+// / 2.4e-2 on this input at T=4096, FlashKDA overflows).
 TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
   for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
     KdaOptions o;
@@ -220,7 +221,8 @@ TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
     for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
     for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
     const bool fast = precision == Precision::kFast;
-    const Errors e = fast ? check_against_reference(in, 5e-2, 5e-2) : check_against_reference(in);
+    // fast: 8.8e-3 / 1.08e-2 measured on the H200 (device run 21), bounded at 2e-2
+    const Errors e = fast ? check_against_reference(in, 2e-2, 2e-2) : check_against_reference(in);
     const std::string name = fast ? "repeated_key_fast" : "repeated_key";
     report(name + "_out_rel_rms", e.out);
     report(name + "_state_rel_rms", e.state);
