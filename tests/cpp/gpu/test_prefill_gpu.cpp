@@ -187,9 +187,13 @@ TEST_F(PrefillGpu, GateFormsAndFlags) {
       {GateForm::kPrecomputed, -2, 0, 0, DType::kBF16, false, false, true},
       {GateForm::kLowerBound, -3, 3, 1, DType::kBF16, false, true, true},
   };
+  // Both precision modes: the fast one is a public option too (scripts/sim_rounding.py puts it
+  // at ~3.3e-3 on these gates).
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast})
   for (const Case& c : cases) {
     KdaOptions o;
     o.T = 333, o.H = 2, o.B = 2;
+    o.precision = precision;
     o.gate = c.gate, o.g_min = c.g_min, o.g_max = c.g_max, o.g_dtype = c.g_dtype;
     o.dt_bias_min = o.dt_bias_max = c.bias;
     if (c.gate == GateForm::kSoftplus) o.A_log_min = 0, o.A_log_max = 2;

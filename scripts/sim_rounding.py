@@ -1,0 +1,134 @@
+"""fp64 simulation of the chunk-16 recurrence with chosen operands rounded to bf16, against the
+fp64 token recurrence: what the GPU's precision modes can reach on a given input, without a GPU.
+
+    python scripts/sim_rounding.py [--case softplus|precomputed|random|repeated] [--pair] [--T 333]
+
+Modes: 'fast' rounds every tensor-core operand (S, U, kd, qd, kr, inv_b, Mqk, and in the pair
+form the cross matrices and the e^Γ-scaled operands) as the fast kernels do; 'exact' rounds
+nothing (checks the algebra); 'out-only' rounds only the bf16 output. The inputs follow the GPU
+tests (tests/cpp/gpu/test_prefill_gpu.cpp): bf16 q, k, v, L2 norm, beta logits, fp32 state x0.1.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
+from kda_reference import kda_forward, log_decay, rel_rms, sigmoid  # noqa: E402
+
+C = 16
+
+
+def bf16(x):
+    """Round to bfloat16 (nearest even), returned as float64."""
+    x32 = np.asarray(x, np.float64).astype(np.float32)
+    u = x32.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
+def inputs(case, T, H, K, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = (bf16(rng.standard_normal((1, T, H, K))) for _ in range(3))
+    beta = bf16(rng.uniform(-3, 3, (1, T, H)))
+    kw = {}
+    if case == "softplus":
+        g = rng.uniform(-8, 8, (1, T, H, K)).astype(np.float32).astype(np.float64)
+        kw = dict(gate="softplus", A_log=rng.uniform(0, 2, H), dt_bias=np.full((H, K), 8.0))
+    elif case == "precomputed":
+        g = rng.uniform(-1000, 0, (1, T, H, K)).astype(np.float32).astype(np.float64)
+        kw = dict(gate="precomputed")
+    elif case == "repeated":
+        k[:] = k[:, :1]
+        g = np.full((1, T, H, K), -12.0)
+        beta[:] = 8.0
+        kw = dict(gate="lower_bound", A_log=rng.uniform(-1, 1, H), dt_bias=rng.uniform(-1, 1, (H, K)))
+    else:
+        g = bf16(rng.uniform(-3, 3, (1, T, H, K)))
+        kw = dict(gate="lower_bound", A_log=rng.uniform(-1, 1, H), dt_bias=rng.uniform(-1, 1, (H, K)))
+    h0 = 0.1 * rng.standard_normal((1, H, K, K))
+    return q, k, v, g, beta, kw, h0
+
+
+def chunk_mats(qh, kh, a, b):
+    """One chunk of one head: kd, qd, kr [c, K], e^Γ [K], inv_b, Mqk [c, c] in fp64."""
+    G = np.cumsum(a, axis=0)
+    Gam = G[-1]
+    kd, qd, kr = kh * np.exp(G), qh * np.exp(G), kh * np.exp(Gam - G)
+    n = len(b)
+    L = np.zeros((n, n))
+    M = np.zeros((n, n))
+    for i in range(n):
+        for j in range(i + 1):
+            w = np.exp(G[i] - G[j])
+            if j < i:
+                L[i, j] = b[i] * np.sum(kh[i] * kh[j] * w)
+            M[i, j] = np.sum(qh[i] * kh[j] * w)
+    inv_b = np.linalg.solve(np.eye(n) + L, np.diag(b))
+    return kd, qd, kr, np.exp(Gam), inv_b, M, Gam
+
+
+def run(q, k, v, g, beta, kw, h0, mode, pair):
+    _, T, H, K = q.shape
+    r = bf16 if mode == "fast" else (lambda x: x)
+    qh = q[0] / np.sqrt((q[0] ** 2).sum(-1, keepdims=True) + 1e-6) * K ** -0.5
+    kh = k[0] / np.sqrt((k[0] ** 2).sum(-1, keepdims=True) + 1e-6)
+    a = log_decay(g[0], kw.get("gate"), kw.get("A_log"), kw.get("dt_bias"))
+    b = sigmoid(beta[0])
+    out = np.zeros((T, H, K))
+    S_all = np.zeros((H, K, K))
+    for h in range(H):
+        S = h0[0, h].copy()  # [V, K]
+        t0 = 0
+        while t0 < T:
+            if not pair or t0 + C >= T:
+                t1 = min(T, t0 + C)
+                kd, qd, kr, eg, inv_b, M, _ = chunk_mats(qh[t0:t1, h], kh[t0:t1, h], a[t0:t1, h], b[t0:t1, h])
+                Sr = r(S)
+                W = r(kd) @ Sr.T
+                U = r(inv_b) @ (v[0, t0:t1, h] - W)
+                Ur = r(U)
+                out[t0:t1, h] = r(qd) @ Sr.T + r(M) @ Ur
+                S = S * eg[None, :] + Ur.T @ r(kr)
+                t0 = t1
+                continue
+            tA, tB, tE = t0, t0 + C, min(T, t0 + 2 * C)
+            kdA, qdA, krA, egA, invA, MA, GA = chunk_mats(qh[tA:tB, h], kh[tA:tB, h], a[tA:tB, h], b[tA:tB, h])
+            kdB, qdB, krB, egB, invB, MB, GB = chunk_mats(qh[tB:tE, h], kh[tB:tE, h], a[tB:tE, h], b[tB:tE, h])
+            C_BA = r(r(kdB) @ r(krA).T)  # the kernel's cross operands: bf16, product rounded
+            D_BA = r(r(qdB) @ r(krA).T)
+            Sr = r(S)
+            WA = r(kdA) @ Sr.T
+            WB = r(kdB * egA) @ Sr.T
+            UA = r(r(invA) @ (v[0, tA:tB, h] - WA))
+            UB = r(r(invB) @ (v[0, tB:tE, h] - WB - C_BA @ UA))
+            out[tA:tB, h] = r(qdA) @ Sr.T + r(MA) @ UA
+            out[tB:tE, h] = r(qdB * egA) @ Sr.T + D_BA @ UA + r(MB) @ UB
+            S = S * (egA * egB)[None, :] + UA.T @ r(krA * egB) + UB.T @ r(krB)
+            t0 = tE
+        S_all[h] = S
+    if mode != "exact":
+        out = bf16(out)
+    return out, S_all
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--case", default="softplus", choices=["softplus", "precomputed", "random", "repeated"])
+    ap.add_argument("--T", type=int, default=333)
+    ap.add_argument("--H", type=int, default=2)
+    ap.add_argument("--K", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pair", action="store_true", help="the pair form (two chunks per step)")
+    args = ap.parse_args()
+    q, k, v, g, beta, kw, h0 = inputs(args.case, args.T, args.H, args.K, args.seed)
+    ref_o, ref_s = kda_forward(q, k, v, g, beta, l2norm=True, beta_logit=True, initial_state=h0, **kw)
+    for mode in ("exact", "out-only", "fast"):
+        o, s = run(q, k, v, g, beta, kw, h0, mode, args.pair)
+        print(f"{args.case} T={args.T} {'pair' if args.pair else 'chunk'} {mode}: "
+              f"out {rel_rms(o, ref_o[0]):.2e}  state {rel_rms(s, ref_s[0]):.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
