@@ -45,17 +45,34 @@ def host_us(fn, reps=20):
     return statistics.median(times)
 
 
+def run_flashkda_checked(x, with_state):
+    """flashkda.fwd with its direct path switched off: the Python checks and layout work first."""
+    import flashkda._impl as impl
+    fn = run_flashkda(x, with_state)[0]
+
+    def call():
+        direct, impl._fwd_direct = impl._fwd_direct, lambda *args: False
+        try:
+            fn()
+        finally:
+            impl._fwd_direct = direct
+    return call, None, None
+
+
 def host_overhead():
-    """Host microseconds per eager call, flashkda and FlashKDA (when importable), same inputs."""
+    """Host microseconds per eager call (after 10 warm-up calls), flashkda on its direct and its
+    checked path, and FlashKDA when importable, same inputs, one process."""
     from bench_prefill import flash_kda, run_flash_kda
     peers = [("FlashKDA", run_flash_kda)] if flash_kda is not None else []
     print("| case | library | host us per call | eager ms |")
     print("|---|---|---|---|")
     for name, H, seqlens in [CASES[0], CASES[8]]:
         x = make_inputs(H, seqlens, True)
-        for lib, make in [("flashkda", run_flashkda)] + peers:
+        for lib, make in [("flashkda", run_flashkda), ("flashkda, checked path", run_flashkda_checked)] + peers:
             fn = make(x, True)[0]
-            print(f"| {name} | {lib} | {host_us(fn):.0f} | {time_ms(fn, reps=10):.3f} |", flush=True)
+            for _ in range(10):
+                fn()
+            print(f"| {name} | {lib} | {host_us(fn, reps=50):.0f} | {time_ms(fn, reps=10):.3f} |", flush=True)
         del x
         torch.cuda.empty_cache()
 
