@@ -69,9 +69,14 @@ def chunk_mats(qh, kh, a, b):
     return kd, qd, kr, np.exp(Gam), inv_b, M, Gam
 
 
-def run(q, k, v, g, beta, kw, h0, mode, pair):
+OPERANDS = ("S", "U", "kd", "qd", "kr", "inv", "Mqk")
+
+
+def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
+    """keep: operands left unrounded in the fast mode (what a split into bf16 hi + lo would give)."""
     _, T, H, K = q.shape
-    r = bf16 if mode == "fast" else (lambda x: x)
+    rnd = bf16 if mode == "fast" else (lambda x: x)
+    rk = {name: (lambda x: x) if name in keep else rnd for name in OPERANDS}
     qh = q[0] / np.sqrt((q[0] ** 2).sum(-1, keepdims=True) + 1e-6) * K ** -0.5
     kh = k[0] / np.sqrt((k[0] ** 2).sum(-1, keepdims=True) + 1e-6)
     a = log_decay(g[0], kw.get("gate"), kw.get("A_log"), kw.get("dt_bias"))
@@ -85,27 +90,28 @@ def run(q, k, v, g, beta, kw, h0, mode, pair):
             if not pair or t0 + C >= T:
                 t1 = min(T, t0 + C)
                 kd, qd, kr, eg, inv_b, M, _ = chunk_mats(qh[t0:t1, h], kh[t0:t1, h], a[t0:t1, h], b[t0:t1, h])
-                Sr = r(S)
-                W = r(kd) @ Sr.T
-                U = r(inv_b) @ (v[0, t0:t1, h] - W)
-                Ur = r(U)
-                out[t0:t1, h] = r(qd) @ Sr.T + r(M) @ Ur
-                S = S * eg[None, :] + Ur.T @ r(kr)
+                Sr = rk["S"](S)
+                W = rk["kd"](kd) @ Sr.T
+                U = rk["inv"](inv_b) @ (v[0, t0:t1, h] - W)
+                Ur = rk["U"](U)
+                out[t0:t1, h] = rk["qd"](qd) @ Sr.T + rk["Mqk"](M) @ Ur
+                S = S * eg[None, :] + Ur.T @ rk["kr"](kr)
                 t0 = t1
                 continue
             tA, tB, tE = t0, t0 + C, min(T, t0 + 2 * C)
             kdA, qdA, krA, egA, invA, MA, GA = chunk_mats(qh[tA:tB, h], kh[tA:tB, h], a[tA:tB, h], b[tA:tB, h])
             kdB, qdB, krB, egB, invB, MB, GB = chunk_mats(qh[tB:tE, h], kh[tB:tE, h], a[tB:tE, h], b[tB:tE, h])
+            r = rnd
             C_BA = r(r(kdB) @ r(krA).T)  # the kernel's cross operands: bf16, product rounded
             D_BA = r(r(qdB) @ r(krA).T)
-            Sr = r(S)
-            WA = r(kdA) @ Sr.T
-            WB = r(kdB * egA) @ Sr.T
-            UA = r(r(invA) @ (v[0, tA:tB, h] - WA))
-            UB = r(r(invB) @ (v[0, tB:tE, h] - WB - C_BA @ UA))
-            out[tA:tB, h] = r(qdA) @ Sr.T + r(MA) @ UA
-            out[tB:tE, h] = r(qdB * egA) @ Sr.T + D_BA @ UA + r(MB) @ UB
-            S = S * (egA * egB)[None, :] + UA.T @ r(krA * egB) + UB.T @ r(krB)
+            Sr = rk["S"](S)
+            WA = rk["kd"](kdA) @ Sr.T
+            WB = rk["kd"](kdB * egA) @ Sr.T
+            UA = rk["U"](rk["inv"](invA) @ (v[0, tA:tB, h] - WA))
+            UB = rk["U"](rk["inv"](invB) @ (v[0, tB:tE, h] - WB - C_BA @ UA))
+            out[tA:tB, h] = rk["qd"](qdA) @ Sr.T + rk["Mqk"](MA) @ UA
+            out[tB:tE, h] = rk["qd"](qdB * egA) @ Sr.T + D_BA @ UA + rk["Mqk"](MB) @ UB
+            S = S * (egA * egB)[None, :] + UA.T @ rk["kr"](krA * egB) + UB.T @ rk["kr"](krB)
             t0 = tE
         S_all[h] = S
     if mode != "exact":
@@ -121,12 +127,25 @@ def main():
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pair", action="store_true", help="the pair form (two chunks per step)")
+    ap.add_argument("--keep", nargs="*", default=None, metavar="OPERAND",
+                    help=f"fast mode with these operands unrounded (split), any of {' '.join(OPERANDS)}; "
+                         "several --keep sets can be compared with --sets")
+    ap.add_argument("--sets", nargs="*", default=None,
+                    help="comma-separated operand sets to keep, one fast run each (e.g. kr kr,inv S,U,kr,inv)")
     args = ap.parse_args()
     q, k, v, g, beta, kw, h0 = inputs(args.case, args.T, args.H, args.K, args.seed)
     ref_o, ref_s = kda_forward(q, k, v, g, beta, l2norm=True, beta_logit=True, initial_state=h0, **kw)
+    form = "pair" if args.pair else "chunk"
+    if args.sets is not None:
+        for spec in args.sets:
+            keep = tuple(x for x in spec.split(",") if x)
+            o, s = run(q, k, v, g, beta, kw, h0, "fast", args.pair, keep)
+            print(f"{args.case} T={args.T} {form} fast, split {'+'.join(keep) or 'nothing'}: "
+                  f"out {rel_rms(o, ref_o[0]):.2e}  state {rel_rms(s, ref_s[0]):.2e}", flush=True)
+        return
     for mode in ("exact", "out-only", "fast"):
-        o, s = run(q, k, v, g, beta, kw, h0, mode, args.pair)
-        print(f"{args.case} T={args.T} {'pair' if args.pair else 'chunk'} {mode}: "
+        o, s = run(q, k, v, g, beta, kw, h0, mode, args.pair, tuple(args.keep or ()))
+        print(f"{args.case} T={args.T} {form} {mode}: "
               f"out {rel_rms(o, ref_o[0]):.2e}  state {rel_rms(s, ref_s[0]):.2e}", flush=True)
 
 
