@@ -89,7 +89,7 @@ def main():
     # (throughput-bound: more (sequence, head) pairs than SMs)
     for name, H, seqlens in [CASES[0], CASES[2], CASES[6], CASES[8]]:
         x = make_inputs(H, seqlens, True)
-        for precise in ("1", "0"):
+        for precise in os.environ.get("PROFILE_MODES", "1 0").split():  # FLASHKDA_PRECISE values
             os.environ["FLASHKDA_PRECISE"] = precise
             fn = run_flashkda(x, True)[0]
             wall = time_ms(fn, reps=10)

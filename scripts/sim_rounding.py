@@ -69,7 +69,7 @@ def chunk_mats(qh, kh, a, b):
     return kd, qd, kr, np.exp(Gam), inv_b, M, Gam
 
 
-OPERANDS = ("S", "U", "kd", "qd", "kr", "inv", "Mqk")
+OPERANDS = ("S", "u", "U", "kd", "qd", "kr", "inv", "Mqk")  # u = v - W, the A operand of inv_b
 
 
 def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
@@ -92,7 +92,7 @@ def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
                 kd, qd, kr, eg, inv_b, M, _ = chunk_mats(qh[t0:t1, h], kh[t0:t1, h], a[t0:t1, h], b[t0:t1, h])
                 Sr = rk["S"](S)
                 W = rk["kd"](kd) @ Sr.T
-                U = rk["inv"](inv_b) @ (v[0, t0:t1, h] - W)
+                U = rk["inv"](inv_b) @ rk["u"](v[0, t0:t1, h] - W)
                 Ur = rk["U"](U)
                 out[t0:t1, h] = rk["qd"](qd) @ Sr.T + rk["Mqk"](M) @ Ur
                 S = S * eg[None, :] + Ur.T @ rk["kr"](kr)
@@ -107,8 +107,8 @@ def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
             Sr = rk["S"](S)
             WA = rk["kd"](kdA) @ Sr.T
             WB = rk["kd"](kdB * egA) @ Sr.T
-            UA = rk["U"](rk["inv"](invA) @ (v[0, tA:tB, h] - WA))
-            UB = rk["U"](rk["inv"](invB) @ (v[0, tB:tE, h] - WB - C_BA @ UA))
+            UA = rk["U"](rk["inv"](invA) @ rk["u"](v[0, tA:tB, h] - WA))
+            UB = rk["U"](rk["inv"](invB) @ rk["u"](v[0, tB:tE, h] - WB - C_BA @ UA))
             out[tA:tB, h] = rk["qd"](qdA) @ Sr.T + rk["Mqk"](MA) @ UA
             out[tB:tE, h] = rk["qd"](qdB * egA) @ Sr.T + D_BA @ UA + rk["Mqk"](MB) @ UB
             S = S * (egA * egB)[None, :] + UA.T @ rk["kr"](krA * egB) + UB.T @ rk["kr"](krB)
