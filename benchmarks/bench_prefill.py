@@ -215,7 +215,14 @@ def main():
     ap.add_argument("--no-accuracy", action="store_true",
                     help="skip the accuracy table (it does not depend on --inner; the eager run measures it)")
     ap.add_argument("--accuracy-only", action="store_true", help="the accuracy table only, no timings")
+    ap.add_argument("--also", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
+                    help="one more flashkda column timed with these environment variables set, e.g. "
+                         "balanced:FLASHKDA_PRECISE=2 (kernel switches of a candidate build)")
     args = ap.parse_args()
+    extra = []
+    for spec in args.also:
+        label, _, assigns = spec.partition(":")
+        extra.append((label, dict(kv.split("=", 1) for kv in assigns.split(",") if kv)))
     if args.sweep:
         sweep_variants(args.reps)
 
@@ -227,8 +234,9 @@ def main():
                  f"{'eager calls' if args.inner == 1 else f'{args.inner} back-to-back calls'} per timed sample")
     lines.append("")
     lines.append("| case | state | flashkda ms | fla ms | FlashKDA ms | vs fla | vs FlashKDA | floor ms | % of floor "
-                 "| flashkda fast ms | fast vs fla | fast vs FlashKDA |")
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+                 "| flashkda fast ms | fast vs fla | fast vs FlashKDA |"
+                 + "".join(f" {label} ms | {label} vs FlashKDA |" for label, _ in extra))
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra))
     print("\n".join(lines), flush=True)
     for name, H, seqlens in ([] if args.accuracy_only else CASES):
         for with_state in (False, True):
@@ -236,12 +244,25 @@ def main():
             timed = dict(reps=args.reps, inner=args.inner)
             t_ours = time_ms(run_flashkda(x, with_state)[0], **timed)
             t_fast = time_ms(run_flashkda(x, with_state, "fast")[0], **timed)
+            t_extra = []
+            for _, env in extra:
+                saved = {key: os.environ.get(key) for key in env}
+                os.environ.update(env)
+                try:
+                    t_extra.append(time_ms(run_flashkda(x, with_state)[0], **timed))
+                finally:
+                    for key, value in saved.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
             t_fla = time_ms(run_fla(x, with_state)[0], **timed) if fla_chunk_kda else float("nan")
             t_fk = time_ms(run_flash_kda(x, with_state)[0], **timed) if flash_kda else float("nan")
             floor = floor_bytes(H, sum(seqlens), len(seqlens), with_state) / bw * 1e3
             lines.append(f"| {name} | {'fp32' if with_state else 'none'} | {t_ours:.3f} | {t_fla:.3f} | {t_fk:.3f} | "
                          f"{t_fla / t_ours:.2f}x | {t_fk / t_ours:.2f}x | {floor:.3f} | {100 * floor / t_ours:.0f}% | "
-                         f"{t_fast:.3f} | {t_fla / t_fast:.2f}x | {t_fk / t_fast:.2f}x |")
+                         f"{t_fast:.3f} | {t_fla / t_fast:.2f}x | {t_fk / t_fast:.2f}x |"
+                         + "".join(f" {t:.3f} | {t_fk / t:.2f}x |" for t in t_extra))
             print(lines[-1], flush=True)
             del x
             torch.cuda.empty_cache()
