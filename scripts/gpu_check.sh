@@ -49,21 +49,25 @@ if want build; then
   grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20
 fi
 
-if want test; then
-  step ctest
-  ctest --test-dir build-gpu --output-on-failure -j 4 --timeout 900 > "$OUT/ctest.log" 2>&1 || status=1
-  grep -E "tests passed|tests failed|Failed|\*\*\*|measure" "$OUT/ctest.log" | head -60
-  for t in build-gpu/tests/cpp/test_*gpu; do
-    [ -x "$t" ] && "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | head -40
-  done
-fi
-
-if want gpu-tests && ! want test; then  # the GPU test binaries only, once each (test runs them too)
-  step gpu-tests
+# Every GPU test binary once, directly (its measured errors and a failure's details go to
+# ctest.log; the summary lines to the console).
+gpu_binaries() {
   for t in build-gpu/tests/cpp/test_*gpu; do
     [ -x "$t" ] && { "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | head -60
                      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
   done
+}
+
+if want test; then
+  step ctest
+  ctest --test-dir build-gpu --output-on-failure -j 4 --timeout 900 > "$OUT/ctest.log" 2>&1 || status=1
+  grep -E "tests passed|tests failed|Failed|\*\*\*|measure" "$OUT/ctest.log" | head -60
+  gpu_binaries
+fi
+
+if want gpu-tests && ! want test; then  # the GPU test binaries only (test runs them too)
+  step gpu-tests
+  gpu_binaries
 fi
 
 if want sanitize; then
