@@ -67,11 +67,15 @@ FLASHKDA_INLINE float engine_exp(float x) {
 template <typename T>
 struct ChunkScratch {
   int64_t K, Kp, V;
-  std::vector<T> q, k, v, g_cumsum;  // [C, Kp] ([C, V] for v): preprocessed rows, G
+  std::vector<T> q, k, v, gate_a;    // [C, Kp] ([C, V] for v): preprocessed rows, log-decay a
+  // [C, Kp]: G in double. With precomputed or softplus gates |G| reaches thousands within a chunk;
+  // G rounded to float there is off by ~1e-3 in absolute terms, and e^{G_i - G_j} with it by the
+  // same relative amount although G_i - G_j may be small. Exponents are differences of these.
+  std::vector<double> G64;
   std::vector<T> kq_decayed_t;       // [Kp, 2C]: column i = k_decayed_i, column C + i = q_decayed_i
   std::vector<T> k_restored;         // [C, Kp]: k_i * e^{Γ - G_i}
   std::vector<T> decay_total;        // [Kp]: e^Γ
-  std::vector<T> mid;                // [Kp]: per-channel shift (G_first + G_last) / 2
+  std::vector<double> mid;           // [Kp]: per-channel shift (G_first + G_last) / 2
   std::vector<T> decay_mid;          // [Kp]: e^{Γ - mid}
   std::vector<T> e_row;              // [Kp]: e^{G_i} of the row being built
   std::vector<T> k_decayed_s, q_decayed_s, k_inv_s;  // [C, Kp]: shifted factors
@@ -84,12 +88,12 @@ struct ChunkScratch {
 
   ChunkScratch(int64_t K_, int64_t V_)
       : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * V),
-        g_cumsum(C * Kp, T(0)), kq_decayed_t(Kp * 2 * C), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)),
-        mid(Kp, T(0)), decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp),
-        k_inv_s(C * Kp), o(C * V), zero_bias(K, 0.0f), S(V * Kp, T(0)) {}
+        gate_a(C * Kp, T(0)), G64(C * Kp, 0.0), kq_decayed_t(Kp * 2 * C), k_restored(C * Kp, T(0)),
+        decay_total(Kp, T(1)), mid(Kp, 0.0), decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp),
+        q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * V), zero_bias(K, 0.0f), S(V * Kp, T(0)) {}
 };
 
-// Rows [tok0, tok0 + n) of head h, preprocessed; g_cumsum holds the log-decay a until the prefix sum.
+// Rows [tok0, tok0 + n) of head h, preprocessed; gate_a holds the log-decay a (G64 its prefix sums).
 template <typename T>
 FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0, int n,
                                 const host::HeadGate<T>& gate, ChunkScratch<T>& s) {
@@ -98,7 +102,7 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
     const int64_t row = (tok0 + i) * H + h;
     T* qi = &s.q[i * Kp];
     T* ki = &s.k[i * Kp];
-    T* ai = &s.g_cumsum[i * Kp];
+    T* ai = &s.gate_a[i * Kp];
     host::load_row(p.q, p.dtype, row * K, K, qi);
     host::load_row(p.k, p.dtype, row * K, K, ki);
     host::load_row(p.v, p.dtype, row * V, V, &s.v[i * V]);
@@ -165,21 +169,21 @@ FLASHKDA_INLINE void build_shifted(ChunkScratch<T>& s, int n, T scale) {
 template <typename T>
 FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
   const int64_t Kp = s.Kp;
-  const T* G = s.g_cumsum.data();
+  const double* G = s.G64.data();
   for (int i = 0; i < n; ++i) {
     const T* qi = &s.q[i * Kp];
     const T* ki = &s.k[i * Kp];
-    const T* Gi = &G[i * Kp];
+    const double* Gi = &G[i * Kp];
     for (int j = 0; j <= i; ++j) {
       const T* kj = &s.k[j * Kp];
-      const T* Gj = &G[j * Kp];
+      const double* Gj = &G[j * Kp];
       // Padding channels hold k = q = G = 0 and add nothing.
       T lp[kLane] = {}, mp[kLane] = {};
       for (int64_t c0 = 0; c0 < Kp; c0 += kLane) {
 #pragma omp simd
         for (int w = 0; w < kLane; ++w) {
           const int64_t c = c0 + w;
-          const T kje = kj[c] * engine_exp(Gi[c] - Gj[c]);
+          const T kje = kj[c] * engine_exp(T(Gi[c] - Gj[c]));
           lp[w] += ki[c] * kje;
           mp[w] += qi[c] * kje;
         }
@@ -199,36 +203,40 @@ FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
 template <typename T>
 FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
   const int64_t K = s.K, Kp = s.Kp;
-  T* G = s.g_cumsum.data();
+  // The prefix sums in double; every exponent below is a difference of them, rounded to T once.
+  const T* a = s.gate_a.data();
+  double* G = s.G64.data();
+#pragma omp simd
+  for (int64_t c = 0; c < K; ++c) G[c] = double(a[c]);
   for (int i = 1; i < n; ++i) {
 #pragma omp simd
-    for (int64_t c = 0; c < K; ++c) G[i * Kp + c] += G[(i - 1) * Kp + c];
+    for (int64_t c = 0; c < K; ++c) G[i * Kp + c] = G[(i - 1) * Kp + c] + double(a[i * Kp + c]);
   }
-  const T* gamma = &G[(n - 1) * Kp];
+  const double* gamma = &G[(n - 1) * Kp];
 
 #pragma omp simd
   for (int64_t c = 0; c < K; ++c) {
-    s.mid[c] = (G[c] + gamma[c]) * T(0.5);
-    s.decay_total[c] = engine_exp(gamma[c]);
-    s.decay_mid[c] = engine_exp(gamma[c] - s.mid[c]);
+    s.mid[c] = (G[c] + gamma[c]) * 0.5;
+    s.decay_total[c] = engine_exp(T(gamma[c]));
+    s.decay_mid[c] = engine_exp(T(gamma[c] - s.mid[c]));
   }
-  T max_shift = T(0);
+  double max_shift = 0.0;
   for (int i = 0; i < n; ++i) {
 #pragma omp simd reduction(max : max_shift)
     for (int64_t c = 0; c < K; ++c) max_shift = std::max(max_shift, std::abs(G[i * Kp + c] - s.mid[c]));
   }
-  const bool shifted = max_shift <= T(kMaxFactorisedShift);
+  const bool shifted = max_shift <= kMaxFactorisedShift;
 
   // Rows past the sequence end read as k = q = 0: their columns of the transposed block are zero.
   std::fill(s.kq_decayed_t.begin(), s.kq_decayed_t.end(), T(0));
   for (int i = 0; i < n; ++i) {
     const T* qi = &s.q[i * Kp];
     const T* ki = &s.k[i * Kp];
-    const T* Gi = &G[i * Kp];
+    const double* Gi = &G[i * Kp];
     T* e = s.e_row.data();
     T* kr = &s.k_restored[i * Kp];
 #pragma omp simd
-    for (int64_t c = 0; c < K; ++c) e[c] = engine_exp(Gi[c]);  // <= 1; underflow to 0 is harmless
+    for (int64_t c = 0; c < K; ++c) e[c] = engine_exp(T(Gi[c]));  // <= 1; underflow to 0 is harmless
     for (int64_t c = 0; c < K; ++c) {
       s.kq_decayed_t[c * 2 * C + i] = ki[c] * e[c];
       s.kq_decayed_t[c * 2 * C + C + i] = scale * qi[c] * e[c];
@@ -241,7 +249,7 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
       T* kis = &s.k_inv_s[i * Kp];
 #pragma omp simd
       for (int64_t c = 0; c < K; ++c) {
-        const T up = engine_exp(Gi[c] - s.mid[c]);
+        const T up = engine_exp(T(Gi[c] - s.mid[c]));
         const T down = T(1) / up;
         kds[c] = ki[c] * up;
         qds[c] = qi[c] * up;
@@ -251,7 +259,7 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
       for (int64_t c = K; c < Kp; ++c) kds[c] = qds[c] = kis[c] = T(0);
     } else {
 #pragma omp simd
-      for (int64_t c = 0; c < K; ++c) kr[c] = ki[c] * engine_exp(gamma[c] - Gi[c]);
+      for (int64_t c = 0; c < K; ++c) kr[c] = ki[c] * engine_exp(T(gamma[c] - Gi[c]));
     }
   }
 
