@@ -317,7 +317,10 @@ def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_ga
         return None  # the checked path names the pool's size
     form, lb, A_log, dt_bias = gate
     if out is None:
-        out = TorchOps.empty(tuple(v.shape), TorchOps.dtype_name(q), q)
+        dt = TorchOps.dtype_name(q)
+        if dt not in _FLOATS:
+            return None  # the checked path names q's dtype
+        out = TorchOps.empty(tuple(v.shape), dt, q)
     pre = Preprocess(form, A_log, dt_bias, lb, bool(l2norm), bool(beta_sigmoid), _scale(scale))
     try:
         _launch.decode(TorchOps, q, k, v, g, beta, out, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu_seqlens)

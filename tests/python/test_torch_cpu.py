@@ -267,6 +267,12 @@ def test_fused_recurrent_errors_keep_the_checked_paths_messages(rng):
         flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=torch.zeros(4, 2, 64, 64),
                                      ssm_state_indices=torch.tensor([0, 1], dtype=torch.int32), **kw)
 
+    for dt in (torch.bool, torch.float16, torch.int32):  # the serving path allocated out before checking q
+        with pytest.raises(ValueError, match=r"q: dtype .* is not supported"):
+            flashkda.fused_recurrent_kda(t["q"].to(dt), t["k"], t["v"], t["g"], t["beta"],
+                                         initial_state=torch.zeros(4, 2, 64, 64),
+                                         ssm_state_indices=torch.tensor([0, 1, 2], dtype=torch.int32), **kw)
+
 
 def test_fused_recurrent_kv_layout_not_in_place(rng):
     p = make_problem(rng, B=2, T=3, H=2, K=32, V=16, gate="precomputed", state=True)
