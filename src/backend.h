@@ -33,6 +33,12 @@ struct NamedPointer {
   const char* name;
 };
 void check_aligned16(std::initializer_list<NamedPointer> tensors, const char* prefix);
+
+// Sizes (each >= 0) whose product, the element count of tensor `what`, must stay below
+// kMaxElements, so that every element and byte offset the backends form fits in int64:
+// else "<what>: <dims> give more than 2^56 elements". Returns the product.
+constexpr int64_t kMaxElements = int64_t(1) << 56;
+int64_t check_element_count(const char* what, std::initializer_list<int64_t> dims);
 }  // namespace detail
 
 namespace cpu {

@@ -1,8 +1,11 @@
 // Argument validation of a prefill problem (detail::validate_prefill): every check throws
 // flashkda::Error(kInvalidArgument) naming the argument and the expectation, before any output
 // is written.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
+#include <string>
 
 #include "backend.h"
 
@@ -25,6 +28,8 @@ void check_shape(const PrefillParams& p, Backend backend) {
     FLASHKDA_CHECK_ARG(p.K >= 1 && p.K <= 256, "K must be in [1, 256] on the CPU backend, got K=", p.K);
     FLASHKDA_CHECK_ARG(p.V >= 1 && p.V <= 256, "V must be in [1, 256] on the CPU backend, got V=", p.V);
   }
+  check_element_count("q [B, T, H, K]", {p.B, p.T, p.H, p.K});
+  check_element_count("v [B, T, H, V]", {p.B, p.T, p.H, p.V});
 }
 
 // Tensors with elements must be given; an empty problem (B*T*H == 0) may pass null pointers,
@@ -105,6 +110,18 @@ void validate_preprocess(const Preprocess& pre) {
   }
 }
 
+int64_t check_element_count(const char* what, std::initializer_list<int64_t> dims) {
+  int64_t n = 1;
+  bool too_many = false;
+  for (int64_t d : dims) too_many = too_many || __builtin_mul_overflow(n, d, &n) || n > kMaxElements;
+  if (too_many) {
+    std::string shape;
+    for (int64_t d : dims) shape += (shape.empty() ? "[" : ", ") + std::to_string(d);
+    FLASHKDA_CHECK_ARG(false, what, ": shape ", shape, "] gives more than 2^56 elements");
+  }
+  return n;
+}
+
 void check_aligned16(std::initializer_list<NamedPointer> tensors, const char* prefix) {
   for (const NamedPointer& t : tensors) {
     FLASHKDA_CHECK_ARG(reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0, prefix, t.name,
@@ -116,11 +133,19 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
   check_shape(p, backend);
   check_pointers(p);
   check_dtypes(p, backend);
+  // Before cu_seqlens is read: a huge num_seqs fails here, not by reading past its end. (A negative
+  // one passes this product and is named by check_cu_seqlens.)
+  check_element_count("states [N, H, V, K]", {num_sequences(p), p.H, p.V, p.K});
   check_cu_seqlens(p, backend);
   validate_preprocess(p.pre);
   FLASHKDA_CHECK_ARG(p.precision == Precision::kPrecise || p.precision == Precision::kFast,
                      "precision must be Precision::kPrecise or Precision::kFast, got ", int(p.precision));
   if (backend == Backend::kCuda) {
+    // K1's grid has one CTA per (chunk slot, head): at most one partial chunk per sequence.
+    const int64_t chunk_slots = (p.B * p.T + kChunk - 1) / kChunk + num_sequences(p);
+    FLASHKDA_CHECK(chunk_slots <= std::numeric_limits<int32_t>::max() / std::max<int64_t>(p.H, 1),
+                   ErrorCode::kUnsupported, "(B*T/16 + N) * H = (", p.B * p.T, "/16 + ", num_sequences(p), ") * ",
+                   p.H, " chunk-head pairs exceed the GPU grid limit (2^31 - 1)");
     check_aligned16({{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.out, "out"}, {p.pre.dt_bias, "dt_bias"},
                      {p.initial_state, "initial_state"}, {p.final_state, "final_state"}},
                     "");

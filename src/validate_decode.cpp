@@ -71,6 +71,10 @@ void check_shapes(const DecodeParams& p, Backend backend) {
   }
   FLASHKDA_CHECK_ARG(p.pool_size >= 1, "decode: pool_size must be >= 1, got ", p.pool_size);
   FLASHKDA_CHECK_ARG(p.indices_stride >= 1, "decode: indices_stride must be >= 1, got ", p.indices_stride);
+  const int64_t rows = p.cu_seqlens == nullptr ? p.num_seqs : 1;
+  check_element_count("decode: q [N, T, H, K]", {rows, p.T, p.H, std::max(p.K, p.V)});
+  check_element_count("decode: state_pool [P, H, V, K]", {p.pool_size, p.H, p.V, p.K});
+  check_element_count("decode: state_indices [N, indices_stride]", {p.num_seqs, p.indices_stride});
   if (p.num_accepted_tokens != nullptr && p.cu_seqlens == nullptr) {
     FLASHKDA_CHECK_ARG(p.indices_stride >= p.T, "decode: indices_stride must be >= T (one slot per token) with "
                        "num_accepted_tokens, got indices_stride=", p.indices_stride, ", T=", p.T);

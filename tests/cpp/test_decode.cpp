@@ -269,6 +269,9 @@ TEST(DecodeCpuErrors, NullPointersDtypesShapes) {
   p = good, p.H = 0, expect_arg_error(prob, p, "H must be");
   p = good, p.pool_size = 0, expect_arg_error(prob, p, "pool_size");
   p = good, p.indices_stride = 0, expect_arg_error(prob, p, "indices_stride");
+  p = good, p.pool_size = int64_t(1) << 50, expect_arg_error(prob, p, "state_pool [P, H, V, K]: shape");
+  p = good, p.indices_stride = int64_t(1) << 62, expect_arg_error(prob, p, "state_indices [N, indices_stride]");
+  p = good, p.H = int64_t(1) << 60, expect_arg_error(prob, p, "q [N, T, H, K]: shape");
   p = good, p.pre.lower_bound = -6.0f, expect_arg_error(prob, p, "lower_bound");
   p = good, p.pre.lower_bound = 0.0f, expect_arg_error(prob, p, "lower_bound");
   p = good, p.pre.A_log = nullptr, expect_arg_error(prob, p, "A_log");

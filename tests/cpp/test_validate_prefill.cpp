@@ -63,6 +63,37 @@ TEST(ValidatePrefill, RejectsNegativeSizes) {
   expect_rejected([](PrefillParams& p) { p.H = -2; }, "H must be >= 0");
 }
 
+TEST(ValidatePrefill, RejectsSizesBeyondInt64Offsets) {
+  // Element counts above 2^56, or products that overflow int64, are refused before any use.
+  expect_rejected([](PrefillParams& p) { p.B = int64_t(1) << 20, p.T = int64_t(1) << 40; },
+                  "q [B, T, H, K]: shape [1048576, 1099511627776, 2, 32] gives more than 2^56 elements");
+  expect_rejected([](PrefillParams& p) { p.T = std::numeric_limits<int64_t>::max(); }, "q [B, T, H, K]");
+  expect_rejected([](PrefillParams& p) { p.H = int64_t(1) << 62; }, "q [B, T, H, K]");
+  // No tokens, but a state per sequence: B sequences of H x V x K states.
+  expect_rejected([](PrefillParams& p) { p.T = 0, p.B = int64_t(1) << 50; }, "states [N, H, V, K]");
+  expect_rejected(
+      [](PrefillParams& p) { p.num_seqs = int64_t(1) << 55; }, "states [N, H, V, K]", varlen(DType::kI32));
+}
+
+TEST(ValidatePrefill, CudaGridLimitIsAnUnsupportedSize) {
+  KdaOptions o;
+  o.K = o.V = 128;
+  o.T = 4;
+  KdaInputs in(o);
+  PrefillParams p = in.params();
+  p.T = int64_t(1) << 34;  // 2^30 chunks x 2 heads: one CTA each exceeds the 2^31 - 1 grid
+  p.H = 2;
+  try {
+    detail::validate_prefill(p, Backend::kCuda);
+    ADD_FAILURE() << "no error for 2^31 chunk-head pairs";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("exceed the GPU grid limit"), std::string::npos) << e.what();
+  }
+  p.H = 1;  // 2^30 + 1 pairs fit
+  EXPECT_NO_THROW(detail::validate_prefill(p, Backend::kCuda));
+}
+
 TEST(ValidatePrefill, RejectsHeadSizesOutsideCpuRange) {
   expect_rejected([](PrefillParams& p) { p.K = 0; }, "K must be in [1, 256]");
   expect_rejected([](PrefillParams& p) { p.K = 257; }, "K must be in [1, 256]");
