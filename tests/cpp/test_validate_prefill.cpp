@@ -75,25 +75,6 @@ TEST(ValidatePrefill, RejectsSizesBeyondInt64Offsets) {
       [](PrefillParams& p) { p.num_seqs = int64_t(1) << 55; }, "states [N, H, V, K]", varlen(DType::kI32));
 }
 
-TEST(ValidatePrefill, CudaGridLimitIsAnUnsupportedSize) {
-  KdaOptions o;
-  o.K = o.V = 128;
-  o.T = 4;
-  KdaInputs in(o);
-  PrefillParams p = in.params();
-  p.T = int64_t(1) << 34;  // 2^30 chunks x 2 heads: one CTA each exceeds the 2^31 - 1 grid
-  p.H = 2;
-  try {
-    detail::validate_prefill(p, Backend::kCuda);
-    ADD_FAILURE() << "no error for 2^31 chunk-head pairs";
-  } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
-    EXPECT_NE(std::string(e.what()).find("exceed the GPU grid limit"), std::string::npos) << e.what();
-  }
-  p.H = 1;  // 2^30 + 1 pairs fit
-  EXPECT_NO_THROW(detail::validate_prefill(p, Backend::kCuda));
-}
-
 TEST(ValidatePrefill, RejectsHeadSizesOutsideCpuRange) {
   expect_rejected([](PrefillParams& p) { p.K = 0; }, "K must be in [1, 256]");
   expect_rejected([](PrefillParams& p) { p.K = 257; }, "K must be in [1, 256]");
@@ -111,7 +92,7 @@ TEST(ValidatePrefill, RejectsBadDtypes) {
   expect_rejected([](PrefillParams& p) { p.initial_state_dtype = DType::kI64; }, "initial_state_dtype", with_init);
 }
 
-TEST(ValidatePrefill, CudaBackendRulesNeedK128AndBf16) {
+TEST(ValidatePrefill, CudaBackendRulesK128Bf16AndGridLimit) {
   KdaOptions o;
   o.K = o.V = 128;
   o.T = 4;
@@ -127,6 +108,20 @@ TEST(ValidatePrefill, CudaBackendRulesNeedK128AndBf16) {
   p.dtype = DType::kF32;
   expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "bfloat16 on the CUDA backend");
   EXPECT_NO_THROW(detail::validate_prefill(p, Backend::kCpu));
+
+  // The grid limit is a size the GPU does not support (kUnsupported), not a bad argument.
+  p.dtype = DType::kBF16;
+  p.T = int64_t(1) << 34;  // 2^30 chunks x 2 heads: one K1 CTA each exceeds the 2^31 - 1 grid
+  p.H = 2;
+  try {
+    detail::validate_prefill(p, Backend::kCuda);
+    ADD_FAILURE() << "no error for 2^31 chunk-head pairs";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+    EXPECT_NE(std::string(e.what()).find("exceed the GPU grid limit"), std::string::npos) << e.what();
+  }
+  p.H = 1;  // 2^30 + 1 pairs fit
+  EXPECT_NO_THROW(detail::validate_prefill(p, Backend::kCuda));
 }
 
 TEST(ValidatePrefill, RejectsBadCuSeqlens) {
