@@ -176,8 +176,8 @@ TEST(ValidatePrefill, RejectsNonFiniteScale) {
 
 TEST(ValidatePrefill, AcceptsEmptyProblems) {
   PrefillParams p;  // everything null, B = T = H = 0
-  float A_log = 0.0f;
-  p.pre.A_log = &A_log;
+  float A_log[4] = {};  // [H] for the H = 4 below (AddressSanitizer caught a 1-element array here)
+  p.pre.A_log = A_log;
   EXPECT_NO_THROW(forward(p, nullptr, 0));
   p.B = 2;  // B*T*H == 0 still: null data pointers of empty tensors are fine
   p.H = 4;
