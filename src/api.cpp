@@ -16,12 +16,9 @@ bool cuda_available() {
 }
 
 Backend backend_of(const void* ptr) {
-#ifdef FLASHKDA_WITH_CUDA
-  if (ptr != nullptr && cuda::is_device_pointer(ptr)) return Backend::kCuda;
-#else
-  (void)ptr;
-#endif
-  return Backend::kCpu;
+  const detail::MemorySpace space = detail::pointer_info(ptr).space;
+  return space == detail::MemorySpace::kDevice || space == detail::MemorySpace::kManaged ? Backend::kCuda
+                                                                                         : Backend::kCpu;
 }
 
 size_t workspace_size(const PrefillParams& params) {
@@ -36,6 +33,12 @@ size_t workspace_size(const PrefillParams& params) {
 void forward(const PrefillParams& params, void* workspace, size_t workspace_bytes, Stream stream) {
   const Backend backend = backend_of(params.q);
   detail::validate_prefill(params, backend);
+  detail::check_reachable(backend,
+                          {{params.q, "q"}, {params.k, "k"}, {params.v, "v"}, {params.g, "g"}, {params.beta, "beta"},
+                           {params.out, "out"}, {params.initial_state, "initial_state"},
+                           {params.final_state, "final_state"}, {params.cu_seqlens, "cu_seqlens"},
+                           {params.pre.A_log, "A_log"}, {params.pre.dt_bias, "dt_bias"}},
+                          "");
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
     const size_t needed = cuda::prefill_workspace_size(params);
@@ -43,6 +46,7 @@ void forward(const PrefillParams& params, void* workspace, size_t workspace_byte
                        "workspace: need ", needed, " bytes of device memory, got ", workspace_bytes,
                        workspace == nullptr ? " (null pointer)" : "");
     detail::check_aligned16({{workspace, "workspace"}}, "");
+    detail::check_reachable(backend, {{workspace, "workspace"}}, "");  // the CPU backend ignores it
     cuda::forward(params, workspace, workspace_bytes, stream);
     return;
   }
@@ -56,6 +60,13 @@ void forward(const PrefillParams& params, void* workspace, size_t workspace_byte
 void decode(const DecodeParams& params, Stream stream) {
   const Backend backend = backend_of(params.q);
   detail::validate_decode(params, backend);
+  detail::check_reachable(backend,
+                          {{params.q, "q"}, {params.k, "k"}, {params.v, "v"}, {params.g, "g"}, {params.beta, "beta"},
+                           {params.out, "out"}, {params.state_pool, "state_pool"},
+                           {params.state_indices, "state_indices"},
+                           {params.num_accepted_tokens, "num_accepted_tokens"}, {params.cu_seqlens, "cu_seqlens"},
+                           {params.pre.A_log, "A_log"}, {params.pre.dt_bias, "dt_bias"}},
+                          "decode: ");
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
     cuda::decode(params, stream);
@@ -73,6 +84,26 @@ float effective_scale(const Preprocess& pre, int64_t K) {
 }
 
 int64_t num_sequences(const PrefillParams& p) { return p.cu_seqlens != nullptr ? p.num_seqs : p.B; }
+
+PointerInfo pointer_info(const void* ptr) {
+#ifdef FLASHKDA_WITH_CUDA
+  if (ptr != nullptr) return cuda::pointer_info(ptr);
+#else
+  (void)ptr;
+#endif
+  return {};
+}
+
+void check_reachable(Backend backend, std::initializer_list<NamedPointer> tensors, const char* prefix) {
+#ifdef FLASHKDA_WITH_CUDA
+  const int device = backend == Backend::kCuda ? cuda::current_device() : -1;
+  for (const NamedPointer& t : tensors) {
+    if (t.ptr != nullptr) check_memory_space(backend, device, t.name, cuda::pointer_info(t.ptr), prefix);
+  }
+#else
+  (void)backend, (void)tensors, (void)prefix;  // without CUDA every pointer is host memory
+#endif
+}
 
 SeqRange seq_range(const PrefillParams& p, int64_t n) {
   if (p.cu_seqlens == nullptr) return {n * p.T, (n + 1) * p.T};

@@ -39,6 +39,23 @@ void check_aligned16(std::initializer_list<NamedPointer> tensors, const char* pr
 // else "<what>: <dims> give more than 2^56 elements". Returns the product.
 constexpr int64_t kMaxElements = int64_t(1) << 56;
 int64_t check_element_count(const char* what, std::initializer_list<int64_t> dims);
+
+// Where a pointer lives, as the CUDA runtime reports it: kHost for pageable host memory (and for
+// everything in builds or on machines without CUDA), kPinnedHost for page-locked host memory
+// (device-accessible), kDevice for device memory of `device`, kManaged for managed memory.
+enum class MemorySpace { kHost, kPinnedHost, kDevice, kManaged };
+struct PointerInfo {
+  MemorySpace space = MemorySpace::kHost;
+  int device = -1;
+};
+PointerInfo pointer_info(const void* ptr);
+
+// Every non-null tensor must be reachable by the backend q chose: the CPU backend cannot read
+// device memory; the CUDA backend, running on `device` (the current one), cannot read pageable
+// host memory or another device's memory. Else "<prefix><name>: ..." naming where it lives.
+// check_memory_space is the rule for one pointer (its location given); check_reachable queries.
+void check_memory_space(Backend backend, int device, const char* name, const PointerInfo& info, const char* prefix);
+void check_reachable(Backend backend, std::initializer_list<NamedPointer> tensors, const char* prefix);
 }  // namespace detail
 
 namespace cpu {
@@ -49,7 +66,8 @@ void decode(const DecodeParams& p);
 #ifdef FLASHKDA_WITH_CUDA
 namespace cuda {
 bool available();
-bool is_device_pointer(const void* ptr);
+detail::PointerInfo pointer_info(const void* ptr);  // cudaPointerGetAttributes; kHost when it fails
+int current_device();
 size_t prefill_workspace_size(const PrefillParams& p);
 void forward(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stream stream);
 void decode(const DecodeParams& p, Stream stream);

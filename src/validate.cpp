@@ -122,6 +122,20 @@ int64_t check_element_count(const char* what, std::initializer_list<int64_t> dim
   return n;
 }
 
+void check_memory_space(Backend backend, int device, const char* name, const PointerInfo& info, const char* prefix) {
+  if (backend == Backend::kCpu) {
+    FLASHKDA_CHECK_ARG(info.space != MemorySpace::kDevice, prefix, name, " is device memory (device ", info.device,
+                       ") but q is host memory: the call runs on the CPU, which cannot read it");
+    return;
+  }
+  FLASHKDA_CHECK_ARG(info.space != MemorySpace::kHost, prefix, name,
+                     " is pageable host memory but q is on the GPU: the kernels cannot read it (pass device, "
+                     "managed or page-locked memory)");
+  FLASHKDA_CHECK_ARG(info.space != MemorySpace::kDevice || info.device == device, prefix, name, " is on device ",
+                     info.device, " but the call runs on device ", device,
+                     " (the current device; make the tensors' device current)");
+}
+
 void check_aligned16(std::initializer_list<NamedPointer> tensors, const char* prefix) {
   for (const NamedPointer& t : tensors) {
     FLASHKDA_CHECK_ARG(reinterpret_cast<uintptr_t>(t.ptr) % 16 == 0, prefix, t.name,

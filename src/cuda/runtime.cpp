@@ -20,13 +20,28 @@ bool available() {
   return major == 9;
 }
 
-bool is_device_pointer(const void* ptr) {
+detail::PointerInfo pointer_info(const void* ptr) {
+  using detail::MemorySpace;
   cudaPointerAttributes attr{};
   if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
     cudaGetLastError();  // no driver / no device / unknown pointer: host memory
-    return false;
+    return {};
   }
-  return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+  switch (attr.type) {
+    case cudaMemoryTypeDevice: return {MemorySpace::kDevice, attr.device};
+    case cudaMemoryTypeManaged: return {MemorySpace::kManaged, attr.device};
+    case cudaMemoryTypeHost: return {MemorySpace::kPinnedHost, attr.device};
+    default: return {};
+  }
+}
+
+int current_device() {
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  return device;
 }
 
 }  // namespace flashkda::cuda

@@ -75,6 +75,32 @@ TEST(ValidatePrefill, RejectsSizesBeyondInt64Offsets) {
       [](PrefillParams& p) { p.num_seqs = int64_t(1) << 55; }, "states [N, H, V, K]", varlen(DType::kI32));
 }
 
+TEST(ValidatePrefill, MemorySpaceRules) {
+  using detail::MemorySpace;
+  const auto ok = [](Backend b, int device, MemorySpace space, int on) {
+    EXPECT_NO_THROW(detail::check_memory_space(b, device, "k", {space, on}, ""));
+  };
+  const auto bad = [](Backend b, int device, MemorySpace space, int on, const std::string& needle) {
+    expect_invalid([&] { detail::check_memory_space(b, device, "k", {space, on}, "decode: "); }, needle);
+  };
+  // The CPU backend (q in host memory) reads everything but device memory.
+  ok(Backend::kCpu, -1, MemorySpace::kHost, -1);
+  ok(Backend::kCpu, -1, MemorySpace::kPinnedHost, 0);
+  ok(Backend::kCpu, -1, MemorySpace::kManaged, 0);
+  bad(Backend::kCpu, -1, MemorySpace::kDevice, 1, "decode: k is device memory (device 1) but q is host memory");
+  // The CUDA backend, running on device 1: its own device memory, managed or page-locked memory.
+  ok(Backend::kCuda, 1, MemorySpace::kDevice, 1);
+  ok(Backend::kCuda, 1, MemorySpace::kManaged, 0);
+  ok(Backend::kCuda, 1, MemorySpace::kPinnedHost, 0);
+  bad(Backend::kCuda, 1, MemorySpace::kHost, -1, "decode: k is pageable host memory but q is on the GPU");
+  bad(Backend::kCuda, 1, MemorySpace::kDevice, 0, "decode: k is on device 0 but the call runs on device 1");
+  // Host pointers on a machine without a GPU: host memory, and the CPU backend takes them.
+  std::vector<float> host(4);
+  EXPECT_EQ(detail::pointer_info(host.data()).space, MemorySpace::kHost);
+  EXPECT_EQ(backend_of(host.data()), Backend::kCpu);
+  EXPECT_NO_THROW(detail::check_reachable(Backend::kCpu, {{host.data(), "k"}, {nullptr, "v"}}, ""));
+}
+
 TEST(ValidatePrefill, RejectsHeadSizesOutsideCpuRange) {
   expect_rejected([](PrefillParams& p) { p.K = 0; }, "K must be in [1, 256]");
   expect_rejected([](PrefillParams& p) { p.K = 257; }, "K must be in [1, 256]");

@@ -439,6 +439,14 @@ TEST_P(DecodeGpu, BadArgumentsThrowBeforeAnyWork) {
   expect_error(p, ErrorCode::kInvalidArgument, "state_pool must be 16-byte aligned");
   p = good, p.T = 17;
   expect_error(p, ErrorCode::kInvalidArgument, "T (tokens per sequence)");
+  // A pool in pageable host memory next to device inputs: named, nothing touched.
+  std::vector<unsigned char> host_pool(prob.pool.bytes);
+  p = good, p.state_pool = host_pool.data();
+  expect_error(p, ErrorCode::kInvalidArgument, "decode: state_pool is pageable host memory but q is on the GPU");
+  std::vector<int32_t> host_indices(prob.indices);
+  p = good, p.state_indices = host_indices.data();
+  expect_error(p, ErrorCode::kInvalidArgument, "decode: state_indices is pageable host memory");
+  EXPECT_EQ(host_pool, prob.pool.bytes);
   dev.download();
   EXPECT_EQ(prob.pool.bytes, prob.pool_before.bytes);
   EXPECT_EQ(prob.in.out.bytes, std::vector<unsigned char>(prob.in.out.bytes.size(), kPoison));

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -387,6 +388,28 @@ TEST_F(PrefillGpu, BadArgumentsThrowBeforeAnyWork) {
   expect_invalid([&] { forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr); }, "out must be 16-byte aligned");
   p = dev.params();
   EXPECT_THROW(forward(p, static_cast<uint8_t*>(dev.workspace->ptr) + 4, dev.workspace->bytes - 4, nullptr), Error);
+  // Every tensor must live where q does: pageable host memory next to a device q is named, as is
+  // a device tensor next to a host q (which runs the CPU backend); nothing is written.
+  std::vector<uint8_t> host_k(in.k.bytes.size()), host_out(in.out.bytes.size());
+  p = dev.params();
+  p.k = host_k.data();
+  expect_invalid([&] { forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr); },
+                 "k is pageable host memory but q is on the GPU");
+  p = dev.params();
+  p.out = host_out.data();
+  expect_invalid([&] { forward(p, dev.workspace->ptr, dev.workspace->bytes, nullptr); },
+                 "out is pageable host memory but q is on the GPU");
+  p = dev.params();
+  std::vector<uint8_t> ws_host(dev.workspace->bytes + 16);
+  expect_invalid([&] { forward(p, ws_host.data() + (16 - reinterpret_cast<uintptr_t>(ws_host.data()) % 16) % 16,
+                               dev.workspace->bytes, nullptr); },
+                 "workspace is pageable host memory");
+  p = in.params();  // host tensors: the CPU backend, which cannot read a device tensor
+  p.v = dev.v;
+  expect_invalid([&] { forward(p, nullptr, 0, nullptr); }, "v is device memory (device ");
+  EXPECT_TRUE(std::all_of(host_out.begin(), host_out.end(), [](uint8_t b) { return b == 0; }));
+  dev.download();
+  EXPECT_EQ(in.out.bytes, std::vector<unsigned char>(in.out.bytes.size(), kPoison)) << "out written despite errors";
 }
 
 }  // namespace
