@@ -444,6 +444,8 @@ def reference_forward(q, k, v, g, beta, *, gate="lower_bound", A_log=None, dt_bi
     if gate != "precomputed":
         A_log = _param(ops, q, A_log, "A_log", H, (H,)) if A_log is not None else None
         dt_bias = _param(ops, q, dt_bias, "dt_bias", H * K, (H, K)) if dt_bias is not None else None
+    else:
+        A_log = dt_bias = None  # unused by the precomputed form, whatever they are (as in chunk_kda)
     h0 = None if initial_state is None else _state_in(ops, q, initial_state, "initial_state", N, H, K, V, True)
     out = np.empty((B, T, H, V), np.float64)
     ht = np.empty((N, H, V, K), np.float64)

@@ -1,5 +1,5 @@
-"""Argument fuzzer for the three Python entry points: valid small calls of fwd, chunk_kda and
-fused_recurrent_kda, each with one or two random corruptions (shapes, dtypes, layouts, values,
+"""Argument fuzzer for the Python entry points: valid small calls of fwd, chunk_kda,
+fused_recurrent_kda and reference_forward, each with one or two random corruptions (shapes, dtypes, layouts, values,
 types, missing arguments). Every call must return or raise ValueError, TypeError or
 NotImplementedError; anything else, or the process dying, is a finding.
 
@@ -22,7 +22,7 @@ import numpy as np
 import flashkda
 
 ALLOWED = (ValueError, TypeError, NotImplementedError)
-ENTRY_POINTS = ("fwd", "chunk_kda", "fused_recurrent_kda")
+ENTRY_POINTS = ("fwd", "chunk_kda", "fused_recurrent_kda", "reference_forward")
 SCALARS = (None, float("nan"), float("inf"), -10.0, 1.0, 0.0, "x", -1, 2**40, True)
 
 
@@ -44,7 +44,10 @@ def valid_call(rng, fn):
     if fn != "fused_recurrent_kda":
         lengths = rng.multinomial(T, [1.0 / N] * N)
         d["cu_seqlens"] = np.concatenate([[0], np.cumsum(lengths)]).astype(rng.choice([np.int32, np.int64]))
-    if fn == "fwd":
+    if fn == "reference_forward":
+        d.update(gate=str(rng.choice(["lower_bound", "softplus", "precomputed"])), l2norm_qk=True, beta_is_logit=True,
+                 initial_state=(0.1 * rng.standard_normal((N, H, V, K))).astype(f32))
+    elif fn == "fwd":
         d.update(scale=K**-0.5, out=np.empty(shape + (V,), f32), final_state=np.empty((N, H, V, K), f32),
                  initial_state=(0.1 * rng.standard_normal((N, H, V, K))).astype(f32))
     elif fn == "chunk_kda":
