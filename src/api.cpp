@@ -23,6 +23,7 @@ Backend backend_of(const void* ptr) {
 
 size_t workspace_size(const PrefillParams& params) {
   const Backend backend = backend_of(params.q);
+  detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens
   detail::validate_prefill(params, backend);
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) return cuda::prefill_workspace_size(params);
@@ -32,13 +33,8 @@ size_t workspace_size(const PrefillParams& params) {
 
 void forward(const PrefillParams& params, void* workspace, size_t workspace_bytes, Stream stream) {
   const Backend backend = backend_of(params.q);
+  detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens
   detail::validate_prefill(params, backend);
-  detail::check_reachable(backend,
-                          {{params.q, "q"}, {params.k, "k"}, {params.v, "v"}, {params.g, "g"}, {params.beta, "beta"},
-                           {params.out, "out"}, {params.initial_state, "initial_state"},
-                           {params.final_state, "final_state"}, {params.cu_seqlens, "cu_seqlens"},
-                           {params.pre.A_log, "A_log"}, {params.pre.dt_bias, "dt_bias"}},
-                          "");
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
     const size_t needed = cuda::prefill_workspace_size(params);
@@ -59,14 +55,8 @@ void forward(const PrefillParams& params, void* workspace, size_t workspace_byte
 
 void decode(const DecodeParams& params, Stream stream) {
   const Backend backend = backend_of(params.q);
+  detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens and the indices
   detail::validate_decode(params, backend);
-  detail::check_reachable(backend,
-                          {{params.q, "q"}, {params.k, "k"}, {params.v, "v"}, {params.g, "g"}, {params.beta, "beta"},
-                           {params.out, "out"}, {params.state_pool, "state_pool"},
-                           {params.state_indices, "state_indices"},
-                           {params.num_accepted_tokens, "num_accepted_tokens"}, {params.cu_seqlens, "cu_seqlens"},
-                           {params.pre.A_log, "A_log"}, {params.pre.dt_bias, "dt_bias"}},
-                          "decode: ");
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
     cuda::decode(params, stream);
@@ -92,6 +82,23 @@ PointerInfo pointer_info(const void* ptr) {
   (void)ptr;
 #endif
   return {};
+}
+
+void check_reachable(const PrefillParams& p, Backend backend) {
+  check_reachable(backend,
+                  {{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.beta, "beta"}, {p.out, "out"},
+                   {p.initial_state, "initial_state"}, {p.final_state, "final_state"}, {p.cu_seqlens, "cu_seqlens"},
+                   {p.pre.A_log, "A_log"}, {p.pre.dt_bias, "dt_bias"}},
+                  "");
+}
+
+void check_reachable(const DecodeParams& p, Backend backend) {
+  check_reachable(backend,
+                  {{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.beta, "beta"}, {p.out, "out"},
+                   {p.state_pool, "state_pool"}, {p.state_indices, "state_indices"},
+                   {p.num_accepted_tokens, "num_accepted_tokens"}, {p.cu_seqlens, "cu_seqlens"},
+                   {p.pre.A_log, "A_log"}, {p.pre.dt_bias, "dt_bias"}},
+                  "decode: ");
 }
 
 void check_reachable(Backend backend, std::initializer_list<NamedPointer> tensors, const char* prefix) {

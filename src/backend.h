@@ -56,6 +56,10 @@ PointerInfo pointer_info(const void* ptr);
 // check_memory_space is the rule for one pointer (its location given); check_reachable queries.
 void check_memory_space(Backend backend, int device, const char* name, const PointerInfo& info, const char* prefix);
 void check_reachable(Backend backend, std::initializer_list<NamedPointer> tensors, const char* prefix);
+// Every tensor of a problem (workspace aside). Runs before validate_*: the CPU rules read
+// cu_seqlens and the decode indices, which must be host memory for that.
+void check_reachable(const PrefillParams& p, Backend backend);
+void check_reachable(const DecodeParams& p, Backend backend);
 }  // namespace detail
 
 namespace cpu {

@@ -4,7 +4,8 @@
 //
 // What the GPU backend cannot check without a host sync, and what its kernel does instead:
 //   - cu_seqlens lengths: a sequence of length 0 touches nothing; longer than 16 runs the same
-//     recurrence (in speculative mode tokens t >= indices_stride have no slot and are not stored).
+//     recurrence (in speculative mode tokens t >= indices_stride have no slot and are not stored);
+//     a range outside [0, T] (T: the total tokens) is treated as empty: nothing read or written.
 //   - a start slot >= pool_size, or num_accepted_tokens outside [1, indices_stride]: the sequence
 //     is treated as padding (no slot read or written, its outputs set to zero).
 //   - a per-token slot >= pool_size (speculative): that store is skipped.

@@ -51,6 +51,8 @@ void recur_sequence_head(const PrefillParams& p, int64_t n, int64_t h, double sc
 }  // namespace
 
 void reference_forward(const PrefillParams& params, double* out, double* final_state) {
+  detail::check_reachable(params, Backend::kCpu);  // host memory only, cu_seqlens included
+  detail::check_reachable(Backend::kCpu, {{out, "out (fp64)"}, {final_state, "final_state (fp64)"}}, "");
   detail::validate_prefill(params, Backend::kCpu);
   FLASHKDA_CHECK_ARG(out != nullptr || params.B * params.T * params.H == 0, "out must not be null");
   const int64_t N = detail::num_sequences(params);

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "fuzz_params.h"
 #include "test_decode_fixture.h"
 
 namespace flashkda::test {
@@ -178,6 +179,39 @@ TEST_P(DecodeGpu, SequencesLongerThan16OnDeviceCuSeqlensRunInGroups) {
     o.padding = {3};
     o.state_dtype = s;
     run_and_check(o);
+  }
+}
+
+// Device cu_seqlens cannot be checked on the host: offsets outside [0, T] make an empty sequence
+// (nothing read or written) instead of reads and writes past q, v and out.
+TEST_P(DecodeGpu, OutOfRangeDeviceCuSeqlensTouchNothing) {
+  for (DType cu_dtype : {DType::kI32, DType::kI64}) {
+    DecodeOptions o;
+    o.seqlens = {3, 5, 2};  // cu_seqlens [0, 3, 8, 10]
+    o.cu_dtype = cu_dtype;
+    o.H = 2;
+    DecodeProblem prob(o);
+    DeviceDecode dev(prob);
+    HostTensor cu = prob.in.cu_seqlens;
+    cu.set(2, cu_dtype == DType::kI32 ? 2147483647.0 : 1e15);  // sequence 1 ends, sequence 2 starts past T
+    DeviceBuffer bad(cu.bytes.size());
+    ASSERT_EQ(cudaMemcpy(bad.ptr, cu.bytes.data(), cu.bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    DecodeParams p = dev.params();
+    p.cu_seqlens = bad.ptr;
+    decode(p);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "bad offsets faulted";
+    dev.download();
+    const size_t slot_bytes = size_t(prob.slice) * dtype_size(o.state_dtype);
+    const auto slot_bytes_of = [&](const HostTensor& pool, int64_t n) {
+      const auto* b = pool.bytes.data() + size_t(prob.start_slot(n)) * slot_bytes;
+      return std::vector<unsigned char>(b, b + slot_bytes);
+    };
+    EXPECT_NE(slot_bytes_of(prob.pool, 0), slot_bytes_of(prob.pool_before, 0)) << "sequence 0 did not run";
+    for (int64_t n : {1, 2}) EXPECT_EQ(slot_bytes_of(prob.pool, n), slot_bytes_of(prob.pool_before, n)) << n;
+    const size_t row_bytes = size_t(o.H) * o.V * dtype_size(o.dtype);
+    const std::vector<unsigned char> rest(prob.in.out.bytes.begin() + 3 * row_bytes,
+                                          prob.in.out.bytes.begin() + 10 * row_bytes);
+    EXPECT_EQ(rest, std::vector<unsigned char>(rest.size(), kPoison)) << "out rows of sequences 1, 2 written";
   }
 }
 
@@ -450,6 +484,131 @@ TEST_P(DecodeGpu, BadArgumentsThrowBeforeAnyWork) {
   dev.download();
   EXPECT_EQ(prob.pool.bytes, prob.pool_before.bytes);
   EXPECT_EQ(prob.in.out.bytes, std::vector<unsigned char>(prob.in.out.bytes.size(), kPoison));
+}
+
+// Corrupted DecodeParams on the GPU (tests/cpp/fuzz_params.h, plus misaligned and pageable host
+// pointers and bad index, accepted-count and cu_seqlens values in device memory, which the
+// kernels must absorb: padding, skipped stores, empty sequences). Every call runs or throws
+// before writing, and nothing ever faults (a kernel fault would be sticky).
+TEST_P(DecodeGpu, CorruptedParamsRunOrThrowAndNeverFault) {
+  Fuzz f;
+  int refused = 0;
+  constexpr int kGpuCases = 150;
+  std::vector<uint8_t> pageable(1 << 20);
+  for (int c = 0; c < kGpuCases; ++c) {
+    DecodeOptions o;
+    o.H = 2;
+    o.state_dtype = f.pick({DType::kF32, DType::kBF16});
+    o.N = 1 + f.below(4);
+    if (f.below(2)) {
+      for (int64_t n = 0; n < o.N; ++n) o.seqlens.push_back(1 + f.below(4));
+      o.cu_dtype = f.pick({DType::kI32, DType::kI64});
+    } else {
+      o.T = 1 + f.below(4);
+    }
+    if (f.below(2)) {
+      o.speculative = true;
+      o.indices_stride = 4;
+    }
+    DecodeProblem prob(o);
+    DeviceDecode dev(prob);
+    DecodeParams p = dev.params();
+    const DecodeParams p0 = p;
+    std::vector<std::unique_ptr<DeviceBuffer>> keep;
+    const auto to_device = [&](const void* src, size_t bytes) {
+      keep.push_back(std::make_unique<DeviceBuffer>(bytes));
+      EXPECT_EQ(cudaMemcpy(keep.back()->ptr, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      return keep.back()->ptr;
+    };
+    std::vector<int32_t> indices = prob.indices, accepted = prob.accepted;
+    HostTensor cu = prob.in.cu_seqlens;
+    std::string what = prob.in.describe() + (o.speculative ? " speculative |" : " |");
+    for (int64_t m = 1 + f.below(2); m > 0; --m) {
+      switch (f.below(10)) {
+        case 0:  // invalid here (never a valid dtype of another size)
+          switch (f.below(3)) {
+            case 0: p.dtype = f.pick({DType::kF32, DType::kI32, static_cast<DType>(77)}); break;
+            case 1: p.g_dtype = f.bad_float_dtype(); break;
+            default: p.state_dtype = f.bad_float_dtype();
+          }
+          what += " a dtype";
+          break;
+        case 1: {
+          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
+          switch (f.below(4)) {
+            case 0: p.out = nullptr; break;
+            case 1: p.state_pool = nullptr; break;
+            case 2: p.state_indices = nullptr; break;
+            default: *ptrs[f.below(5)] = nullptr;
+          }
+          what += " a pointer=null";
+          break;
+        }
+        case 2: {
+          int64_t* sizes[] = {&p.num_seqs, &p.H, &p.pool_size, &p.indices_stride};
+          const int64_t orig[] = {p0.num_seqs, p0.H, p0.pool_size, p0.indices_stride}, i = f.below(4);
+          *sizes[i] = f.shrunk_or_bad(orig[i]), what += " a size=" + std::to_string(*sizes[i]);
+          break;
+        }
+        case 3:
+          if (f.below(2)) (f.below(2) ? p.K : p.V) = f.pick<int64_t>({64, 0, 256}), what += " K/V";
+          else p.T = f.below(2) ? f.shrunk_or_bad(p0.T) : f.pick<int64_t>({0, 17, -1}), what += " T";
+          break;
+        case 4: {  // misaligned by 2 or 4 bytes inside the same buffer
+          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g};
+          const void*& x = *ptrs[f.below(4)];
+          if (f.below(2) && x != nullptr) x = static_cast<const uint8_t*>(x) + 2, what += " misaligned";
+          else if (p.state_pool != nullptr) p.state_pool = static_cast<uint8_t*>(p.state_pool) + 4, what += " misaligned";
+          break;
+        }
+        case 5:  // pageable host memory where device memory belongs
+          switch (f.below(4)) {
+            case 0: p.k = pageable.data(); break;
+            case 1: p.state_pool = pageable.data(); break;
+            case 2: p.state_indices = reinterpret_cast<const int32_t*>(pageable.data()); break;
+            default: p.out = pageable.data();
+          }
+          what += " a host tensor";
+          break;
+        case 6: {  // bad slot values in device memory: padding or a skipped store
+          const int64_t i = f.below(int64_t(indices.size()));
+          indices[i] = f.pick<int32_t>({-1, -7, int32_t(prob.P), int32_t(prob.P) + 100,
+                                        std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()});
+          p.state_indices = static_cast<const int32_t*>(to_device(indices.data(), indices.size() * 4));
+          what += " indices[" + std::to_string(i) + "]=" + std::to_string(indices[i]);
+          break;
+        }
+        case 7:
+          if (p.num_accepted_tokens == nullptr) break;
+          accepted[f.below(int64_t(accepted.size()))] = f.pick<int32_t>({0, -1, 5, std::numeric_limits<int32_t>::max()});
+          p.num_accepted_tokens = static_cast<const int32_t*>(to_device(accepted.data(), accepted.size() * 4));
+          what += " accepted";
+          break;
+        case 8:
+          if (p.cu_seqlens == nullptr) break;
+          if (f.below(3) == 0) {
+            p.cu_seqlens_dtype = f.bad_index_dtype(), what += " cu_dtype";
+          } else {  // bad offsets in device memory: empty sequences, never reads past the tensors
+            f.corrupt_cu(cu, prob.N + 1, what);
+            p.cu_seqlens = to_device(cu.bytes.data(), cu.bytes.size());
+          }
+          break;
+        default: f.corrupt_gate(p.pre, what);
+      }
+    }
+    SCOPED_TRACE(what);
+    if (run([&] { decode(p); }, what) == Outcome::kRefused) {
+      ++refused;
+      dev.download();
+      EXPECT_EQ(prob.pool.bytes, prob.pool_before.bytes) << "pool written before the error";
+      EXPECT_EQ(prob.in.out.bytes, std::vector<unsigned char>(prob.in.out.bytes.size(), kPoison)) << "out written";
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "the call faulted";
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    if (HasFailure()) break;
+  }
+  EXPECT_GT(refused, kGpuCases / 3);
+  EXPECT_LT(refused, kGpuCases);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include <memory>
 #include <vector>
 
+#include "fuzz_params.h"
 #include "kda_test_utils.h"
 
 namespace flashkda::test {
@@ -423,6 +424,109 @@ TEST_F(PrefillGpu, BadArgumentsThrowBeforeAnyWork) {
   EXPECT_TRUE(std::all_of(host_out.begin(), host_out.end(), [](uint8_t b) { return b == 0; }));
   dev.download();
   EXPECT_EQ(in.out.bytes, std::vector<unsigned char>(in.out.bytes.size(), kPoison)) << "out written despite errors";
+}
+
+// Corrupted PrefillParams on the GPU (tests/cpp/fuzz_params.h, plus what only the GPU path has:
+// misaligned and pageable host pointers, a bad workspace, bad cu_seqlens values in device memory).
+// Every call runs or throws before writing; nothing ever faults: the device stays usable after
+// every case (a kernel fault would be sticky). Bad device cu_seqlens values are the kernels' to
+// catch: they poison out and final_state with NaN (InvalidDeviceCuSeqlensPoisonsOutputsWithNaN).
+TEST_F(PrefillGpu, CorruptedParamsRunOrThrowAndNeverFault) {
+  Fuzz f;
+  int refused = 0;
+  constexpr int kGpuCases = 150;
+  std::vector<uint8_t> pageable(1 << 20);
+  for (int c = 0; c < kGpuCases; ++c) {
+    KdaOptions o;
+    o.H = 2;
+    o.gate = f.pick({GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed});
+    o.initial_state = f.pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
+    o.final_state = f.pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
+    if (f.below(2)) {
+      for (int64_t n = 1 + f.below(4); n > 0; --n) o.seqlens.push_back(f.below(40));
+      o.cu_dtype = f.pick({DType::kI32, DType::kI64});
+    } else {
+      o.B = 1 + f.below(3);
+      o.T = f.below(40);
+    }
+    KdaInputs in(o);
+    DeviceProblem dev(in);
+    dev.poison();
+    PrefillParams p = dev.params();
+    const PrefillParams p0 = p;
+    void* ws = dev.workspace->ptr;
+    size_t ws_bytes = dev.workspace->bytes;
+    HostTensor cu = in.cu_seqlens;
+    std::unique_ptr<DeviceBuffer> bad_cu;
+    std::string what = in.describe() + " |";
+    for (int64_t m = 1 + f.below(2); m > 0; --m) {
+      switch (f.below(10)) {
+        case 0:  // invalid here (never a valid dtype of another size: the kernels would read past a buffer)
+          if (f.below(2)) p.dtype = f.pick({DType::kF32, DType::kI32, static_cast<DType>(77)}), what += " dtype";
+          else p.g_dtype = f.bad_float_dtype(), what += " g_dtype";
+          break;
+        case 1: {
+          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
+          if (f.below(6) == 5) p.out = nullptr, what += " out=null";
+          else *ptrs[f.below(5)] = nullptr, what += " an input=null";
+          break;
+        }
+        case 2: {
+          int64_t* sizes[] = {&p.B, &p.T, &p.H};
+          const int64_t orig[] = {p0.B, p0.T, p0.H}, i = f.below(3);
+          *sizes[i] = f.shrunk_or_bad(orig[i]), what += " B/T/H=" + std::to_string(*sizes[i]);
+          break;
+        }
+        case 3: (f.below(2) ? p.K : p.V) = f.pick<int64_t>({64, 0, 256}), what += " K/V"; break;
+        case 4: {  // misaligned: 2 bytes into the same buffer (the kernels need 16)
+          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g};
+          const void*& x = *ptrs[f.below(4)];
+          if (x != nullptr) x = static_cast<const uint8_t*>(x) + 2, what += " misaligned";
+          break;
+        }
+        case 5: {  // pageable host memory where device memory belongs
+          const void** ptrs[] = {&p.k, &p.v, &p.g, &p.beta, &p.cu_seqlens, &p.initial_state};
+          const void*& x = *ptrs[f.below(6)];
+          if (x != nullptr) x = pageable.data(), what += " a host tensor";
+          else if (f.below(2)) p.out = pageable.data(), what += " host out";
+          else ws = pageable.data(), what += " host workspace";
+          break;
+        }
+        case 6:
+          switch (f.below(3)) {
+            case 0: ws = nullptr, what += " workspace=null"; break;
+            case 1: ws_bytes /= 2, what += " workspace too small"; break;
+            default: ws = static_cast<uint8_t*>(ws) + 8, ws_bytes -= 8, what += " workspace misaligned";
+          }
+          break;
+        case 7:
+          if (p.cu_seqlens == nullptr) break;
+          if (f.below(3) == 0) {
+            p.num_seqs = f.pick<int64_t>({-1, f.below(in.N + 1)}), what += " num_seqs";
+          } else {  // bad values in device memory: the kernels flag them and poison the outputs
+            f.corrupt_cu(cu, in.N + 1, what);
+            bad_cu = std::make_unique<DeviceBuffer>(cu.bytes.size());
+            ASSERT_EQ(cudaMemcpy(bad_cu->ptr, cu.bytes.data(), cu.bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
+            p.cu_seqlens = bad_cu->ptr;
+          }
+          break;
+        case 8: p.precision = static_cast<Precision>(f.pick({5, -1})), what += " precision"; break;
+        default: f.corrupt_gate(p.pre, what);
+      }
+    }
+    SCOPED_TRACE(what);
+    if (run([&] { forward(p, ws, ws_bytes, nullptr); }, what) == Outcome::kRefused) {
+      ++refused;
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      dev.download();
+      EXPECT_EQ(in.out.bytes, std::vector<unsigned char>(in.out.bytes.size(), kPoison)) << "out written";
+    }
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "the call faulted";
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    if (HasFailure()) break;
+  }
+  EXPECT_GT(refused, kGpuCases / 3);
+  EXPECT_LT(refused, kGpuCases);
 }
 
 }  // namespace

@@ -42,7 +42,7 @@ struct DecodeArgs {
   const void* cu_seqlens;              // [N + 1] int32/int64 or null
   int64_t indices_stride;
   int64_t pool_size;
-  int64_t tokens_per_seq;  // T without cu_seqlens
+  int64_t tokens_per_seq;  // T without cu_seqlens; with them the total, which bounds their values
   int32_t stage_tokens;    // capacity of the dynamic shared StagedToken buffer (1..16)
   int32_t H;
   bool cu_seqlens_i64;
@@ -363,7 +363,9 @@ __device__ __forceinline__ Coord coord_of(const DecodeArgs& a, int64_t x) {
 }
 
 // A sequence's tokens and start slot. len <= 0: empty (nothing read or written); slot < 0:
-// padding (no slot touched, outputs zero).
+// padding (no slot touched, outputs zero). Device cu_seqlens cannot be checked on the host: a
+// range outside [0, total tokens] (tokens_per_seq holds the total with cu_seqlens) is empty too,
+// so bad offsets never read or write past q, v, out.
 struct Span {
   int64_t bos;
   int len;
@@ -374,7 +376,8 @@ __device__ __forceinline__ Span span_of(const DecodeArgs& a, int64_t n) {
   Span sp;
   sp.bos = a.cu_seqlens != nullptr ? cu_at(a, n) : n * a.tokens_per_seq;
   const int64_t eos = a.cu_seqlens != nullptr ? cu_at(a, n + 1) : sp.bos + a.tokens_per_seq;
-  sp.len = eos > sp.bos ? int(eos - sp.bos) : 0;
+  const bool in_range = a.cu_seqlens == nullptr || (sp.bos >= 0 && eos <= a.tokens_per_seq);
+  sp.len = in_range && eos > sp.bos ? int(eos - sp.bos) : 0;
   sp.slot = sp.len > 0 ? start_slot(a, n) : -1;
   return sp;
 }
