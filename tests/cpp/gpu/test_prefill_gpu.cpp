@@ -213,8 +213,7 @@ TEST_F(PrefillGpu, GateFormsAndFlags) {
       std::snprintf(buf, sizeof buf, "%g", x);
       return std::string(buf);
     };
-    const std::string label = std::string(precision == Precision::kPrecise ? "precise " : "fast ") +
-                              gate_form_name(c.gate) + " [" + num(c.g_min) + ", " + num(c.g_max) + "] bias " +
+    const std::string label = std::string(precision_name(precision)) + " " + gate_form_name(c.gate) + " [" + num(c.g_min) + ", " + num(c.g_max) + "] bias " +
                               num(c.bias);
     report(label + " out", e.out);
     report(label + " state", e.state);
