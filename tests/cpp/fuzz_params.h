@@ -1,6 +1,6 @@
-// Random corruptions of PrefillParams / DecodeParams shared by the CPU (test_fuzz_params.cpp) and
-// GPU (gpu/test_*_gpu.cpp) fuzz cases, and the outcome check: a call runs or throws
-// flashkda::Error with kInvalidArgument / kUnsupported.
+// Random valid problems and corruptions of PrefillParams / DecodeParams shared by the CPU
+// (test_fuzz_params.cpp) and GPU (gpu/test_*_gpu.cpp) fuzz cases, and the outcome check: a call
+// runs or throws flashkda::Error with kInvalidArgument / kUnsupported.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -11,7 +11,7 @@
 #include <random>
 #include <string>
 
-#include "kda_test_utils.h"
+#include "test_decode_fixture.h"
 
 namespace flashkda::test {
 
@@ -46,6 +46,64 @@ struct Fuzz {
       case 3: pre.has_scale = true, pre.scale = bad_float(), what += " scale=" + std::to_string(pre.scale); break;
       default: pre.A_log = nullptr, what += " A_log=null";
     }
+  }
+  // A valid prefill problem: H = 2, every gate form and state combination, B x T dense or varlen
+  // (empty sequences included), under max_len tokens per sequence. Sizes and dtypes are the caller's.
+  KdaOptions prefill_problem(int64_t max_len) {
+    KdaOptions o;
+    o.H = 2;
+    o.gate = pick({GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed});
+    o.initial_state = pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
+    o.final_state = pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
+    if (below(2)) {
+      for (int64_t n = 1 + below(4); n > 0; --n) o.seqlens.push_back(below(max_len));
+      o.cu_dtype = pick({DType::kI32, DType::kI64});
+    } else {
+      o.B = 1 + below(3);
+      o.T = below(max_len);
+    }
+    return o;
+  }
+  // A valid decode step: 1..4 sequences of 1..4 tokens, fixed T or varlen, plain or speculative
+  // (4 slots per sequence), either pool dtype. Head sizes and input dtypes are the caller's.
+  DecodeOptions decode_problem() {
+    DecodeOptions o;
+    o.H = 2;
+    o.state_dtype = pick({DType::kF32, DType::kBF16});
+    o.N = 1 + below(4);
+    if (below(2)) {
+      for (int64_t n = 0; n < o.N; ++n) o.seqlens.push_back(1 + below(4));
+      o.cu_dtype = pick({DType::kI32, DType::kI64});
+    } else {
+      o.T = 1 + below(4);
+    }
+    if (below(2)) {
+      o.speculative = true;
+      o.indices_stride = 4;
+    }
+    return o;
+  }
+  // One tensor pointer set to null.
+  void null_pointer(PrefillParams& p, std::string& what) {
+    const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
+    if (below(6) == 5) p.out = nullptr, what += " out=null";
+    else *ptrs[below(5)] = nullptr, what += " an input=null";
+  }
+  void null_pointer(DecodeParams& p, std::string& what) {
+    const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
+    switch (below(4)) {
+      case 0: p.out = nullptr; break;
+      case 1: p.state_pool = nullptr; break;
+      case 2: p.state_indices = nullptr; break;
+      default: *ptrs[below(5)] = nullptr;
+    }
+    what += " a pointer=null";
+  }
+  // B, T or H shrunk or made bad (relative to p0, the valid params).
+  void corrupt_batch(PrefillParams& p, const PrefillParams& p0, std::string& what) {
+    int64_t* sizes[] = {&p.B, &p.T, &p.H};
+    const int64_t orig[] = {p0.B, p0.T, p0.H}, i = below(3);
+    *sizes[i] = shrunk_or_bad(orig[i]), what += " B/T/H=" + std::to_string(*sizes[i]);
   }
   // Index-array element i (stored in dtype) set to a bad value, in a copy the caller keeps alive.
   void corrupt_cu(HostTensor& cu, int64_t n_entries, std::string& what) {

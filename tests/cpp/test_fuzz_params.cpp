@@ -26,20 +26,9 @@ TEST(FuzzParams, CorruptedPrefillParamsRunOrThrowBeforeWriting) {
   Fuzz f;
   int refused = 0;
   for (int c = 0; c < kCases; ++c) {
-    KdaOptions o;
+    KdaOptions o = f.prefill_problem(20);
     o.K = o.V = 32;
-    o.H = 2;
     o.dtype = f.pick({DType::kBF16, DType::kF32});
-    o.gate = f.pick({GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed});
-    o.initial_state = f.pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
-    o.final_state = f.pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
-    if (f.below(2)) {
-      for (int64_t n = 1 + f.below(4); n > 0; --n) o.seqlens.push_back(f.below(20));
-      o.cu_dtype = f.pick({DType::kI32, DType::kI64});
-    } else {
-      o.B = 1 + f.below(3);
-      o.T = f.below(20);
-    }
     KdaInputs in(o);
     PrefillParams p = in.params();
     const PrefillParams p0 = p;
@@ -54,18 +43,8 @@ TEST(FuzzParams, CorruptedPrefillParamsRunOrThrowBeforeWriting) {
           if (p.initial_state != nullptr) p.initial_state_dtype = f.bad_float_dtype(), what += " initial_state_dtype";
           else p.final_state_dtype = f.bad_float_dtype(), what += " final_state_dtype";
           break;
-        case 4: {
-          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
-          if (f.below(6) == 5) p.out = nullptr, what += " out=null";
-          else *ptrs[f.below(5)] = nullptr, what += " an input=null";
-          break;
-        }
-        case 5: {
-          int64_t* sizes[] = {&p.B, &p.T, &p.H};
-          const int64_t orig[] = {p0.B, p0.T, p0.H}, i = f.below(3);
-          *sizes[i] = f.shrunk_or_bad(orig[i]), what += " B/T/H=" + std::to_string(*sizes[i]);
-          break;
-        }
+        case 4: f.null_pointer(p, what); break;
+        case 5: f.corrupt_batch(p, p0, what); break;
         case 6: {
           const bool k = f.below(2);
           int64_t& s = k ? p.K : p.V;
@@ -108,21 +87,9 @@ TEST(FuzzParams, CorruptedDecodeParamsRunOrThrowBeforeWriting) {
   Fuzz f;
   int refused = 0;
   for (int c = 0; c < kCases; ++c) {
-    DecodeOptions o;
+    DecodeOptions o = f.decode_problem();
     o.K = o.V = 32;
     o.dtype = f.pick({DType::kBF16, DType::kF32});
-    o.state_dtype = f.pick({DType::kF32, DType::kBF16});
-    o.N = 1 + f.below(4);
-    if (f.below(2)) {
-      for (int64_t n = 0; n < o.N; ++n) o.seqlens.push_back(1 + f.below(4));
-      o.cu_dtype = f.pick({DType::kI32, DType::kI64});
-    } else {
-      o.T = 1 + f.below(4);
-    }
-    if (f.below(2)) {
-      o.speculative = true;
-      o.indices_stride = 4;
-    }
     DecodeProblem prob(o);
     DecodeParams p = prob.params();
     const DecodeParams p0 = p;
@@ -134,17 +101,7 @@ TEST(FuzzParams, CorruptedDecodeParamsRunOrThrowBeforeWriting) {
         case 0: p.dtype = f.bad_float_dtype(), what += " dtype"; break;
         case 1: p.g_dtype = f.bad_float_dtype(), what += " g_dtype"; break;
         case 2: (f.below(2) ? p.beta_dtype : p.state_dtype) = f.bad_float_dtype(), what += " beta/state dtype"; break;
-        case 3: {
-          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
-          switch (f.below(4)) {
-            case 0: p.out = nullptr; break;
-            case 1: p.state_pool = nullptr; break;
-            case 2: p.state_indices = nullptr; break;
-            default: *ptrs[f.below(5)] = nullptr;
-          }
-          what += " a pointer=null";
-          break;
-        }
+        case 3: f.null_pointer(p, what); break;
         case 4: {
           int64_t* sizes[] = {&p.num_seqs, &p.H, &p.K, &p.V, &p.pool_size, &p.indices_stride};
           const int64_t orig[] = {p0.num_seqs, p0.H, p0.K, p0.V, p0.pool_size, p0.indices_stride}, i = f.below(6);

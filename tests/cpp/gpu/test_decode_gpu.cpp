@@ -496,20 +496,7 @@ TEST_P(DecodeGpu, CorruptedParamsRunOrThrowAndNeverFault) {
   constexpr int kGpuCases = 150;
   std::vector<uint8_t> pageable(1 << 20);
   for (int c = 0; c < kGpuCases; ++c) {
-    DecodeOptions o;
-    o.H = 2;
-    o.state_dtype = f.pick({DType::kF32, DType::kBF16});
-    o.N = 1 + f.below(4);
-    if (f.below(2)) {
-      for (int64_t n = 0; n < o.N; ++n) o.seqlens.push_back(1 + f.below(4));
-      o.cu_dtype = f.pick({DType::kI32, DType::kI64});
-    } else {
-      o.T = 1 + f.below(4);
-    }
-    if (f.below(2)) {
-      o.speculative = true;
-      o.indices_stride = 4;
-    }
+    const DecodeOptions o = f.decode_problem();  // K = V = 128, bf16: the GPU's
     DecodeProblem prob(o);
     DeviceDecode dev(prob);
     DecodeParams p = dev.params();
@@ -533,17 +520,7 @@ TEST_P(DecodeGpu, CorruptedParamsRunOrThrowAndNeverFault) {
           }
           what += " a dtype";
           break;
-        case 1: {
-          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
-          switch (f.below(4)) {
-            case 0: p.out = nullptr; break;
-            case 1: p.state_pool = nullptr; break;
-            case 2: p.state_indices = nullptr; break;
-            default: *ptrs[f.below(5)] = nullptr;
-          }
-          what += " a pointer=null";
-          break;
-        }
+        case 1: f.null_pointer(p, what); break;
         case 2: {
           int64_t* sizes[] = {&p.num_seqs, &p.H, &p.pool_size, &p.indices_stride};
           const int64_t orig[] = {p0.num_seqs, p0.H, p0.pool_size, p0.indices_stride}, i = f.below(4);

@@ -436,19 +436,7 @@ TEST_F(PrefillGpu, CorruptedParamsRunOrThrowAndNeverFault) {
   constexpr int kGpuCases = 150;
   std::vector<uint8_t> pageable(1 << 20);
   for (int c = 0; c < kGpuCases; ++c) {
-    KdaOptions o;
-    o.H = 2;
-    o.gate = f.pick({GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed});
-    o.initial_state = f.pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
-    o.final_state = f.pick({StateKind::kNone, StateKind::kF32, StateKind::kBF16});
-    if (f.below(2)) {
-      for (int64_t n = 1 + f.below(4); n > 0; --n) o.seqlens.push_back(f.below(40));
-      o.cu_dtype = f.pick({DType::kI32, DType::kI64});
-    } else {
-      o.B = 1 + f.below(3);
-      o.T = f.below(40);
-    }
-    KdaInputs in(o);
+    KdaInputs in(f.prefill_problem(40));  // K = V = 128, bf16: the GPU's
     DeviceProblem dev(in);
     dev.poison();
     PrefillParams p = dev.params();
@@ -464,18 +452,8 @@ TEST_F(PrefillGpu, CorruptedParamsRunOrThrowAndNeverFault) {
           if (f.below(2)) p.dtype = f.pick({DType::kF32, DType::kI32, static_cast<DType>(77)}), what += " dtype";
           else p.g_dtype = f.bad_float_dtype(), what += " g_dtype";
           break;
-        case 1: {
-          const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g, &p.beta};
-          if (f.below(6) == 5) p.out = nullptr, what += " out=null";
-          else *ptrs[f.below(5)] = nullptr, what += " an input=null";
-          break;
-        }
-        case 2: {
-          int64_t* sizes[] = {&p.B, &p.T, &p.H};
-          const int64_t orig[] = {p0.B, p0.T, p0.H}, i = f.below(3);
-          *sizes[i] = f.shrunk_or_bad(orig[i]), what += " B/T/H=" + std::to_string(*sizes[i]);
-          break;
-        }
+        case 1: f.null_pointer(p, what); break;
+        case 2: f.corrupt_batch(p, p0, what); break;
         case 3: (f.below(2) ? p.K : p.V) = f.pick<int64_t>({64, 0, 256}), what += " K/V"; break;
         case 4: {  // misaligned: 2 bytes into the same buffer (the kernels need 16)
           const void** ptrs[] = {&p.q, &p.k, &p.v, &p.g};
