@@ -21,51 +21,107 @@ Backend backend_of(const void* ptr) {
                                                                                          : Backend::kCpu;
 }
 
-size_t workspace_size(const PrefillParams& params) {
+size_t workspace_size(const PrefillParams& params) { return internal::workspace_size(params, {}); }
+
+void forward(const PrefillParams& params, void* workspace, size_t workspace_bytes, Stream stream) {
+  internal::forward(params, {}, workspace, workspace_bytes, stream);
+}
+
+void decode(const DecodeParams& params, Stream stream) { internal::decode(params, {}, stream); }
+
+namespace internal {
+
+size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch) {
   const Backend backend = backend_of(params.q);
   detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens
   detail::validate_prefill(params, backend);
 #ifdef FLASHKDA_WITH_CUDA
-  if (backend == Backend::kCuda) return cuda::prefill_workspace_size(params);
+  if (backend == Backend::kCuda) return cuda::prefill_workspace_size(params, launch);
 #endif
+  (void)launch;
   return 0;
 }
 
-void forward(const PrefillParams& params, void* workspace, size_t workspace_bytes, Stream stream) {
+int64_t chosen_segment_chunks(const PrefillParams& params, const PrefillLaunch& launch) {
+#ifdef FLASHKDA_WITH_CUDA
+  return cuda::prefill_segment_chunks(params, launch);
+#else
+  (void)params, (void)launch;
+  return 0;
+#endif
+}
+
+void forward(const PrefillParams& params, const PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
+             Stream stream) {
   const Backend backend = backend_of(params.q);
   detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens
   detail::validate_prefill(params, backend);
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
-    const size_t needed = cuda::prefill_workspace_size(params);
+    const size_t needed = cuda::prefill_workspace_size(params, launch);
     FLASHKDA_CHECK_ARG(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),
                        "workspace: need ", needed, " bytes of device memory, got ", workspace_bytes,
                        workspace == nullptr ? " (null pointer)" : "");
     detail::check_aligned16({{workspace, "workspace"}}, "");
     detail::check_reachable(backend, {{workspace, "workspace"}}, "");  // the CPU backend ignores it
-    cuda::forward(params, workspace, workspace_bytes, stream);
+    cuda::forward(params, launch, workspace, workspace_bytes, stream);
     return;
   }
 #endif
+  (void)launch;
   (void)workspace;
   (void)workspace_bytes;
   (void)stream;
   cpu::forward(params);
 }
 
-void decode(const DecodeParams& params, Stream stream) {
+void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream stream) {
   const Backend backend = backend_of(params.q);
   detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens and the indices
   detail::validate_decode(params, backend);
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
-    cuda::decode(params, stream);
+    cuda::decode(params, launch, stream);
     return;
   }
 #endif
+  (void)launch;
   (void)stream;
   cpu::decode(params);
 }
+
+size_t segment_transition_workspace_size(const PrefillParams& params) {
+  const Backend backend = backend_of(params.q);
+  detail::check_reachable(params, backend);
+  detail::validate_prefill(params, backend);
+#ifdef FLASHKDA_WITH_CUDA
+  if (backend == Backend::kCuda) return cuda::segment_transition_workspace_size(params);
+#endif
+  return 0;
+}
+
+void segment_transition(const PrefillParams& params, float* transition, float* zero_start, void* workspace,
+                        size_t workspace_bytes, Stream stream) {
+  const Backend backend = backend_of(params.q);
+  detail::check_reachable(params, backend);
+  detail::check_reachable(backend, {{transition, "transition"}, {zero_start, "zero_start"}}, "");
+  detail::validate_prefill(params, backend);
+  FLASHKDA_CHECK_ARG(transition != nullptr && zero_start != nullptr, "segment_transition: transition and zero_start are required");
+#ifdef FLASHKDA_WITH_CUDA
+  if (backend == Backend::kCuda) {
+    const size_t needed = cuda::segment_transition_workspace_size(params);
+    FLASHKDA_CHECK_ARG(workspace_bytes >= needed && (needed == 0 || workspace != nullptr), "workspace: need ", needed,
+                       " bytes of device memory, got ", workspace_bytes);
+    detail::check_aligned16({{workspace, "workspace"}, {transition, "transition"}, {zero_start, "zero_start"}}, "");
+    cuda::segment_transition(params, transition, zero_start, workspace, workspace_bytes, stream);
+    return;
+  }
+#endif
+  (void)workspace, (void)workspace_bytes, (void)stream;
+  cpu::segment_transition(params, transition, zero_start);
+}
+
+}  // namespace internal
 
 namespace detail {
 

@@ -5,6 +5,7 @@
 #include <initializer_list>
 
 #include "flashkda/flashkda.h"
+#include "launch_config.h"
 
 namespace flashkda {
 
@@ -65,6 +66,7 @@ void check_reachable(const DecodeParams& p, Backend backend);
 namespace cpu {
 void forward(const PrefillParams& p);  // chunk-16 form, fp32 state, OpenMP over (sequence, head)
 void decode(const DecodeParams& p);
+void segment_transition(const PrefillParams& p, float* transition, float* zero_start);  // launch_config.h
 }  // namespace cpu
 
 #ifdef FLASHKDA_WITH_CUDA
@@ -72,9 +74,14 @@ namespace cuda {
 bool available();
 detail::PointerInfo pointer_info(const void* ptr);  // cudaPointerGetAttributes; kHost when it fails
 int current_device();
-size_t prefill_workspace_size(const PrefillParams& p);
-void forward(const PrefillParams& p, void* workspace, size_t workspace_bytes, Stream stream);
-void decode(const DecodeParams& p, Stream stream);
+int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch);
+size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch);
+void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
+             Stream stream);
+void decode(const DecodeParams& p, const internal::DecodeLaunch& launch, Stream stream);
+size_t segment_transition_workspace_size(const PrefillParams& p);
+void segment_transition(const PrefillParams& p, float* transition, float* zero_start, void* workspace,
+                        size_t workspace_bytes, Stream stream);
 }  // namespace cuda
 #endif
 

@@ -41,6 +41,9 @@ class Preprocess(NamedTuple):
 # (device index, stream handle) -> uint8 tensor; grown, never shrunk.
 _workspaces: dict = {}
 
+# The internal launch configuration (flashkda._internal.launch): empty = the launchers' own rules.
+_config: dict = {}
+
 
 def _workspace(torch, device, stream: int, nbytes: int):
     if torch.cuda.is_current_stream_capturing():
@@ -72,6 +75,7 @@ def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, fin
     kw = pre.ext_kwargs(ops)
     kw.update(initial_state=ops.to_ext(initial_state), final_state=ops.to_ext(final_state),
               cu_seqlens=ops.to_ext(cu_seqlens), precision=precision)
+    kw.update(_config.get("prefill", {}))
     if ops is TorchOps and q.is_cuda:
         def run(stream, torch):
             _C.forward(*args, workspace_alloc=lambda nbytes: _workspace(torch, q.device, stream, nbytes),
@@ -88,6 +92,7 @@ def decode(ops, q, k, v, g, beta, out, state_pool, state_indices, pre: Preproces
     args = [ops.to_ext(x) for x in (q, k, v, g, beta, out, state_pool, state_indices)]
     kw = pre.ext_kwargs(ops)
     kw.update(num_accepted_tokens=ops.to_ext(num_accepted_tokens), cu_seqlens=ops.to_ext(cu_seqlens))
+    kw.update(_config.get("decode", {}))
     if ops is TorchOps and q.is_cuda:
         _cuda_call(q, lambda stream, torch: _C.decode(*args, stream=stream, **kw))
     else:

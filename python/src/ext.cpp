@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "flashkda/flashkda.h"
+#include "launch_config.h"
 
 namespace nb = nanobind;
 
@@ -291,16 +292,17 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
              const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
              bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
              OptOut final_state, OptIn cu_seqlens, OptOut workspace, nb::object workspace_alloc, uintptr_t stream,
-             bool u16_is_bf16, const std::string& precision) {
+             bool u16_is_bf16, const std::string& precision, int v_splits, int64_t segment_chunks) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
   PrefillArrays r = make_prefill(q, k, v, g, beta, initial_state, cu_seqlens, pre, u16_is_bf16);
   attach_outputs(r, out, final_state, u16_is_bf16);
   r.p.precision = parse_precision(precision);
+  const internal::PrefillLaunch launch{v_splits, segment_chunks};
   // workspace_alloc(nbytes) -> array: asked only when no workspace was passed and the backend needs
   // one, so a CUDA call validates and converts its arguments once (one DLPack import per tensor).
   nb::object allocated;
   if (!workspace && !workspace_alloc.is_none()) {
-    const size_t needed = flashkda::workspace_size(r.p);
+    const size_t needed = internal::workspace_size(r.p, launch);
     if (needed > 0) {
       allocated = workspace_alloc(needed);
       workspace = nb::cast<OutArray>(allocated);
@@ -319,17 +321,18 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
     ws_bytes = size_t(workspace->nbytes());
   }
   nb::gil_scoped_release nogil;
-  flashkda::forward(r.p, ws, ws_bytes, reinterpret_cast<Stream>(stream));
+  internal::forward(r.p, launch, ws, ws_bytes, reinterpret_cast<Stream>(stream));
 }
 
 size_t workspace_size(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
                       const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
                       bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
-                      OptOut final_state, OptIn cu_seqlens, bool u16_is_bf16) {
+                      OptOut final_state, OptIn cu_seqlens, bool u16_is_bf16, int v_splits,
+                      int64_t segment_chunks) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
   PrefillArrays r = make_prefill(q, k, v, g, beta, initial_state, cu_seqlens, pre, u16_is_bf16);
   attach_outputs(r, out, final_state, u16_is_bf16);
-  return flashkda::workspace_size(r.p);
+  return internal::workspace_size(r.p, {v_splits, segment_chunks});
 }
 
 void reference_forward(const InArray& q, const InArray& k, const InArray& v, const InArray& g,
@@ -363,7 +366,7 @@ void decode(const InArray& q_, const InArray& k_, const InArray& v_, const InArr
             const OutArray& out_, const OutArray& state_pool_, const InArray& state_indices_,
             OptIn num_accepted_tokens_, OptIn cu_seqlens_, OptIn A_log, OptIn dt_bias, const std::string& gate,
             float lower_bound, bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, uintptr_t stream,
-            bool u16_is_bf16) {
+            bool u16_is_bf16, int persistent) {
   DecodeParams p;
   View q = view_in("q", q_, u16_is_bf16);
   expect_rank(q, 4, "[N, T, H, K] (or [1, total, H, K] with cu_seqlens)");
@@ -433,7 +436,7 @@ void decode(const InArray& q_, const InArray& k_, const InArray& v_, const InArr
   p.q = q.data, p.k = k.data, p.v = v.data, p.g = g.data, p.beta = beta.data, p.out = out.data;
   p.dtype = q.dtype, p.g_dtype = g.dtype, p.beta_dtype = beta.dtype;
   nb::gil_scoped_release nogil;
-  flashkda::decode(p, reinterpret_cast<Stream>(stream));
+  internal::decode(p, {persistent}, reinterpret_cast<Stream>(stream));
 }
 
 }  // namespace
@@ -470,16 +473,18 @@ NB_MODULE(_C, m) {
         arg("scale").none() = nb::none(), arg("initial_state").none() = nb::none(),
         arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(),
         arg("workspace").none() = nb::none(), arg("workspace_alloc").none() = nb::none(), arg("stream") = 0,
-        arg("u16_is_bf16") = false, arg("precision") = "precise",
+        arg("u16_is_bf16") = false, arg("precision") = "precise", arg("_v_splits") = 0, arg("_segment_chunks") = 0,
         "Chunked KDA forward (SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
         "workspace: device bytes (any dtype); or workspace_alloc(nbytes) -> array, called when needed. "
-        "precision: 'precise' or 'fast' (the GPU recurrence; flashkda::Precision).");
+        "precision: 'precise' or 'fast' (the GPU recurrence; flashkda::Precision). "
+        "_v_splits, _segment_chunks: internal launch configuration (tests, benchmarks; 0 = the launcher's rule).");
 
   m.def("workspace_size", &py::workspace_size, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("out"),
         nb::kw_only(), arg("A_log").none() = nb::none(), arg("dt_bias").none() = nb::none(),
         arg("gate") = "lower_bound", arg("lower_bound") = -5.0f, arg("l2norm_qk") = true,
         arg("beta_is_logit") = true, arg("scale").none() = nb::none(), arg("initial_state").none() = nb::none(),
         arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(), arg("u16_is_bf16") = false,
+        arg("_v_splits") = 0, arg("_segment_chunks") = 0,
         "Validates a forward() call and returns the workspace bytes it needs (0 on the CPU).");
 
   m.def("reference_forward", &py::reference_forward, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"),
@@ -494,6 +499,6 @@ NB_MODULE(_C, m) {
         arg("cu_seqlens").none() = nb::none(), arg("A_log").none() = nb::none(), arg("dt_bias").none() = nb::none(),
         arg("gate") = "lower_bound", arg("lower_bound") = -5.0f, arg("l2norm_qk") = true,
         arg("beta_is_logit") = true, arg("scale").none() = nb::none(), arg("stream") = 0,
-        arg("u16_is_bf16") = false,
+        arg("u16_is_bf16") = false, arg("_persistent") = -1,
         "One decode step (SPEC.md §5): updates the named slots of state_pool [P,H,V,K] in place, writes out.");
 }

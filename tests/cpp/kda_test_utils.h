@@ -288,6 +288,22 @@ inline double rel_rms(const std::vector<double>& got, const std::vector<double>&
   return std::sqrt(num / (den > 0.0 ? den : 1e-300));
 }
 
+// The end state of start states x ([N*H][V][K], v-first) under segment transitions
+// (internal::segment_transition: transition [N*H][K][K] = A^T, zero_start [N*H][V][K] = B^T):
+// x^T A^T + B^T for each (sequence, head), in fp64.
+inline std::vector<double> apply_transition(const std::vector<float>& transition, const std::vector<float>& zero_start,
+                                            const std::vector<double>& x, int64_t NH, int64_t V, int64_t K) {
+  std::vector<double> y(size_t(NH * V * K));
+  for (int64_t nh = 0; nh < NH; ++nh)
+    for (int64_t v = 0; v < V; ++v)
+      for (int64_t c = 0; c < K; ++c) {
+        double acc = zero_start[(nh * V + v) * K + c];
+        for (int64_t r = 0; r < K; ++r) acc += x[(nh * V + v) * K + r] * double(transition[(nh * K + r) * K + c]);
+        y[(nh * V + v) * K + c] = acc;
+      }
+  return y;
+}
+
 // Prints a measured figure in the test log ("[ measure  ] name: value") and records it in the XML.
 inline void report(const std::string& name, double value) {
   std::printf("[ measure  ] %s: %.3e\n", name.c_str(), value);

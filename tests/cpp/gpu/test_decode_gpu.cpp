@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "fuzz_params.h"
+#include "launch_config.h"
 #include "test_decode_fixture.h"
 
 namespace flashkda::test {
@@ -99,15 +100,18 @@ struct DeviceDecode {
 };
 
 // Every test runs on both kernel variants: the one-CTA-per-item kernels ("tile") and the
-// persistent kernel with shared-memory prefetch (kernel.cuh), forced through
-// FLASHKDA_DECODE_PERSISTENT; unset, the launcher picks by state dtype and N·H.
+// persistent kernel with shared-memory prefetch (kernel.cuh), forced through the internal launch
+// configuration (src/launch_config.h); flashkda::decode picks by state dtype and N·H.
+internal::DecodeLaunch g_launch;
+void run_decode(const DecodeParams& p, Stream stream = nullptr) { internal::decode(p, g_launch, stream); }
+
 class DecodeGpu : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU decode tests skipped";
-    setenv("FLASHKDA_DECODE_PERSISTENT", GetParam(), 1);
+    g_launch.persistent = GetParam()[0] == '1' ? 1 : 0;
   }
-  void TearDown() override { unsetenv("FLASHKDA_DECODE_PERSISTENT"); }
+  void TearDown() override { g_launch = {}; }
 };
 
 INSTANTIATE_TEST_SUITE_P(Kernels, DecodeGpu, ::testing::Values("0", "1"),
@@ -117,7 +121,7 @@ INSTANTIATE_TEST_SUITE_P(Kernels, DecodeGpu, ::testing::Values("0", "1"),
 
 void run_and_check(DecodeProblem& prob, const std::string& tag = "") {
   DeviceDecode dev(prob);
-  decode(dev.params());
+  run_decode(dev.params());
   dev.download();
   prob.check(kTolBf16, tol_state(prob.opt), tag);
 }
@@ -198,7 +202,7 @@ TEST_P(DecodeGpu, OutOfRangeDeviceCuSeqlensTouchNothing) {
     ASSERT_EQ(cudaMemcpy(bad.ptr, cu.bytes.data(), cu.bytes.size(), cudaMemcpyHostToDevice), cudaSuccess);
     DecodeParams p = dev.params();
     p.cu_seqlens = bad.ptr;
-    decode(p);
+    run_decode(p);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << "bad offsets faulted";
     dev.download();
     const size_t slot_bytes = size_t(prob.slice) * dtype_size(o.state_dtype);
@@ -304,9 +308,9 @@ TEST_P(DecodeGpu, MatchesCpuDecode) {
   cpu_prob.in = prob.in;
   cpu_prob.pool = prob.pool;
   cpu_prob.indices = prob.indices;
-  decode(cpu_prob.params());
+  run_decode(cpu_prob.params());
   DeviceDecode dev(prob);
-  decode(dev.params());
+  run_decode(dev.params());
   dev.download();
   const double err_state = rel_rms(prob.pool.values(), cpu_prob.pool.values());
   const double err_out = rel_rms(prob.in.out.values(), cpu_prob.in.out.values());
@@ -323,17 +327,17 @@ TEST_P(DecodeGpu, RepeatRunsAreBitIdentical) {
   o.indices_stride = 4;
   DecodeProblem prob(o);
   DeviceDecode dev(prob);
-  decode(dev.params());
+  run_decode(dev.params());
   dev.download();
   const std::vector<unsigned char> out1 = prob.in.out.bytes, pool1 = prob.pool.bytes;
   dev.reset();
-  decode(dev.params());
+  run_decode(dev.params());
   dev.download();
   EXPECT_EQ(prob.in.out.bytes, out1);
   EXPECT_EQ(prob.pool.bytes, pool1);
 }
 
-// decode() is capturable: no host sync, no allocation. The replayed graph writes exactly what the
+// run_decode() is capturable: no host sync, no allocation. The replayed graph writes exactly what the
 // eager call wrote.
 TEST_P(DecodeGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
   DecodeOptions o;
@@ -345,7 +349,7 @@ TEST_P(DecodeGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
   cudaStream_t stream;
   CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
 
-  decode(dev.params(), stream);
+  run_decode(dev.params(), stream);
   CUDA_OK(cudaStreamSynchronize(stream));
   dev.download();
   prob.check(kTolBf16, kTolBf16, "eager");
@@ -354,7 +358,7 @@ TEST_P(DecodeGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  decode(dev.params(), stream);
+  run_decode(dev.params(), stream);
   CUDA_OK(cudaStreamEndCapture(stream, &graph));
   CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
   for (int replay = 0; replay < 2; ++replay) {
@@ -424,7 +428,7 @@ TEST_P(DecodeGpu, DecodeAfterPrefillMatchesWholeSequence) {
   dp.T = T1;
   dp.H = H;
   dp.pre = pp.pre;
-  decode(dp);
+  run_decode(dp);
   CUDA_OK(cudaDeviceSynchronize());
 
   HostTensor got_out(DType::kBF16, (T0 + T1) * H * V);
@@ -455,7 +459,7 @@ TEST_P(DecodeGpu, BadArgumentsThrowBeforeAnyWork) {
   const DecodeParams good = dev.params();
   const auto expect_error = [&](const DecodeParams& p, ErrorCode code, const std::string& needle) {
     try {
-      decode(p);
+      run_decode(p);
       ADD_FAILURE() << "no error; expected one mentioning '" << needle << "'";
     } catch (const Error& e) {
       EXPECT_EQ(e.code(), code) << e.what();
@@ -574,7 +578,7 @@ TEST_P(DecodeGpu, CorruptedParamsRunOrThrowAndNeverFault) {
       }
     }
     SCOPED_TRACE(what);
-    if (run([&] { decode(p); }, what) == Outcome::kRefused) {
+    if (run([&] { run_decode(p); }, what) == Outcome::kRefused) {
       ++refused;
       dev.download();
       EXPECT_EQ(prob.pool.bytes, prob.pool_before.bytes) << "pool written before the error";

@@ -16,6 +16,7 @@
 
 #include "fuzz_params.h"
 #include "kda_test_utils.h"
+#include "launch_config.h"
 
 namespace flashkda::test {
 namespace {
@@ -46,8 +47,9 @@ struct DeviceProblem {
   void *q, *k, *v, *g, *beta, *out, *init = nullptr, *fin = nullptr, *cu = nullptr;
   float *A_log = nullptr, *dt_bias = nullptr;
   std::unique_ptr<DeviceBuffer> workspace;
+  internal::PrefillLaunch launch;  // the launcher's rules unless a test forces a variant
 
-  explicit DeviceProblem(KdaInputs& inputs) : in(inputs) {
+  explicit DeviceProblem(KdaInputs& inputs, internal::PrefillLaunch launch_ = {}) : in(inputs), launch(launch_) {
     q = upload(in.q.bytes.data(), in.q.bytes.size());
     k = upload(in.k.bytes.data(), in.k.bytes.size());
     v = upload(in.v.bytes.data(), in.v.bytes.size());
@@ -59,7 +61,7 @@ struct DeviceProblem {
     if (!in.initial_state.bytes.empty()) init = upload(in.initial_state.bytes.data(), in.initial_state.bytes.size());
     if (!in.final_state.bytes.empty()) fin = upload(in.final_state.bytes.data(), in.final_state.bytes.size());
     if (!in.cu_seqlens.bytes.empty()) cu = upload(in.cu_seqlens.bytes.data(), in.cu_seqlens.bytes.size());
-    const size_t ws = workspace_size(params());
+    const size_t ws = internal::workspace_size(params(), launch);
     workspace = std::make_unique<DeviceBuffer>(ws);
   }
 
@@ -88,7 +90,7 @@ struct DeviceProblem {
   }
 
   void run(cudaStream_t stream = nullptr) {
-    forward(params(), workspace->ptr, workspace->bytes, stream);
+    internal::forward(params(), launch, workspace->ptr, workspace->bytes, stream);
   }
 
   // Copies the device outputs (with guards) back into the host tensors.
@@ -110,9 +112,10 @@ struct Errors {
 };
 
 // Runs a problem on the GPU with poisoned outputs and compares it with the fp64 reference.
-Errors check_against_reference(KdaInputs& in, double tol_out = kTolOut, double tol_state = kTolState) {
+Errors check_against_reference(KdaInputs& in, double tol_out = kTolOut, double tol_state = kTolState,
+                               internal::PrefillLaunch launch = {}) {
   const Reference ref = run_reference(in);
-  DeviceProblem dev(in);
+  DeviceProblem dev(in, launch);
   dev.poison();
   dev.run();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -247,31 +250,27 @@ TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
   }
 }
 
-// PrefillParams::precision reaches the kernels: kFast gives what FLASHKDA_PRECISE=0 gives, bit
-// for bit, and something other than kPrecise.
+// PrefillParams::precision reaches the kernels: kFast and kPrecise give different outputs, each
+// the same on a repeat.
 TEST_F(PrefillGpu, PrecisionParameterSelectsTheMode) {
   KdaOptions o;
   o.seqlens = {300, 17, 64};
   o.H = 4;
   o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
   KdaInputs in(o);
-  auto run = [&](Precision precision, const char* env) {
-    if (env != nullptr) setenv("FLASHKDA_PRECISE", env, 1);
+  auto run = [&](Precision precision) {
     in.opt.precision = precision;
     DeviceProblem dev(in);
     dev.poison();
     dev.run();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     dev.download();
-    unsetenv("FLASHKDA_PRECISE");
     return std::make_pair(in.out.bytes, in.final_state.bytes);
   };
-  const auto fast = run(Precision::kFast, nullptr);
-  const auto fast_env = run(Precision::kPrecise, "0");
-  const auto precise = run(Precision::kPrecise, nullptr);
-  const auto precise_env = run(Precision::kFast, "1");
-  EXPECT_TRUE(fast == fast_env) << "Precision::kFast differs from FLASHKDA_PRECISE=0";
-  EXPECT_TRUE(precise == precise_env) << "Precision::kPrecise differs from FLASHKDA_PRECISE=1";
+  const auto fast = run(Precision::kFast);
+  const auto precise = run(Precision::kPrecise);
+  EXPECT_TRUE(fast == run(Precision::kFast)) << "Precision::kFast is not repeatable";
+  EXPECT_TRUE(precise == run(Precision::kPrecise)) << "Precision::kPrecise is not repeatable";
   EXPECT_FALSE(fast.first == precise.first) << "kFast and kPrecise gave bit-identical outputs";
 }
 
@@ -285,24 +284,24 @@ TEST_F(PrefillGpu, VeryLongSequence131072) {
   report("long131072_state_rel_rms", e.state);
 }
 
-// Every recurrence variant (value-column split x precision mode) against the reference.
+// Every recurrence variant (value-column split or segments, x precision mode) against the reference.
 TEST_F(PrefillGpu, AllRecurrenceVariantsMatchReference) {
-  for (const char* splits : {"1", "2"}) {
-    for (const char* precise : {"0", "1"}) {
-      setenv("FLASHKDA_V_SPLITS", splits, 1);
-      setenv("FLASHKDA_PRECISE", precise, 1);
+  const internal::PrefillLaunch launches[] = {{1, -1}, {2, -1}, {0, 16}, {0, 3}};
+  for (const internal::PrefillLaunch& launch : launches) {
+    for (const Precision precision : {Precision::kFast, Precision::kPrecise}) {
       KdaOptions o;
       o.seqlens = {300, 17, 1024, 77};
       o.H = 4;
+      o.precision = precision;
       o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
       KdaInputs in(o);
-      const Errors e = check_against_reference(in);
-      report(std::string("variant_splits") + splits + "_precise" + precise + "_out", e.out);
-      report(std::string("variant_splits") + splits + "_precise" + precise + "_state", e.state);
+      const Errors e = check_against_reference(in, kTolOut, kTolState, launch);
+      const std::string name = std::string("variant_splits") + std::to_string(launch.v_splits) + "_segments" +
+                               std::to_string(launch.segment_chunks) + "_" + precision_name(precision);
+      report(name + "_out", e.out);
+      report(name + "_state", e.state);
     }
   }
-  unsetenv("FLASHKDA_V_SPLITS");
-  unsetenv("FLASHKDA_PRECISE");
 }
 
 TEST_F(PrefillGpu, RepeatRunsAreBitIdentical) {
@@ -504,6 +503,265 @@ TEST_F(PrefillGpu, CorruptedParamsRunOrThrowAndNeverFault) {
   }
   EXPECT_GT(refused, kGpuCases / 3);
   EXPECT_LT(refused, kGpuCases);
+}
+
+// ---- Segments: one sequence cut into pieces that run at once (docs/DESIGN.md "Segments") ----------
+
+internal::PrefillLaunch segments(int64_t chunks) { return {0, chunks}; }
+constexpr internal::PrefillLaunch kSerial{0, -1};
+
+TEST_F(PrefillGpu, SegmentsOddLengthsAllStateCombinations) {
+  const StateKind kinds[] = {StateKind::kNone, StateKind::kF32, StateKind::kBF16};
+  for (int64_t T : {0, 1, 16, 17, 33, 100, 1000}) {
+    for (int64_t chunks : {1, 2, 5}) {
+      for (StateKind init : kinds) {
+        for (StateKind fin : kinds) {
+          if (T != 100 && (init != StateKind::kF32 || fin != StateKind::kF32)) continue;
+          KdaOptions o;
+          o.B = 2, o.T = T, o.H = 3;
+          o.initial_state = init, o.final_state = fin;
+          KdaInputs in(o);
+          SCOPED_TRACE("segments of " + std::to_string(chunks) + " chunks");
+          check_against_reference(in, kTolOut, kTolState, segments(chunks));
+        }
+      }
+    }
+  }
+}
+
+TEST_F(PrefillGpu, SegmentsVarlenWithEmptySequences) {
+  for (DType cu : {DType::kI32, DType::kI64}) {
+    for (int64_t chunks : {1, 4, 16, 0}) {  // 0: the launcher's rule (it splits at H = 4)
+      KdaOptions o;
+      o.seqlens = {0, 300, 17, 0, 1024, 77, 1, 0, 16, 513};
+      o.cu_dtype = cu;
+      o.H = 4;
+      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+      KdaInputs in(o);
+      SCOPED_TRACE("segments of " + std::to_string(chunks) + " chunks");
+      const Errors e = check_against_reference(in, kTolOut, kTolState, segments(chunks));
+      report("segments" + std::to_string(chunks) + "_varlen_out", e.out);
+      report("segments" + std::to_string(chunks) + "_varlen_state", e.state);
+    }
+  }
+}
+
+// The default launch splits few-head problems: check that it did, and that the split and the
+// serial recurrence agree on the same inputs within the bf16 rounding of the output.
+TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
+  KdaOptions o;
+  o.T = 4096, o.H = 2;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  EXPECT_GT(internal::chosen_segment_chunks(in.params()), 0) << "the launcher no longer splits T=4096, H=2";
+  const Reference ref = run_reference(in);
+  auto run = [&](internal::PrefillLaunch launch) {
+    DeviceProblem dev(in, launch);
+    dev.poison();
+    dev.run();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    return std::make_pair(in.out.values(), in.final_state.values());
+  };
+  const auto serial = run(kSerial);
+  const auto split = run({});
+  const double d_out = rel_rms(split.first, serial.first), d_state = rel_rms(split.second, serial.second);
+  report("segments_vs_serial_out", d_out);
+  report("segments_vs_serial_state", d_state);
+  EXPECT_LE(d_out, 4e-3);
+  EXPECT_LE(d_state, 1e-4);
+  const double e_serial = rel_rms(serial.first, ref.out), e_split = rel_rms(split.first, ref.out);
+  report("segments_out_rel_rms", e_split);
+  report("serial_out_rel_rms", e_serial);
+  EXPECT_LE(e_split, 1.1 * e_serial + 1e-4);
+  EXPECT_LE(rel_rms(split.second, ref.final_state), 1.5 * rel_rms(serial.second, ref.final_state) + 1e-6);
+}
+
+TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
+  struct Case {
+    GateForm gate;
+    double g_min, g_max, bias;
+    bool l2norm, logit, scale;
+  };
+  const Case cases[] = {
+      {GateForm::kLowerBound, -8, 8, 8, true, true, false},  {GateForm::kLowerBound, -8, 8, -8, true, true, false},
+      {GateForm::kSoftplus, -8, 8, 8, true, true, false},    {GateForm::kSoftplus, -8, 8, -8, true, true, false},
+      {GateForm::kPrecomputed, -1000, 0, 0, true, true, false}, {GateForm::kPrecomputed, -0.05, 0, 0, true, true, false},
+      {GateForm::kPrecomputed, -2, 0, 0, false, false, true},  {GateForm::kLowerBound, -3, 3, 1, false, true, true},
+  };
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast})
+    for (const Case& c : cases) {
+      KdaOptions o;
+      o.T = 333, o.H = 2, o.B = 2;
+      o.precision = precision;
+      o.gate = c.gate, o.g_min = c.g_min, o.g_max = c.g_max, o.g_dtype = DType::kF32;
+      o.dt_bias_min = o.dt_bias_max = c.bias;
+      if (c.gate == GateForm::kSoftplus) o.A_log_min = 0, o.A_log_max = 2;
+      o.l2norm = c.l2norm, o.beta_is_logit = c.logit;
+      o.has_scale = c.scale, o.scale = 0.07f;
+      o.beta_dtype = c.logit ? DType::kBF16 : DType::kF32;
+      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+      KdaInputs in(o);
+      const Errors e = check_against_reference(in, kTolOut, kTolState, segments(4));
+      const std::string label = std::string("segments ") + precision_name(precision) + " " + gate_form_name(c.gate) +
+                                " [" + std::to_string(int(c.g_min)) + ", " + std::to_string(int(c.g_max)) + "] bias " +
+                                std::to_string(int(c.bias));
+      report(label + " out", e.out);
+      report(label + " state", e.state);
+    }
+}
+
+// The adversarial inputs of the precision analysis, cut into 16 segments: one key repeated for
+// 16384 tokens (raw gate -12, raw beta 8), and q = k with no decay and beta ~ 1 (T = 4096). The
+// segment transitions carry almost all of the state here (no decay), so their rounding shows.
+TEST_F(PrefillGpu, SegmentsRepeatedKeyAdversarial) {
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+    const bool fast = precision == Precision::kFast;
+    {
+      KdaOptions o;
+      o.T = 16384, o.H = 2;
+      o.final_state = StateKind::kF32;
+      o.precision = precision;
+      KdaInputs in(o);
+      for (int64_t t = 1; t < o.T; ++t)
+        for (int64_t h = 0; h < o.H; ++h)
+          for (int64_t c = 0; c < o.K; ++c) in.k.set((t * o.H + h) * o.K + c, in.k.get(h * o.K + c));
+      for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
+      for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
+      const Errors e = fast ? check_against_reference(in, 2e-2, 2e-2, segments(64))
+                            : check_against_reference(in, 3e-3, 2e-3, segments(64));
+      report(std::string("segments_repeated_key_") + precision_name(precision) + "_out", e.out);
+      report(std::string("segments_repeated_key_") + precision_name(precision) + "_state", e.state);
+    }
+    {
+      KdaOptions o;
+      o.T = 4096, o.H = 2;
+      o.final_state = StateKind::kF32;
+      o.precision = precision;
+      o.gate = GateForm::kPrecomputed, o.with_dt_bias = false, o.g_min = 0, o.g_max = 0;
+      o.beta_min = o.beta_max = 8.0;
+      KdaInputs in(o);
+      for (int64_t i = 0; i < in.q.count; ++i) in.q.set(i, in.k.get(i));
+      const Errors e = fast ? check_against_reference(in, 2e-2, 2e-2, segments(16))
+                            : check_against_reference(in, 3e-3, 2e-3, segments(16));
+      report(std::string("segments_q_equals_k_no_decay_") + precision_name(precision) + "_out", e.out);
+      report(std::string("segments_q_equals_k_no_decay_") + precision_name(precision) + "_state", e.state);
+    }
+  }
+}
+
+TEST_F(PrefillGpu, SegmentsVeryLongSequence131072) {
+  KdaOptions o;
+  o.T = 131072, o.H = 2;
+  o.initial_state = StateKind::kBF16, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  const Errors e = check_against_reference(in, kTolOut, kTolState, segments(512));
+  report("segments_long131072_out_rel_rms", e.out);
+  report("segments_long131072_state_rel_rms", e.state);
+}
+
+TEST_F(PrefillGpu, SegmentsRepeatsAndGraphReplayAreBitIdentical) {
+  KdaOptions o;
+  o.seqlens = {700, 33, 2048, 0};
+  o.H = 3;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kBF16;
+  KdaInputs in(o);
+  DeviceProblem dev(in, segments(8));
+  dev.poison();
+  dev.run();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  const auto out0 = in.out.bytes, fin0 = in.final_state.bytes;
+  dev.poison();
+  dev.run();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  EXPECT_TRUE(out0 == in.out.bytes) << "out differs on a repeat";
+  EXPECT_TRUE(fin0 == in.final_state.bytes) << "final_state differs on a repeat";
+
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  dev.poison();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaGraph_t graph;
+  CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  dev.run(stream);
+  CUDA_OK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int i = 0; i < 2; ++i) CUDA_OK(cudaGraphLaunch(exec, stream));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  dev.download();
+  EXPECT_TRUE(out0 == in.out.bytes) << "graph replay differs from the eager run";
+  EXPECT_TRUE(fin0 == in.final_state.bytes);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(PrefillGpu, SegmentsInvalidDeviceCuSeqlensPoisonOutputs) {
+  KdaOptions o;
+  o.seqlens = {400, 300, 200};
+  o.H = 2;
+  o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  in.cu_seqlens.set(2, 10.0);  // decreasing
+  DeviceProblem dev(in, segments(2));
+  cudaMemset(dev.out, 0, in.out.data_bytes());
+  cudaMemset(dev.fin, 0, in.final_state.data_bytes());
+  dev.run();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  EXPECT_EQ(count_nonfinite(in.out.values()), in.out.count);
+  EXPECT_EQ(count_nonfinite(in.final_state.values()), in.final_state.count);
+}
+
+// internal::segment_transition on the GPU: for random start states X the returned (A, B) give
+// X^T A^T + B^T = what the fp64 recurrence gives from X, on random and adversarial inputs.
+TEST_F(PrefillGpu, SegmentTransitionMapsAnyStartStateLikeTheRecurrence) {
+  struct Case {
+    const char* name;
+    GateForm gate;
+    double g_min, g_max;
+    bool repeated_key;
+  };
+  const Case cases[] = {{"lower_bound", GateForm::kLowerBound, -3, 3, false},
+                        {"precomputed_-1000", GateForm::kPrecomputed, -1000, 0, false},
+                        {"precomputed_little_decay", GateForm::kPrecomputed, -0.02, 0, false},
+                        {"repeated_key", GateForm::kLowerBound, -12, -12, true}};
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast})
+    for (const Case& c : cases) {
+      KdaOptions o;
+      o.seqlens = {0, 1, 77, 1500};
+      o.H = 2;
+      o.precision = precision;
+      o.gate = c.gate, o.g_min = c.g_min, o.g_max = c.g_max;
+      if (c.gate == GateForm::kPrecomputed) o.with_dt_bias = false, o.g_dtype = DType::kF32;
+      if (c.repeated_key) o.beta_min = o.beta_max = 8.0;
+      o.initial_state = StateKind::kF32;
+      o.initial_state_std = 1.0;
+      KdaInputs in(o);
+      if (c.repeated_key)
+        for (int64_t t = 1; t < o.T; ++t)
+          for (int64_t h = 0; h < o.H; ++h)
+            for (int64_t ch = 0; ch < o.K; ++ch) in.k.set((t * o.H + h) * o.K + ch, in.k.get(h * o.K + ch));
+      const Reference ref = run_reference(in);
+      DeviceProblem dev(in);
+      PrefillParams p = dev.params();
+      p.initial_state = nullptr;
+      const int64_t NH = in.N * o.H;
+      DeviceBuffer a(size_t(NH) * 128 * 128 * 4), b(size_t(NH) * 128 * 128 * 4);
+      DeviceBuffer ws(internal::segment_transition_workspace_size(p));
+      internal::segment_transition(p, static_cast<float*>(a.ptr), static_cast<float*>(b.ptr), ws.ptr, ws.bytes);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> ha(NH * 128 * 128), hb(NH * 128 * 128);
+      cudaMemcpy(ha.data(), a.ptr, ha.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(hb.data(), b.ptr, hb.size() * 4, cudaMemcpyDeviceToHost);
+      const double err = rel_rms(apply_transition(ha, hb, in.initial_state.values(), NH, 128, 128), ref.final_state);
+      const bool fast = precision == Precision::kFast;
+      EXPECT_LE(err, fast ? 2e-2 : 5e-4) << c.name << " " << in.describe();
+      report(std::string("gpu_transition_") + precision_name(precision) + "_" + c.name + "_state", err);
+    }
 }
 
 }  // namespace

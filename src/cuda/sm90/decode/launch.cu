@@ -85,18 +85,19 @@ void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, 
   FLASHKDA_CHECK_LAUNCH();
 }
 
-// FLASHKDA_DECODE_PERSISTENT: 1 always uses the persistent kernel, 0 never; unset, bf16 pools with
-// N·H >= kPersistentMinHeads do (config.h).
-bool use_persistent(bool bf16_state, int64_t num_heads) {
-  if (const char* s = env_value("FLASHKDA_DECODE_PERSISTENT")) return std::atoi(s) != 0;
+// bf16 pools with N·H >= kPersistentMinHeads take the persistent kernel (config.h); an internal
+// launch configuration can force either kernel.
+bool use_persistent(bool bf16_state, int64_t num_heads, const internal::DecodeLaunch& config) {
+  if (config.persistent == 0 || config.persistent == 1) return config.persistent == 1;
   return bf16_state && num_heads >= sm90::decode::kPersistentMinHeads;
 }
 
 template <typename StateT>
-void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
+void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, const internal::DecodeLaunch& config,
+                 cudaStream_t stream) {
   using namespace sm90::decode;
   const bool large = num_heads >= kLargeTileMinHeads;
-  if (use_persistent(sizeof(StateT) == 2, num_heads)) {
+  if (use_persistent(sizeof(StateT) == 2, num_heads, config)) {
     if (large) launch_persistent<StateT, PersistentLargeTile>(args, num_heads, stream);
     else launch_persistent<StateT, SmallTile>(args, num_heads, stream);
   } else if (large) {
@@ -108,7 +109,7 @@ void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaSt
 
 }  // namespace
 
-void decode(const DecodeParams& p, Stream stream) {
+void decode(const DecodeParams& p, const internal::DecodeLaunch& config, Stream stream) {
   if (p.num_seqs == 0) return;
   FLASHKDA_CHECK(p.H <= std::numeric_limits<int32_t>::max(), ErrorCode::kUnsupported, "decode: H=", p.H,
                  " is too large for the GPU backend");
@@ -116,9 +117,9 @@ void decode(const DecodeParams& p, Stream stream) {
   const int64_t num_heads = p.num_seqs * p.H;
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.state_dtype == DType::kF32) {
-    launch_tile<float>(args, num_heads, s);
+    launch_tile<float>(args, num_heads, config, s);
   } else {
-    launch_tile<__nv_bfloat16>(args, num_heads, s);
+    launch_tile<__nv_bfloat16>(args, num_heads, config, s);
   }
 }
 

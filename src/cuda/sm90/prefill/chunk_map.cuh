@@ -28,6 +28,38 @@ __device__ __forceinline__ SeqChunks seq_chunks(const Params& p, int64_t n) {
   return {cu_at(p, n), cu_at(p, n + 1), p.chunk_start[n], p.chunk_start[n + 1]};
 }
 
+// Segment s of sequence n (config.h "Segments"): its index, the sequence's segment count and the
+// global index of the sequence's first segment.
+struct SegmentRef {
+  int64_t n, s, count, first;
+};
+
+// Locates global segment `gseg`; false past the last one (the grid is sized by an upper bound).
+__device__ __forceinline__ bool locate_segment(const Params& p, int64_t gseg, SegmentRef& r) {
+  if (p.cu_seqlens == nullptr) {
+    const int64_t per_seq = segments_of((p.seq_len + kChunk - 1) / kChunk, p.seg_chunks);
+    if (gseg >= per_seq * p.num_seqs) return false;
+    r.n = gseg / per_seq, r.s = gseg % per_seq, r.count = per_seq, r.first = r.n * per_seq;
+    return true;
+  }
+  if (gseg >= p.seg_start[p.num_seqs]) return false;
+  int64_t lo = 0, hi = p.num_seqs;  // last n with seg_start[n] <= gseg (every sequence has a segment)
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (p.seg_start[mid] <= gseg) lo = mid; else hi = mid;
+  }
+  r.n = lo, r.first = p.seg_start[lo], r.count = p.seg_start[lo + 1] - r.first, r.s = gseg - r.first;
+  return true;
+}
+
+// The token and chunk ranges of segment s of a sequence (chunks s * L .. (s + 1) * L - 1).
+__device__ __forceinline__ SeqChunks segment_chunks(const Params& p, const SeqChunks& seq, int64_t s) {
+  const int64_t chunks = seq.chunk_end - seq.chunk_begin;
+  const int64_t j0 = min(s * p.seg_chunks, chunks), j1 = min(j0 + p.seg_chunks, chunks);
+  const int64_t bos = seq.bos + j0 * kChunk;
+  return {bos, min(seq.eos, seq.bos + j1 * kChunk), seq.chunk_begin + j0, seq.chunk_begin + j1};
+}
+
 // Locates chunk `slot`: its sequence's first token and the number of valid rows. False if the
 // slot is past the last chunk (the grid is sized by an upper bound).
 __device__ __forceinline__ bool locate_chunk(const Params& p, int64_t slot, int64_t& row0, int& rows) {

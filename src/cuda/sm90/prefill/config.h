@@ -93,13 +93,40 @@ __host__ __device__ constexpr int kr_offset(int t, int c) {
 // computes that chunk's L and Mqk pairwise with exp(G_i - G_j) <= 1 instead.
 constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift);
 
-// Workspace: [header: chunk_start[N+1] int32, error flag] [chunk records, slot-major, head-minor].
+// Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1] int32] [chunk records,
+// slot-major, head-minor] and, when sequences are split into segments, [segment states]
+// [segment outputs] (segment_layout below).
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(num_seqs + 2) * sizeof(int32_t)); }
+inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(2 * num_seqs + 3) * sizeof(int32_t)); }
 // Upper bound on chunks over all sequences: sum ceil(len/16) <= ceil(total/16) + N.
 inline int64_t max_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return (total_tokens + kChunk - 1) / kChunk + num_seqs;
+}
+
+// ---- Segments: parallelism inside a sequence (docs/DESIGN.md "Segments") -----------------------
+// A sequence of C chunks is cut into segments of seg_chunks chunks (the last may be shorter;
+// every sequence, even an empty one, has at least one). Over segment s the state map is affine,
+// S_out = A_s S_in + B_s, and the recurrence run on the augmented state [B | A] (V + K = 256 rows
+// of S^T, the transition rows starting at the identity with zero values) gives both, and with
+// them, for each token t, the output from a zero start (o_zero_t) and w_t = scale A_t^T q_t, so
+// that o_t = o_zero_t + X_s^T w_t once the true start state X_s is known. Three kernels:
+//   K2 (segmented)  every segment at once; segment 0 from the initial state (outputs final);
+//                   segments s > 0 write o_zero and w (fp32), B_s and A_s^T
+//   chain           X_1 = end of segment 0, X_{s+1} = X_s^T A_s^T + B_s^T (fp32), the final state
+//   combine         o_t = o_zero_t + X_s^T w_t for the tokens of segments s > 0, rounded once to bf16
+constexpr int kSegRows = 2 * kHeadDim;               // rows of the augmented S^T: V value rows, K transition rows
+constexpr int kSegStateFloats = kHeadDim * kHeadDim;  // one 128 x 128 fp32 matrix per (segment, head)
+constexpr int kSegOutFloats = kChunk * kSegRows;      // per (chunk, head): [16 tokens][o_zero 128 | w 128]
+constexpr int kSegMinChunks = 16;                     // shortest segment the launcher picks (256 tokens)
+
+// Segments of a sequence of `chunks` chunks cut every seg_chunks chunks (at least one).
+__host__ __device__ inline int64_t segments_of(int64_t chunks, int64_t seg_chunks) {
+  return chunks <= seg_chunks ? 1 : (chunks + seg_chunks - 1) / seg_chunks;
+}
+// Upper bound on the segments of all sequences: sum max(1, ceil(C_n / L)) <= slots / L + N.
+inline int64_t max_segments(int64_t chunk_slots, int64_t num_seqs, int64_t seg_chunks) {
+  return (chunk_slots + seg_chunks - 1) / seg_chunks + num_seqs;
 }
 
 enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
@@ -135,6 +162,17 @@ struct Params {
   int32_t* error_flag;        // workspace header: 1 when cu_seqlens is invalid
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<precise>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
+
+  // Segments (all zero / null when sequences are not split).
+  int64_t seg_chunks;         // chunks per segment L; 0 = one CTA walks the whole sequence
+  int64_t max_segs;           // launched segment slots (an upper bound with cu_seqlens)
+  int32_t* seg_start;         // workspace header [N+1]: first global segment of sequence n (varlen; K0)
+  float* seg_x;               // [max_segs][H][V][K] start state X_s of each segment (s >= 1)
+  float* seg_b;               // [max_segs][H][V][K] B_s^T: the state after segment s from zero
+  float* seg_a;               // [max_segs][H][K][K] A_s^T (row r = A_s e_r): the segment's transition
+  float* seg_out;             // [chunk_slots][H][16][256] o_zero | w of the chunks of segments s >= 1
+  bool transitions_only;      // every sequence is one segment, run as s > 0: seg_b, seg_a = (B, A^T) of
+                              // each whole sequence (internal::segment_transition); out is not written
 };
 
 }  // namespace flashkda::sm90::prefill

@@ -1,12 +1,15 @@
 // Host side of the sm90 prefill: workspace layout, kernel parameters, K0/K1/K2 launches and
 // the choice of the recurrence variant (value-column split, precision mode).
+#include <algorithm>
 #include <cstring>
 
 #include "backend.h"
 #include "cuda/common/check.h"
 #include "cuda/common/host_env.h"
+#include "launch_config.h"
 #include "cuda/sm90/prefill/launch.h"
 #include "cuda/sm90/prefill/prepare_kernel.cuh"
+#include "cuda/sm90/prefill/segment_kernels.cuh"
 
 namespace flashkda::sm90::prefill {
 
@@ -25,6 +28,27 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   FLASHKDA_CHECK_LAUNCH();
 }
 
+void launch_segment_chain(const Params& p, cudaStream_t stream) {
+  const int64_t work = p.num_seqs * p.H;
+  if (work == 0) return;
+  constexpr int smem = sizeof(ChainSmem);
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  segment_chain_kernel<<<dim3(unsigned(work), kHeadDim / kChainRows), kChainThreads, smem, stream>>>(p);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
+void launch_segment_combine(const Params& p, cudaStream_t stream) {
+  const int64_t tiles = (p.seg_chunks + kCombineChunks - 1) / kCombineChunks;
+  const int64_t ctas = p.max_segs * tiles;
+  if (ctas == 0 || p.H == 0) return;
+  FLASHKDA_CHECK(ctas <= int64_t(INT32_MAX) / p.H, ErrorCode::kUnsupported, "segments of ", p.seg_chunks,
+                 " chunks: ", ctas * p.H, " combine CTAs exceed the GPU grid limit");
+  constexpr int smem = sizeof(CombineSmem);
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  segment_combine_kernel<<<unsigned(ctas * p.H), kCombineThreads, smem, stream>>>(p, tiles);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
 namespace {
 
 ElemType elem_type(const void* ptr, DType t) {
@@ -32,22 +56,66 @@ ElemType elem_type(const void* ptr, DType t) {
   return t == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
 }
 
-using flashkda::cuda::env_int;
+using flashkda::cuda::sm_count;
 
 // Warps per recurrence CTA: two warpgroups (all 128 value columns) or one (a half, two CTAs per
 // head). Every value-column split re-reads the whole chunk record (23 KB per chunk), so splits
 // trade SM count for L2/DRAM traffic; split in two only when N*H leaves most SMs idle.
-// FLASHKDA_V_SPLITS (1 or 2) overrides.
-int choose_warps(int64_t work) {
-  int splits = (2 * work <= int64_t(flashkda::cuda::sm_count())) ? 2 : 1;
-  const int forced = env_int("FLASHKDA_V_SPLITS", 0);
-  if (forced == 1 || forced == 2) splits = forced;
+int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
+  int splits = (2 * work <= int64_t(sm_count())) ? 2 : 1;
+  if (launch.v_splits == 1 || launch.v_splits == 2) splits = launch.v_splits;
   return 8 / splits;
+}
+
+// Segments (config.h): cut sequences so that the segmented K2 fills the GPU's warpgroup slots
+// (two one-warpgroup CTAs per SM) when one CTA pair per (sequence, head) would leave them idle.
+// A sequence of C chunks in S segments costs H * (2 + 4 * (S - 1)) warpgroups (value rows of every
+// segment, transition rows of all but the first); the rule picks the total segment count that
+// fills 2 * #SMs, from the token count (the per-sequence lengths of cu_seqlens live on the GPU),
+// and segments of at least kSegMinChunks chunks (each segment boundary costs a chain step).
+int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, const internal::PrefillLaunch& launch) {
+  if (launch.segment_chunks != 0) return launch.segment_chunks > 0 ? launch.segment_chunks : 0;
+  if (N <= 0 || H <= 0) return 0;
+  const int64_t slots = 2 * int64_t(sm_count());
+  const int64_t segments = (slots / H + 2 * N) / 4;  // total over all sequences
+  if (segments <= N) return 0;
+  const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
+  const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
+  return chunks >= 2 * seg_chunks ? seg_chunks : 0;
+}
+
+struct Layout {
+  size_t header, records, seg_states, seg_out, total;
+};
+
+// The workspace of one call: header, K1 records and, with segments, the per-segment matrices
+// (X_s, B_s^T, A_s^T) and the fp32 outputs of the chunks of segments s > 0.
+Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks) {
+  const int64_t slots = max_chunk_slots(total_tokens, N);
+  Layout l{};
+  l.header = header_bytes(N);
+  l.records = align_up(size_t(slots) * size_t(H) * kMaxRecordBytes);  // either mode's records fit
+  if (seg_chunks > 0) {
+    const size_t matrices = size_t(max_segments(slots, N, seg_chunks)) * size_t(H) * kSegStateFloats * 4;
+    l.seg_states = 3 * align_up(matrices);
+    l.seg_out = align_up(size_t(slots) * size_t(H) * kSegOutFloats * 4);
+  }
+  l.total = l.header + l.records + l.seg_states + l.seg_out;
+  return l;
+}
+
+template <bool kPrecise>
+void launch_segmented(const Params& kp, cudaStream_t stream) {
+  launch_prepare<kPrecise>(kp, stream);
+  launch_recur_segmented<kPrecise>(kp, stream);
+  launch_segment_chain(kp, stream);
+  launch_segment_combine(kp, stream);
 }
 
 // K1 writes the mode's record layout and K2 reads it (config.h RecordLayout).
 template <bool kPrecise>
 void launch_mode(int warps, const Params& kp, cudaStream_t stream) {
+  if (kp.seg_chunks > 0) return launch_segmented<kPrecise>(kp, stream);
   launch_prepare<kPrecise>(kp, stream);
   if (warps == 8) launch_recur<8, kPrecise>(kp, stream);
   else launch_recur<4, kPrecise>(kp, stream);
@@ -60,17 +128,25 @@ namespace flashkda::cuda {
 
 using namespace flashkda::sm90::prefill;
 
-size_t prefill_workspace_size(const PrefillParams& p) {
-  const int64_t N = detail::num_sequences(p);
-  const int64_t slots = max_chunk_slots(p.B * p.T, N);
-  return header_bytes(N) + size_t(slots) * size_t(p.H) * kMaxRecordBytes;  // either mode's records fit
+namespace {
+
+Params kernel_params(const PrefillParams& p, uint8_t* ws);
+
+}  // namespace
+
+int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, launch);
 }
 
-void forward(const PrefillParams& p, void* workspace, size_t, Stream stream_handle) {
-  const auto stream = static_cast<cudaStream_t>(stream_handle);
-  const int64_t N = detail::num_sequences(p);
-  auto* ws = static_cast<uint8_t*>(workspace);
+size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch)).total;
+}
 
+namespace {
+
+// The kernels' view of a problem (everything but the segment fields), workspace header included.
+Params kernel_params(const PrefillParams& p, uint8_t* ws) {
+  const int64_t N = detail::num_sequences(p);
   Params kp{};
   kp.q = p.q, kp.k = p.k, kp.v = p.v, kp.g = p.g, kp.beta = p.beta, kp.out = p.out;
   kp.g_type = p.g_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
@@ -93,14 +169,66 @@ void forward(const PrefillParams& p, void* workspace, size_t, Stream stream_hand
   kp.scale = detail::effective_scale(p.pre, p.K);
   kp.chunk_start = reinterpret_cast<int32_t*>(ws);
   kp.error_flag = kp.chunk_start + (N + 1);
-  kp.records = ws + header_bytes(N);
+  kp.seg_start = kp.error_flag + 1;
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
+  return kp;
+}
 
-  const int warps = choose_warps(N * p.H);
-  // FLASHKDA_PRECISE=0|1 overrides the caller's choice (for experiments and benchmarks).
-  const int forced = env_int("FLASHKDA_PRECISE", -1);
-  if (forced >= 0 ? forced != 0 : p.precision == Precision::kPrecise) launch_mode<true>(warps, kp, stream);
+// One segment per sequence, as long as the longest possible sequence.
+int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>(1, max_chunk_slots(p.B * p.T, 1)); }
+
+}  // namespace
+
+void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
+             Stream stream_handle) {
+  const auto stream = static_cast<cudaStream_t>(stream_handle);
+  const int64_t N = detail::num_sequences(p);
+  auto* ws = static_cast<uint8_t*>(workspace);
+  Params kp = kernel_params(p, ws);
+  kp.seg_chunks = prefill_segment_chunks(p, launch);
+  const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks);
+  kp.records = ws + l.header;
+  if (kp.seg_chunks > 0) {
+    kp.max_segs = max_segments(kp.chunk_slots, N, kp.seg_chunks);
+    float* states = reinterpret_cast<float*>(ws + l.header + l.records);
+    const size_t matrices = l.seg_states / 3 / sizeof(float);
+    kp.seg_x = states, kp.seg_b = states + matrices, kp.seg_a = states + 2 * matrices;
+    kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records + l.seg_states);
+  }
+
+  const int warps = choose_warps(N * p.H, launch);
+  if (p.precision == Precision::kPrecise) launch_mode<true>(warps, kp, stream);
   else launch_mode<false>(warps, kp, stream);
+}
+
+size_t segment_transition_workspace_size(const PrefillParams& p) {
+  const int64_t N = detail::num_sequences(p);
+  const Layout l = workspace_layout(N, p.H, p.B * p.T, whole_sequence_chunks(p));
+  return l.header + l.records + l.seg_out;
+}
+
+void segment_transition(const PrefillParams& p, float* transition, float* zero_start, void* workspace, size_t,
+                        Stream stream_handle) {
+  const auto stream = static_cast<cudaStream_t>(stream_handle);
+  const int64_t N = detail::num_sequences(p);
+  auto* ws = static_cast<uint8_t*>(workspace);
+  Params kp = kernel_params(p, ws);
+  kp.out = nullptr, kp.initial_state = nullptr, kp.final_state = nullptr;
+  kp.initial_state_type = kp.final_state_type = ElemType::kNone;
+  kp.seg_chunks = whole_sequence_chunks(p);
+  kp.max_segs = N;
+  kp.transitions_only = true;
+  const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks);
+  kp.records = ws + l.header;
+  kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records);
+  kp.seg_a = transition, kp.seg_b = zero_start;
+  if (p.precision == Precision::kPrecise) {
+    launch_prepare<true>(kp, stream);
+    launch_recur_segmented<true>(kp, stream);
+  } else {
+    launch_prepare<false>(kp, stream);
+    launch_recur_segmented<false>(kp, stream);
+  }
 }
 
 }  // namespace flashkda::cuda

@@ -1,8 +1,9 @@
 // K0 (varlen chunk scan) and K1 (token-parallel prepare) of the sm90 prefill.
 //
 // K0: grid = 1, block = 1024. Validates cu_seqlens (starts at 0, non-decreasing, ends at the
-//     token count) and writes chunk_start[n] = sum_{m<n} ceil(len_m / 16). On invalid input it
-//     raises error_flag and writes zeros, so K1/K2 do no work and K2 fills the outputs with NaN.
+//     token count) and writes chunk_start[n] = sum_{m<n} ceil(len_m / 16) and, with segments,
+//     seg_start[n] = sum_{m<n} segments_of(chunks_m). On invalid input it raises error_flag and
+//     writes zero chunks, so K1/K2 do no work and K2 fills the outputs with NaN.
 // K1: grid = chunk_slots * H, block = 128.
 //     One CTA builds, for one 16-token chunk of one head: q_decayed, k_decayed, k_restored,
 //     Mqk, inv_b = (I + L)^-1 diag(b) and exp(G_C), in the record layout of config.h.
@@ -30,7 +31,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
     typename Reduce::TempStorage reduce;
     typename Scan::TempStorage scan;
   } tmp;
-  __shared__ int carry;
+  __shared__ int carry, seg_carry;
 
   const int64_t N = p.num_seqs;
   int bad = 0;
@@ -42,7 +43,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   }
   const int any_bad = Reduce(tmp.reduce).Sum(bad);
   if (threadIdx.x == 0) {
-    carry = 0;
+    carry = 0, seg_carry = 0;
     *p.error_flag = any_bad > 0 ? 1 : 0;
   }
   __syncthreads();
@@ -54,8 +55,14 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
     int prefix, total;
     Scan(tmp.scan).ExclusiveSum(chunks, prefix, total);
     if (i <= N) p.chunk_start[i] = carry + prefix;
+    int seg_prefix = 0, seg_total = 0;
+    if (p.seg_chunks > 0) {  // seg_start[n]: the first global segment of sequence n (config.h)
+      __syncthreads();
+      Scan(tmp.scan).ExclusiveSum(i < N ? int(segments_of(chunks, p.seg_chunks)) : 0, seg_prefix, seg_total);
+      if (i <= N) p.seg_start[i] = seg_carry + seg_prefix;
+    }
     __syncthreads();
-    if (threadIdx.x == 0) carry += total;
+    if (threadIdx.x == 0) carry += total, seg_carry += seg_total;
     __syncthreads();
   }
 }

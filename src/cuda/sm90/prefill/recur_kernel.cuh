@@ -32,10 +32,12 @@ using namespace flashkda::cuda;
 
 constexpr int kStages = 3;
 
-// Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v.
-template <int kWarps, bool kPrecise>
+// Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v. The
+// segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0.
+template <int kWarps, bool kPrecise, bool kSeg = false>
 struct RecurSmem {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
+  static_assert(!kSeg || kWarps == 4, "the segmented K2 runs one warpgroup per CTA");
   static constexpr int kVCols = kWarps * 16;
   struct alignas(128) Stage {
     alignas(128) uint8_t record[RecordLayout<kPrecise>::kBytes];
@@ -43,19 +45,23 @@ struct RecurSmem {
   };
   Stage stage[kStages];
   alignas(16) __nv_bfloat16 out[kWarps][kChunk][16];
+  alignas(16) float out32[kSeg ? kWarps : 1][kChunk][16];
 };
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
-template <int kWarps, bool kPrecise>
-__device__ __forceinline__ void load_stage(typename RecurSmem<kWarps, kPrecise>::Stage& st, const Params& p,
-                                           int64_t slot, int h, int64_t row0, int rows, int v_base) {
-  constexpr int kThreads = kWarps * 32;
+// Copies chunk `slot`'s record and (unless !with_v: the transition rows' values are zero) v into
+// a stage.
+template <class Smem, bool kPrecise>
+__device__ __forceinline__ void load_stage(typename Smem::Stage& st, const Params& p, int64_t slot, int h,
+                                           int64_t row0, int rows, int v_base, bool with_v = true) {
+  constexpr int kThreads = Smem::kVCols * 2;
   constexpr int kRecordBytes = RecordLayout<kPrecise>::kBytes;
   constexpr int kRecordChunks = kRecordBytes / 16;
-  constexpr int kVChunksPerRow = RecurSmem<kWarps, kPrecise>::kVCols / 8;
+  constexpr int kVChunksPerRow = Smem::kVCols / 8;
   const uint8_t* rec = p.records + (slot * p.H + h) * kRecordBytes;
   for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i);
+  if (!with_v) return;
   for (int i = threadIdx.x; i < kChunk * kVChunksPerRow; i += kThreads) {
     const int t = i / kVChunksPerRow, part = i % kVChunksPerRow;
     const bool valid = t < rows;
@@ -69,6 +75,11 @@ __device__ __forceinline__ void load_stage(typename RecurSmem<kWarps, kPrecise>:
 __device__ inline void poison_outputs(const Params& p) {
   const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
   const int64_t tid = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  if (p.transitions_only) {  // internal::segment_transition: its outputs are the two matrices
+    const int64_t n_mat = p.num_seqs * p.H * int64_t(kSegStateFloats);
+    for (int64_t i = tid; i < n_mat; i += threads) p.seg_a[i] = p.seg_b[i] = __int_as_float(0x7fc00000);
+    return;
+  }
   const int64_t n_out = p.total_tokens * p.H * kHeadDim;
   for (int64_t i = tid; i < n_out; i += threads)
     static_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16(__int_as_float(0x7fc00000));
@@ -140,9 +151,60 @@ __device__ __forceinline__ void fence_regs(T (&d)[N]) {
 // (wgmma) reads them; followed by a CTA barrier.
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 
-template <int kWarps, bool kPrecise>
+// This thread's rows of S^T (flat: S[4j + e] = row v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1))
+// from a [rows][128] matrix of `type` at `base` (row v_row of it at base + v_row * 128), or zeros
+// for kNone.
+__device__ __forceinline__ void load_state_rows(float (&S)[64], const void* base, ElemType type, int64_t offset,
+                                                int v_row, int t4) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float2 s2 = make_float2(0.f, 0.f);
+      const int64_t idx = offset + int64_t(v_row + 8 * half) * kHeadDim + 8 * j + 2 * t4;
+      if (type == ElemType::kF32) {
+        s2 = *reinterpret_cast<const float2*>(static_cast<const float*>(base) + idx);
+      } else if (type == ElemType::kBF16) {
+        const uint32_t b = *reinterpret_cast<const uint32_t*>(static_cast<const __nv_bfloat16*>(base) + idx);
+        s2 = make_float2(bf16_lo(b), bf16_hi(b));
+      }
+      S[4 * j + 2 * half] = s2.x, S[4 * j + 2 * half + 1] = s2.y;
+    }
+  }
+}
+
+__device__ __forceinline__ void store_state_rows(const float (&S)[64], void* base, ElemType type, int64_t offset,
+                                                 int v_row, int t4) {
+#pragma unroll
+  for (int jt = 0; jt < 16; ++jt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t idx = offset + int64_t(v_row + 8 * half) * kHeadDim + 8 * jt + 2 * t4;
+      const float x0 = S[4 * jt + 2 * half], x1 = S[4 * jt + 2 * half + 1];
+      if (type == ElemType::kF32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(base) + idx) = make_float2(x0, x1);
+      } else {
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(base) + idx) = pack_bf16x2(x0, x1);
+      }
+    }
+}
+
+// Rows r, r + 8 of the identity (the transition rows of a segment start at A = I).
+__device__ __forceinline__ void identity_rows(float (&S)[64], int r, int t4) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) S[4 * j + e] = (r + 8 * (e >> 1) == 8 * j + 2 * t4 + (e & 1)) ? 1.f : 0.f;
+}
+
+// kSeg = false: grid (N * H, 8 / kWarps), one CTA walks a whole sequence for kWarps * 16 value rows.
+// kSeg = true (config.h "Segments"): grid (max_segs * H, 4), one warpgroup per CTA; blockIdx.y 0-1
+// are the value rows, 2-3 the transition rows (A^T) of a segment. Segment 0 runs from the initial
+// state and writes its outputs; segments s > 0 run from zero (transition rows: the identity, with
+// zero values) and write fp32 o_zero and w for the combine kernel, and B_s^T and A_s^T.
+template <int kWarps, bool kPrecise, bool kSeg>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  using Smem = RecurSmem<kWarps, kPrecise>;
+  using Smem = RecurSmem<kWarps, kPrecise, kSeg>;
   using Rec = RecordLayout<kPrecise>;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -152,39 +214,45 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     return;
   }
 
-  const int64_t n = blockIdx.x / p.H;
-  const int h = int(blockIdx.x % p.H);
-  const int v_base = blockIdx.y * Smem::kVCols;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t4 = lane & 3;
-  const int v_row = v_base + warp * 16 + g;  // this thread's state rows: v_row and v_row + 8
-  const SeqChunks sc = seq_chunks(p, n);
+  int64_t n;
+  int h, row_base;         // row_base: first of this CTA's rows of S^T (of the augmented 256 with kSeg)
+  SeqChunks sc;            // the chunks this CTA walks
+  SegmentRef seg{0, 0, 1, 0};
+  if constexpr (kSeg) {
+    h = int(blockIdx.x % p.H);
+    if (!locate_segment(p, blockIdx.x / p.H, seg)) return;
+    if (seg.s == 0 && !p.transitions_only && blockIdx.y >= 2) return;  // a known start state: no transition
+    n = seg.n;
+    row_base = int(blockIdx.y) * Smem::kVCols;
+    sc = segment_chunks(p, seq_chunks(p, n), seg.s);
+  } else {
+    n = blockIdx.x / p.H;
+    h = int(blockIdx.x % p.H);
+    row_base = int(blockIdx.y) * Smem::kVCols;
+    sc = seq_chunks(p, n);
+  }
+  const bool transition_rows = kSeg && row_base >= kHeadDim;  // rows of A^T: zero values, no v
+  const bool first_segment = seg.s == 0 && !(kSeg && p.transitions_only);
+  const int v_base = transition_rows ? 0 : row_base;  // value columns this CTA reads and writes
+  const int v_row = row_base + warp * 16 + g;  // this thread's rows: v_row and v_row + 8
+  const int64_t head_offset = int64_t(h) * kSegStateFloats;
   const int64_t state_base = (n * p.H + h) * int64_t(kHeadDim) * kHeadDim;
 
   // S^T tile, flat: S[4j + e] = state(v = v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1)).
   float S[64];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      float2 s2 = make_float2(0.f, 0.f);
-      const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 8 * j + 2 * t4;
-      if (p.initial_state_type == ElemType::kF32) {
-        s2 = *reinterpret_cast<const float2*>(static_cast<const float*>(p.initial_state) + idx);
-      } else if (p.initial_state_type == ElemType::kBF16) {
-        const uint32_t b = *reinterpret_cast<const uint32_t*>(static_cast<const __nv_bfloat16*>(p.initial_state) + idx);
-        s2 = make_float2(bf16_lo(b), bf16_hi(b));
-      }
-      S[4 * j + 2 * half] = s2.x, S[4 * j + 2 * half + 1] = s2.y;
-    }
-  }
+  if (first_segment) load_state_rows(S, p.initial_state, p.initial_state_type, state_base, v_row, t4);
+  else if (transition_rows) identity_rows(S, v_row - kHeadDim, t4);
+  else load_state_rows(S, nullptr, ElemType::kNone, 0, v_row, t4);
 
   const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_chunks)
-      load_stage<kWarps, kPrecise>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base);
+      load_stage<Smem, kPrecise>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base,
+                                 !transition_rows);
     cute::cp_async_fence();
   }
 
@@ -195,8 +263,8 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     {
       const int64_t jn = j + kStages - 1;
       if (jn < num_chunks)
-        load_stage<kWarps, kPrecise>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
-                           chunk_rows(jn), v_base);
+        load_stage<Smem, kPrecise>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
+                                   chunk_rows(jn), v_base, !transition_rows);
       cute::cp_async_fence();
     }
     const typename Smem::Stage& st = sm.stage[j % kStages];
@@ -242,14 +310,15 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 #pragma unroll
       for (int e = 0; e < 4; ++e) W[nt][e] = Dw[4 * nt + e];
 
-    // u^T = v^T - W^T, then U^T = u^T inv_b^T.
+    // u^T = v^T - W^T (v = 0 on transition rows), then U^T = u^T inv_b^T.
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int t = nt * 8 + 2 * t4 + (e & 1);
         const int col = warp * 16 + g + 8 * (e >> 1);
-        W[nt][e] = __bfloat162float(st.v[t][col]) - W[nt][e];
+        const float vt = transition_rows ? 0.f : __bfloat162float(st.v[t][col]);
+        W[nt][e] = vt - W[nt][e];
       }
     uint32_t ua[4], ua_lo[4];
     acc_fragments<kPrecise>(W[0], W[1], ua, ua_lo);
@@ -310,21 +379,38 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       cute::warpgroup_commit_batch();
     }
 
-    // Output: stage O^T as [t][16 v] in this warp's tile, then one 16-byte store per lane.
-    const int rows = chunk_rows(j);
+    if (kSeg && !first_segment) {
+      // Segments s > 0: O^T of all 16 tokens in fp32 (o_zero on value rows, w on transition
+      // rows), staged as [t][16 rows] in this warp's tile, then 16-byte stores into seg_out.
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
+      for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(O[nt][e]);
-    __syncwarp();
-    {
-      const int t = lane >> 1, part = lane & 1;
-      if (t < rows) {
-        const int64_t row = sc.bos + j * kChunk + t;
-        __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (row * p.H + h) * kHeadDim + v_base +
-                             warp * 16 + part * 8;
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sm.out[warp][t][part * 8]);
+        for (int e = 0; e < 4; ++e) sm.out32[kSeg ? warp : 0][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = O[nt][e];
+      __syncwarp();
+      float* dst = p.seg_out + ((sc.chunk_begin + j) * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int unit = lane + 32 * i, t = unit >> 2, part = unit & 3;
+        *reinterpret_cast<float4*>(dst + t * kSegRows + 4 * part) =
+            *reinterpret_cast<const float4*>(&sm.out32[kSeg ? warp : 0][t][4 * part]);
+      }
+    } else {
+      // Output: stage O^T as [t][16 v] in this warp's tile, then one 16-byte store per lane.
+      const int rows = chunk_rows(j);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(O[nt][e]);
+      __syncwarp();
+      {
+        const int t = lane >> 1, part = lane & 1;
+        if (t < rows) {
+          const int64_t row = sc.bos + j * kChunk + t;
+          __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (row * p.H + h) * kHeadDim + v_base +
+                               warp * 16 + part * 8;
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sm.out[warp][t][part * 8]);
+        }
       }
     }
     // The update must finish before S is read again and before the next iteration's barrier
@@ -334,19 +420,17 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   }
   cute::cp_async_wait<0>();
 
-  if (p.final_state != nullptr) {
-#pragma unroll
-    for (int jt = 0; jt < 16; ++jt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int64_t idx = state_base + int64_t(v_row + 8 * half) * kHeadDim + 8 * jt + 2 * t4;
-        const float x0 = S[4 * jt + 2 * half], x1 = S[4 * jt + 2 * half + 1];
-        if (p.final_state_type == ElemType::kF32) {
-          *reinterpret_cast<float2*>(static_cast<float*>(p.final_state) + idx) = make_float2(x0, x1);
-        } else {
-          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(p.final_state) + idx) = pack_bf16x2(x0, x1);
-        }
-      }
+  if (seg.count == 1 && first_segment) {  // the whole sequence: its final state
+    if (p.final_state != nullptr) store_state_rows(S, p.final_state, p.final_state_type, state_base, v_row, t4);
+  } else if (first_segment) {  // X_1, the start state of segment 1
+    store_state_rows(S, p.seg_x, ElemType::kF32, (seg.first + 1) * p.H * int64_t(kSegStateFloats) + head_offset,
+                     v_row, t4);
+  } else if (transition_rows) {  // A_s^T
+    store_state_rows(S, p.seg_a, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
+                     v_row - kHeadDim, t4);
+  } else {  // B_s^T
+    store_state_rows(S, p.seg_b, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
+                     v_row, t4);
   }
 }
 

@@ -12,10 +12,22 @@ void launch_recur(const Params& p, cudaStream_t stream) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
   constexpr int smem = sizeof(RecurSmem<kWarps, kPrecise>);
-  auto kernel = recur_kernel<kWarps, kPrecise>;
+  auto kernel = recur_kernel<kWarps, kPrecise, false>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(work), 8 / kWarps);
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
+template <bool kPrecise>
+void launch_recur_segmented(const Params& p, cudaStream_t stream) {
+  const int64_t ctas = p.max_segs * p.H;
+  if (ctas == 0) return;
+  constexpr int smem = sizeof(RecurSmem<4, kPrecise, true>);
+  auto kernel = recur_kernel<4, kPrecise, true>;
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const dim3 grid(unsigned(ctas), kSegRows / 64);
+  kernel<<<grid, 4 * 32, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
 }
 

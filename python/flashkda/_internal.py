@@ -1,0 +1,41 @@
+"""Internal launch configurations, for tests and benchmarks that compare variants of one computation.
+
+    from flashkda import _internal
+    with _internal.launch(segment_chunks=-1):      # never cut sequences into segments
+        flashkda.fwd(...)
+
+Not public API: the defaults are the launchers' own rules, which is what every call without this
+context runs; nothing is read from the environment. See src/launch_config.h for the meaning of
+each field (prefill: v_splits, segment_chunks; decode: persistent).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from . import _launch
+
+_PREFILL = {"v_splits": "_v_splits", "segment_chunks": "_segment_chunks"}
+_DECODE = {"persistent": "_persistent"}
+
+
+@contextlib.contextmanager
+def launch(**fields):
+    """Calls inside the block launch with these fields (v_splits, segment_chunks, persistent)."""
+    unknown = set(fields) - set(_PREFILL) - set(_DECODE)
+    if unknown:
+        raise TypeError(f"unknown launch fields: {sorted(unknown)}")
+    saved = {key: dict(value) for key, value in _launch._config.items()}
+    prefill = dict(_launch._config.get("prefill", {}))
+    decode = dict(_launch._config.get("decode", {}))
+    for name, value in fields.items():
+        if name in _PREFILL:
+            prefill[_PREFILL[name]] = int(value)
+        else:
+            decode[_DECODE[name]] = int(value)
+    _launch._config.update(prefill=prefill, decode=decode)
+    try:
+        yield
+    finally:
+        _launch._config.clear()
+        _launch._config.update(saved)

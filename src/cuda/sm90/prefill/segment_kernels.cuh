@@ -1,0 +1,177 @@
+// The two kernels that finish a segmented prefill (config.h "Segments") after the segmented K2:
+//
+// chain    grid (N * H, kHeadDim / kChainRows), block kChainThreads. Per sequence and head, in
+//          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T in fp32 (rows of X^T are independent,
+//          so each CTA owns kChainRows of them); X_1 comes from segment 0, the last product is
+//          the final state.
+// combine  grid (max_segs * tiles * H), block kCombineThreads. For the tokens of segments s > 0:
+//          out_t = o_zero_t + X_s^T w_t, the K = 128 product on the tensor cores with split-bf16
+//          operands (hi * hi + hi * lo + lo * hi, about fp32 accuracy), rounded once to bf16.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "cuda/common/mma.cuh"
+#include "cuda/sm90/prefill/chunk_map.cuh"
+
+namespace flashkda::sm90::prefill {
+
+constexpr int kChainRows = 8;
+constexpr int kChainThreads = 256;
+constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
+constexpr int kCombineThreads = 32 * kCombineChunks;
+constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
+
+struct ChainSmem {
+  float a[kHeadDim][kHeadDim];  // A_s^T of the current segment
+  float x[kChainRows][kHeadDim];
+};
+
+struct CombineSmem {
+  __nv_bfloat16 x_hi[kHeadDim][kCombineRowStride];  // X_s^T [v][k], split
+  __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
+};
+
+__device__ __forceinline__ int64_t segment_matrix(const Params& p, int64_t gseg, int h) {
+  return (gseg * p.H + h) * int64_t(kSegStateFloats);
+}
+
+// First segment and segment count of sequence n.
+__device__ __forceinline__ void sequence_segments(const Params& p, int64_t n, int64_t& first, int64_t& count) {
+  if (p.cu_seqlens == nullptr) {
+    count = segments_of((p.seq_len + kChunk - 1) / kChunk, p.seg_chunks);
+    first = n * count;
+  } else {
+    first = p.seg_start[n];
+    count = p.seg_start[n + 1] - first;
+  }
+}
+
+__global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  ChainSmem& sm = *reinterpret_cast<ChainSmem*>(smem_raw);
+  if (p.cu_seqlens != nullptr && *p.error_flag != 0) return;  // K2 filled the outputs with NaN
+  const int64_t n = blockIdx.x / p.H;
+  const int h = int(blockIdx.x % p.H);
+  int64_t first, count;
+  sequence_segments(p, n, first, count);
+  if (count <= 1) return;  // K2 wrote the final state
+
+  const int tid = threadIdx.x;
+  const int v0 = blockIdx.y * kChainRows;          // this CTA's rows of X^T
+  const int c = tid % kHeadDim, r0 = (tid / kHeadDim) * (kChainRows / 2);  // this thread: rows r0.. r0+3, column c
+  constexpr int kQuads = kHeadDim * kHeadDim / 4;
+  for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
+    sm.x[i / kHeadDim][i % kHeadDim] = p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i];
+  const int64_t state_base = (n * p.H + h) * int64_t(kHeadDim) * kHeadDim;
+  for (int64_t s = 1; s < count; ++s) {
+    const bool last = s + 1 == count;
+    if (last && p.final_state == nullptr) break;
+    const float* a = p.seg_a + segment_matrix(p, first + s, h);
+    __syncthreads();  // the previous step's reads of sm.a and sm.x are done
+    for (int i = tid; i < kQuads; i += kChainThreads)
+      reinterpret_cast<float4*>(&sm.a[0][0])[i] = reinterpret_cast<const float4*>(a)[i];
+    __syncthreads();
+    const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
+    float acc[kChainRows / 2];
+#pragma unroll
+    for (int i = 0; i < kChainRows / 2; ++i) acc[i] = b[(r0 + i) * kHeadDim + c];
+#pragma unroll 4
+    for (int k = 0; k < kHeadDim; ++k) {
+      const float ak = sm.a[k][c];
+#pragma unroll
+      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.x[r0 + i][k], ak, acc[i]);
+    }
+    __syncthreads();  // every thread has read sm.x for this step
+#pragma unroll
+    for (int i = 0; i < kChainRows / 2; ++i) {
+      const int64_t idx = int64_t(v0 + r0 + i) * kHeadDim + c;
+      sm.x[r0 + i][c] = acc[i];
+      if (!last) {
+        p.seg_x[segment_matrix(p, first + s + 1, h) + idx] = acc[i];
+      } else if (p.final_state_type == ElemType::kF32) {
+        static_cast<float*>(p.final_state)[state_base + idx] = acc[i];
+      } else {
+        static_cast<__nv_bfloat16*>(p.final_state)[state_base + idx] = __float2bfloat16_rn(acc[i]);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kCombineThreads) segment_combine_kernel(const __grid_constant__ Params p,
+                                                                          int64_t tiles) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  CombineSmem& sm = *reinterpret_cast<CombineSmem*>(smem_raw);
+  if (p.cu_seqlens != nullptr && *p.error_flag != 0) return;
+  const int h = int(blockIdx.x % p.H);
+  const int64_t tile = blockIdx.x / p.H;
+  SegmentRef seg;
+  if (!locate_segment(p, tile / tiles, seg) || seg.s == 0) return;  // segment 0 wrote its outputs
+  const SeqChunks sc = segment_chunks(p, seq_chunks(p, seg.n), seg.s);
+  const int64_t j0 = (tile % tiles) * kCombineChunks;
+  if (sc.chunk_begin + j0 >= sc.chunk_end) return;
+
+  // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]).
+  const float* x = p.seg_x + segment_matrix(p, seg.first + seg.s, h);
+  for (int i = threadIdx.x; i < kHeadDim * kHeadDim / 2; i += kCombineThreads) {
+    const float2 v = reinterpret_cast<const float2*>(x)[i];
+    uint32_t hi, lo;
+    split_bf16x2(v.x, v.y, hi, lo);
+    const int row = (2 * i) / kHeadDim, col = (2 * i) % kHeadDim;
+    *reinterpret_cast<uint32_t*>(&sm.x_hi[row][col]) = hi;
+    *reinterpret_cast<uint32_t*>(&sm.x_lo[row][col]) = lo;
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t slot = sc.chunk_begin + j0 + warp;
+  if (slot >= sc.chunk_end) return;
+  const int64_t row0 = sc.bos + (j0 + warp) * kChunk;
+  const int64_t left = sc.eos - row0;
+  const int rows = int(left < kChunk ? left : kChunk);
+  const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
+
+  float acc[16][4];
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < kHeadDim / kMmaK; ++ks) {
+    // A = w [16 t][16 k] of this k-step: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..)
+    uint32_t a_hi[4], a_lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
+      const float2 w = *reinterpret_cast<const float2*>(o + t * kSegRows + kHeadDim + k);
+      split_bf16x2(w.x, w.y, a_hi[r], a_lo[r]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int v = 8 * nt + g, k = kMmaK * ks + 2 * t4;
+      const uint32_t bh0 = *reinterpret_cast<const uint32_t*>(&sm.x_hi[v][k]);
+      const uint32_t bh1 = *reinterpret_cast<const uint32_t*>(&sm.x_hi[v][k + 8]);
+      const uint32_t bl0 = *reinterpret_cast<const uint32_t*>(&sm.x_lo[v][k]);
+      const uint32_t bl1 = *reinterpret_cast<const uint32_t*>(&sm.x_lo[v][k + 8]);
+      mma_bf16(acc[nt], a_hi, bh0, bh1);
+      mma_bf16(acc[nt], a_hi, bl0, bl1);
+      mma_bf16(acc[nt], a_lo, bh0, bh1);
+    }
+  }
+  // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1).
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int t = g + 8 * half;
+    if (t >= rows) continue;
+    __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + ((row0 + t) * p.H + h) * kHeadDim;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int v = 8 * nt + 2 * t4;
+      const float2 z = *reinterpret_cast<const float2*>(o + t * kSegRows + v);
+      *reinterpret_cast<uint32_t*>(dst + v) = pack_bf16x2(z.x + acc[nt][2 * half], z.y + acc[nt][2 * half + 1]);
+    }
+  }
+}
+
+}  // namespace flashkda::sm90::prefill

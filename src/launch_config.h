@@ -1,0 +1,45 @@
+// Internal launch configurations: how the CUDA backend splits a problem, for tests and benchmarks
+// that compare variants of the same computation. Not part of the public API (nothing in
+// include/flashkda/ refers to it) and never read from the environment: a variant is chosen only by
+// passing one of these to the internal entry points below. Defaults = the launcher's own rules,
+// i.e. exactly what flashkda::forward / flashkda::decode do.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "flashkda/flashkda.h"
+
+namespace flashkda::internal {
+
+struct PrefillLaunch {
+  int v_splits = 0;            // value-column splits of the one-CTA-per-sequence recurrence: 0 = rule, 1 or 2
+  int64_t segment_chunks = 0;  // 0 = rule; -1 = never cut sequences into segments; > 0 = segments of this
+                               // many 16-token chunks (docs/DESIGN.md "Segments")
+};
+
+struct DecodeLaunch {
+  int persistent = -1;  // -1 = rule; 0 = the one-CTA-per-item kernels; 1 = the persistent kernel
+};
+
+size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch);
+void forward(const PrefillParams& params, const PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
+             Stream stream = nullptr);
+void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream stream = nullptr);
+
+// The segment length the launcher picks for this problem on the current device (0: no split).
+int64_t chosen_segment_chunks(const PrefillParams& params, const PrefillLaunch& launch = {});
+
+// The segment transition (docs/DESIGN.md "Segments"): over a sequence the state map is affine,
+// S_out = A S_in + B. For every sequence n and head h of params (taken as one segment each) this
+// writes transition[n][h] = A^T ([K][K] fp32, row r = A e_r, the image of the r-th basis state)
+// and zero_start[n][h] = B^T ([V][K] fp32, v-first like every state: the final state from zero),
+// so that a start state X (v-first, X^T) ends as X^T A^T + B^T. params.initial_state,
+// final_state and out are not used. Memory where q lives; on the GPU the workspace is
+// segment_transition_workspace_size(params) bytes (0 on the CPU). This is the step segmented
+// prefill chains, and the one context parallelism across devices exchanges.
+size_t segment_transition_workspace_size(const PrefillParams& params);
+void segment_transition(const PrefillParams& params, float* transition, float* zero_start, void* workspace,
+                        size_t workspace_bytes, Stream stream = nullptr);
+
+}  // namespace flashkda::internal
