@@ -1,13 +1,23 @@
-"""Prefill benchmark on one GPU: flashkda against fla `chunk_kda` and MoonshotAI FlashKDA.
+"""Prefill benchmark on one GPU: flashkda against fla `chunk_kda`, MoonshotAI FlashKDA and cuDNN
+frontend's fused sm90 KDA kernel, on identical inputs in one process.
 
-Same inputs for every implementation in one run; median of CUDA-event timings; speed-up over
-each peer; fraction of the memory floor (q, k, v, g, beta read once, out written once, states
-read/written once) at the device-to-device copy bandwidth measured in the same run. A second
-table gives the accuracy of each implementation against an fp64 token recurrence (SPEC.md §6).
+Times are medians of CUDA-graph replays (one call per graph; `--eager` adds eager-call medians),
+fp32 initial and final state unless the case says otherwise. Two gate regimes (SPEC §7):
 
-    FLA_FLASH_KDA=0 python benchmarks/bench_prefill.py --out results.md
+- random: g ~ N(0, 1), A_log ~ U(0, 1), dt_bias ~ U(0, 1) (FlashKDA's benchmark inputs; every
+  channel decays fast);
+- long:   the same, but 8 of the 128 channels of every head with dt_bias = -8 (near-zero decay,
+  as trained models keep for long-range memory).
 
-Peers are optional: whichever of `fla` and `flash_kda` imports is measured.
+Floor = q, k, v, g, beta read once, out written once, states read and written once, at the
+device copy rate measured in the same run. "best peer" is the fastest of the peers that ran.
+
+    FLA_FLASH_KDA=0 python benchmarks/bench_prefill.py --table few --out results.md
+
+Peers are optional: whichever of fla, flash_kda and cudnn imports is measured. The flashkda
+columns: the default launch, "serial" (the same kernels with sequences never cut into segments:
+flashkda._internal.launch(segment_chunks=-1), what flashkda ran before segments) and the fast
+precision mode.
 """
 import argparse
 import datetime
@@ -21,6 +31,7 @@ import torch
 os.environ.setdefault("FLA_FLASH_KDA", "0")
 
 import flashkda  # noqa: E402
+from flashkda import _internal  # noqa: E402
 
 try:
     from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -32,25 +43,40 @@ try:
 except Exception as exc:  # noqa: BLE001
     flash_kda = None
     print(f"flash_kda not importable: {exc}", file=sys.stderr)
+try:
+    from cudnn.linear_attention.hopper import cuda_host as cudnn_kda
+except Exception as exc:  # noqa: BLE001
+    cudnn_kda = None
+    print(f"cudnn sm90 KDA not importable: {exc}", file=sys.stderr)
 
 D = 128
 LOWER_BOUND = -5.0
 
-# (name, H, sequence lengths)
-CASES = [
-    ("T=8192 H=96 one seq", 96, [8192]),
-    ("T=8192 H=96 varlen6", 96, [1300, 547, 2048, 963, 271, 3063]),
-    ("T=8192 H=96 8x1024", 96, [1024] * 8),
-    ("T=8192 H=64 one seq", 64, [8192]),
-    ("T=8192 H=64 varlen6", 64, [1300, 547, 2048, 963, 271, 3063]),
-    ("T=8192 H=64 8x1024", 64, [1024] * 8),
-    ("T=32768 H=32 one seq", 32, [32768]),
-    ("T=16384 H=32 16x1024", 32, [1024] * 16),
-    ("T=8192 H=32 128x64", 32, [64] * 128),
+# (name, H, sequence lengths, with state)
+MANY = [
+    ("T=8192 H=96 one seq, no state", 96, [8192], False),
+    ("T=8192 H=96 one seq", 96, [8192], True),
+    ("T=8192 H=96 varlen6", 96, [1300, 547, 2048, 963, 271, 3063], True),
+    ("T=8192 H=96 8x1024", 96, [1024] * 8, True),
+    ("T=8192 H=64 one seq", 64, [8192], True),
+    ("T=2048 H=96 one seq", 96, [2048], True),
+    ("T=16384 H=32 16x1024", 32, [1024] * 16, True),
+    ("T=8192 H=32 128x64", 32, [64] * 128, True),
+]
+FEW = [
+    ("T=2048 H=12 one seq", 12, [2048], True),
+    ("T=8192 H=12 one seq", 12, [8192], True),
+    ("T=32768 H=12 one seq", 12, [32768], True),
+    ("T=131072 H=12 one seq", 12, [131072], True),
+    ("T=65536 H=16 one seq", 16, [65536], True),
+    ("T=16384 H=16 8x2048", 16, [2048] * 8, True),
+    ("T=8192 H=24 4x2048", 24, [2048] * 4, True),
+    ("T=32768 H=32 one seq", 32, [32768], True),
+    ("T=131072 H=32 one seq", 32, [131072], True),
 ]
 
 
-def make_inputs(H, seqlens, with_state, seed=0):
+def make_inputs(H, seqlens, with_state, regime="random", seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     T = sum(seqlens)
     dev = "cuda"
@@ -58,10 +84,12 @@ def make_inputs(H, seqlens, with_state, seed=0):
     def rnd(*shape, dtype=torch.bfloat16):
         return torch.randn(*shape, generator=gen, device=dev, dtype=torch.float32).to(dtype)
 
+    dt_bias = torch.rand(H, D, generator=gen, device=dev).float()
+    if regime == "long":
+        dt_bias[:, :8] = -8.0  # 8 long-memory channels per head
     x = dict(
         q=rnd(1, T, H, D), k=rnd(1, T, H, D), v=rnd(1, T, H, D), g=rnd(1, T, H, D), beta=rnd(1, T, H),
-        A_log=(torch.rand(H, generator=gen, device=dev) * 2 - 1).float(),
-        dt_bias=(torch.rand(H, D, generator=gen, device=dev) * 2 - 1).float(),
+        A_log=torch.rand(H, generator=gen, device=dev).float(), dt_bias=dt_bias,
         cu_seqlens=torch.tensor([0] + list(torch.tensor(seqlens).cumsum(0).tolist()), device=dev, dtype=torch.int64),
     )
     N = len(seqlens)
@@ -69,40 +97,98 @@ def make_inputs(H, seqlens, with_state, seed=0):
     return x
 
 
-def run_flashkda(x, with_state, precision="precise"):
+# Each runner returns (call, outputs): call() runs one forward; outputs() -> (o [T, H, V], ht or None).
+def run_flashkda(x, with_state, precision="precise", launch=None):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
-    return lambda: flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
-                                LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"],
-                                precision=precision), out, ht
+    launch = launch or {}
+
+    def call():
+        with _internal.launch(**launch):
+            flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
+                         LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"],
+                         precision=precision)
+
+    return call, lambda: (out[0], ht)
 
 
 def run_flash_kda(x, with_state):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
-    return lambda: flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
-                                 LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"]), out, ht
+
+    def call():
+        flash_kda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
+                      LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"])
+
+    return call, lambda: (out[0], ht)
 
 
 def run_fla(x, with_state):
     H = x["q"].shape[2]
     res = {}
+    cu_cpu = x["cu_seqlens"].cpu()
 
     def call():
         o, ht = fla_chunk_kda(
             x["q"], x["k"], x["v"], x["g"], x["beta"], scale=D ** -0.5, initial_state=x["h0"],
             output_final_state=with_state, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
             use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND, A_log=x["A_log"],
-            dt_bias=x["dt_bias"].reshape(H * D), state_v_first=True, cu_seqlens=x["cu_seqlens"])
+            dt_bias=x["dt_bias"].reshape(H * D), state_v_first=True, cu_seqlens=x["cu_seqlens"],
+            cu_seqlens_cpu=cu_cpu)
         res["o"], res["ht"] = o, ht
 
-    return call, res
+    return call, lambda: (res["o"][0], res["ht"])
 
 
-def time_ms(fn, reps=30, warmup=5, inner=1):
-    """Median ms per call over `reps` samples. A sample times `inner` back-to-back calls between two
-    events: inner=1 includes each call's host overhead (eager), inner>1 lets the host run ahead so
-    the figure is the device time per call whenever the host is faster than the GPU."""
+def run_cudnn(x, with_state):
+    """cuDNN frontend's fused sm90 kernel through its launcher (what its engine calls): fp32 gate,
+    beta and state, int32 cu_seqlens, the lower-bound ("safe") gate, L2 norm and beta sigmoid
+    fused. The conversions happen once, outside the timed call."""
+    T, H = x["q"].shape[1], x["q"].shape[2]
+    N = x["cu_seqlens"].numel() - 1
+    g32, beta32 = x["g"].float().contiguous(), x["beta"].float().contiguous()
+    cu32 = x["cu_seqlens"].to(torch.int32)
+    h0 = x["h0"] if with_state else torch.zeros(N, H, D, D, device="cuda")
+    out = torch.empty_like(x["v"])
+    ht = torch.empty(N, H, D, D, device="cuda")
+    dt = x["dt_bias"].reshape(H * D).contiguous()
+    flags = cudnn_kda.FLAG_L2NORM | cudnn_kda.FLAG_SAFE_GATE | cudnn_kda.FLAG_BETA_SIGMOID
+
+    def call():
+        cudnn_kda.launch(device=torch.cuda.current_device(), stream=torch.cuda.current_stream().cuda_stream,
+                         q=x["q"].data_ptr(), k=x["k"].data_ptr(), v=x["v"].data_ptr(), g=g32.data_ptr(),
+                         beta=beta32.data_ptr(), cu_seqlens=cu32.data_ptr(), initial_state=h0.data_ptr(),
+                         o=out.data_ptr(), final_state=ht.data_ptr(), total_tokens=T, n_seqs=N, n_heads=H,
+                         a_log=x["A_log"].data_ptr(), dt_bias=dt.data_ptr(), gate_lower_bound=LOWER_BOUND,
+                         flags=flags, q_scale=D ** -0.5, n_qk_heads=H)
+
+    return call, lambda: (out[0], ht if with_state else None)
+
+
+def time_graph_ms(fn, reps=20):
+    """Median ms of CUDA-graph replays of one call (warmed up and captured first)."""
+    fn()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        fn()  # a warm-up on the capture stream (workspace caches are per stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del graph
+    return statistics.median(times)
+
+
+def time_eager_ms(fn, reps=20, warmup=3):
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -110,18 +196,17 @@ def time_ms(fn, reps=30, warmup=5, inner=1):
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        for _ in range(inner):
-            fn()
+        fn()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) / inner)
+        times.append(a.elapsed_time(b))
     return statistics.median(times)
 
 
 def copy_bandwidth():
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    ms = time_ms(lambda: y.copy_(x), reps=20)
+    ms = time_eager_ms(lambda: y.copy_(x), reps=20)
     return 2 * x.numel() / (ms * 1e-3)  # bytes read + written per second
 
 
@@ -130,6 +215,22 @@ def floor_bytes(H, T, N, with_state):
     if with_state:
         b += 2 * N * H * D * D * 4
     return b
+
+
+def implementations(args):
+    impls = [("flashkda", lambda x, s: run_flashkda(x, s))]
+    if not args.no_serial:
+        impls.append(("flashkda serial", lambda x, s: run_flashkda(x, s, launch=dict(segment_chunks=-1))))
+    if not args.no_fast:
+        impls.append(("flashkda fast", lambda x, s: run_flashkda(x, s, "fast")))
+    peers = []
+    if flash_kda is not None:
+        peers.append(("FlashKDA", run_flash_kda))
+    if fla_chunk_kda is not None:
+        peers.append(("fla", run_fla))
+    if cudnn_kda is not None:
+        peers.append(("cuDNN", run_cudnn))
+    return impls, peers
 
 
 # ---- accuracy against an fp64 token recurrence (SPEC.md §3, lower-bound gate) ---------------
@@ -168,121 +269,95 @@ def repeated_key(x):
     return x
 
 
-def accuracy_table(seqlens, adversarial=False):
-    x = make_inputs(4, seqlens, with_state=True, seed=1)
-    if adversarial:
-        x = repeated_key(x)
-    ref_o, ref_s = reference_fp64(x, seqlens)
+def accuracy_rows(args):
+    impls, peers = implementations(args)
+    cases = [("varlen [300, 17, 1024, 77], random", [300, 17, 1024, 77], "random", False),
+             ("3000 tokens, long memory", [3000], "long", False),
+             ("repeated key, g=-12, beta=8, T=4096", [4096], "random", True)]
     rows = []
-    for precision in ("precise", "fast"):
-        fn, o, ht = run_flashkda(x, True, precision)
-        fn()
-        rows.append((f"flashkda {precision}", rel_rms(o[0], ref_o), rel_rms(ht, ref_s)))
-    if fla_chunk_kda is not None:
-        fn, res = run_fla(x, True)
-        fn()
-        rows.append(("fla chunk_kda", rel_rms(res["o"][0], ref_o), rel_rms(res["ht"], ref_s)))
-    if flash_kda is not None:
-        fn, o, ht = run_flash_kda(x, True)
-        fn()
-        rows.append(("FlashKDA", rel_rms(o[0], ref_o), rel_rms(ht, ref_s)))
+    for label, seqlens, regime, adversarial in cases:
+        x = make_inputs(4, seqlens, with_state=True, regime=regime, seed=1)
+        if adversarial:
+            x = repeated_key(x)
+        ref_o, ref_s = reference_fp64(x, seqlens)
+        for name, make in impls + peers:
+            try:
+                call, outputs = make(x, True)
+                call()
+                torch.cuda.synchronize()
+                o, ht = outputs()
+                rows.append(f"| {label} | {name} | {rel_rms(o, ref_o):.2e} | {rel_rms(ht, ref_s):.2e} |")
+            except Exception as exc:  # noqa: BLE001 - a peer failing on an input is a result
+                rows.append(f"| {label} | {name} | failed: {type(exc).__name__} | |")
+            print(rows[-1], flush=True)
     return rows
-
-
-def sweep_variants(reps):
-    """flashkda only: value-column splits x precision mode (FLASHKDA_V_SPLITS, FLASHKDA_PRECISE)."""
-    print("| case | splits | precise | ms |")
-    print("|---|---|---|---|")
-    for name, H, seqlens in [CASES[0], CASES[6], CASES[8]]:
-        x = make_inputs(H, seqlens, True)
-        for splits in ("1", "2"):
-            for precise in ("0", "1"):
-                os.environ["FLASHKDA_V_SPLITS"], os.environ["FLASHKDA_PRECISE"] = splits, precise
-                print(f"| {name} | {splits} | {precise} | {time_ms(run_flashkda(x, True)[0], reps=reps):.3f} |",
-                      flush=True)
-        del x
-    os.environ.pop("FLASHKDA_V_SPLITS")
-    os.environ.pop("FLASHKDA_PRECISE")
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--sweep", action="store_true", help="also time every recurrence variant of flashkda")
-    ap.add_argument("--inner", type=int, default=1,
-                    help="back-to-back calls per timed sample (1: eager, host overhead included; 10: device time)")
-    ap.add_argument("--no-accuracy", action="store_true",
-                    help="skip the accuracy table (it does not depend on --inner; the eager run measures it)")
-    ap.add_argument("--accuracy-only", action="store_true", help="the accuracy table only, no timings")
-    ap.add_argument("--also", action="append", default=[], metavar="LABEL:KEY=VALUE[,KEY=VALUE]",
-                    help="one more flashkda column timed with these environment variables set, e.g. "
-                         "balanced:FLASHKDA_PRECISE=2 (kernel switches of a candidate build)")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--table", choices=("many", "few", "both"), default="both")
+    ap.add_argument("--regime", choices=("random", "long", "both"), default="both")
+    ap.add_argument("--cases", default="", help="comma-separated substrings: only cases whose name contains one")
+    ap.add_argument("--eager", action="store_true", help="also eager-call medians of the default flashkda call")
+    ap.add_argument("--no-serial", action="store_true", help="skip the serial (no segments) flashkda column")
+    ap.add_argument("--no-fast", action="store_true", help="skip the fast-precision flashkda column")
+    ap.add_argument("--no-peers", action="store_true", help="flashkda only")
+    ap.add_argument("--no-accuracy", action="store_true")
+    ap.add_argument("--accuracy-only", action="store_true")
     args = ap.parse_args()
-    extra = []
-    for spec in args.also:
-        label, _, assigns = spec.partition(":")
-        extra.append((label, dict(kv.split("=", 1) for kv in assigns.split(",") if kv)))
-    if args.sweep:
-        sweep_variants(args.reps)
 
+    impls, peers = implementations(args)
+    if args.no_peers:
+        peers = []
     bw = copy_bandwidth()
-    lines = []
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    lines.append(f"GPU: {torch.cuda.get_device_name()} | date: {datetime.date.today()} | commit: {commit or 'n/a'} | "
-                 f"copy bandwidth: {bw / 1e12:.2f} TB/s | torch {torch.__version__} | "
-                 f"{'eager calls' if args.inner == 1 else f'{args.inner} back-to-back calls'} per timed sample")
-    lines.append("")
-    lines.append("| case | state | flashkda ms | fla ms | FlashKDA ms | vs fla | vs FlashKDA | floor ms | % of floor "
-                 "| flashkda fast ms | fast vs fla | fast vs FlashKDA |"
-                 + "".join(f" {label} ms | {label} vs FlashKDA |" for label, _ in extra))
-    lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra))
+    lines = [f"GPU: {torch.cuda.get_device_name()} | date: {datetime.date.today()} | commit: {commit or 'n/a'} | "
+             f"copy bandwidth: {bw / 1e12:.2f} TB/s | torch {torch.__version__} | CUDA-graph medians of "
+             f"{args.reps} replays, ms", ""]
+    names = [n for n, _ in impls] + [n for n, _ in peers]
+    header = ("| case | gates | " + " | ".join(names) + " | best peer | vs best peer | floor | % of floor |"
+              + (" eager |" if args.eager else ""))
+    lines += [header, "|" + "---|" * (header.count("|") - 1)]
     print("\n".join(lines), flush=True)
-    for name, H, seqlens in ([] if args.accuracy_only else CASES):
-        for with_state in (False, True):
-            x = make_inputs(H, seqlens, with_state)
-            timed = dict(reps=args.reps, inner=args.inner)
-            t_ours = time_ms(run_flashkda(x, with_state)[0], **timed)
-            t_fast = time_ms(run_flashkda(x, with_state, "fast")[0], **timed)
-            t_extra = []
-            for _, env in extra:
-                saved = {key: os.environ.get(key) for key in env}
-                os.environ.update(env)
+    tables = {"many": MANY, "few": FEW, "both": MANY + FEW}[args.table]
+    regimes = ("random", "long") if args.regime == "both" else (args.regime,)
+    wanted = [c for c in args.cases.split(",") if c]
+    for name, H, seqlens, with_state in ([] if args.accuracy_only else tables):
+        if wanted and not any(w in name for w in wanted):
+            continue
+        for regime in regimes:
+            x = make_inputs(H, seqlens, with_state, regime)
+            times = {}
+            for label, make in impls + peers:
                 try:
-                    t_extra.append(time_ms(run_flashkda(x, with_state)[0], **timed))
-                finally:
-                    for key, value in saved.items():
-                        if value is None:
-                            os.environ.pop(key, None)
-                        else:
-                            os.environ[key] = value
-            t_fla = time_ms(run_fla(x, with_state)[0], **timed) if fla_chunk_kda else float("nan")
-            t_fk = time_ms(run_flash_kda(x, with_state)[0], **timed) if flash_kda else float("nan")
+                    times[label] = time_graph_ms(make(x, with_state)[0], reps=args.reps)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{label} failed on {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
+                    times[label] = float("nan")
+                torch.cuda.synchronize()
+            peer_times = [times[n] for n, _ in peers if times[n] == times[n]]
+            best = min(peer_times) if peer_times else float("nan")
+            best_name = next((n for n, _ in peers if times[n] == best), "-")
             floor = floor_bytes(H, sum(seqlens), len(seqlens), with_state) / bw * 1e3
-            lines.append(f"| {name} | {'fp32' if with_state else 'none'} | {t_ours:.3f} | {t_fla:.3f} | {t_fk:.3f} | "
-                         f"{t_fla / t_ours:.2f}x | {t_fk / t_ours:.2f}x | {floor:.3f} | {100 * floor / t_ours:.0f}% | "
-                         f"{t_fast:.3f} | {t_fla / t_fast:.2f}x | {t_fk / t_fast:.2f}x |"
-                         + "".join(f" {t:.3f} | {t_fk / t:.2f}x |" for t in t_extra))
-            print(lines[-1], flush=True)
+            ours = times["flashkda"]
+            row = (f"| {name} | {regime} | " + " | ".join(f"{times[n]:.3f}" for n in names)
+                   + f" | {best_name} | {best / ours:.2f}x | {floor:.3f} | {100 * floor / ours:.0f}% |")
+            if args.eager:
+                row += f" {time_eager_ms(run_flashkda(x, with_state)[0], reps=args.reps):.3f} |"
+            lines.append(row)
+            print(row, flush=True)
             del x
             torch.cuda.empty_cache()
     if not args.no_accuracy:
-        lines.append("")
-        lines.append("Accuracy, rel-RMS vs fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
-                     "lower-bound gate):")
-        lines.append("")
-        lines.append("| inputs | implementation | output | final state |")
-        lines.append("|---|---|---|---|")
+        lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
+                  "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]
         print("\n".join(lines[-5:]), flush=True)
-        for label, seqlens, adversarial in (("varlen [300, 17, 1024, 77]", [300, 17, 1024, 77], False),
-                                            ("repeated key, g=-12, beta=8, T=4096", [4096], True)):
-            for name, eo, es in accuracy_table(seqlens, adversarial):
-                lines.append(f"| {label} | {name} | {eo:.2e} | {es:.2e} |")
-                print(lines[-1], flush=True)
-    text = "\n".join(lines)
+        lines += accuracy_rows(args)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(text + "\n")
+            f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

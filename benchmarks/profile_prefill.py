@@ -1,20 +1,24 @@
 """Where flashkda's prefill time goes: per-kernel GPU time (torch.profiler) for a few cases, in
-both precision modes, plus the wall time of one eager call. Same inputs as bench_prefill.py.
+both precision modes and with and without segments, plus the host time of one eager call.
+Same inputs as bench_prefill.py.
 
     python benchmarks/profile_prefill.py [--quick | --host-only]
 
---quick (used by scripts/gpu_ab.sh to compare candidates): the per-kernel table only, without the
-host-time table and the V-split comparison. --host-only: the host-time table only.
+--quick: the per-kernel table only. --host-only: the host-time table only.
 """
 import os
+import statistics
 import sys
+import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_prefill import CASES, make_inputs, run_flashkda, time_ms  # noqa: E402
+from bench_prefill import FEW, MANY, make_inputs, run_flashkda, time_eager_ms  # noqa: E402
+
+CASES = [MANY[1], MANY[3], FEW[1], FEW[3], FEW[7]]  # H=96 one seq, H=96 8x1024, H=12 T=8192 / 131072, H=32 T=32768
 
 
 def kernel_times(fn, reps=10):
@@ -33,8 +37,6 @@ def kernel_times(fn, reps=10):
 
 def host_us(fn, reps=20):
     """Median host time of one call (enqueue only: the GPU is idle when each call starts)."""
-    import statistics
-    import time
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -56,7 +58,7 @@ def run_flashkda_checked(x, with_state):
             fn()
         finally:
             impl._fwd_direct = direct
-    return call, None, None
+    return call, None
 
 
 def host_overhead():
@@ -66,50 +68,35 @@ def host_overhead():
     peers = [("FlashKDA", run_flash_kda)] if flash_kda is not None else []
     print("| case | library | host us per call | eager ms |")
     print("|---|---|---|---|")
-    for name, H, seqlens in [CASES[0], CASES[8]]:
-        x = make_inputs(H, seqlens, True)
+    for name, H, seqlens, state in [MANY[1], MANY[7]]:
+        x = make_inputs(H, seqlens, state)
         for lib, make in [("flashkda", run_flashkda), ("flashkda, checked path", run_flashkda_checked)] + peers:
-            fn = make(x, True)[0]
+            fn = make(x, state)[0]
             for _ in range(10):
                 fn()
-            print(f"| {name} | {lib} | {host_us(fn, reps=50):.0f} | {time_ms(fn, reps=10):.3f} |", flush=True)
+            print(f"| {name} | {lib} | {host_us(fn, reps=50):.0f} | {time_eager_ms(fn, reps=10):.3f} |", flush=True)
         del x
         torch.cuda.empty_cache()
 
 
 def main():
-    quick = "--quick" in sys.argv[1:]
-    if not quick:
+    if "--quick" not in sys.argv[1:]:
         host_overhead()
     if "--host-only" in sys.argv[1:]:
         return
-    print("| case | precise | eager call ms | kernel | ms per call |")
+    print("| case | precision | launch | kernel | ms per call |")
     print("|---|---|---|---|---|")
-    # one sequence at H=96 and H=32 (latency-bound recurrence), 8 x 1024 at H=96 and 128 x 64
-    # (throughput-bound: more (sequence, head) pairs than SMs)
-    for name, H, seqlens in [CASES[0], CASES[2], CASES[6], CASES[8]]:
-        x = make_inputs(H, seqlens, True)
-        for precise in os.environ.get("PROFILE_MODES", "1 0").split():  # FLASHKDA_PRECISE values
-            os.environ["FLASHKDA_PRECISE"] = precise
-            fn = run_flashkda(x, True)[0]
-            wall = time_ms(fn, reps=10)
-            for kname, ms in sorted(kernel_times(fn).items(), key=lambda kv: -kv[1]):
-                print(f"| {name} | {precise} | {wall:.3f} | {kname} | {ms:.3f} |", flush=True)
+    for name, H, seqlens, state in CASES:
+        x = make_inputs(H, seqlens, state)
+        for precision in ("precise", "fast"):
+            for label, launch in (("default", {}), ("serial", dict(segment_chunks=-1))):
+                fn = run_flashkda(x, state, precision, launch)[0]
+                times = kernel_times(fn)
+                for kname, ms in sorted(times.items(), key=lambda kv: -kv[1]):
+                    print(f"| {name} | {precision} | {label} | {kname} | {ms:.3f} |", flush=True)
+                print(f"| {name} | {precision} | {label} | all | {sum(times.values()):.3f} |", flush=True)
         del x
         torch.cuda.empty_cache()
-    os.environ["FLASHKDA_PRECISE"] = "1"
-    if quick:
-        return
-    print("| case | FLASHKDA_V_SPLITS | recurrence kernel ms |")
-    print("|---|---|---|")
-    for name, H, seqlens in [CASES[0], CASES[6]]:
-        x = make_inputs(H, seqlens, True)
-        for splits in ("1", "2"):
-            os.environ["FLASHKDA_V_SPLITS"] = splits
-            times = kernel_times(run_flashkda(x, True)[0], reps=5)
-            print(f"| {name} | {splits} | {sum(v for k, v in times.items() if 'recur' in k):.3f} |", flush=True)
-        del x
-    os.environ.pop("FLASHKDA_V_SPLITS")
 
 
 if __name__ == "__main__":

@@ -3,10 +3,10 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [sanitize] [python] [bench] [bench-device] [decode] [profile] [sweep] [ab]
-#   (default: build test sanitize python bench bench-device decode; bench = prefill against the
-#   peers, eager calls, plus accuracy; bench-device = the timings with 10 back-to-back calls per
-#   sample; gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [sanitize] [python] [bench] [decode] [profile] [ab]
+#   (default: build test sanitize python bench decode; bench = prefill against the peers, both
+#   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy;
+#   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2; ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -14,8 +14,8 @@
 #
 # Every step writes its log under $OUT as it goes, so a call cut off by its time limit still
 # returns what finished, in at most 8 files (the device tool returns no more): build.log (GPU,
-# CMake, pip, peers), ctest.log, sanitize.log, pytest.log, bench_prefill.log, bench_device.log,
-# bench_decode.log, profile.log.
+# CMake, pip, peers), ctest.log, sanitize.log, pytest.log, bench_prefill.log, bench_decode.log,
+# profile.log.
 #
 # Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
 # from the nvidia-cutlass wheel), .whl/*.whl (peer wheels, e.g. fla), .peers/setup.sh (a local
@@ -25,7 +25,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 steps=("$@")
-[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize python bench bench-device decode)
+[ ${#steps[@]} -eq 0 ] && steps=(build test sanitize python bench decode)
 want() { [[ " ${steps[*]} " == *" $1 "* ]]; }
 CUTLASS=${CUTLASS_DIR:-$PWD/.deps/cutlass/cutlass_library/source/include}
 JOBS=$(nproc)
@@ -37,7 +37,7 @@ if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 peers_pid=""
-if { want bench || want bench-device || want decode; } && [ -x .peers/setup.sh ] && [ ! -d /tmp/peers ]; then
+if { want bench || want decode; } && [ -x .peers/setup.sh ] && [ ! -d /tmp/peers ]; then
   .peers/setup.sh > /tmp/peers.log 2>&1 &
   peers_pid=$!
 fi
@@ -72,7 +72,7 @@ fi
 
 if want sanitize; then
   step compute-sanitizer
-  san=(--gtest_filter='*VarlenWithEmpty*:*GateForms*:*OddLengths*')
+  san=(--gtest_filter='*VarlenWithEmptySequencesInt32*:*SegmentsSmall*:GateFormsAndFlags')
   san_log="$OUT/sanitize.log"
   : > "$san_log"
   sanitize() {  # name, tool, command...
@@ -89,7 +89,7 @@ if want sanitize; then
   done
 fi
 
-if want python || want bench || want bench-device || want profile || want decode; then
+if want python || want bench || want profile || want decode; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
@@ -109,11 +109,7 @@ fi
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want bench; then
   step bench
-  python3 benchmarks/bench_prefill.py 2>&1 | tee "$OUT/bench_prefill.log" | tail -40 || status=1
-fi
-if want bench-device; then
-  step bench-device
-  python3 benchmarks/bench_prefill.py --inner 10 --reps 10 --no-accuracy 2>&1 | tee "$OUT/bench_device.log" | tail -25 || status=1
+  python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -45 || status=1
 fi
 if want decode; then
   step bench-decode
@@ -123,20 +119,16 @@ if want profile; then
   step profile
   python3 benchmarks/profile_prefill.py 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
   if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
-    for c in 0; do  # T=8192 H=96, fp32 state, first call of K1 and K2
+    for c in 1; do  # T=8192 H=96, fp32 state, first call of K1 and K2
       ncu --clock-control none -k regex:"prepare_kernel|recur_kernel" -c 2 --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
-from bench_prefill import CASES, make_inputs, run_flashkda
-_, H, lens = CASES[$c]; fn = run_flashkda(make_inputs(H, lens, True), True)[0]; fn(); torch.cuda.synchronize()" \
+from bench_prefill import MANY, make_inputs, run_flashkda
+_, H, lens, st = MANY[$c]; fn = run_flashkda(make_inputs(H, lens, st), st)[0]; fn(); torch.cuda.synchronize()" \
         >> "$OUT/profile.log" 2>&1 || echo "ncu case $c failed (see profile.log)"
     done
   fi
-fi
-if want sweep; then
-  step sweep
-  python3 benchmarks/bench_prefill.py --sweep --reps 10 2>&1 | grep -E "^\| .*\| [0-9.]+ \|$" | tee -a "$OUT/profile.log"
 fi
 if want ab; then
   step ab

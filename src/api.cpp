@@ -90,7 +90,18 @@ void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream strea
   cpu::decode(params);
 }
 
-size_t segment_transition_workspace_size(const PrefillParams& params) {
+namespace {
+// segment_transition writes no out: validate the problem as a forward into v's shape and dtype.
+PrefillParams without_out(const PrefillParams& params) {
+  PrefillParams p = params;
+  if (p.out == nullptr) p.out = const_cast<void*>(p.v);
+  p.initial_state = nullptr, p.final_state = nullptr;
+  return p;
+}
+}  // namespace
+
+size_t segment_transition_workspace_size(const PrefillParams& params_in) {
+  const PrefillParams params = without_out(params_in);
   const Backend backend = backend_of(params.q);
   detail::check_reachable(params, backend);
   detail::validate_prefill(params, backend);
@@ -100,8 +111,9 @@ size_t segment_transition_workspace_size(const PrefillParams& params) {
   return 0;
 }
 
-void segment_transition(const PrefillParams& params, float* transition, float* zero_start, void* workspace,
+void segment_transition(const PrefillParams& params_in, float* transition, float* zero_start, void* workspace,
                         size_t workspace_bytes, Stream stream) {
+  const PrefillParams params = without_out(params_in);
   const Backend backend = backend_of(params.q);
   detail::check_reachable(params, backend);
   detail::check_reachable(backend, {{transition, "transition"}, {zero_start, "zero_start"}}, "");
@@ -113,6 +125,7 @@ void segment_transition(const PrefillParams& params, float* transition, float* z
     FLASHKDA_CHECK_ARG(workspace_bytes >= needed && (needed == 0 || workspace != nullptr), "workspace: need ", needed,
                        " bytes of device memory, got ", workspace_bytes);
     detail::check_aligned16({{workspace, "workspace"}, {transition, "transition"}, {zero_start, "zero_start"}}, "");
+    detail::check_reachable(backend, {{workspace, "workspace"}}, "");
     cuda::segment_transition(params, transition, zero_start, workspace, workspace_bytes, stream);
     return;
   }

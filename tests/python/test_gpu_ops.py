@@ -56,6 +56,24 @@ def test_chunk_kda_matches_reference(rng, bf16, gate):
     assert rel_rms(to_numpy(ht), ref_h) <= TOL_H
 
 
+@pytest.mark.parametrize("segment_chunks", [-1, 3, 16])
+def test_internal_launch_segments_match_reference(rng, bf16, segment_chunks):
+    """flashkda._internal.launch reaches the kernels: sequences never cut (-1) or cut into segments of
+    3 and 16 chunks give the reference's result, and cutting changes the bits."""
+    from flashkda import _internal
+
+    p, t = cuda_problem(rng, bf16)
+    with _internal.launch(segment_chunks=segment_chunks):
+        o, ht = chunk(p, t)
+    ref_o, ref_h = reference(p)
+    assert rel_rms(to_numpy(o), ref_o) <= TOL_O
+    assert rel_rms(to_numpy(ht), ref_h) <= TOL_H
+    if segment_chunks > 0:
+        with _internal.launch(segment_chunks=-1):
+            o_serial, _ = chunk(p, t)
+        assert not torch.equal(o, o_serial)
+
+
 @pytest.mark.parametrize("gate", GATES)
 def test_precision_fast_matches_reference_and_differs_from_precise(rng, bf16, gate):
     p, t = cuda_problem(rng, bf16, gate=gate)

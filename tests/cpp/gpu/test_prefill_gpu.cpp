@@ -546,6 +546,20 @@ TEST_F(PrefillGpu, SegmentsVarlenWithEmptySequences) {
   }
 }
 
+// Small enough for compute-sanitizer (scripts/gpu_check.sh sanitize): every kernel of the
+// segmented path, varlen with an empty sequence, both precisions.
+TEST_F(PrefillGpu, SegmentsSmallForSanitizers) {
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+    KdaOptions o;
+    o.seqlens = {0, 100, 17, 300};
+    o.H = 2;
+    o.precision = precision;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kBF16;
+    KdaInputs in(o);
+    check_against_reference(in, kTolOut, kTolState, segments(2));
+  }
+}
+
 // The default launch splits few-head problems: check that it did, and that the split and the
 // serial recurrence agree on the same inputs within the bf16 rounding of the output.
 TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {

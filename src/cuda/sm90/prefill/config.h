@@ -95,7 +95,7 @@ constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift
 
 // Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1] int32] [chunk records,
 // slot-major, head-minor] and, when sequences are split into segments, [segment states]
-// [segment outputs] (segment_layout below).
+// [segment outputs] (workspace_layout in launch.cu).
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
 inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(2 * num_seqs + 3) * sizeof(int32_t)); }

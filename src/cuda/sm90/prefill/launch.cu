@@ -41,8 +41,6 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   const int64_t tiles = (p.seg_chunks + kCombineChunks - 1) / kCombineChunks;
   const int64_t ctas = p.max_segs * tiles;
   if (ctas == 0 || p.H == 0) return;
-  FLASHKDA_CHECK(ctas <= int64_t(INT32_MAX) / p.H, ErrorCode::kUnsupported, "segments of ", p.seg_chunks,
-                 " chunks: ", ctas * p.H, " combine CTAs exceed the GPU grid limit");
   constexpr int smem = sizeof(CombineSmem);
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   segment_combine_kernel<<<unsigned(ctas * p.H), kCombineThreads, smem, stream>>>(p, tiles);
@@ -74,7 +72,9 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // fills 2 * #SMs, from the token count (the per-sequence lengths of cu_seqlens live on the GPU),
 // and segments of at least kSegMinChunks chunks (each segment boundary costs a chain step).
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, const internal::PrefillLaunch& launch) {
-  if (launch.segment_chunks != 0) return launch.segment_chunks > 0 ? launch.segment_chunks : 0;
+  if (launch.segment_chunks < 0) return 0;
+  if (launch.segment_chunks > 0)  // forced; longer than any sequence is one segment each
+    return std::min(launch.segment_chunks, std::max<int64_t>(1, max_chunk_slots(total_tokens, 1)));
   if (N <= 0 || H <= 0) return 0;
   const int64_t slots = 2 * int64_t(sm_count());
   const int64_t segments = (slots / H + 2 * N) / 4;  // total over all sequences
@@ -194,6 +194,11 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const size_t matrices = l.seg_states / 3 / sizeof(float);
     kp.seg_x = states, kp.seg_b = states + matrices, kp.seg_a = states + 2 * matrices;
     kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records + l.seg_states);
+    // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
+    const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);
+    FLASHKDA_CHECK(kp.max_segs <= int64_t(INT32_MAX) / p.H && combine_ctas <= int64_t(INT32_MAX) / p.H,
+                   ErrorCode::kUnsupported, "segments of ", kp.seg_chunks, " chunks: ", combine_ctas * p.H,
+                   " CTAs exceed the GPU grid limit");
   }
 
   const int warps = choose_warps(N * p.H, launch);
