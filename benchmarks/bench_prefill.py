@@ -304,6 +304,7 @@ def main():
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (no segments) flashkda column")
     ap.add_argument("--no-fast", action="store_true", help="skip the fast-precision flashkda column")
     ap.add_argument("--no-peers", action="store_true", help="flashkda only")
+    ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
     args = ap.parse_args()
@@ -311,8 +312,11 @@ def main():
     impls, peers = implementations(args)
     if args.no_peers:
         peers = []
+    elif args.peers:
+        peers = [(n, f) for n, f in peers if n in args.peers.split(",")]
     bw = copy_bandwidth()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                              capture_output=True, text=True).stdout.strip()
     lines = [f"GPU: {torch.cuda.get_device_name()} | date: {datetime.date.today()} | commit: {commit or 'n/a'} | "
              f"copy bandwidth: {bw / 1e12:.2f} TB/s | torch {torch.__version__} | CUDA-graph medians of "
              f"{args.reps} replays, ms", ""]

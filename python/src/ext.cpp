@@ -1,7 +1,8 @@
 // flashkda._C: nanobind bindings of the C++ API (include/flashkda/flashkda.h). Arrays arrive from
 // any DLPack framework (numpy, torch, jax, cupy) as nb::ndarray; this file reads their pointer,
 // shape, dtype and device, checks shapes against each other and fills PrefillParams/DecodeParams.
-// flashkda::Error becomes ValueError (kInvalidArgument) or RuntimeError (all other codes).
+// flashkda::Error becomes ValueError (kInvalidArgument), NotImplementedError (kUnsupported) or
+// RuntimeError (kCuda, kInternal).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
@@ -452,8 +453,12 @@ NB_MODULE(_C, m) {
     try {
       std::rethrow_exception(e);
     } catch (const flashkda::Error& err) {
-      PyErr_SetString(err.code() == flashkda::ErrorCode::kInvalidArgument ? PyExc_ValueError : PyExc_RuntimeError,
-                      err.what());
+      // kUnsupported (valid arguments this build or backend does not serve, e.g. K != 128 on the
+      // GPU) is NotImplementedError, itself a RuntimeError.
+      PyObject* type = err.code() == flashkda::ErrorCode::kInvalidArgument ? PyExc_ValueError
+                       : err.code() == flashkda::ErrorCode::kUnsupported   ? PyExc_NotImplementedError
+                                                                            : PyExc_RuntimeError;
+      PyErr_SetString(type, err.what());
     }
   });
 
