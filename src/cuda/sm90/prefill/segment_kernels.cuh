@@ -98,8 +98,10 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   }
 }
 
-__global__ void __launch_bounds__(kCombineThreads) segment_combine_kernel(const __grid_constant__ Params p,
-                                                                          int64_t tiles) {
+// Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: one
+// k-step ahead; o_zero: half a chunk at a time), so each phase costs one memory round trip.
+__global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
+                                                                             int64_t tiles) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   CombineSmem& sm = *reinterpret_cast<CombineSmem*>(smem_raw);
   if (p.cu_seqlens != nullptr && *p.error_flag != 0) return;
@@ -112,14 +114,21 @@ __global__ void __launch_bounds__(kCombineThreads) segment_combine_kernel(const 
   if (sc.chunk_begin + j0 >= sc.chunk_end) return;
 
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]).
-  const float* x = p.seg_x + segment_matrix(p, seg.first + seg.s, h);
-  for (int i = threadIdx.x; i < kHeadDim * kHeadDim / 2; i += kCombineThreads) {
-    const float2 v = reinterpret_cast<const float2*>(x)[i];
-    uint32_t hi, lo;
-    split_bf16x2(v.x, v.y, hi, lo);
-    const int row = (2 * i) / kHeadDim, col = (2 * i) % kHeadDim;
-    *reinterpret_cast<uint32_t*>(&sm.x_hi[row][col]) = hi;
-    *reinterpret_cast<uint32_t*>(&sm.x_lo[row][col]) = lo;
+  {
+    constexpr int kQuads = kHeadDim * kHeadDim / 4 / kCombineThreads;  // 16 float4 per thread
+    const float4* x = reinterpret_cast<const float4*>(p.seg_x + segment_matrix(p, seg.first + seg.s, h));
+    float4 xv[kQuads];
+#pragma unroll
+    for (int i = 0; i < kQuads; ++i) xv[i] = x[threadIdx.x + i * kCombineThreads];
+#pragma unroll
+    for (int i = 0; i < kQuads; ++i) {
+      const int q = threadIdx.x + i * kCombineThreads, row = (4 * q) / kHeadDim, col = (4 * q) % kHeadDim;
+      uint32_t hi0, lo0, hi1, lo1;
+      split_bf16x2(xv[i].x, xv[i].y, hi0, lo0);
+      split_bf16x2(xv[i].z, xv[i].w, hi1, lo1);
+      *reinterpret_cast<uint2*>(&sm.x_hi[row][col]) = make_uint2(hi0, hi1);
+      *reinterpret_cast<uint2*>(&sm.x_lo[row][col]) = make_uint2(lo0, lo1);
+    }
   }
   __syncthreads();
 
@@ -132,21 +141,27 @@ __global__ void __launch_bounds__(kCombineThreads) segment_combine_kernel(const 
   const int rows = int(left < kChunk ? left : kChunk);
   const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
 
+  // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
+  auto load_w = [&](int ks, float2 (&w)[4]) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
+      w[r] = *reinterpret_cast<const float2*>(o + t * kSegRows + kHeadDim + k);
+    }
+  };
   float acc[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+  float2 w_next[4];
+  load_w(0, w_next);
 #pragma unroll
   for (int ks = 0; ks < kHeadDim / kMmaK; ++ks) {
-    // A = w [16 t][16 k] of this k-step: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..)
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
-      const float2 w = *reinterpret_cast<const float2*>(o + t * kSegRows + kHeadDim + k);
-      split_bf16x2(w.x, w.y, a_hi[r], a_lo[r]);
-    }
+    for (int r = 0; r < 4; ++r) split_bf16x2(w_next[r].x, w_next[r].y, a_hi[r], a_lo[r]);
+    if (ks + 1 < kHeadDim / kMmaK) load_w(ks + 1, w_next);
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
       const int v = 8 * nt + g, k = kMmaK * ks + 2 * t4;
@@ -163,14 +178,15 @@ __global__ void __launch_bounds__(kCombineThreads) segment_combine_kernel(const 
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = g + 8 * half;
+    float2 z[16];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) z[nt] = *reinterpret_cast<const float2*>(o + t * kSegRows + 8 * nt + 2 * t4);
     if (t >= rows) continue;
     __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + ((row0 + t) * p.H + h) * kHeadDim;
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int v = 8 * nt + 2 * t4;
-      const float2 z = *reinterpret_cast<const float2*>(o + t * kSegRows + v);
-      *reinterpret_cast<uint32_t*>(dst + v) = pack_bf16x2(z.x + acc[nt][2 * half], z.y + acc[nt][2 * half + 1]);
-    }
+    for (int nt = 0; nt < 16; ++nt)
+      *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) =
+          pack_bf16x2(z[nt].x + acc[nt][2 * half], z[nt].y + acc[nt][2 * half + 1]);
   }
 }
 
