@@ -242,8 +242,10 @@ TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
     for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
     for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
     const bool fast = precision == Precision::kFast;
-    // fast: 8.8e-3 / 1.08e-2 measured on the H200 (device run 21), bounded at 2e-2
-    const Errors e = fast ? check_against_reference(in, 2e-2, 2e-2) : check_against_reference(in);
+    // fast: the default launch cuts this problem (H = 2) into 32 segments, and the bf16-rounded
+    // transitions compound along the chain: 4.0e-2 / 4.7e-2 measured on the H200 (2026-12-01; one
+    // CTA walking the sequence: 8.8e-3 / 1.1e-2), bounded at 6e-2. The precise mode holds 6e-3.
+    const Errors e = fast ? check_against_reference(in, 6e-2, 6e-2) : check_against_reference(in);
     const std::string name = fast ? "repeated_key_fast" : "repeated_key";
     report(name + "_out_rel_rms", e.out);
     report(name + "_state_rel_rms", e.state);
@@ -617,9 +619,9 @@ TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
       o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
       KdaInputs in(o);
       const Errors e = check_against_reference(in, kTolOut, kTolState, segments(4));
-      const std::string label = std::string("segments ") + precision_name(precision) + " " + gate_form_name(c.gate) +
-                                " [" + std::to_string(int(c.g_min)) + ", " + std::to_string(int(c.g_max)) + "] bias " +
-                                std::to_string(int(c.bias));
+      char range[64];
+      std::snprintf(range, sizeof range, " [%g, %g] bias %g", c.g_min, c.g_max, c.bias);
+      const std::string label = std::string("segments ") + precision_name(precision) + " " + gate_form_name(c.gate) + range;
       report(label + " out", e.out);
       report(label + " state", e.state);
     }

@@ -71,14 +71,20 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // segment, transition rows of all but the first); the rule picks the total segment count that
 // fills 2 * #SMs, from the token count (the per-sequence lengths of cu_seqlens live on the GPU),
 // and segments of at least kSegMinChunks chunks (each segment boundary costs a chain step).
-int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, const internal::PrefillLaunch& launch) {
+// Measured on the H200 (docs/BENCHMARKS.md): a segmented chunk takes ~2.0 us against the serial
+// kernel's ~1.2 us (two warpgroups per SM), and the combine adds ~1.25 KB of traffic per token
+// and head, so two segments per sequence gain only 6-7% in the precise mode (T=32768, H=32) and
+// lose ~2% in the fast mode, whose chunks are cheaper: the rule asks for 2 (precise) or 3 (fast)
+// segments per sequence on average.
+int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, bool precise,
+                              const internal::PrefillLaunch& launch) {
   if (launch.segment_chunks < 0) return 0;
   if (launch.segment_chunks > 0)  // forced; longer than any sequence is one segment each
     return std::min(launch.segment_chunks, std::max<int64_t>(1, max_chunk_slots(total_tokens, 1)));
   if (N <= 0 || H <= 0) return 0;
   const int64_t slots = 2 * int64_t(sm_count());
   const int64_t segments = (slots / H + 2 * N) / 4;  // total over all sequences
-  if (segments <= N) return 0;
+  if (segments < (precise ? 2 : 3) * N) return 0;
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? seg_chunks : 0;
@@ -135,7 +141,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws);
 }  // namespace
 
 int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, launch);
+  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision == Precision::kPrecise, launch);
 }
 
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {

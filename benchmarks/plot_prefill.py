@@ -1,0 +1,88 @@
+"""Plot prefill time against sequence length from bench_prefill.py tables (markdown, one or more
+files; a later file's figure replaces an earlier one's for the same case, regime and column).
+
+    python benchmarks/plot_prefill.py run1.md run2.md --out docs/prefill_few_heads.png
+
+One panel per gate regime: one sequence at H = 12 (the tensor-parallel serving shape), time
+against T on log-log axes, one line per implementation.
+"""
+import argparse
+import re
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+SKIP = {"case", "gates", "best peer", "vs best peer", "floor", "% of floor", "eager"}
+COLORS = {"flashkda": "tab:blue", "flashkda serial": "tab:cyan", "flashkda fast": "tab:olive", "fla": "tab:green",
+          "FlashKDA": "tab:orange", "cuDNN": "tab:red"}
+
+
+def read_tables(paths):
+    data = defaultdict(dict)  # (case, regime) -> {column: ms}
+    for path in paths:
+        header = None
+        for line in open(path):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) < 3:
+                header = None if not line.startswith("|") else header
+                continue
+            if cells[0] == "case" and cells[1] == "gates":
+                header = cells
+                continue
+            if header is None or set(cells[0]) <= set("-"):
+                continue
+            for name, value in zip(header, cells):
+                if name in SKIP:
+                    continue
+                try:
+                    data[(cells[0], cells[1])][name] = float(value)
+                except ValueError:
+                    pass
+    return data
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("tables", nargs="+")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--columns", default="", help="comma-separated columns to draw (default: all)")
+    args = ap.parse_args()
+    data = read_tables(args.tables)
+    regimes = ("random", "long")
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, regime in zip(axes, regimes):
+        series = defaultdict(list)
+        for (case, reg), cols in data.items():
+            m = re.match(rf"T=(\d+) H={args.heads} one seq$", case)
+            if reg != regime or not m:
+                continue
+            for name, ms in cols.items():
+                series[name].append((int(m.group(1)), ms))
+        keep = [c for c in args.columns.split(",") if c]
+        for name in sorted(series, key=lambda n: (not n.startswith("flashkda"), n)):
+            if keep and name not in keep:
+                continue
+            pts = sorted(series[name])
+            style = "-o" if name == "flashkda" else ("--o" if name.startswith("flashkda") else ":s")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=name, markersize=4,
+                    color=COLORS.get(name))
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens T (one sequence)")
+        ax.set_title(f"H = {args.heads}, {regime} gates" + (" (8 long-memory channels per head)" if regime == "long" else ""),
+                     fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("ms (CUDA-graph median, H200)")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.out, dpi=110)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
