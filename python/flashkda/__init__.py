@@ -71,14 +71,12 @@ def _use_op(q) -> bool:
     return torch.compiler.is_compiling()
 
 
-# fla options with nothing to do here (inference forward, one algorithm): value ignored.
-_IGNORED_KWARGS = ("disable_recompute", "cu_seqlens_cpu", "use_graph", "max_num_seqs", "chunk_size")
-# fla options we do not implement: value that is accepted (the default).
-_UNSUPPORTED_KWARGS = {"allow_neg_eigval": False, "return_intermediate_states": False, "cp_context": None}
+# fla 0.6 options with nothing to do here (inference forward, one algorithm): accepted, ignored.
+_IGNORED_KWARGS = ("chunk_size",)
 
 
 def _fla_kwargs(fn_name, kwargs, state_v_first):
-    """fla's extra keyword arguments: deprecated alias, ignored ones, unsupported ones, typos."""
+    """fla's extra keyword arguments: the deprecated alias, the ignored ones, typos."""
     kwargs = dict(kwargs)
     if "transpose_state_layout" in kwargs:
         if state_v_first:
@@ -91,15 +89,16 @@ def _fla_kwargs(fn_name, kwargs, state_v_first):
         raise ValueError(f"chunk_size: must be 16, 32 or 64, got {chunk_size} (flashkda always uses 16)")
     for name in _IGNORED_KWARGS:
         kwargs.pop(name, None)
-    for name, default in _UNSUPPORTED_KWARGS.items():
-        if name in kwargs:
-            value = kwargs.pop(name)
-            if value is not default and value != default:
-                raise NotImplementedError(f"{fn_name}: {name}={value!r} is not supported by flashkda "
-                                          f"(only {name}={default!r})")
     if kwargs:
         raise TypeError(f"{fn_name}: unexpected keyword argument(s) {', '.join(sorted(kwargs))}")
     return state_v_first
+
+
+def _not_supported(fn_name, **options):
+    """fla options flashkda does not implement: NotImplementedError when one is set, never a silent misread."""
+    for name, value in options.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(f"{fn_name}: {name}={value!r} is not supported by flashkda")
 
 
 def _torch_arg(q, x, name):
@@ -119,7 +118,9 @@ def _opt_float(x):
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False, cu_seqlens=None,
+              allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+              return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+              cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None,
               precision="precise", **kwargs):
     """Chunked KDA forward with fla 0.6's `chunk_kda` semantics. Returns (o, final_state).
 
@@ -139,10 +140,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
       rounds the tensor-core operands to bf16 instead of splitting them (about 2x the output error,
       a shorter prefill; docs/BENCHMARKS.md). The CPU computes in fp32 either way.
 
-    fla options without effect here (disable_recompute, use_graph, chunk_size, ...) are accepted;
-    allow_neg_eigval, return_intermediate_states and cp_context raise NotImplementedError when set.
+    The positional order is fla 0.6.0's; A_log, dt_bias and precision are keywords. fla options
+    without effect here (disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs, chunk_size) are
+    accepted; allow_neg_eigval, return_intermediate_states and cp_context raise NotImplementedError
+    when set.
     """
     state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
+    _not_supported("chunk_kda", allow_neg_eigval=allow_neg_eigval,
+                   return_intermediate_states=return_intermediate_states, cp_context=cp_context)
     if _use_op(q):
         import torch
 
@@ -196,32 +201,38 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
 
 def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                        use_beta_sigmoid_in_kernel=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                        ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, out=None,
-                        **kwargs):
+                        use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
+                        state_v_first=False, cu_seqlens=None, *, ssm_state_indices=None, num_accepted_tokens=None,
+                        inplace_final_state=None, out=None, **kwargs):
     """Token-by-token KDA (decode), fla's `fused_recurrent_kda(_fwd)` semantics. Returns (out, final_state).
 
     Shapes and gate/beta/scale options as in chunk_kda; q: [N, T, H, K] (T = 1..16 tokens per step),
     or [1, total, H, K] with cu_seqlens.
 
     States (layout [., H, K, V], or [., H, V, K] with state_v_first=True):
-    - inplace_final_state=True (default, as vLLM calls it): initial_state is a state pool [P, H, ., .]
-      updated in place and returned as final_state. Sequence n reads and writes slot
-      ssm_state_indices[n] (a negative index skips the sequence), or slot n without indices.
-      With 2-d ssm_state_indices [N, S] and num_accepted_tokens (speculative decoding) token t's
-      state goes to slot ssm_state_indices[n, t] and the start state is read from
+    - inplace_final_state=False (the default without ssm_state_indices: fla 0.6's public
+      fused_recurrent_kda): initial_state [N, ...] is only read; final_state is a new float32
+      [N, ...] when output_final_state, else None.
+    - inplace_final_state=True (the default with ssm_state_indices: the serving call of fla's
+      fused_recurrent_kda_fwd as vLLM makes it): initial_state is a state pool [P, H, ., .] updated in place and returned as
+      final_state. Sequence n reads and writes slot ssm_state_indices[n] (a negative index skips the
+      sequence: nothing read or written, output zero), or slot n without indices. With 2-d
+      ssm_state_indices [N, S] and num_accepted_tokens (speculative decoding) token t's state goes
+      to slot ssm_state_indices[n, t] and the start state is read from
       ssm_state_indices[n, num_accepted_tokens[n] - 1]. Without initial_state the states start at
       zero and final_state is a new [N, ...] float32 tensor (when output_final_state).
-    - inplace_final_state=False (fla's public fused_recurrent_kda): initial_state [N, ...] is only
-      read; final_state is a new float32 [N, ...] when output_final_state, else None.
     out: optional output buffer [.., V] of q's dtype, written in place.
 
-    The kernels keep states as [P, H, V, K]; other layouts are transposed around the call (a copy of
-    the whole pool), so serving code should pass state_v_first=True pools.
-    Dense inputs with T > 16 (and host-side cu_seqlens with a longer sequence) run the chunked
-    forward, which computes the same recurrence.
+    The positional order is fla 0.6.0's (allow_neg_eigval=True raises NotImplementedError); the
+    serving arguments are keywords. The kernels keep states as [P, H, V, K]; with other layouts
+    only the named slots are transposed around the call. Inputs longer than a decode step
+    (T > 16, or host-side cu_seqlens with a longer sequence) run the chunked forward, which
+    computes the same recurrence, also through a pool with 1-d ssm_state_indices.
     """
     state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first)
+    _not_supported("fused_recurrent_kda", allow_neg_eigval=allow_neg_eigval)
+    if inplace_final_state is None:
+        inplace_final_state = ssm_state_indices is not None
     if _use_op(q):
         import torch
 

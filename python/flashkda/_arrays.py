@@ -101,6 +101,30 @@ class NumpyOps:
     def arange_i32(n, like):
         return np.arange(n, dtype=np.int32)
 
+    # Row gathers and scatters along axis 0, and the elementwise ops of the named-slot copies.
+    @staticmethod
+    def take_rows(x, rows):
+        return np.take(x, rows, axis=0)
+
+    @staticmethod
+    def put_rows_(x, rows, values):
+        x[rows] = values  # rows naming one slot twice carry identical values (see _impl)
+        return x
+
+    @staticmethod
+    def where(cond, a, b):
+        return np.where(cond, a, b)
+
+    @staticmethod
+    def first_true(mask):
+        """Index of the first True of a 1-d mask (0 when there is none), as a 0-d integer array."""
+        return np.argmax(mask)
+
+    @staticmethod
+    def seq_of_token(cu, total, like):
+        """Sequence index of every token position of packed sequences."""
+        return np.searchsorted(np.asarray(cu)[1:], np.arange(total), side="right")
+
     @classmethod
     def as_index_array(cls, x, like, name):
         return np.ascontiguousarray(np.asarray(x))
@@ -200,6 +224,29 @@ class TorchOps:
         torch = _torch()
         return torch.arange(n, dtype=torch.int32, device=like.device)
 
+    # Device-side throughout: nothing here reads a value on the host (no synchronisation).
+    @staticmethod
+    def take_rows(x, rows):
+        return x.index_select(0, rows.long())
+
+    @staticmethod
+    def put_rows_(x, rows, values):
+        return x.index_copy_(0, rows.long(), values)  # duplicates carry identical values (see _impl)
+
+    @staticmethod
+    def where(cond, a, b):
+        return _torch().where(cond, a, b)
+
+    @staticmethod
+    def first_true(mask):
+        return mask.to(_torch().int32).argmax()
+
+    @staticmethod
+    def seq_of_token(cu, total, like):
+        torch = _torch()
+        return torch.searchsorted(cu[1:].contiguous(), torch.arange(total, device=like.device, dtype=cu.dtype),
+                                  right=True)
+
     @staticmethod
     def as_index_array(x, like, name):
         torch = _torch()
@@ -210,8 +257,14 @@ class TorchOps:
     @staticmethod
     def to_ext(x):
         """A DLPack capsule for flashkda._C (torch.utils.dlpack.to_dlpack: ~0.7 us, against ~4 us for
-        the ext's own tensor.__dlpack__() call; no stream synchronisation either way). Single use."""
-        return None if x is None else _torch().utils.dlpack.to_dlpack(x)
+        the ext's own tensor.__dlpack__() call; no stream synchronisation either way). Single use.
+        Tensors DLPack cannot carry (meta, other devices) are a ValueError naming the device."""
+        if x is None:
+            return None
+        try:
+            return _torch().utils.dlpack.to_dlpack(x)
+        except BufferError as e:
+            raise ValueError(f"tensors on device {x.device} are not supported (expected cpu or cuda): {e}") from None
 
     @staticmethod
     def device_str(x) -> str:

@@ -47,6 +47,8 @@ def _qkvgb(ops, q, k, v, g, beta):
     for name, x in arrays.items():
         _require_array(ops, x, name)
         _same_device(ops, q, x, name)
+    if ops is TorchOps and q.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"q: tensors on device {q.device} are not supported (expected cpu or cuda)")
     if q.ndim != 4:
         raise ValueError(f"q: expected a 4-d array [B, T, H, K], got shape {_shape(q)}")
     B, T, H, K = q.shape
@@ -313,8 +315,8 @@ def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_ga
     gate = _direct_gate(use_gate, lower_bound, False, A_log, dt_bias)
     if gate is None or not _all_tensors((q, k, v, g, beta, pool, idx), (A_log, dt_bias, cu_seqlens, acc, out)):
         return None
-    if pool.dim() != 4 or idx.dim() == 0 or pool.shape[0] < idx.shape[0]:
-        return None  # the checked path names the pool's size
+    if pool.dim() != 4 or idx.dim() == 0:
+        return None  # the checked path names the pool's shape
     form, lb, A_log, dt_bias = gate
     if out is None:
         dt = TorchOps.dtype_name(q)
@@ -329,10 +331,62 @@ def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_ga
     return out, pool
 
 
+_INT32_MAX = 2**31 - 1
+
+
+def _slot_indices(ops, x, q, N, name="ssm_state_indices"):
+    """ssm_state_indices as int32 [N] or [N, S]. int64 values outside int32 become padding (negative)
+    or INT32_MAX (past any pool: refused on the CPU, skipped on the GPU) instead of wrapping."""
+    idx = ops.as_index_array(x, q, name)
+    _same_device(ops, q, idx, name)
+    if ops.dtype_name(idx) not in (I32, I64) or idx.ndim not in (1, 2) or idx.shape[0] != N:
+        raise ValueError(f"{name}: expected an int32 or int64 array [N] or [N, S] with N={N}, "
+                         f"got shape {_shape(idx)} {ops.dtype_name(idx)}")
+    if ops.dtype_name(idx) == I64:
+        idx = ops.astype(ops.where(idx < 0, -1, ops.where(idx > _INT32_MAX, _INT32_MAX, idx)), I32)
+    return ops.contiguous(idx)
+
+
+def _gather_slots(ops, q, pool, idx, state_v_first):
+    """The named slots of a user pool ([P, H, ., .], any layout) as a contiguous [n, H, V, K] pool,
+    with indices into it; padding entries stay negative. Copies n = idx.size slots, not the pool."""
+    flat = idx.reshape(-1)
+    n = flat.shape[0]
+    rows = ops.where(flat >= 0, flat, 0)
+    sub = ops.take_rows(pool, rows)
+    sub = ops.contiguous(sub) if state_v_first else ops.swap_last2(sub)
+    local = ops.where(flat >= 0, ops.arange_i32(n, q), -1)
+    return sub, ops.astype(local, I32).reshape(tuple(idx.shape))
+
+
+def _scatter_slots(ops, pool, idx, sub, state_v_first):
+    """Writes the live rows of sub back to their slots of the user pool; padding entries write
+    nothing. Each padding row is sent to the first live entry's slot with that entry's values, so
+    every slot receives one value however the rows are ordered (with no live entry, slot 0 its own
+    unchanged copy)."""
+    flat = idx.reshape(-1)
+    live = flat >= 0
+    first = ops.first_true(live)
+    target = ops.where(live, flat, ops.where(flat[first] >= 0, flat[first], 0))
+    source = ops.where(live, ops.arange_i32(flat.shape[0], sub), first)
+    values = ops.take_rows(sub, source)
+    ops.put_rows_(pool, target, values if state_v_first else ops.swap_last2(values))
+
+
+def _zero_padding_outputs(ops, out, idx, cu):
+    """Outputs of padding entries (negative slot) are zero, as the decode kernels write them."""
+    live = idx.reshape(idx.shape[0], -1)[:, 0] >= 0
+    if cu is None:
+        mask = live.reshape((-1,) + (1,) * (out.ndim - 1))
+    else:
+        mask = live[ops.seq_of_token(cu, out.shape[1], out)].reshape((1, -1) + (1,) * (out.ndim - 2))
+    ops.copy_(out, ops.where(mask, out, ops.zeros(tuple(out.shape), ops.dtype_name(out), out)))
+
+
 def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                        ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=True, out=None):
+                        ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=False, out=None):
     """Returns (out, final_state); see flashkda.fused_recurrent_kda for the state semantics."""
     if (ops is TorchOps and inplace_final_state and state_v_first and initial_state is not None
             and ssm_state_indices is not None):
@@ -363,12 +417,7 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
     # Slot indices into the pool.
     idx = acc = None
     if ssm_state_indices is not None:
-        idx = ops.as_index_array(ssm_state_indices, q, "ssm_state_indices")
-        _same_device(ops, q, idx, "ssm_state_indices")
-        if ops.dtype_name(idx) not in (I32, I64) or idx.ndim not in (1, 2) or idx.shape[0] != N:
-            raise ValueError(f"ssm_state_indices: expected an int32 array [N] or [N, S] with N={N}, "
-                             f"got shape {_shape(idx)} {ops.dtype_name(idx)}")
-        idx = ops.astype(idx, I32)
+        idx = _slot_indices(ops, ssm_state_indices, q, N)
     if num_accepted_tokens is not None:
         if idx is None:
             raise ValueError("num_accepted_tokens: needs ssm_state_indices (the slots of each token's state)")
@@ -377,9 +426,17 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
         if ops.dtype_name(acc) not in (I32, I64) or _shape(acc) != [N]:
             raise ValueError(f"num_accepted_tokens: expected an integer array [{N}], got shape {_shape(acc)}")
         acc = ops.astype(acc, I32)
+    long_steps = _long_sequences(ops, T, cu, N)
+    if idx is not None and long_steps and (idx.ndim == 2 and idx.shape[1] > 1 or acc is not None):
+        raise ValueError("ssm_state_indices: per-token slots (speculative decoding) take at most "
+                         f"{MAX_DECODE_TOKENS} tokens per sequence; for a longer prefill through the pool "
+                         "pass 1-d ssm_state_indices")
 
-    # The pool the kernel updates: [P, H, V, K], contiguous.
-    user_pool = None
+    # The pool the kernel updates: [P, H, V, K], contiguous. A user pool in another layout (or not
+    # contiguous) is read and written back through its named slots only.
+    user_pool = None  # the caller's pool, updated in place
+    gathered = False  # pool holds copies of the named slots (indices remapped)
+    user_idx = idx
     if inplace_final_state:
         if initial_state is None:
             if idx is not None:
@@ -387,8 +444,24 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
             pool = ops.zeros((N, H, V, K), F32, q)
         else:
             user_pool = initial_state
-            pool = _state_in(ops, q, initial_state, "initial_state", N, H, K, V, state_v_first,
-                             allow_larger_pool=True)
+            _require_array(ops, user_pool, "initial_state")
+            _same_device(ops, q, user_pool, "initial_state")
+            _float_dtype(ops, user_pool, "initial_state")
+            inner = [H, V, K] if state_v_first else [H, K, V]
+            got = _shape(user_pool)
+            least = 1 if idx is not None else N  # with indices the slots say where; padding needs none
+            if len(got) != 4 or got[1:] != inner or got[0] < least:
+                layout = "[P, H, V, K] (state_v_first=True)" if state_v_first else "[P, H, K, V]"
+                raise ValueError(f"initial_state: expected a state pool {layout} with [H, ., .] = {inner} and "
+                                 f"P >= {least}, got shape {got}")
+            if idx is None:
+                idx = ops.arange_i32(N, q)
+                user_idx = idx
+            if state_v_first and ops.is_contiguous(user_pool):
+                pool = user_pool
+            else:
+                pool, idx = _gather_slots(ops, q, user_pool, idx, state_v_first)
+                gathered = True
     else:
         if idx is not None:
             raise ValueError("inplace_final_state: False with ssm_state_indices (per-token state outputs) "
@@ -397,12 +470,21 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
         if initial_state is not None:
             ops.copy_(pool, _state_in(ops, q, initial_state, "initial_state", N, H, K, V, state_v_first))
 
-    if idx is None and _long_sequences(ops, T, cu, N):
-        # Longer than a decode step: the chunked forward computes the same recurrence.
-        h0 = pool[:N]
+    if long_steps:
+        # Longer than a decode step: the chunked forward computes the same recurrence, from and into
+        # each sequence's slot (the slot n without indices; padding entries read zeros, write nothing).
+        if idx is None:
+            h0 = pool[:N]
+        else:
+            h0 = ops.take_rows(pool, ops.where(idx >= 0, idx, 0))
         ht = ops.empty((N, H, V, K), ops.dtype_name(pool), q)
-        _launch.forward(ops, q, k, v, g, beta, out_c, pre, initial_state=h0, final_state=ht, cu_seqlens=cu)
-        ops.copy_(pool[:N], ht)
+        _launch.forward(ops, q, k, v, g, beta, out_c, pre, initial_state=ops.contiguous(h0), final_state=ht,
+                        cu_seqlens=cu)
+        if idx is None:
+            ops.copy_(pool[:N], ht)
+        else:
+            _scatter_slots(ops, pool, idx, ht, True)
+            _zero_padding_outputs(ops, out_c, idx, cu)
     else:
         if idx is None:
             idx = ops.arange_i32(N, q)
@@ -411,8 +493,8 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
     if out_c is not out:
         ops.copy_(out, out_c)
     if user_pool is not None:
-        if pool is not user_pool:
-            ops.copy_(user_pool, pool if state_v_first else ops.swap_last2_view(pool))
+        if gathered:
+            _scatter_slots(ops, user_pool, user_idx, pool, state_v_first)
         return out, user_pool
     if output_final_state:
         return out, _state_out(ops, pool, state_v_first)

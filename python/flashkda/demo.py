@@ -88,7 +88,8 @@ def time_cuda(fn, iters):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m flashkda.demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m flashkda.demo", description=" ".join(__doc__.split("\n\n")[0].split()),
+                                 epilog=" ".join(__doc__.split("\n\n")[1].split()))
     ap.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--lengths", type=str, default=None,

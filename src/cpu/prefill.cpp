@@ -40,13 +40,20 @@ constexpr int32_t float_order_key(int32_t bits) { return bits ^ ((bits >> 31) & 
 
 // e^x for the engine's channel loops, written so the compiler vectorises it. float: range
 // reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (Cephes expf coefficients; measured
-// <= 1.5 ulp), 2^n applied in two halves so results down to the subnormal range stay correct.
-// double: std::exp, as the fp64 instantiation is the accuracy yardstick.
+// <= 1.5 ulp), 2^n applied in two halves so results down to the subnormal range stay correct;
+// like std::exp, NaN gives NaN and arguments beyond the float range +inf (a NaN or +inf gate
+// must not come out as a finite result), below it 0. double: std::exp, as the fp64
+// instantiation is the accuracy yardstick.
 FLASHKDA_INLINE double engine_exp(double x) { return std::exp(x); }
 FLASHKDA_INLINE float engine_exp(float x) {
   constexpr int32_t kLo = float_order_key(__builtin_bit_cast(int32_t, -104.0f));  // e^-104 rounds to 0
   constexpr int32_t kHi = float_order_key(__builtin_bit_cast(int32_t, 88.5f));    // e^88.5 ~ 2.7e38
-  const int32_t key = std::min(std::max(float_order_key(__builtin_bit_cast(int32_t, x)), kLo), kHi);
+  constexpr int32_t kOver = float_order_key(__builtin_bit_cast(int32_t, 88.73f));  // e^88.73 > FLT_MAX
+  const int32_t bits = __builtin_bit_cast(int32_t, x);
+  const int32_t raw_key = float_order_key(bits);
+  const bool nan = (bits & 0x7fffffff) > 0x7f800000;
+  const bool over = raw_key > kOver;
+  const int32_t key = std::min(std::max(raw_key, kLo), kHi);
   x = __builtin_bit_cast(float, float_order_key(key));
   const int32_t ni = int32_t(x * 1.44269504088896341f + 128.5f) - 128;  // round(x / ln2); argument > 0
   const float n = float(ni);
@@ -59,7 +66,11 @@ FLASHKDA_INLINE float engine_exp(float x) {
   p = p * r + 5.0000001201e-1f;
   const float y = p * r * r + r + 1.0f;
   const int32_t n1 = ni >> 1, n2 = ni - n1;  // each in [-75, 64]: 2^n1 and 2^n2 are normal floats
-  return y * __builtin_bit_cast(float, (n1 + 127) << 23) * __builtin_bit_cast(float, (n2 + 127) << 23);
+  const float e = y * __builtin_bit_cast(float, (n1 + 127) << 23) * __builtin_bit_cast(float, (n2 + 127) << 23);
+  int32_t out = __builtin_bit_cast(int32_t, e);
+  out = over ? 0x7f800000 : out;           // +inf
+  out = nan ? (bits | 0x00400000) : out;   // the input NaN, quiet
+  return __builtin_bit_cast(float, out);
 }
 
 // Per-thread scratch for one 16-token chunk of one head. Channel arrays have stride Kp

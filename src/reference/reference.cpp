@@ -50,11 +50,17 @@ void recur_sequence_head(const PrefillParams& p, int64_t n, int64_t h, double sc
 
 }  // namespace
 
-void reference_forward(const PrefillParams& params, double* out, double* final_state) {
+void reference_forward(const PrefillParams& params_in, double* out, double* final_state) {
+  // The results go to the fp64 out and final_state arguments: params.out and params.final_state
+  // are not used (and may be null); everything else is validated as for forward.
+  PrefillParams params = params_in;
+  params.out = out;
+  params.final_state = nullptr;
   detail::check_reachable(params, Backend::kCpu);  // host memory only, cu_seqlens included
   detail::check_reachable(Backend::kCpu, {{out, "out (fp64)"}, {final_state, "final_state (fp64)"}}, "");
+  FLASHKDA_CHECK_ARG(out != nullptr || params.B * params.T * params.H == 0,
+                     "reference_forward: out (the fp64 output [B, T, H, V]) must not be null");
   detail::validate_prefill(params, Backend::kCpu);
-  FLASHKDA_CHECK_ARG(out != nullptr || params.B * params.T * params.H == 0, "out must not be null");
   const int64_t N = detail::num_sequences(params);
   const int64_t H = params.H, K = params.K, V = params.V;
   const double scale = params.pre.has_scale ? double(params.pre.scale) : 1.0 / std::sqrt(double(K));

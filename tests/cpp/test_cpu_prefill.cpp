@@ -236,5 +236,45 @@ TEST(CpuPrefill, OddHeadSizes) {
   }
 }
 
+// NaN in is NaN out: a NaN raw gate, A_log or dt_bias, or +inf in a precomputed log-decay, makes
+// the affected head's outputs and final state non-finite (as in the fp64 reference and decode),
+// never a finite value that hides a diverged model; the other heads are unaffected.
+TEST(CpuPrefill, NonFiniteGatesPropagate) {
+  struct Case {
+    const char* what;
+    GateForm gate;
+  };
+  for (const Case c : {Case{"g NaN", GateForm::kLowerBound}, Case{"g NaN", GateForm::kSoftplus},
+                       Case{"A_log NaN", GateForm::kLowerBound}, Case{"dt_bias NaN", GateForm::kLowerBound},
+                       Case{"g NaN", GateForm::kPrecomputed}, Case{"g +inf", GateForm::kPrecomputed}}) {
+    KdaOptions o = fp32_options();
+    o.T = 40, o.H = 2, o.gate = c.gate;
+    if (c.gate == GateForm::kPrecomputed) o.g_min = -1, o.g_max = 0, o.with_dt_bias = false;
+    KdaInputs in(o);
+    const std::string what = c.what;
+    const double bad = what == "g +inf" ? INFINITY : NAN;
+    // head 1 only: token 20, channel 3 (or the head's parameters)
+    if (what.rfind("g ", 0) == 0) in.g.set((20 * o.H + 1) * o.K + 3, bad);
+    if (what == "A_log NaN") in.A_log[1] = NAN;
+    if (what == "dt_bias NaN") in.dt_bias[1 * o.K + 3] = NAN;
+    SCOPED_TRACE(what + std::string(" ") + gate_form_name(c.gate));
+    const Reference ref = run_reference(in);
+    in.poison_outputs();
+    forward(in.params(), nullptr, 0);
+    const std::vector<double> out = in.out.values(), fs = in.final_state.values();
+    auto nonfinite_head = [&](const std::vector<double>& x, int64_t h, int64_t per_row, int64_t rows) {
+      int64_t bad_count = 0;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < per_row; ++i) bad_count += std::isfinite(x[(r * o.H + h) * per_row + i]) ? 0 : 1;
+      return bad_count;
+    };
+    EXPECT_GT(nonfinite_head(fs, 1, o.V * o.K, 1), 0) << "final state of the affected head is finite";
+    EXPECT_GT(nonfinite_head(out, 1, o.V, o.T), 0) << "outputs of the affected head are all finite";
+    EXPECT_GT(nonfinite_head(ref.final_state, 1, o.V * o.K, 1), 0) << "(the reference propagates it too)";
+    EXPECT_EQ(nonfinite_head(fs, 0, o.V * o.K, 1), 0) << "the other head is affected";
+    EXPECT_EQ(nonfinite_head(out, 0, o.V, o.T), 0);
+  }
+}
+
 }  // namespace
 }  // namespace flashkda::test

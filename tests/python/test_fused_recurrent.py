@@ -104,7 +104,7 @@ def test_bf16_inputs_and_state(rng, decode_ready, need_bf16):
     p = make_problem(rng, B=4, T=2, H=H, K=K, V=V, dtype=need_bf16, gate="lower_bound")
     pool_vk = random_pool(rng, 4, need_bf16)
     pool = pool_vk.copy()
-    o, _ = call(p, initial_state=pool, state_v_first=True)
+    o, _ = call(p, initial_state=pool, state_v_first=True, inplace_final_state=True)
     ref_o, ref_pool = decode_ref(p, pool_vk)
     assert o.dtype == need_bf16
     assert rel_rms(o, ref_o) <= 5e-3
@@ -125,7 +125,7 @@ def test_long_sequences_run_the_chunked_forward(rng):
     p = make_problem(rng, B=2, T=40, H=H, K=K, V=V, gate="lower_bound")
     h0_vk = random_pool(rng, 2)
     pool = h0_vk.copy()
-    o, ht = call(p, initial_state=pool, state_v_first=True, output_final_state=True)
+    o, ht = call(p, initial_state=pool, state_v_first=True, output_final_state=True, inplace_final_state=True)
     assert ht is pool
     ref_o, ref_h = kda_forward(p["q"], p["k"], p["v"], p["g"], p["beta"], l2norm=True, beta_logit=True,
                                initial_state=h0_vk, **p.ref_kwargs())
@@ -150,10 +150,12 @@ def test_argument_errors(rng):
              inplace_final_state=False)
     with pytest.raises(ValueError, match="num_accepted_tokens: needs ssm_state_indices"):
         call(p, num_accepted_tokens=np.array([1, 1], np.int32))
-    with pytest.raises(ValueError, match=r"ssm_state_indices: expected an int32 array \[N\]"):
+    with pytest.raises(ValueError, match=r"ssm_state_indices: expected an int32 or int64 array \[N\]"):
         call(p, initial_state=random_pool(rng, 2), state_v_first=True, ssm_state_indices=np.array([0], np.int32))
+    with pytest.raises(ValueError, match="initial_state: expected a state pool"):
+        call(p, initial_state=random_pool(rng, 1), state_v_first=True, inplace_final_state=True)
     with pytest.raises(ValueError, match="initial_state: expected shape"):
-        call(p, initial_state=random_pool(rng, 1), state_v_first=True)
+        call(p, initial_state=random_pool(rng, 1), state_v_first=True)  # fla's call: one state per sequence
     with pytest.raises(ValueError, match=r"out: expected shape"):
         call(p, out=np.empty((2, 1, H, V + 1), np.float32))
 

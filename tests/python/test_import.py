@@ -25,3 +25,12 @@ def test_import_in_fresh_interpreter_exits_cleanly(name):
     env = dict(os.environ, **extra_env)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, f"exit code {r.returncode}\nstdout: {r.stdout[-2000:]}\nstderr: {r.stderr[-2000:]}"
+
+
+def test_demo_help_prints_whole_sentences():
+    r = subprocess.run([sys.executable, "-m", "flashkda.demo", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    # the description and the epilog are the docstring's two paragraphs, whole (it stopped at "and" before)
+    assert "checked against the fp64 reference on a sample." in text
+    assert "the first sequence, all heads." in text

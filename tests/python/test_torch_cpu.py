@@ -259,11 +259,16 @@ def test_fused_recurrent_errors_keep_the_checked_paths_messages(rng):
     t = torch_problem(p)
     kw = dict(A_log=t["A_log"], dt_bias=t["dt_bias"], use_gate_in_kernel=True, lower_bound=p["lower_bound"],
               state_v_first=True)
-    small_pool = torch.zeros(2, 2, 64, 64)
-    with pytest.raises(ValueError, match=r"initial_state: expected shape .* with at least 3 states"):
+    small_pool = torch.zeros(2, 2, 64, 64)  # two slots for three sequences, one of them padding: fine
+    flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=small_pool,
+                                 ssm_state_indices=torch.tensor([0, 1, -1], dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match=r"state_indices\[2, 0\]=2 must be < pool_size=2"):
         flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=small_pool,
-                                     ssm_state_indices=torch.tensor([0, 1, -1], dtype=torch.int32), **kw)
-    with pytest.raises(ValueError, match=r"ssm_state_indices: expected an int32 array \[N\] or \[N, S\] with N=3"):
+                                     ssm_state_indices=torch.tensor([0, 1, 2], dtype=torch.int32), **kw)
+    with pytest.raises(ValueError, match=r"initial_state: expected a state pool .* P >= 3"):
+        flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=small_pool,
+                                     inplace_final_state=True, **kw)  # no indices: slot n for sequence n
+    with pytest.raises(ValueError, match=r"ssm_state_indices: expected an int32 or int64 array \[N\] or \[N, S\] with N=3"):
         flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=torch.zeros(4, 2, 64, 64),
                                      ssm_state_indices=torch.tensor([0, 1], dtype=torch.int32), **kw)
 
@@ -334,7 +339,8 @@ def test_torch_compile_fullgraph(rng):
         o2, _ = flashkda.fused_recurrent_kda(q[:, :1], k[:, :1], v[:, :1], g[:, :1], beta[:, :1], A_log=A_log,
                                              dt_bias=dt_bias, initial_state=pool, use_gate_in_kernel=True,
                                              lower_bound=-2.0, use_qk_l2norm_in_kernel=True,
-                                             use_beta_sigmoid_in_kernel=True, state_v_first=True)
+                                             use_beta_sigmoid_in_kernel=True, state_v_first=True,
+                                             inplace_final_state=True)
         return o * 2, ht + 1, o2
 
     args = [t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
@@ -345,3 +351,15 @@ def test_torch_compile_fullgraph(rng):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(pool_eager, pool_comp, rtol=0, atol=0)  # the in-place update survives compile
     assert not torch.equal(pool_eager, pool0)
+
+
+def test_meta_tensors_are_a_value_error():
+    q = torch.randn(1, 4, 2, 16, device="meta")
+    beta = torch.randn(1, 4, 2, device="meta")
+    calls = (lambda: flashkda.chunk_kda(q, q, q, q, beta),
+             lambda: flashkda.fwd(q, q, q, q, beta, 0.25, torch.empty_like(q), torch.zeros(2, device="meta"), None,
+                                  -5.0),
+             lambda: flashkda.fused_recurrent_kda(q, q, q, q, beta))
+    for call in calls:  # raised BufferError from DLPack before
+        with pytest.raises(ValueError, match="device meta"):
+            call()
