@@ -10,12 +10,12 @@ backend is timed through flashkda.fwd (median of --reps runs after one warm-up).
 costs exactly T times its per-token cost, so it runs on the first --ref-T tokens and is scaled.
 
 FLOP counts (multiply-add = 2 FLOPs; preprocessing, exponentials and the decay scaling not counted):
-- chunk form (SPEC.md §4), per chunk of C = 16 tokens of one head:
+- chunk form (docs/SPEC.md §4), per chunk of C = 16 tokens of one head:
     Kd S0 (u), Qd S0 (O), Kr^T U (S1)       3 x 2 C K V
     L (i > j) and Mqk (i >= j)             2 C^2 K      (C(C-1)/2 + C(C+1)/2 = C^2 dot products)
     (I + L)^{-1} u and Mqk U               2 C^2 V      (forward substitution + lower-triangular product)
   = 6 C K V + 2 C^2 (K + V) per chunk, i.e. 6 K V + 2 C (K + V) = 106,496 per token and head at 128.
-- token recurrence (SPEC.md §3), per token of one head: S^T k, the rank-1 update, S^T q
+- token recurrence (docs/SPEC.md §3), per token of one head: S^T k, the rank-1 update, S^T q
   = 3 x 2 K V, plus K V for the decay = 7 K V = 114,688 at K = V = 128.
 The sgemm yardstick is numpy's float32 matmul of two --gemm-n square matrices (2 n^3 FLOPs).
 """

@@ -1,6 +1,6 @@
 """Decode benchmark on one GPU: flashkda.fused_recurrent_kda against fla's fused_recurrent_kda_fwd.
 
-Serving setup of SPEC.md §8: a state pool [P, H, V, K] (state_v_first) updated in place through
+Serving setup of docs/SPEC.md §8: a state pool [P, H, V, K] (state_v_first) updated in place through
 ssm_state_indices, lower-bound gate, L2 norm and beta sigmoid fused, bf16 q/k/v/g/beta.
 T_n = 1: one slot per sequence (read, then written). T_n > 1: speculative decoding as vLLM runs
 it, ssm_state_indices [N, T] and num_accepted_tokens = 1: the start state is read from slot

@@ -233,7 +233,7 @@ def implementations(args):
     return impls, peers
 
 
-# ---- accuracy against an fp64 token recurrence (SPEC.md §3, lower-bound gate) ---------------
+# ---- accuracy against an fp64 token recurrence (docs/SPEC.md §3, lower-bound gate) ---------------
 def reference_fp64(x, seqlens):
     q, k, v, g, beta = (x[n][0].double() for n in ("q", "k", "v", "g", "beta"))
     q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)

@@ -1,4 +1,4 @@
-// Argument validation for decode (SPEC.md §5): shapes, dtypes, pointers and, where the memory is
+// Argument validation for decode (docs/SPEC.md §5): shapes, dtypes, pointers and, where the memory is
 // host-readable (CPU backend), cu_seqlens, state_indices and num_accepted_tokens; on the GPU the
 // 16-byte alignment of q, k, v, g, dt_bias and state_pool.
 //
@@ -130,7 +130,8 @@ void check_no_shared_slots(const DecodeParams& p, std::vector<SlotUse>& uses) {
 
 // Host-readable state_indices / num_accepted_tokens (CPU backend).
 void check_indices(const DecodeParams& p) {
-  std::vector<SlotUse> uses;
+  thread_local std::vector<SlotUse> uses;  // kept: steady-state calls allocate nothing
+  uses.clear();
   for (int64_t n = 0; n < p.num_seqs; ++n) {
     if (p.num_accepted_tokens == nullptr) {
       check_slot(p, n, 0);

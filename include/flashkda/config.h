@@ -1,4 +1,4 @@
-// flashkda constants of the computation, defined once (SPEC.md §4, §5) and used by every backend.
+// flashkda constants of the computation, defined once (docs/SPEC.md §4, §5) and used by every backend.
 #pragma once
 
 namespace flashkda {

@@ -1,7 +1,8 @@
 // flashkda public C++ API: Kimi Delta Attention prefill and decode, on the CPU or a CUDA GPU.
-// The backend is chosen by where the tensors live (all host or all device memory). Calls never
-// synchronise the host and never allocate: the caller passes workspace and stream, so GPU calls
-// can be captured in a CUDA graph. Bad input throws flashkda::Error (see error.h).
+// The backend is chosen by where the tensors live (all host or all device memory). GPU calls never
+// synchronise the host and never allocate: the caller passes workspace and stream, so they can be
+// captured in a CUDA graph. CPU calls reuse per-thread scratch, allocated on a thread's first call
+// with a head size. Bad input throws flashkda::Error (see error.h).
 #pragma once
 
 #include <cstddef>
@@ -27,14 +28,14 @@ bool cuda_available();
 // Validates params (throws flashkda::Error) and returns the workspace bytes forward() needs.
 size_t workspace_size(const PrefillParams& params);
 
-// Chunked KDA forward (SPEC.md §3/§4). Writes out and, when non-null, final_state.
+// Chunked KDA forward (docs/SPEC.md §3/§4). Writes out and, when non-null, final_state.
 // workspace: at least workspace_size(params) bytes in the same memory as the tensors.
 void forward(const PrefillParams& params, void* workspace, size_t workspace_bytes, Stream stream = nullptr);
 
-// One decode step (SPEC.md §5): updates the named slots of state_pool in place and writes out.
+// One decode step (docs/SPEC.md §5): updates the named slots of state_pool in place and writes out.
 void decode(const DecodeParams& params, Stream stream = nullptr);
 
-// fp64 token recurrence (SPEC.md §3) on host memory: the reference every backend is tested against.
+// fp64 token recurrence (docs/SPEC.md §3) on host memory: the reference every backend is tested against.
 // Inputs may be fp32 or bf16 as described by params; out and final_state are written as fp64
 // ([B, T, H, V] and [N, H, V, K]; final_state may be null).
 void reference_forward(const PrefillParams& params, double* out, double* final_state);

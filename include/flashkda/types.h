@@ -1,5 +1,5 @@
 // flashkda basic types: element dtypes, a host bf16 value type, gate forms and the shared
-// preprocessing options (gate activation, L2 norm, beta sigmoid, scale) of SPEC.md §2.
+// preprocessing options (gate activation, L2 norm, beta sigmoid, scale) of docs/SPEC.md §2.
 #pragma once
 
 #include <cstdint>
@@ -45,7 +45,7 @@ struct bf16 {
 };
 static_assert(sizeof(bf16) == 2, "bf16 must be 2 bytes");
 
-// How the raw gate g becomes the per-channel log-decay a <= 0 (SPEC.md §2).
+// How the raw gate g becomes the per-channel log-decay a <= 0 (docs/SPEC.md §2).
 enum class GateForm : int {
   kLowerBound = 0,   // a = lower_bound * sigmoid(exp(A_log[h]) * (g + dt_bias[h]))
   kSoftplus = 1,     // a = -exp(A_log[h]) * softplus(g + dt_bias[h])   (Kimi Linear)

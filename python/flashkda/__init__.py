@@ -1,4 +1,4 @@
-"""flashkda: Kimi Delta Attention (KDA) prefill and decode (SPEC.md), on the CPU or a Hopper GPU.
+"""flashkda: Kimi Delta Attention (KDA) prefill and decode (docs/SPEC.md), on the CPU or a Hopper GPU.
 
 Public functions (numpy arrays run on the CPU backend, bfloat16 through ml_dtypes; torch tensors run
 where they live, CUDA on the current stream):

@@ -12,7 +12,7 @@ from ._arrays import BF16, F32, I32, I64, NumpyOps, TorchOps, is_numpy, is_torch
 from ._launch import Preprocess
 
 _FLOATS = (BF16, F32)
-MAX_DECODE_TOKENS = 16  # SPEC.md §5: a decode step takes 1..16 tokens per sequence
+MAX_DECODE_TOKENS = 16  # docs/SPEC.md §5: a decode step takes 1..16 tokens per sequence
 
 
 def _shape(x):
@@ -506,7 +506,7 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
 
 def reference_forward(q, k, v, g, beta, *, gate="lower_bound", A_log=None, dt_bias=None, lower_bound=-5.0,
                       l2norm_qk=True, beta_is_logit=True, scale=None, initial_state=None, cu_seqlens=None):
-    """The library's fp64 token recurrence (SPEC.md §3) on host arrays (numpy or CPU torch).
+    """The library's fp64 token recurrence (docs/SPEC.md §3) on host arrays (numpy or CPU torch).
 
     initial_state is [N, H, V, K]. Returns float64 numpy arrays (out [B,T,H,V], final_state [N,H,V,K]).
     """

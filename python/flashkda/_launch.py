@@ -15,7 +15,7 @@ from ._arrays import TorchOps
 
 
 class Preprocess(NamedTuple):
-    """SPEC.md §2 options, as flashkda._C takes them."""
+    """docs/SPEC.md §2 options, as flashkda._C takes them."""
 
     gate: str = "lower_bound"  # 'lower_bound' | 'softplus' | 'precomputed'
     A_log: object = None  # [H] float32

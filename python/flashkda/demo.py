@@ -19,7 +19,7 @@ import numpy as np
 
 import flashkda
 
-GPU_LENGTHS = [1300, 547, 2048, 963, 271, 3063]  # T = 8192 (SPEC.md §7)
+GPU_LENGTHS = [1300, 547, 2048, 963, 271, 3063]  # T = 8192 (docs/SPEC.md §7)
 CPU_LENGTHS = [700, 300, 1048]  # T = 2048
 
 

@@ -167,7 +167,7 @@ Precision parse_precision(const std::string& precision) {
   return Precision::kPrecise;
 }
 
-// The preprocessing options shared by forward, reference_forward and decode (SPEC.md §2).
+// The preprocessing options shared by forward, reference_forward and decode (docs/SPEC.md §2).
 struct PreArgs {
   OptIn A_log, dt_bias;
   std::string gate;
@@ -208,7 +208,7 @@ Preprocess make_preprocess(const PreArgs& a, const View& q, int64_t H, int64_t K
   return pre;
 }
 
-// The tensors of one prefill problem, checked against each other (SPEC.md §1).
+// The tensors of one prefill problem, checked against each other (docs/SPEC.md §1).
 struct PrefillArrays {
   PrefillParams p;
   View q;
@@ -479,7 +479,7 @@ NB_MODULE(_C, m) {
         arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(),
         arg("workspace").none() = nb::none(), arg("workspace_alloc").none() = nb::none(), arg("stream") = 0,
         arg("u16_is_bf16") = false, arg("precision") = "precise", arg("_v_splits") = 0, arg("_segment_chunks") = 0,
-        "Chunked KDA forward (SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
+        "Chunked KDA forward (docs/SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
         "workspace: device bytes (any dtype); or workspace_alloc(nbytes) -> array, called when needed. "
         "precision: 'precise' or 'fast' (the GPU recurrence; flashkda::Precision). "
         "_v_splits, _segment_chunks: internal launch configuration (tests, benchmarks; 0 = the launcher's rule).");
@@ -505,5 +505,5 @@ NB_MODULE(_C, m) {
         arg("gate") = "lower_bound", arg("lower_bound") = -5.0f, arg("l2norm_qk") = true,
         arg("beta_is_logit") = true, arg("scale").none() = nb::none(), arg("stream") = 0,
         arg("u16_is_bf16") = false, arg("_persistent") = -1,
-        "One decode step (SPEC.md §5): updates the named slots of state_pool [P,H,V,K] in place, writes out.");
+        "One decode step (docs/SPEC.md §5): updates the named slots of state_pool [P,H,V,K] in place, writes out.");
 }

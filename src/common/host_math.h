@@ -1,4 +1,4 @@
-// Host-side preprocessing of SPEC.md §2, templated on the compute type (double for the fp64
+// Host-side preprocessing of docs/SPEC.md §2, templated on the compute type (double for the fp64
 // reference, float for the CPU backend): activations, gate -> log-decay, L2 norm, and typed
 // element loads/stores from untyped tensors (bf16 or fp32 inputs and states).
 #pragma once
@@ -24,7 +24,7 @@ inline T softplus(T x) {
   return x > T(20) ? x : std::log1p(std::exp(x));
 }
 
-// Log-decay a <= 0 of channel c of head h from the raw gate value g (SPEC.md §2).
+// Log-decay a <= 0 of channel c of head h from the raw gate value g (docs/SPEC.md §2).
 template <typename T>
 inline T log_decay(const Preprocess& pre, int64_t h, int64_t c, int64_t K, T g) {
   if (pre.gate == GateForm::kPrecomputed) return g;

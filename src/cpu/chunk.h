@@ -1,4 +1,4 @@
-// The chunk-16 form of SPEC.md §4 on the host, templated on the compute type: float is the CPU
+// The chunk-16 form of docs/SPEC.md §4 on the host, templated on the compute type: float is the CPU
 // backend (cpu::forward), double an fp64 chunk-form implementation that tests hold against the
 // token recurrence. Both instantiations live in prefill.cpp.
 #pragma once

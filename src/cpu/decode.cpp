@@ -1,4 +1,4 @@
-// CPU decode step (SPEC.md §5): the token recurrence of SPEC.md §3 in fp32 on a state pool
+// CPU decode step (docs/SPEC.md §5): the token recurrence of docs/SPEC.md §3 in fp32 on a state pool
 // updated in place, OpenMP over (sequence, head).
 //
 // Slot rules (shared with the GPU kernel, src/cuda/sm90/decode/kernel.cuh):
@@ -32,9 +32,28 @@ int32_t start_slot(const DecodeParams& p, int64_t n) {
   return p.state_indices[n * p.indices_stride + t];
 }
 
+// Per-thread buffers of one (sequence, head), kept between calls (OpenMP's threads persist): a
+// call allocates only when it sees a larger head size than its thread has served before.
+struct DecodeScratch {
+  std::vector<float> state, q, k, decay, v, o;
+  void fit(int64_t K, int64_t V) {
+    if (int64_t(state.size()) < V * K) state.resize(size_t(V * K));
+    for (std::vector<float>* x : {&q, &k, &decay})
+      if (int64_t(x->size()) < K) x->resize(size_t(K));
+    for (std::vector<float>* x : {&v, &o})
+      if (int64_t(x->size()) < V) x->resize(size_t(V));
+  }
+};
+
+DecodeScratch& thread_scratch(int64_t K, int64_t V) {
+  thread_local DecodeScratch s;
+  s.fit(K, V);
+  return s;
+}
+
 // Writes zeros to the outputs of a padding entry.
-void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h) {
-  const std::vector<float> zeros(p.V, 0.0f);
+void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<float>& zeros) {
+  std::fill(zeros.begin(), zeros.begin() + p.V, 0.0f);
   for (int64_t t = seq.bos; t < seq.eos; ++t) host::store_row(p.out, p.dtype, (t * p.H + h) * p.V, p.V, zeros.data());
 }
 
@@ -43,12 +62,13 @@ void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   const int64_t K = p.K, V = p.V, H = p.H;
   const SeqRange seq = decode_range(p, n);
   const int32_t slot = start_slot(p, n);
+  DecodeScratch& scratch = thread_scratch(K, V);
   if (slot < 0) {
-    zero_outputs(p, seq, h);
+    zero_outputs(p, seq, h, scratch.o);
     return;
   }
-  const int64_t slice = V * K;
-  std::vector<float> state(slice), q(K), k(K), decay(K), v(V), o(V);
+  std::vector<float>&state = scratch.state, &q = scratch.q, &k = scratch.k, &decay = scratch.decay, &v = scratch.v,
+                     &o = scratch.o;
   host::load_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state.data());
   const host::HeadGate<float> gate(p.pre, h, K);
 
@@ -98,8 +118,13 @@ void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
 void decode(const DecodeParams& p) {
   const float scale = detail::effective_scale(p.pre, p.K);
   const int64_t work = p.num_seqs * p.H;
-#pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t i = 0; i < work; ++i) decode_head(p, i / p.H, i % p.H, scale);
+  if (work == 0) return;
+#pragma omp parallel
+  {
+    thread_scratch(p.K, p.V);  // every thread, whether or not it gets an item this call
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < work; ++i) decode_head(p, i / p.H, i % p.H, scale);
+  }
 }
 
 }  // namespace flashkda::cpu

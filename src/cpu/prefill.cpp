@@ -1,4 +1,4 @@
-// CPU prefill backend: the chunk-16 form of SPEC.md §4 with OpenMP over (sequence, head).
+// CPU prefill backend: the chunk-16 form of docs/SPEC.md §4 with OpenMP over (sequence, head).
 // Per chunk: load and preprocess 16 tokens, build L and Mqk, then one pass over the state's V
 // rows (in blocks of kRows) that reads, solves, writes the output and updates the state while
 // the rows sit in L1. The fp32 engine is compiled twice, for AVX2+FMA and for the baseline ISA,
@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -413,6 +414,26 @@ void run_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale, Ch
   run_default(p, n, h, scale, s, out);
 }
 
+// The per-thread scratch of chunk_forward, kept between calls (OpenMP's threads persist): a call
+// allocates only when its thread meets a head size it has not served last. Reuse is safe as the
+// engine never writes the padding channels (they stay zero) and rewrites every other element it
+// reads before reading it, within a call as across calls.
+template <typename T>
+struct ScratchSet {
+  std::unique_ptr<ChunkScratch<T>> chunk;
+  std::vector<T> state;
+};
+
+template <typename T>
+ScratchSet<T>& thread_scratch(int64_t K, int64_t V) {
+  thread_local ScratchSet<T> set;
+  if (!set.chunk || set.chunk->K != K || set.chunk->V != V) {
+    set.chunk = std::make_unique<ChunkScratch<T>>(K, V);
+    set.state.assign(size_t(V * K), T(0));
+  }
+  return set;
+}
+
 }  // namespace
 
 template <typename T>
@@ -424,8 +445,9 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state) {
 
 #pragma omp parallel
   {
-    ChunkScratch<T> s(K, V);
-    std::vector<T> state(V * K);
+    ScratchSet<T>& set = thread_scratch<T>(K, V);
+    ChunkScratch<T>& s = *set.chunk;
+    std::vector<T>& state = set.state;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nh = 0; nh < N * H; ++nh) {
       const int64_t n = nh / H, h = nh % H;

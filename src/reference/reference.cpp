@@ -1,4 +1,4 @@
-// fp64 token recurrence of SPEC.md §3 (flashkda::reference_forward): the definition every
+// fp64 token recurrence of docs/SPEC.md §3 (flashkda::reference_forward): the definition every
 // backend is tested against. One token at a time: decay, delta-rule update, read.
 #include <algorithm>
 #include <cmath>

@@ -8,7 +8,7 @@
 //   O_A = qd_A S + Mqk_A U_A  O_B = (qd_B e^{Γ_A}) S + D_BA U_A + Mqk_B U_B,   D_BA = qd_B kr_A^T
 //   S'  = e^{Γ_A+Γ_B} S + (kr_A e^{Γ_B})^T U_A + kr_B^T U_B           (one update, K = 32)
 //
-// with kd, qd, kr, inv = (I + L)^{-1} diag(b) and Mqk of each chunk as in SPEC.md §4. Every
+// with kd, qd, kr, inv = (I + L)^{-1} diag(b) and Mqk of each chunk as in docs/SPEC.md §4. Every
 // exponent is <= 0 (decays measured forward from a chunk's start or to its end), so the form
 // stays finite for any gate; the test asserts that as well as the agreement.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-// CPU decode (SPEC.md §5) against the fp64 token recurrence: single and several tokens, varlen,
+// CPU decode (docs/SPEC.md §5) against the fp64 token recurrence: single and several tokens, varlen,
 // padding, speculative slots, both state dtypes, all gate forms and flags, sentinel pool slots
 // that must stay bit-exact, decode after prefill, and argument errors.
 #include <gtest/gtest.h>

@@ -1,4 +1,4 @@
-"""Independent numpy fp64 KDA reference, written from SPEC.md §2/§3/§5 (not from the C++ code).
+"""Independent numpy fp64 KDA reference, written from docs/SPEC.md §2/§3/§5 (not from the C++ code).
 
 States are [.., H, V, K] ("v-first", as the kernels keep them); inputs of any float dtype
 (including ml_dtypes.bfloat16) are read as float64.

@@ -1,4 +1,4 @@
-"""flashkda.fused_recurrent_kda on numpy arrays: decode steps on a state pool (SPEC.md §5) against the
+"""flashkda.fused_recurrent_kda on numpy arrays: decode steps on a state pool (docs/SPEC.md §5) against the
 independent fp64 reference; untouched slots stay bit-exact."""
 
 from __future__ import annotations

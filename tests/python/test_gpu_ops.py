@@ -18,8 +18,8 @@ if not (torch.cuda.is_available() and flashkda.cuda_available()):
                 f"built_with_cuda={flashkda.built_with_cuda})", allow_module_level=True)
 
 H, K, V = 4, 128, 128
-LENGTHS = [300, 17, 1024, 77]  # SPEC.md §6
-TOL_O, TOL_H = 1e-2, 1e-2  # bf16 inputs; SPEC.md §6 measures 4e-3..6e-3 for fla / FlashKDA
+LENGTHS = [300, 17, 1024, 77]  # docs/SPEC.md §6
+TOL_O, TOL_H = 1e-2, 1e-2  # bf16 inputs; docs/SPEC.md §6 measures 4e-3..6e-3 for fla / FlashKDA
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-// Device-side KDA preprocessing (SPEC.md §2): sigmoid, softplus, the three gate forms.
+// Device-side KDA preprocessing (docs/SPEC.md §2): sigmoid, softplus, the three gate forms.
 #pragma once
 
 #include <cuda_bf16.h>

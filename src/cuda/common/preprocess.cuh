@@ -1,4 +1,4 @@
-// Device side of the fused preprocessing of SPEC.md §2 in fp32, per head and per warp: the gate
+// Device side of the fused preprocessing of docs/SPEC.md §2 in fp32, per head and per warp: the gate
 // constants of a head (on top of kda_math.cuh's log_decay), beta activation, warp-wide L2 norm.
 #pragma once
 

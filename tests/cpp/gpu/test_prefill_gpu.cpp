@@ -165,7 +165,7 @@ TEST_F(PrefillGpu, VarlenWithEmptySequencesInt32AndInt64) {
 }
 
 TEST_F(PrefillGpu, SpecAccuracyCaseReportsErrors) {
-  // SPEC.md §6: varlen [300, 17, 1024, 77], H = 4, random fp32 initial state x0.1, bf16 inputs.
+  // docs/SPEC.md §6: varlen [300, 17, 1024, 77], H = 4, random fp32 initial state x0.1, bf16 inputs.
   KdaOptions o;
   o.seqlens = {300, 17, 1024, 77};
   o.H = 4;

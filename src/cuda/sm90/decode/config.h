@@ -1,4 +1,4 @@
-// Constants of the sm90 decode kernel (SPEC.md §5): head dims and the thread -> state mapping.
+// Constants of the sm90 decode kernel (docs/SPEC.md §5): head dims and the thread -> state mapping.
 #pragma once
 
 #include <cstdint>
@@ -9,7 +9,7 @@ namespace flashkda::cuda::sm90::decode {
 
 constexpr int kHeadDimK = flashkda::kCudaHeadDim;  // K: state row length (contiguous in memory, [V, K] layout)
 constexpr int kHeadDimV = flashkda::kCudaHeadDim;  // V: state rows
-constexpr int kMaxTokens = flashkda::kMaxDecodeTokens;  // new tokens per sequence in one decode step (SPEC.md §5)
+constexpr int kMaxTokens = flashkda::kMaxDecodeTokens;  // new tokens per sequence in one decode step (docs/SPEC.md §5)
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;

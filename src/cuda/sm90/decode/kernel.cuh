@@ -1,4 +1,4 @@
-// sm90 decode kernel (SPEC.md §5): the token recurrence of SPEC.md §3 for 1..16 new tokens per
+// sm90 decode kernel (docs/SPEC.md §5): the token recurrence of docs/SPEC.md §3 for 1..16 new tokens per
 // sequence on a state pool [P, H, V, K] (fp32 or bf16) updated in place, preprocessing fused.
 //
 // grid = (N * H * kCtasPerHead), block = 4 warps. CTA x handles state rows
@@ -199,7 +199,7 @@ struct TokenScalars {
   float b;
 };
 
-// Prepares one token (SPEC.md §2) in the warp: lane l computes channels 4l..4l+3 and publishes
+// Prepares one token (docs/SPEC.md §2) in the warp: lane l computes channels 4l..4l+3 and publishes
 // them through the warp's scratch (read back per column in recur_token).
 template <class TileT>
 __device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> prepare_token(
@@ -249,7 +249,7 @@ __device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> prepare_token(
   return s;
 }
 
-// SPEC.md §3 for one token on the thread's rows: decay, delta-rule correction, output read.
+// docs/SPEC.md §3 for one token on the thread's rows: decay, delta-rule correction, output read.
 // Loops run column-outer so each prepared value is read from shared memory once and used for all
 // rows of the thread. o[i]: output of row i, valid in all 8 lanes of the row.
 template <typename StateT, int kRows>

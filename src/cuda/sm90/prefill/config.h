@@ -9,7 +9,7 @@
 
 namespace flashkda::sm90::prefill {
 
-constexpr int kChunk = flashkda::kChunk;         // tokens per chunk (SPEC.md §4)
+constexpr int kChunk = flashkda::kChunk;         // tokens per chunk (docs/SPEC.md §4)
 constexpr int kHeadDim = flashkda::kCudaHeadDim;  // K = V = 128
 constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 

@@ -1,4 +1,4 @@
-// K2 of the sm90 prefill: the chunk recurrence (SPEC.md §4) over the records K1 wrote.
+// K2 of the sm90 prefill: the chunk recurrence (docs/SPEC.md §4) over the records K1 wrote.
 //
 // grid = (N * H, 8 / kWarps), block = kWarps * 32 (kWarps = 4 or 8: one or two warpgroups). One
 // CTA runs the whole recurrence of one sequence and head for a slice of kWarps * 16 value

@@ -1,0 +1,154 @@
+"""flashkda as a backend of fla 0.6's KDA ops: `import flashkda.fla` and fla's own calls run here.
+
+    import flashkda.fla                      # registers the backend with fla's registry
+    from fla.ops.kda import chunk_kda
+    o, ht = chunk_kda(q, k, v, g, beta, ...)  # served by flashkda when it can be, else by fla
+
+Registered (fla.backends.register, priority 2, ahead of fla's FlashKDA backend at 3):
+
+- `fla.ops.kda.chunk_kda`: every call flashkda's chunk_kda computes (inference, bf16 or fp32 on the
+  CPU, bf16 with K = V = 128 on a Hopper GPU, the lower-bound, softplus and precomputed gates,
+  both state layouts, cu_seqlens);
+- `fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd` (fla's public fused_recurrent_kda and the
+  serving call vLLM makes): the same, plus the state pool through ssm_state_indices, speculative
+  slots with num_accepted_tokens, in place or not.
+
+Calls it cannot serve (autograd, grouped value heads, per-channel beta, allow_neg_eigval,
+context parallelism, return_intermediate_states, a GPU without the CUDA backend, ...) are
+declined with a reason (fla logs it at INFO) and fla runs its own kernels. `FLA_FLASHKDA=0`
+switches the backend off, as `FLA_FLASH_KDA=0` does fla's FlashKDA backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from fla.backends import BaseBackend, register
+from fla.ops.kda.chunk import chunk_kda as _fla_chunk_kda
+
+import flashkda
+
+__all__ = ["FlashkdaChunkBackend", "FlashkdaKDABackend"]
+
+_FLOATS = (torch.bfloat16, torch.float32)
+
+
+def _requires_grad(*xs):
+    return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
+
+
+def _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
+                   allow_neg_eigval):
+    """Why flashkda cannot serve this call, or None. The reasons name what flashkda requires."""
+    if _requires_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
+        return "flashkda only supports inference (tensors require grad)"
+    if allow_neg_eigval:
+        return "flashkda requires allow_neg_eigval=False"
+    if q.dim() != 4 or v.dim() != 4:
+        return f"flashkda requires 4-d q and v, got {q.dim()}-d and {v.dim()}-d"
+    B, T, H, K = q.shape
+    if v.shape[2] != H:
+        return f"flashkda does not support GVA (HV={v.shape[2]} != H={H})"
+    if beta.dim() != 3:
+        return "flashkda does not support per-channel beta"
+    V = v.shape[3]
+    if q.is_cuda:
+        if not (flashkda.built_with_cuda and flashkda.cuda_available()):
+            return "flashkda's CUDA backend is not available (built without it, or no Hopper GPU)"
+        if q.dtype != torch.bfloat16:
+            return f"flashkda requires bfloat16 q, k, v on the GPU, got {q.dtype}"
+        if K != 128 or V != 128:
+            return f"flashkda requires K=V=128 on the GPU, got K={K}, V={V}"
+    elif q.device.type != "cpu":
+        return f"flashkda runs on cpu and cuda tensors, got {q.device}"
+    elif q.dtype not in _FLOATS or K > 256 or V > 256:
+        return f"flashkda requires bfloat16 or float32 and K, V <= 256 on the CPU, got {q.dtype}, K={K}, V={V}"
+    if any(x.dtype != q.dtype for x in (k, v)):
+        return "flashkda requires q, k and v of one dtype"
+    if use_gate_in_kernel and lower_bound is None and A_log is None:
+        return "flashkda requires A_log for the softplus gate (use_gate_in_kernel without lower_bound)"
+    if use_gate_in_kernel and dt_bias is not None and dt_bias.numel() != H * K:
+        return f"flashkda requires a per-channel dt_bias of H*K={H * K} elements, got {tuple(dt_bias.shape)}"
+    return None
+
+
+@register(_fla_chunk_kda)
+class FlashkdaChunkBackend(BaseBackend):
+    """fla's chunk_kda on flashkda's chunked forward (inference only)."""
+
+    backend_type = "flashkda"
+    package_name = "flashkda"
+    env_var = "FLA_FLASHKDA"
+    default_enable = True
+    priority = 2
+
+    def chunk_kda_verifier(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                           use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                           allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                           return_intermediate_states=False, state_v_first=False, cu_seqlens=None,
+                           cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None,
+                           dt_bias=None, **kwargs):
+        reason = _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
+                                allow_neg_eigval)
+        if reason is None and cp_context is not None:
+            reason = "flashkda does not support context parallel"
+        if reason is None and return_intermediate_states:
+            reason = "flashkda does not support return_intermediate_states"
+        if reason is None and safe_gate and lower_bound is None:
+            reason = "flashkda requires lower_bound with safe_gate=True"
+        return reason is None, reason
+
+    def chunk_kda(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                  allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
+                  return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
+                  cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
+        return flashkda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                  output_final_state=output_final_state,
+                                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                                  use_gate_in_kernel=use_gate_in_kernel,
+                                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate,
+                                  lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+                                  A_log=A_log, dt_bias=dt_bias)
+
+
+@register("kda")
+class FlashkdaKDABackend(BaseBackend):
+    """fla's fused_recurrent_kda_fwd (behind fla's fused_recurrent_kda and vLLM's serving call) on
+    flashkda's decode kernels and, for longer inputs, its chunked forward."""
+
+    backend_type = "flashkda"
+    package_name = "flashkda"
+    env_var = "FLA_FLASHKDA"
+    default_enable = True
+    priority = 2
+
+    def fused_recurrent_kda_fwd_verifier(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
+                                         scale=None, output_final_state=False, inplace_final_state=True,
+                                         state_v_first=False, cu_seqlens=None, ssm_state_indices=None,
+                                         num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
+                                         use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
+                                         allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
+        reason = _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
+                                allow_neg_eigval)
+        if reason is None and inplace_final_state and initial_state is None:
+            reason = "flashkda requires initial_state (the pool) with inplace_final_state=True"
+        if reason is None and not inplace_final_state and ssm_state_indices is not None:
+            reason = "flashkda requires inplace_final_state=True with ssm_state_indices"
+        if (reason is None and ssm_state_indices is not None and cu_seqlens is None and q.shape[1] > 16
+                and (ssm_state_indices.dim() == 2 or num_accepted_tokens is not None)):
+            reason = "flashkda takes at most 16 tokens per sequence with per-token slots"
+        return reason is None, reason
+
+    def fused_recurrent_kda_fwd(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None, scale=None,
+                                output_final_state=False, inplace_final_state=True, state_v_first=False,
+                                cu_seqlens=None, ssm_state_indices=None, num_accepted_tokens=None,
+                                use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
+                                use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None, out=None,
+                                **kwargs):
+        return flashkda.fused_recurrent_kda(
+            q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
+            output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
+            ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
+            inplace_final_state=inplace_final_state, out=out)

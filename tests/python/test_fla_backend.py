@@ -1,0 +1,115 @@
+"""flashkda as a backend of fla 0.6 (`import flashkda.fla`): fla's own chunk_kda and
+fused_recurrent_kda calls return flashkda's results bit for bit; calls flashkda cannot serve are
+declined with a reason; FLA_FLASHKDA=0 switches the backend off. CPU tensors here (fla's own
+kernels need a GPU, so a served CPU call shows the dispatch); the CUDA cases run where a Hopper
+GPU is visible."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import BF16, make_problem, torch_problem
+
+torch = pytest.importorskip("torch", reason="torch is not installed: fla backend tests skipped")
+pytest.importorskip("fla.ops.kda", reason="fla (flash-linear-attention 0.6) is not installed: fla backend tests skipped")
+
+import fla.ops.kda as fla_kda  # noqa: E402
+from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd  # noqa: E402
+
+import flashkda  # noqa: E402
+import flashkda.fla as backend  # noqa: E402
+
+if BF16 is None:
+    pytest.skip("ml_dtypes is not installed", allow_module_level=True)
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() and flashkda.cuda_available() else [])
+
+
+def inputs(rng, device, T=40, H=2, K=128, V=128):
+    p = make_problem(rng, B=1, T=T, H=H, K=K, V=V, gate="lower_bound", state=True, dtype=BF16)
+    t = torch_problem(p, device)
+    t["dt_bias"] = t["dt_bias"].reshape(-1)
+    kw = dict(scale=None, output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              use_beta_sigmoid_in_kernel=True, safe_gate=True, lower_bound=p["lower_bound"], state_v_first=True,
+              A_log=t["A_log"], dt_bias=t["dt_bias"])
+    return t, kw
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fla_chunk_kda_returns_flashkdas_result(rng, device):
+    t, kw = inputs(rng, device)
+    with torch.no_grad():
+        o_fla, ht_fla = fla_kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0_vk"], **kw)
+        o, ht = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0_vk"], **kw)
+    assert torch.equal(o_fla, o) and torch.equal(ht_fla, ht)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fla_fused_recurrent_kda_and_the_serving_call(rng, device):
+    t, kw = inputs(rng, device, T=3)
+    for n in ("safe_gate", "scale"):
+        kw.pop(n)
+    with torch.no_grad():
+        # fla's public function: initial_state only read
+        h0 = t["h0_vk"].clone()
+        o_fla, ht_fla = fla_kda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0, **kw)
+        o, ht = flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0, **kw)
+        assert torch.equal(h0, t["h0_vk"])
+        assert torch.equal(o_fla, o) and torch.equal(ht_fla, ht)
+        # vLLM's call: a pool updated in place through slot indices
+        pool = torch.randn(5, *t["h0_vk"].shape[1:], device=device) * 0.1
+        pool_ref = pool.clone()
+        idx = torch.tensor([3], dtype=torch.int32, device=device)
+        kw.pop("output_final_state")
+        o_fla, _ = fused_recurrent_kda_fwd(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=pool,
+                                           inplace_final_state=True, ssm_state_indices=idx, **kw)
+        o, _ = flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=pool_ref,
+                                            inplace_final_state=True, ssm_state_indices=idx, **kw)
+        assert torch.equal(o_fla, o) and torch.equal(pool, pool_ref)
+
+
+def test_unservable_calls_are_declined_with_a_reason(rng):
+    t, kw = inputs(rng, "cpu")
+    chunk = backend.FlashkdaChunkBackend()
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
+    assert chunk.chunk_kda_verifier(*args, **kw) == (True, None)
+    cases = {
+        "allow_neg_eigval": dict(allow_neg_eigval=True),
+        "context parallel": dict(cp_context=object()),
+        "return_intermediate_states": dict(return_intermediate_states=True),
+    }
+    for needle, extra in cases.items():
+        ok, reason = chunk.chunk_kda_verifier(*args, **{**kw, **extra})
+        assert not ok and needle in reason
+    ok, reason = chunk.chunk_kda_verifier(t["q"], t["k"], t["v"][:, :, :1], t["g"], t["beta"], **kw)
+    assert not ok and "GVA" in reason
+    q = t["q"].clone().requires_grad_(True)
+    ok, reason = chunk.chunk_kda_verifier(q, *args[1:], **kw)
+    assert not ok and "inference" in reason
+    with torch.no_grad():  # the same tensor without autograd is served
+        assert chunk.chunk_kda_verifier(q, *args[1:], **kw)[0]
+    rec = backend.FlashkdaKDABackend()
+    ok, reason = rec.fused_recurrent_kda_fwd_verifier(*args, initial_state=None, inplace_final_state=True)
+    assert not ok and "initial_state" in reason
+
+
+def test_a_declined_call_runs_flas_own_path(rng, monkeypatch):
+    """allow_neg_eigval=True is declined, so fla's own kernels run: on the CPU they need Triton's GPU
+    backend and fail, which shows the call did not go to flashkda (on the GPU fla's result returns)."""
+    t, kw = inputs(rng, DEVICES[-1])
+    with torch.no_grad():
+        try:
+            o, _ = fla_kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], allow_neg_eigval=True, **kw)
+        except Exception as e:  # noqa: BLE001 - fla's Triton path on a machine without its GPU backend
+            assert t["q"].device.type == "cpu", f"fla's own path failed on the GPU: {e}"
+            return
+        with pytest.raises(NotImplementedError):
+            flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], allow_neg_eigval=True, **kw)
+        assert o.shape == t["v"].shape
+
+
+def test_fla_flashkda_0_switches_it_off(monkeypatch):
+    assert backend.FlashkdaChunkBackend().is_enabled()
+    monkeypatch.setenv("FLA_FLASHKDA", "0")
+    assert not backend.FlashkdaChunkBackend().is_enabled()
+    assert not backend.FlashkdaKDABackend().is_enabled()
