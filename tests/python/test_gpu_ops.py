@@ -262,7 +262,7 @@ def test_torch_compile(rng, bf16):
                                              A_log=A_log, dt_bias=dt_bias, initial_state=pool,
                                              use_gate_in_kernel=True, lower_bound=-2.0,
                                              use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-                                             state_v_first=True)
+                                             state_v_first=True, inplace_final_state=True)
         return o.float() * 2, ht + 1, o2
 
     args = [t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]

@@ -783,5 +783,37 @@ TEST_F(PrefillGpu, SegmentTransitionMapsAnyStartStateLikeTheRecurrence) {
     }
 }
 
+// NaN in is NaN out on the GPU too (as on the CPU, CpuPrefill.NonFiniteGatesPropagate): a NaN raw
+// gate, or +inf in a precomputed log-decay, leaves the affected head's final state non-finite,
+// with and without segments; the other head stays finite.
+TEST_F(PrefillGpu, NonFiniteGatesPropagate) {
+  for (const internal::PrefillLaunch launch : {kSerial, segments(1)}) {
+    for (const GateForm gate : {GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed}) {
+      for (const double bad : {double(NAN), double(INFINITY)}) {
+        if (std::isinf(bad) && gate != GateForm::kPrecomputed) continue;
+        KdaOptions o;
+        o.T = 40, o.H = 2, o.gate = gate, o.g_dtype = DType::kF32;
+        if (gate == GateForm::kPrecomputed) o.g_min = -1, o.g_max = 0, o.with_dt_bias = false;
+        o.final_state = StateKind::kF32;
+        KdaInputs in(o);
+        in.g.set((20 * o.H + 1) * o.K + 3, bad);
+        DeviceProblem dev(in, launch);
+        dev.poison();
+        dev.run();
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        dev.download();
+        const std::vector<double> fs = in.final_state.values();
+        int64_t bad1 = 0, bad0 = 0;
+        for (int64_t i = 0; i < o.V * o.K; ++i) {
+          bad0 += std::isfinite(fs[i]) ? 0 : 1;
+          bad1 += std::isfinite(fs[o.V * o.K + i]) ? 0 : 1;
+        }
+        EXPECT_GT(bad1, 0) << gate_form_name(gate) << " " << bad << " segments " << launch.segment_chunks;
+        EXPECT_EQ(bad0, 0) << gate_form_name(gate) << " " << bad << " segments " << launch.segment_chunks;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace flashkda::test
