@@ -52,8 +52,10 @@ FLASHKDA_INLINE float engine_exp(float x) {
   constexpr int32_t kOver = float_order_key(__builtin_bit_cast(int32_t, 88.73f));  // e^88.73 > FLT_MAX
   const int32_t bits = __builtin_bit_cast(int32_t, x);
   const int32_t raw_key = float_order_key(bits);
-  const bool nan = (bits & 0x7fffffff) > 0x7f800000;
-  const bool over = raw_key > kOver;
+  // Masks (all ones or zero) from integer min/max only: a comparison here would become a branch
+  // and stop the loops around this function from vectorising.
+  const int32_t nan_mask = -std::min(std::max((bits & 0x7fffffff) - 0x7f800000, 0), 1);
+  const int32_t over_mask = -std::min(std::max(std::max(raw_key, 0) - kOver, 0), 1);
   const int32_t key = std::min(std::max(raw_key, kLo), kHi);
   x = __builtin_bit_cast(float, float_order_key(key));
   const int32_t ni = int32_t(x * 1.44269504088896341f + 128.5f) - 128;  // round(x / ln2); argument > 0
@@ -69,8 +71,8 @@ FLASHKDA_INLINE float engine_exp(float x) {
   const int32_t n1 = ni >> 1, n2 = ni - n1;  // each in [-75, 64]: 2^n1 and 2^n2 are normal floats
   const float e = y * __builtin_bit_cast(float, (n1 + 127) << 23) * __builtin_bit_cast(float, (n2 + 127) << 23);
   int32_t out = __builtin_bit_cast(int32_t, e);
-  out = over ? 0x7f800000 : out;           // +inf
-  out = nan ? (bits | 0x00400000) : out;   // the input NaN, quiet
+  out = (out & ~over_mask) | (0x7f800000 & over_mask);         // +inf
+  out = (out & ~nan_mask) | ((bits | 0x00400000) & nan_mask);  // the input NaN, quiet
   return __builtin_bit_cast(float, out);
 }
 
