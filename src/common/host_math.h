@@ -63,13 +63,24 @@ inline T beta_activation(const Preprocess& pre, T beta) {
   return pre.beta_is_logit ? sigmoid(beta) : beta;
 }
 
-// x <- x / sqrt(sum x^2 + 1e-6), in place over n elements.
+// x <- x / sqrt(sum x^2 + 1e-6), in place over n elements. The sum runs in 16 partial sums (then
+// added in order), so it vectorises without reassociation flags: a plain running sum is a chain of
+// n dependent adds, about a thousand cycles per 128-channel row.
 template <typename T>
 inline void l2_normalize(T* x, int64_t n) {
+  constexpr int kLanes = 16;
+  T part[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int w = 0; w < kLanes; ++w) part[w] += x[i + w] * x[i + w];
+  }
+  for (int w = 0; i < n; ++i, ++w) part[w] += x[i] * x[i];
   T sum = T(0);
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  for (int w = 0; w < kLanes; ++w) sum += part[w];
   const T inv = T(1) / std::sqrt(sum + T(1e-6));
-  for (int64_t i = 0; i < n; ++i) x[i] *= inv;
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) x[j] *= inv;
 }
 
 // Element i of a bf16 or fp32 tensor, converted to T.
