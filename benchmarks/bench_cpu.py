@@ -1,7 +1,7 @@
 """CPU backend benchmark: tokens/s and GFLOP/s of flashkda's chunk-16 CPU forward, next to the
 library's fp64 token recurrence (flashkda.reference_forward) and this machine's sgemm rate.
 
-    python benchmarks/bench_cpu.py                      # T=8192, H in 4 8 16 32, K=V=128
+    python benchmarks/bench_cpu.py                      # T in 2048 8192, H in 4 16 32, decode N in 1 64 256
     python benchmarks/bench_cpu.py --out cpu.md         # also write the markdown section to a file
 
 Inputs as in FlashKDA's fwd: bf16 q, k, v, g, beta (ml_dtypes), lower-bound gate (A_log, dt_bias
@@ -169,20 +169,82 @@ def git_commit():
         return "unknown"
 
 
+def torch_decode_loop(pool, idx, x, lower_bound):
+    """A plain torch serving step for comparison: gather the named states, one token of the
+    recurrence (docs/SPEC.md §3) batched over sequences and heads, scatter them back."""
+    import torch
+
+    f = {n: torch.from_numpy(np.asarray(x[n][:, 0], np.float32)) for n in ("q", "k", "v", "g", "beta")}  # [N, H, .]
+    q = torch.nn.functional.normalize(f["q"], dim=-1, eps=1e-3)
+    k = torch.nn.functional.normalize(f["k"], dim=-1, eps=1e-3)
+    a = lower_bound * torch.sigmoid(torch.from_numpy(x["A_log"]).exp()[:, None] * (f["g"] + torch.from_numpy(x["dt_bias"])))
+    b = torch.sigmoid(f["beta"])[..., None]
+    S = pool[idx]  # [N, H, V, K]
+    S = S * a.exp()[:, :, None, :]
+    S = S + (b * (f["v"] - (S @ k[..., None])[..., 0]))[..., None] * k[:, :, None, :]
+    o = (S @ q[..., None])[..., 0] * q.shape[-1] ** -0.5
+    pool[idx] = S
+    return o
+
+
+def decode_rows(args, lower_bound):
+    """flashkda's CPU decode (one token per sequence, fp32 pool updated in place through indices)
+    against the torch gather / step / scatter loop, same inputs."""
+    rows = []
+    H, K = 16, args.K
+    for N in args.decode_n:
+        P = N + 8
+        rng = np.random.default_rng(N)
+        x = make_inputs(1, H, K, K, seed=N)
+        x = {n: (np.repeat(v, N, axis=0) if n in ("q", "k", "v", "g", "beta") else v) for n, v in x.items()}
+        for n in ("q", "k", "v", "g", "beta"):
+            x[n] = (rng.standard_normal(x[n].shape).astype(np.float32)).astype(BF16)
+        pool = (0.1 * rng.standard_normal((P, H, K, K))).astype(np.float32)
+        idx = rng.permutation(P)[:N].astype(np.int32)
+
+        def ours():
+            flashkda.fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], x["A_log"], x["dt_bias"],
+                                         initial_state=pool, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                         use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
+                                         state_v_first=True, ssm_state_indices=idx)
+        t_ours = timed(ours, args.reps)
+        t_torch = float("nan")
+        try:
+            import torch
+
+            pool_t = torch.from_numpy(pool.copy())
+            idx_t = torch.from_numpy(idx).long()
+            t_torch = timed(lambda: torch_decode_loop(pool_t, idx_t, x, lower_bound), args.reps)
+        except ImportError:
+            pass
+        state_bytes = 2 * N * H * K * K * 4
+        rows.append((N, H, t_ours * 1e6, t_torch * 1e6, t_torch / t_ours, state_bytes / t_ours / 1e9))
+        print(f"decode N={N}: flashkda {t_ours * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--T", type=int, default=8192, help="tokens (one sequence)")
-    ap.add_argument("--heads", type=int, nargs="+", default=[4, 8, 16, 32])
+    ap.add_argument("--T", type=int, nargs="+", default=[2048, 8192], help="tokens (one sequence)")
+    ap.add_argument("--heads", type=int, nargs="+", default=[4, 16, 32])
     ap.add_argument("--K", type=int, default=128, help="head size (K = V)")
-    ap.add_argument("--ref-T", type=int, default=1024, help="tokens the fp64 reference runs on (then scaled to T)")
+    ap.add_argument("--ref-T", type=int, default=256, help="tokens the fp64 reference runs on (then scaled to T)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--gemm-n", type=int, default=4096)
     ap.add_argument("--lower-bound", type=float, default=-5.0)
+    ap.add_argument("--decode-n", type=int, nargs="*", default=[1, 64, 256])
+    ap.add_argument("--no-torch", action="store_true", help="skip the torch columns")
     ap.add_argument("--out", help="also write the markdown section to this file")
     args = ap.parse_args()
-    T, K = args.T, args.K
+    K = args.K
     V = K
-    ref_T = min(args.ref_T, T)
+    try:
+        import torch  # noqa: F401
+
+        have_torch = not args.no_torch
+    except ImportError:
+        have_torch = False
+        print("torch is not installed: the torch columns are skipped", flush=True)
 
     model, isa = machine()
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
@@ -191,40 +253,52 @@ def main():
     token_fpt = token_flops_per_token(K, V)
 
     rows = []
-    for H in args.heads:
-        x = make_inputs(T, H, K, V, seed=H)
-        t_cpu = timed(lambda: run_flashkda(x, T, args.lower_bound), args.reps)
-        t_ref = timed(lambda: run_reference(x, ref_T, args.lower_bound), 1, warmup=0)
-        out_ref, ht_ref = run_reference(x, ref_T, args.lower_bound)
-        out_cpu, ht_cpu = run_flashkda(x, ref_T, args.lower_bound)
-        cpu_tps, ref_tps = T / t_cpu, ref_T / t_ref
-        cpu_gflops = T * H * chunk_fpt / t_cpu / 1e9
-        ref_gflops = ref_T * H * token_fpt / t_ref / 1e9
-        rows.append((H, t_cpu * 1e3, cpu_tps, cpu_gflops, 100 * cpu_gflops / gemm, t_ref * T / ref_T * 1e3, ref_tps,
-                     ref_gflops, cpu_tps / ref_tps, rel_rms(out_cpu, out_ref), rel_rms(ht_cpu, ht_ref)))
-        print(f"H={H}: flashkda {t_cpu * 1e3:.1f} ms, reference {t_ref * 1e3:.1f} ms on {ref_T} tokens", flush=True)
+    for T in args.T:
+        ref_T = min(args.ref_T, T)
+        for H in args.heads:
+            x = make_inputs(T, H, K, V, seed=H)
+            t_cpu = timed(lambda: run_flashkda(x, T, args.lower_bound), args.reps)
+            t_torch = timed(lambda: torch_chunked(x, T, args.lower_bound), max(1, args.reps // 2)) if have_torch \
+                else float("nan")
+            t_ref = timed(lambda: run_reference(x, ref_T, args.lower_bound), 1, warmup=0)
+            out_ref, ht_ref = run_reference(x, ref_T, args.lower_bound)
+            out_cpu, ht_cpu = run_flashkda(x, ref_T, args.lower_bound)
+            cpu_gflops = T * H * chunk_fpt / t_cpu / 1e9
+            rows.append((T, H, t_cpu * 1e3, cpu_gflops, 100 * cpu_gflops / gemm, t_torch * 1e3, t_torch / t_cpu,
+                         t_ref * T / ref_T * 1e3, t_ref * T / ref_T / t_cpu, rel_rms(out_cpu, out_ref),
+                         rel_rms(ht_cpu, ht_ref)))
+            print(f"T={T} H={H}: flashkda {t_cpu * 1e3:.1f} ms, torch {t_torch * 1e3:.1f} ms", flush=True)
+    drows = decode_rows(args, args.lower_bound) if args.decode_n else []
 
     lines = [
         f"- machine: {model}, {os.cpu_count()} cores (nproc), {isa}; OpenMP threads: {threads}",
         f"- date: {datetime.date.today().isoformat()}; commit: {git_commit()}; flashkda {flashkda.version()}",
-        f"- command: `python benchmarks/bench_cpu.py --T {T} --heads {' '.join(map(str, args.heads))} "
-        f"--ref-T {args.ref_T} --reps {args.reps} --gemm-n {args.gemm_n}`",
+        f"- command: `python benchmarks/bench_cpu.py --T {' '.join(map(str, args.T))} --heads "
+        f"{' '.join(map(str, args.heads))} --ref-T {args.ref_T} --reps {args.reps} --gemm-n {args.gemm_n}`",
         f"- sgemm yardstick: numpy float32 matmul {args.gemm_n}x{args.gemm_n} ({blas_name()}): "
         f"**{gemm:.1f} GFLOP/s**",
-        f"- inputs: one sequence of T={T}, K=V={K}, bf16 q/k/v/g/beta, lower-bound gate ({args.lower_bound}), "
+        f"- inputs: one sequence of T tokens, K=V={K}, bf16 q/k/v/g/beta, lower-bound gate ({args.lower_bound}), "
         f"fp32 initial and final state; flashkda times are the median of {args.reps} runs",
-        f"- fp64 reference: `flashkda.reference_forward` timed once on the first {ref_T} tokens, its time "
-        f"scaled by {T}/{ref_T}; errors compare the CPU backend with it on those tokens",
-        f"- FLOPs: chunk form {chunk_fpt:,} per token and head (6KV + 2C(K+V), C=16) for the CPU backend; "
-        f"token form {token_fpt:,} (7KV) for the reference",
+        "- torch chunked: `torch_chunked` in this file (chunk 64, fp32, batched over heads; its e^{-G} "
+        "factors overflow on these gates, so its outputs are not finite: timing only)",
+        f"- fp64 reference: `flashkda.reference_forward` timed once on the first tokens (--ref-T), scaled to T; "
+        "the error columns compare the CPU backend with it there",
+        f"- FLOPs: chunk form {chunk_fpt:,} per token and head (6KV + 2C(K+V), C=16)",
         "",
-        f"| H | CPU backend ms | tokens/s | GFLOP/s | % of sgemm | fp64 reference ms (T={T}, scaled) "
-        "| reference tokens/s | reference GFLOP/s | speed-up | out rel-RMS | state rel-RMS |",
+        "| T | H | CPU backend ms | GFLOP/s | % of sgemm | torch chunked ms | vs torch | fp64 reference ms (scaled) "
+        "| vs reference | out rel-RMS | state rel-RMS |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]:.1f} | {r[2]:,.0f} | {r[3]:.1f} | {r[4]:.0f}% | {r[5]:,.0f} | {r[6]:,.0f} "
-                     f"| {r[7]:.2f} | {r[8]:.1f}x | {r[9]:.1e} | {r[10]:.1e} |")
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.0f}% | {r[5]:.0f} | {r[6]:.1f}x "
+                     f"| {r[7]:,.0f} | {r[8]:.1f}x | {r[9]:.1e} | {r[10]:.1e} |")
+    if drows:
+        lines += ["", "Decode, one token per sequence, H=16, fp32 pool [P, H, V, K] updated in place through "
+                  "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter):", "",
+                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) |",
+                  "|---|---|---|---|---|---|"]
+        for r in drows:
+            lines.append(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.1f}x | {r[5]:.1f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

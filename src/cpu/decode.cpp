@@ -51,6 +51,46 @@ DecodeScratch& thread_scratch(int64_t K, int64_t V) {
   return s;
 }
 
+// One state row (one value column of S) through one token: decay, delta-rule correction along
+// k, then the read along q; returns the output element. The two reductions run in kLanes partial
+// sums so the loops vectorise without reassociation flags (a plain running sum is a chain of K
+// dependent adds).
+inline float step_row(float* row, const float* decay, const float* k, const float* q, float v, float b, int64_t K) {
+  constexpr int kLanes = 16;
+  float part[kLanes] = {};
+  int64_t c0 = 0;
+  for (; c0 + kLanes <= K; c0 += kLanes) {
+#pragma omp simd
+    for (int w = 0; w < kLanes; ++w) {
+      const float r = row[c0 + w] * decay[c0 + w];
+      row[c0 + w] = r;
+      part[w] += r * k[c0 + w];
+    }
+  }
+  for (int64_t c = c0; c < K; ++c) {
+    row[c] *= decay[c];
+    part[0] += row[c] * k[c];
+  }
+  float pred = 0.0f;
+  for (int w = 0; w < kLanes; ++w) pred += part[w], part[w] = 0.0f;
+  const float delta = b * (v - pred);
+  for (c0 = 0; c0 + kLanes <= K; c0 += kLanes) {
+#pragma omp simd
+    for (int w = 0; w < kLanes; ++w) {
+      const float r = row[c0 + w] + delta * k[c0 + w];
+      row[c0 + w] = r;
+      part[w] += r * q[c0 + w];
+    }
+  }
+  for (int64_t c = c0; c < K; ++c) {
+    row[c] += delta * k[c];
+    part[0] += row[c] * q[c];
+  }
+  float acc = 0.0f;
+  for (int w = 0; w < kLanes; ++w) acc += part[w];
+  return acc;
+}
+
 // Writes zeros to the outputs of a padding entry.
 void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<float>& zeros) {
   std::fill(zeros.begin(), zeros.begin() + p.V, 0.0f);
@@ -90,18 +130,7 @@ void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
 
     for (int64_t i = 0; i < V; ++i) {
       float* row = state.data() + i * K;
-      float pred = 0.0f;
-      for (int64_t c = 0; c < K; ++c) {
-        row[c] *= decay[c];
-        pred += row[c] * k[c];
-      }
-      const float delta = b * (v[i] - pred);
-      float acc = 0.0f;
-      for (int64_t c = 0; c < K; ++c) {
-        row[c] += delta * k[c];
-        acc += row[c] * q[c];
-      }
-      o[i] = acc;
+      o[i] = step_row(row, decay.data(), k.data(), q.data(), v[i], b, K);
     }
     host::store_row(p.out, p.dtype, (t * H + h) * V, V, o.data());
 
