@@ -38,7 +38,7 @@ for name in "${names[@]}"; do
   fi
   if ab_want test || ab_want sanitize; then
     say "$name: build"
-    if ! (cd "$dir" && cmake -S . -B build -G Ninja -DFLASHKDA_CUDA=ON -DCUTLASS_DIR="$CUTLASS" > /dev/null &&
+    if ! (cd "$dir" && cmake -S . -B build -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DCUTLASS_DIR="$CUTLASS" > /dev/null &&
           cmake --build build -j "$JOBS" 2>&1 | grep -E "error|warning|spill" >> "$LOG"; [ "${PIPESTATUS[0]}" -eq 0 ]); then
       echo "$name: build failed" | tee -a "$LOG"; status=1; continue
     fi

@@ -44,7 +44,7 @@ fi
 
 if want build; then
   step build
-  cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
+  cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20
 fi

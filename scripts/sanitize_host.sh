@@ -14,7 +14,7 @@ CASES=${FUZZ_CASES:-1500}
 FLAGS="-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
 
 echo "=== C++ suite (CPU backend) with $FLAGS"
-cmake -S . -B "$DIR/cpp" -G Ninja -DFLASHKDA_CUDA=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+cmake -S . -B "$DIR/cpp" -G Ninja -DFLASHKDA_CUDA=OFF -DFLASHKDA_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
   -DCMAKE_CXX_FLAGS="$FLAGS" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=address,undefined" >/dev/null
 ninja -C "$DIR/cpp" >/dev/null
 (cd "$DIR/cpp" && ctest -j"$(nproc)" --output-on-failure | tail -3)

@@ -1,6 +1,8 @@
 """fp64 simulation of the chunk-16 recurrence with chosen operands rounded to bf16, against the
 fp64 token recurrence: what the GPU's precision modes can reach on a given input, without a GPU.
 
+Needs flashkda installed (its fp64 reference is the yardstick):
+
     python scripts/sim_rounding.py [--case softplus|precomputed|random|repeated] [--pair] [--T 333]
 
 Modes: 'fast' rounds every tensor-core operand (S, U, kd, qd, kr, inv_b, Mqk, and in the pair
@@ -9,13 +11,10 @@ nothing (checks the algebra); 'out-only' rounds only the bf16 output. The inputs
 tests (tests/cpp/gpu/test_prefill_gpu.cpp): bf16 q, k, v, L2 norm, beta logits, fp32 state x0.1.
 """
 import argparse
-import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "python"))
-from kda_reference import kda_forward, log_decay, rel_rms, sigmoid  # noqa: E402
+from flashkda import reference_forward  # the library's fp64 token recurrence (docs/SPEC.md §3)
 
 C = 16
 
@@ -26,6 +25,29 @@ def bf16(x):
     u = x32.view(np.uint32).astype(np.uint64)
     u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
     return u.view(np.float32).astype(np.float64)
+
+
+def f32(x):
+    """fp32 copy of an array (every simulated input is exact in fp32); other values unchanged."""
+    return x.astype(np.float32) if isinstance(x, np.ndarray) else x
+
+
+def sigmoid(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def log_decay(g, gate, A_log, dt_bias, lower_bound=-5.0):
+    """docs/SPEC.md §2: the per-channel log-decay a <= 0 of each gate form, g [T, H, K]."""
+    if gate == "precomputed":
+        return g
+    x = g + dt_bias[None]
+    if gate == "lower_bound":
+        return lower_bound * sigmoid(np.exp(A_log)[None, :, None] * x)
+    return -np.exp(A_log)[None, :, None] * np.logaddexp(0.0, x)  # softplus
+
+
+def rel_rms(x, ref):
+    return float(np.sqrt(np.mean((x - ref) ** 2) / np.mean(ref ** 2)))
 
 
 def inputs(case, T, H, K, seed):
@@ -48,7 +70,9 @@ def inputs(case, T, H, K, seed):
         g = bf16(rng.uniform(-3, 3, (1, T, H, K)))
         kw = dict(gate="lower_bound", A_log=rng.uniform(-1, 1, H), dt_bias=rng.uniform(-1, 1, (H, K)))
     h0 = 0.1 * rng.standard_normal((1, H, K, K))
-    return q, k, v, g, beta, kw, h0
+    # A_log, dt_bias and the state rounded to fp32, so the fp64 reference (fp32 inputs) sees the same values
+    kw = {name: f32(x).astype(np.float64) if isinstance(x, np.ndarray) else x for name, x in kw.items()}
+    return q, k, v, g, beta, kw, f32(h0).astype(np.float64)
 
 
 def chunk_mats(qh, kh, a, b):
@@ -134,7 +158,8 @@ def main():
                     help="comma-separated operand sets to keep, one fast run each (e.g. kr kr,inv S,U,kr,inv)")
     args = ap.parse_args()
     q, k, v, g, beta, kw, h0 = inputs(args.case, args.T, args.H, args.K, args.seed)
-    ref_o, ref_s = kda_forward(q, k, v, g, beta, l2norm=True, beta_logit=True, initial_state=h0, **kw)
+    ref_o, ref_s = reference_forward(*map(f32, (q, k, v, g, beta)), initial_state=f32(h0),
+                                     **{name: f32(x) for name, x in kw.items()})
     form = "pair" if args.pair else "chunk"
     if args.sets is not None:
         for spec in args.sets:
