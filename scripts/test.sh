@@ -17,6 +17,7 @@ cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
 BUILD=${BUILD_DIR:-build}
+[[ "$BUILD" = /* ]] || BUILD="$PWD/$BUILD"  # absolute: the consumer build finds the install by it
 JOBS=${JOBS:-$(nproc)}
 CXX_CUDA=${FLASHKDA_CUDA:-AUTO}
 if [[ -n "${FLASHKDA_PY_CUDA:-}" ]]; then
@@ -96,7 +97,7 @@ fi
 step "install + find_package consumer (tests/install)"
 rm -rf "$BUILD/install" "$BUILD/consumer"
 quiet install cmake --install "$BUILD" --prefix "$BUILD/install"
-quiet consumer-configure cmake -S tests/install -B "$BUILD/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$PWD/$BUILD/install"
+quiet consumer-configure cmake -S tests/install -B "$BUILD/consumer" -G Ninja -DCMAKE_PREFIX_PATH="$BUILD/install"
 quiet consumer-build cmake --build "$BUILD/consumer"
 if "$BUILD/consumer/consumer" 2>&1 | tee "$LOGS/consumer.log"; then
   consumer_line="consumer: passed"

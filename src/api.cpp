@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "backend.h"
+#include "common/host_math.h"
 
 namespace flashkda {
 
@@ -138,9 +139,7 @@ void segment_transition(const PrefillParams& params_in, float* transition, float
 
 namespace detail {
 
-float effective_scale(const Preprocess& pre, int64_t K) {
-  return pre.has_scale ? pre.scale : float(1.0 / std::sqrt(double(K)));
-}
+float effective_scale(const Preprocess& pre, int64_t K) { return host::output_scale<float>(pre, K); }
 
 int64_t num_sequences(const PrefillParams& p) { return p.cu_seqlens != nullptr ? p.num_seqs : p.B; }
 
@@ -181,15 +180,15 @@ void check_reachable(Backend backend, std::initializer_list<NamedPointer> tensor
 #endif
 }
 
-SeqRange seq_range(const PrefillParams& p, int64_t n) {
-  if (p.cu_seqlens == nullptr) return {n * p.T, (n + 1) * p.T};
-  if (p.cu_seqlens_dtype == DType::kI64) {
-    const auto* cu = static_cast<const int64_t*>(p.cu_seqlens);
-    return {cu[n], cu[n + 1]};
-  }
-  const auto* cu = static_cast<const int32_t*>(p.cu_seqlens);
-  return {cu[n], cu[n + 1]};
+namespace {
+SeqRange seq_range(const void* cu_seqlens, DType dtype, int64_t tokens_per_seq, int64_t n) {
+  if (cu_seqlens == nullptr) return {n * tokens_per_seq, (n + 1) * tokens_per_seq};
+  return {host::offset_at(cu_seqlens, dtype, n), host::offset_at(cu_seqlens, dtype, n + 1)};
 }
+}  // namespace
+
+SeqRange seq_range(const PrefillParams& p, int64_t n) { return seq_range(p.cu_seqlens, p.cu_seqlens_dtype, p.T, n); }
+SeqRange seq_range(const DecodeParams& p, int64_t n) { return seq_range(p.cu_seqlens, p.cu_seqlens_dtype, p.T, n); }
 
 }  // namespace detail
 }  // namespace flashkda

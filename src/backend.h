@@ -18,7 +18,9 @@ struct SeqRange {
 
 namespace detail {
 int64_t num_sequences(const PrefillParams& p);  // N
-SeqRange seq_range(const PrefillParams& p, int64_t n);  // needs host-readable cu_seqlens
+// Needs host-readable cu_seqlens; without it every sequence has T tokens (decode: T per sequence).
+SeqRange seq_range(const PrefillParams& p, int64_t n);
+SeqRange seq_range(const DecodeParams& p, int64_t n);
 float effective_scale(const Preprocess& pre, int64_t K);
 
 // Throw flashkda::Error naming the first bad argument; nothing is written before they pass.

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "common/host_math.h"
 
 namespace flashkda::detail {
 namespace {
@@ -23,10 +24,7 @@ namespace {
 
 bool is_float_dtype(DType t) { return t == DType::kF32 || t == DType::kBF16; }
 
-int64_t cu_at(const DecodeParams& p, int64_t i) {
-  if (p.cu_seqlens_dtype == DType::kI64) return static_cast<const int64_t*>(p.cu_seqlens)[i];
-  return static_cast<const int32_t*>(p.cu_seqlens)[i];
-}
+int64_t cu_at(const DecodeParams& p, int64_t i) { return host::offset_at(p.cu_seqlens, p.cu_seqlens_dtype, i); }
 
 void check_pointers(const DecodeParams& p) {
   FLASHKDA_CHECK_ARG(p.q != nullptr, "decode: q must not be null");

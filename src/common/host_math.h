@@ -10,6 +10,18 @@
 
 namespace flashkda::host {
 
+// Element i of an int32 or int64 offsets array in host memory (cu_seqlens).
+inline int64_t offset_at(const void* offsets, DType dtype, int64_t i) {
+  if (dtype == DType::kI64) return static_cast<const int64_t*>(offsets)[i];
+  return static_cast<const int32_t*>(offsets)[i];
+}
+
+// The output scale: the caller's, else K^-1/2 (docs/SPEC.md §3), in the compute type T.
+template <typename T>
+inline T output_scale(const Preprocess& pre, int64_t K) {
+  return pre.has_scale ? T(pre.scale) : T(1.0 / std::sqrt(double(K)));
+}
+
 // Logistic function without overflow for large |x|.
 template <typename T>
 inline T sigmoid(T x) {
@@ -112,6 +124,24 @@ inline void store_row(void* ptr, DType dtype, int64_t offset, int64_t n, const T
     float* dst = static_cast<float*>(ptr) + offset;
     for (int64_t i = 0; i < n; ++i) dst[i] = float(src[i]);
   }
+}
+
+// The inputs of token t, head h of a prefill or decode problem (PrefillParams or DecodeParams: the
+// same field names), preprocessed as docs/SPEC.md §2 defines: q and k (L2-normalised when asked),
+// v, the per-channel decay factor e^a (not its log) and the returned b. Buffers hold K or V values.
+template <typename T, typename Params>
+inline T load_token(const Params& p, const HeadGate<T>& gate, int64_t t, int64_t h, T* q, T* k, T* v, T* decay) {
+  const int64_t row = t * p.H + h;
+  load_row(p.q, p.dtype, row * p.K, p.K, q);
+  load_row(p.k, p.dtype, row * p.K, p.K, k);
+  load_row(p.v, p.dtype, row * p.V, p.V, v);
+  load_row(p.g, p.g_dtype, row * p.K, p.K, decay);
+  if (p.pre.l2norm_qk) {
+    l2_normalize(q, p.K);
+    l2_normalize(k, p.K);
+  }
+  for (int64_t c = 0; c < p.K; ++c) decay[c] = std::exp(gate(c, decay[c]));
+  return beta_activation(p.pre, load<T>(p.beta, p.beta_dtype, row));
 }
 
 // One recurrent state [V, K] (v-first) of sequence n, head h, from a [N, H, V, K] tensor;

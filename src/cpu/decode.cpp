@@ -17,16 +17,6 @@
 namespace flashkda::cpu {
 namespace {
 
-int64_t cu_at(const DecodeParams& p, int64_t i) {
-  if (p.cu_seqlens_dtype == DType::kI64) return static_cast<const int64_t*>(p.cu_seqlens)[i];
-  return static_cast<const int32_t*>(p.cu_seqlens)[i];
-}
-
-SeqRange decode_range(const DecodeParams& p, int64_t n) {
-  if (p.cu_seqlens == nullptr) return {n * p.T, (n + 1) * p.T};
-  return {cu_at(p, n), cu_at(p, n + 1)};
-}
-
 int32_t start_slot(const DecodeParams& p, int64_t n) {
   const int64_t t = p.num_accepted_tokens != nullptr ? p.num_accepted_tokens[n] - 1 : 0;
   return p.state_indices[n * p.indices_stride + t];
@@ -100,7 +90,7 @@ void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<fl
 // Token recurrence of one (sequence, head) on an fp32 copy of its state slice [V, K].
 void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   const int64_t K = p.K, V = p.V, H = p.H;
-  const SeqRange seq = decode_range(p, n);
+  const SeqRange seq = detail::seq_range(p, n);
   const int32_t slot = start_slot(p, n);
   DecodeScratch& scratch = thread_scratch(K, V);
   if (slot < 0) {
@@ -113,20 +103,8 @@ void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   const host::HeadGate<float> gate(p.pre, h, K);
 
   for (int64_t t = seq.bos; t < seq.eos; ++t) {
-    const int64_t row_k = (t * H + h) * K;
-    host::load_row(p.q, p.dtype, row_k, K, q.data());
-    host::load_row(p.k, p.dtype, row_k, K, k.data());
-    host::load_row(p.v, p.dtype, (t * H + h) * V, V, v.data());
-    host::load_row(p.g, p.g_dtype, row_k, K, decay.data());
-    if (p.pre.l2norm_qk) {
-      host::l2_normalize(q.data(), K);
-      host::l2_normalize(k.data(), K);
-    }
-    for (int64_t c = 0; c < K; ++c) {
-      q[c] *= scale;
-      decay[c] = std::exp(gate(c, decay[c]));
-    }
-    const float b = host::beta_activation(p.pre, host::load<float>(p.beta, p.beta_dtype, t * H + h));
+    const float b = host::load_token(p, gate, t, h, q.data(), k.data(), v.data(), decay.data());
+    for (int64_t c = 0; c < K; ++c) q[c] *= scale;
 
     for (int64_t i = 0; i < V; ++i) {
       float* row = state.data() + i * K;

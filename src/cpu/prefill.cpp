@@ -574,7 +574,7 @@ template <typename T>
 void chunk_forward(const PrefillParams& p, T* out, T* final_state) {
   const int64_t N = detail::num_sequences(p);
   const int64_t H = p.H, K = p.K, V = p.V;
-  const T scale = p.pre.has_scale ? T(p.pre.scale) : T(1) / std::sqrt(T(K));
+  const T scale = host::output_scale<T>(p.pre, K);
   if (N * H == 0) return;
   // Work items: (sequence, head), and when there are fewer of those than threads, also groups of
   // value panels (columns of S evolve independently given the chunk's factors, which each item

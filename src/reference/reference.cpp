@@ -19,16 +19,7 @@ void recur_sequence_head(const PrefillParams& p, int64_t n, int64_t h, double sc
 
   for (int64_t t = r.bos; t < r.eos; ++t) {
     const int64_t row = t * H + h;
-    host::load_row(p.q, p.dtype, row * K, K, q.data());
-    host::load_row(p.k, p.dtype, row * K, K, k.data());
-    host::load_row(p.v, p.dtype, row * V, V, v.data());
-    host::load_row(p.g, p.g_dtype, row * K, K, a.data());
-    if (p.pre.l2norm_qk) {
-      host::l2_normalize(q.data(), K);
-      host::l2_normalize(k.data(), K);
-    }
-    for (int64_t c = 0; c < K; ++c) a[c] = std::exp(gate(c, a[c]));  // a now holds the decay factor
-    const double b = host::beta_activation(p.pre, host::load<double>(p.beta, p.beta_dtype, row));
+    const double b = host::load_token(p, gate, t, h, q.data(), k.data(), v.data(), a.data());  // a: e^{log-decay}
 
     for (int64_t j = 0; j < V; ++j) {
       double* s = S + j * K;  // column j of S (S^T row j)
@@ -63,7 +54,7 @@ void reference_forward(const PrefillParams& params_in, double* out, double* fina
   detail::validate_prefill(params, Backend::kCpu);
   const int64_t N = detail::num_sequences(params);
   const int64_t H = params.H, K = params.K, V = params.V;
-  const double scale = params.pre.has_scale ? double(params.pre.scale) : 1.0 / std::sqrt(double(K));
+  const double scale = host::output_scale<double>(params.pre, K);
 
 #pragma omp parallel
   {

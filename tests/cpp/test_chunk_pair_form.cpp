@@ -181,7 +181,7 @@ std::pair<double, double> pair_form_vs_reference(const KdaOptions& opt, int64_t*
   const Reference ref = run_reference(in);
   const PrefillParams p = in.params();
   const int64_t N = in.N, H = p.H, K = p.K, V = p.V;
-  const double scale = p.pre.has_scale ? double(p.pre.scale) : 1.0 / std::sqrt(double(K));
+  const double scale = host::output_scale<double>(p.pre, K);
   std::vector<double> out(ref.out.size(), std::nan("")), fs(ref.final_state.size(), std::nan(""));
   Exp e;
   for (int64_t n = 0; n < N; ++n)

@@ -1,4 +1,4 @@
-// Device helpers shared by the sm90 kernels: warp-group reductions and bf16 bit packing
+// Device helpers shared by the sm90 kernels: offsets loads, warp-group reductions and bf16 bit packing
 // (activations and gate forms live in kda_math.cuh).
 #pragma once
 
@@ -6,6 +6,13 @@
 #include <cstdint>
 
 namespace flashkda::cuda {
+
+// Element i of an int32 or int64 offsets array (cu_seqlens), through the read-only cache: no
+// kernel writes the offsets it reads. The host side is host::offset_at (src/common/host_math.h).
+__device__ __forceinline__ int64_t offset_at(const void* offsets, bool is_i64, int64_t i) {
+  return is_i64 ? int64_t(__ldg(static_cast<const long long*>(offsets) + i))
+                : int64_t(__ldg(static_cast<const int32_t*>(offsets) + i));
+}
 
 // Sum over groups of kWidth consecutive lanes (kWidth a power of two <= 32); every lane of a group
 // receives the group's sum. All 32 lanes must call it.

@@ -10,7 +10,7 @@
 
 #include "cuda/sm90/prefill/config.h"
 
-namespace flashkda::sm90::prefill {
+namespace flashkda::cuda::sm90::prefill {
 namespace {
 
 // Every bf16 element of a tile lands on its own 2 bytes and the tile is covered exactly once.
@@ -134,4 +134,4 @@ TEST(PrefillRecordLayoutKr, PreciseRecordUnchanged) {
 }
 
 }  // namespace
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill

@@ -307,8 +307,7 @@ __device__ __forceinline__ void recur_token(const Coord& c, const TokenScalars<k
 }
 
 __device__ __forceinline__ int64_t cu_at(const DecodeArgs& a, int64_t i) {
-  return a.cu_seqlens_i64 ? int64_t(__ldg(static_cast<const long long*>(a.cu_seqlens) + i))
-                          : int64_t(__ldg(static_cast<const int32_t*>(a.cu_seqlens) + i));
+  return offset_at(a.cu_seqlens, a.cu_seqlens_i64, i);
 }
 
 // Start slot of sequence n, or -1 for padding (negative index, out-of-range slot or accepted count).

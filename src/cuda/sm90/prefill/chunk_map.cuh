@@ -2,13 +2,13 @@
 // Chunk "slots" number the chunks of all sequences consecutively (workspace record order).
 #pragma once
 
+#include "cuda/common/math.cuh"
 #include "cuda/sm90/prefill/config.h"
 
-namespace flashkda::sm90::prefill {
+namespace flashkda::cuda::sm90::prefill {
 
 __device__ __forceinline__ int64_t cu_at(const Params& p, int64_t i) {
-  return p.cu_seqlens_64 ? static_cast<const int64_t*>(p.cu_seqlens)[i]
-                         : int64_t(static_cast<const int32_t*>(p.cu_seqlens)[i]);
+  return cuda::offset_at(p.cu_seqlens, p.cu_seqlens_64, i);
 }
 
 // Token range and chunk range of sequence n.
@@ -83,4 +83,4 @@ __device__ __forceinline__ bool locate_chunk(const Params& p, int64_t slot, int6
   return true;
 }
 
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill

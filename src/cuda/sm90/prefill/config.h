@@ -7,7 +7,7 @@
 
 #include "flashkda/config.h"
 
-namespace flashkda::sm90::prefill {
+namespace flashkda::cuda::sm90::prefill {
 
 constexpr int kChunk = flashkda::kChunk;         // tokens per chunk (docs/SPEC.md §4)
 constexpr int kHeadDim = flashkda::kCudaHeadDim;  // K = V = 128
@@ -175,4 +175,4 @@ struct Params {
                               // each whole sequence (internal::segment_transition); out is not written
 };
 
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill

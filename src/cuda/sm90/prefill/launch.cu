@@ -11,7 +11,7 @@
 #include "cuda/sm90/prefill/prepare_kernel.cuh"
 #include "cuda/sm90/prefill/segment_kernels.cuh"
 
-namespace flashkda::sm90::prefill {
+namespace flashkda::cuda::sm90::prefill {
 
 template <bool kPrecise>
 void launch_prepare(const Params& p, cudaStream_t stream) {
@@ -128,11 +128,11 @@ void launch_mode(int warps, const Params& kp, cudaStream_t stream) {
 }
 
 }  // namespace
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill
 
 namespace flashkda::cuda {
 
-using namespace flashkda::sm90::prefill;
+using namespace sm90::prefill;  // this file's kernels and their Params
 
 namespace {
 

@@ -6,7 +6,7 @@
 
 #include "cuda/sm90/prefill/config.h"
 
-namespace flashkda::sm90::prefill {
+namespace flashkda::cuda::sm90::prefill {
 
 template <bool kPrecise>
 void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) + K1 (the mode's record)
@@ -19,4 +19,4 @@ void launch_recur_segmented(const Params& p, cudaStream_t stream);  // K2 over s
 void launch_segment_chain(const Params& p, cudaStream_t stream);     // segment start states, final state
 void launch_segment_combine(const Params& p, cudaStream_t stream);   // outputs of segments s > 0
 
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill

@@ -17,9 +17,7 @@
 #include "cuda/sm90/prefill/chunk_map.cuh"
 #include "cuda/sm90/prefill/config.h"
 
-namespace flashkda::sm90::prefill {
-
-using namespace flashkda::cuda;
+namespace flashkda::cuda::sm90::prefill {
 
 // ---- K0 ----------------------------------------------------------------------------------------
 constexpr int kScanThreads = 1024;
@@ -457,4 +455,4 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     reinterpret_cast<uint4*>(rec + Rec::kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[3])[lane];
 }
 
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill

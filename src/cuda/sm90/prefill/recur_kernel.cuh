@@ -26,9 +26,7 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 
-namespace flashkda::sm90::prefill {
-
-using namespace flashkda::cuda;
+namespace flashkda::cuda::sm90::prefill {
 
 constexpr int kStages = 3;
 
@@ -434,4 +432,4 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   }
 }
 
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill

@@ -5,7 +5,7 @@
 #include "cuda/sm90/prefill/launch.h"
 #include "cuda/sm90/prefill/recur_kernel.cuh"
 
-namespace flashkda::sm90::prefill {
+namespace flashkda::cuda::sm90::prefill {
 
 template <int kWarps, bool kPrecise>
 void launch_recur(const Params& p, cudaStream_t stream) {
@@ -31,4 +31,4 @@ void launch_recur_segmented(const Params& p, cudaStream_t stream) {
   FLASHKDA_CHECK_LAUNCH();
 }
 
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill

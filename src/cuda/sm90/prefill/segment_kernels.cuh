@@ -14,7 +14,7 @@
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 
-namespace flashkda::sm90::prefill {
+namespace flashkda::cuda::sm90::prefill {
 
 constexpr int kChainRows = 8;
 constexpr int kChainThreads = 256;
@@ -190,4 +190,4 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   }
 }
 
-}  // namespace flashkda::sm90::prefill
+}  // namespace flashkda::cuda::sm90::prefill
