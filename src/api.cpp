@@ -30,6 +30,16 @@ void forward(const PrefillParams& params, void* workspace, size_t workspace_byte
 
 void decode(const DecodeParams& params, Stream stream) { internal::decode(params, {}, stream); }
 
+int64_t checkpoint_count(const PrefillParams& params) {
+  if (params.checkpoint_every <= 0) return 0;
+  const int64_t N = detail::num_sequences(params);
+  if (params.cu_seqlens == nullptr) return N * (params.T / params.checkpoint_every);
+  detail::check_reachable(Backend::kCpu, {{params.cu_seqlens, "cu_seqlens"}}, "checkpoint_count: ");
+  int64_t count = 0;
+  for (int64_t n = 0; n < N; ++n) count += detail::seq_range(params, n).len() / params.checkpoint_every;
+  return count;
+}
+
 namespace internal {
 
 size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch) {
@@ -97,6 +107,8 @@ PrefillParams without_out(const PrefillParams& params) {
   PrefillParams p = params;
   if (p.out == nullptr) p.out = const_cast<void*>(p.v);
   p.initial_state = nullptr, p.final_state = nullptr;
+  p.state_pool = nullptr, p.state_indices = nullptr, p.has_initial_state = nullptr;  // the transition only
+  p.checkpoint_every = 0, p.checkpoints = nullptr, p.checkpoint_slots = nullptr, p.num_checkpoints = 0;
   return p;
 }
 }  // namespace
@@ -156,7 +168,9 @@ void check_reachable(const PrefillParams& p, Backend backend) {
   check_reachable(backend,
                   {{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.beta, "beta"}, {p.out, "out"},
                    {p.initial_state, "initial_state"}, {p.final_state, "final_state"}, {p.cu_seqlens, "cu_seqlens"},
-                   {p.pre.A_log, "A_log"}, {p.pre.dt_bias, "dt_bias"}},
+                   {p.pre.A_log, "A_log"}, {p.pre.dt_bias, "dt_bias"}, {p.state_pool, "state_pool"},
+                   {p.state_indices, "state_indices"}, {p.has_initial_state, "has_initial_state"},
+                   {p.checkpoints, "checkpoints"}, {p.checkpoint_slots, "checkpoint_slots"}},
                   "");
 }
 

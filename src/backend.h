@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 #include "flashkda/flashkda.h"
 #include "launch_config.h"
@@ -28,6 +29,19 @@ float effective_scale(const Preprocess& pre, int64_t K);
 void validate_prefill(const PrefillParams& p, Backend backend);
 void validate_decode(const DecodeParams& p, Backend backend);
 void validate_preprocess(const Preprocess& pre);  // gate form, lower_bound, A_log, scale
+
+// One pool slot a call reads or writes, with the index array element that names it
+// (array[i] or array[i, j] when j >= 0) and its owner: uses of one slot by the same owner are
+// allowed (decode: a sequence reading and writing its slot), by two owners not.
+struct SlotUse {
+  int32_t slot;
+  int64_t owner;
+  const char* array;
+  int64_t i, j;
+};
+// Throws naming the first two uses of one slot by different owners: "<prefix><array>[..] and
+// <array>[..] both name slot s (<why>)". Sorts uses.
+void check_distinct_slots(std::vector<SlotUse>& uses, const char* prefix, const char* why);
 
 // The GPU kernels use 8- and 16-byte vector accesses: each named pointer (null passes) must be
 // 16-byte aligned, else "<prefix><name> must be 16-byte aligned on the GPU".

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "backend.h"
+#include "common/host_math.h"
 
 namespace flashkda::detail {
 namespace {
@@ -86,7 +87,85 @@ void check_cu_seqlens(const PrefillParams& p, Backend backend) {
   }
 }
 
+// Serving prefill (docs/SPEC.md §9): the pool fields, then the checkpoint fields.
+void check_pool(const PrefillParams& p) {
+  if (p.state_pool == nullptr) {
+    FLASHKDA_CHECK_ARG(p.state_indices == nullptr, "state_indices needs state_pool (the pool it indexes)");
+    FLASHKDA_CHECK_ARG(p.has_initial_state == nullptr, "has_initial_state needs state_pool");
+    FLASHKDA_CHECK_ARG(p.checkpoint_slots == nullptr, "checkpoint_slots needs state_pool (the pool it indexes)");
+    return;
+  }
+  FLASHKDA_CHECK_ARG(p.initial_state == nullptr && p.final_state == nullptr,
+                     "state_pool replaces initial_state and final_state: pass either the pool or the state tensors");
+  check_float_dtype("state_pool_dtype", p.state_pool_dtype);
+  FLASHKDA_CHECK_ARG(p.pool_size >= 0, "pool_size must be >= 0, got ", p.pool_size);
+  check_element_count("state_pool [P, H, V, K]", {p.pool_size, p.H, p.V, p.K});
+  FLASHKDA_CHECK_ARG(p.state_indices != nullptr || num_sequences(p) == 0,
+                     "state_indices must not be null with state_pool (the slot of each sequence, [N] int32)");
+}
+
+void check_checkpoints(const PrefillParams& p) {
+  if (p.checkpoint_every == 0) {
+    FLASHKDA_CHECK_ARG(p.checkpoints == nullptr && p.checkpoint_slots == nullptr,
+                       "checkpoints / checkpoint_slots need checkpoint_every > 0");
+    return;
+  }
+  FLASHKDA_CHECK_ARG(p.checkpoint_every > 0 && p.checkpoint_every % 64 == 0,
+                     "checkpoint_every must be a positive multiple of 64 (or 0: no checkpoints), got ",
+                     p.checkpoint_every);
+  FLASHKDA_CHECK_ARG((p.checkpoints != nullptr) + (p.checkpoint_slots != nullptr) == 1 || p.num_checkpoints == 0,
+                     "checkpoint_every=", p.checkpoint_every,
+                     " needs exactly one destination: checkpoints (a dense tensor) or checkpoint_slots (pool slots)");
+  FLASHKDA_CHECK_ARG(p.num_checkpoints >= 0, "num_checkpoints must be >= 0, got ", p.num_checkpoints);
+  if (p.checkpoints != nullptr) check_float_dtype("checkpoint_dtype", p.checkpoint_dtype);
+  check_element_count("checkpoints [num_checkpoints, H, V, K]", {p.num_checkpoints, p.H, p.V, p.K});
+}
+
+// Host-readable indices (CPU backend): slots inside the pool, no live slot named twice, and the
+// caller's num_checkpoints equal to what the lengths give.
+void check_pool_indices(const PrefillParams& p) {
+  if (p.checkpoint_every > 0) {
+    const int64_t want = checkpoint_count(p);
+    FLASHKDA_CHECK_ARG(p.num_checkpoints == want, "num_checkpoints must be ", want, " (the sum over sequences of ",
+                       "floor(length / checkpoint_every=", p.checkpoint_every, ")), got ", p.num_checkpoints);
+  }
+  if (p.state_pool == nullptr) return;
+  thread_local std::vector<SlotUse> uses;  // kept: steady-state calls allocate nothing
+  uses.clear();
+  const int64_t N = num_sequences(p);
+  for (int64_t n = 0; n < N; ++n) {
+    const int32_t slot = p.state_indices[n];
+    FLASHKDA_CHECK_ARG(slot < p.pool_size, "state_indices[", n, "]=", slot, " must be < pool_size=", p.pool_size,
+                       " (negative marks padding)");
+    if (slot >= 0) uses.push_back({slot, int64_t(uses.size()), "state_indices", n, -1});
+  }
+  if (p.checkpoint_slots != nullptr) {
+    for (int64_t c = 0; c < p.num_checkpoints; ++c) {
+      const int32_t slot = p.checkpoint_slots[c];
+      FLASHKDA_CHECK_ARG(slot < p.pool_size, "checkpoint_slots[", c, "]=", slot, " must be < pool_size=",
+                         p.pool_size, " (negative: not written)");
+      if (slot >= 0) uses.push_back({slot, int64_t(uses.size()), "checkpoint_slots", c, -1});
+    }
+  }
+  check_distinct_slots(uses, "", "each slot holds one state: a sequence's or one checkpoint's; negative skips");
+}
+
 }  // namespace
+
+void check_distinct_slots(std::vector<SlotUse>& uses, const char* prefix, const char* why) {
+  std::sort(uses.begin(), uses.end(),
+            [](const SlotUse& a, const SlotUse& b) { return a.slot != b.slot ? a.slot < b.slot : a.owner < b.owner; });
+  auto where = [](const SlotUse& u) {
+    return std::string(u.array) + "[" + std::to_string(u.i) + (u.j >= 0 ? ", " + std::to_string(u.j) : "") + "]";
+  };
+  for (size_t i = 1; i < uses.size(); ++i) {
+    const SlotUse& a = uses[i - 1];
+    const SlotUse& b = uses[i];
+    if (a.slot == b.slot && a.owner != b.owner) {
+      FLASHKDA_CHECK_ARG(false, prefix, where(a), " and ", where(b), " both name slot ", a.slot, " (", why, ")");
+    }
+  }
+}
 
 void validate_preprocess(const Preprocess& pre) {
   switch (pre.gate) {
@@ -151,10 +230,17 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
   // one passes this product and is named by check_cu_seqlens.)
   check_element_count("states [N, H, V, K]", {num_sequences(p), p.H, p.V, p.K});
   check_cu_seqlens(p, backend);
+  check_pool(p);
+  check_checkpoints(p);
+  if (backend == Backend::kCpu) check_pool_indices(p);
   validate_preprocess(p.pre);
   FLASHKDA_CHECK_ARG(p.precision == Precision::kPrecise || p.precision == Precision::kFast,
                      "precision must be Precision::kPrecise or Precision::kFast, got ", int(p.precision));
   if (backend == Backend::kCuda) {
+    FLASHKDA_CHECK(p.state_pool == nullptr && p.checkpoint_every == 0, ErrorCode::kUnsupported,
+                   "state_pool and checkpoints (serving prefill, docs/SPEC.md §9) run on the CPU backend only in this "
+                   "version; on the GPU gather the states, run the plain prefill and scatter them (flashkda's Python "
+                   "API does this for state_pool)");
     // K1's grid has one CTA per (chunk slot, head): at most one partial chunk per sequence.
     const int64_t chunk_slots = (p.B * p.T + kChunk - 1) / kChunk + num_sequences(p);
     FLASHKDA_CHECK(chunk_slots <= std::numeric_limits<int32_t>::max() / std::max<int64_t>(p.H, 1),

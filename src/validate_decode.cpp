@@ -105,27 +105,6 @@ void check_slot(const DecodeParams& p, int64_t n, int64_t t) {
                      " must be < pool_size=", p.pool_size, " (negative marks padding)");
 }
 
-// One slot that a sequence reads or writes, with where state_indices names it.
-struct SlotUse {
-  int32_t slot;
-  int64_t n, t;
-};
-
-// No live slot may be used by two sequences: the GPU would race on it, and no order of the
-// sequences is defined. Names both positions.
-void check_no_shared_slots(const DecodeParams& p, std::vector<SlotUse>& uses) {
-  std::sort(uses.begin(), uses.end(),
-            [](const SlotUse& a, const SlotUse& b) { return a.slot != b.slot ? a.slot < b.slot : a.n < b.n; });
-  for (size_t i = 1; i < uses.size(); ++i) {
-    const SlotUse& a = uses[i - 1];
-    const SlotUse& b = uses[i];
-    FLASHKDA_CHECK_ARG(a.slot != b.slot || a.n == b.n, "decode: state_indices[", a.n, ", ", a.t, "] and state_indices[",
-                       b.n, ", ", b.t, "] both name slot ", a.slot,
-                       " (two sequences of one call cannot share a state; negative marks padding)");
-  }
-  (void)p;
-}
-
 // Host-readable state_indices / num_accepted_tokens (CPU backend).
 void check_indices(const DecodeParams& p) {
   thread_local std::vector<SlotUse> uses;  // kept: steady-state calls allocate nothing
@@ -134,7 +113,7 @@ void check_indices(const DecodeParams& p) {
     if (p.num_accepted_tokens == nullptr) {
       check_slot(p, n, 0);
       const int32_t slot = p.state_indices[n * p.indices_stride];
-      if (slot >= 0) uses.push_back({slot, n, 0});
+      if (slot >= 0) uses.push_back({slot, n, "state_indices", n, 0});
       continue;
     }
     const int64_t accepted = p.num_accepted_tokens[n];
@@ -145,10 +124,12 @@ void check_indices(const DecodeParams& p) {
       check_slot(p, n, t);
       const int32_t slot = p.state_indices[n * p.indices_stride + t];
       const bool used = t < len || t == accepted - 1;  // written after token t, or read as the start
-      if (slot >= 0 && used) uses.push_back({slot, n, t});
+      if (slot >= 0 && used) uses.push_back({slot, n, "state_indices", n, t});
     }
   }
-  check_no_shared_slots(p, uses);
+  // No live slot may be used by two sequences: the GPU would race on it, and no order of the
+  // sequences is defined.
+  check_distinct_slots(uses, "decode: ", "two sequences of one call cannot share a state; negative marks padding");
 }
 
 }  // namespace

@@ -35,10 +35,20 @@ void forward(const PrefillParams& params, void* workspace, size_t workspace_byte
 // One decode step (docs/SPEC.md §5): updates the named slots of state_pool in place and writes out.
 void decode(const DecodeParams& params, Stream stream = nullptr);
 
+// The number of checkpoints a prefill writes (PrefillParams::checkpoint_every, docs/SPEC.md §9):
+// sum over the sequences of floor(length / checkpoint_every); 0 when checkpoint_every is 0. Reads
+// cu_seqlens, which must be host memory here (engines that keep the lengths on the host compute
+// the same sum themselves).
+int64_t checkpoint_count(const PrefillParams& params);
+
 // fp64 token recurrence (docs/SPEC.md §3) on host memory: the reference every backend is tested against.
 // Inputs may be fp32 or bf16 as described by params; out and final_state are written as fp64
-// ([B, T, H, V] and [N, H, V, K]; final_state may be null).
-void reference_forward(const PrefillParams& params, double* out, double* final_state);
+// ([B, T, H, V] and [N, H, V, K]; final_state may be null). With a state pool the initial states
+// are read from it (it is never written); final_state then holds the states of the sequences in
+// order (zeros for padding). checkpoints, when non-null: the params' checkpoints in fp64,
+// [num_checkpoints, H, V, K] (zeros for padding), whichever destination the params name.
+void reference_forward(const PrefillParams& params, double* out, double* final_state,
+                       double* checkpoints = nullptr);
 
 const char* version();
 

@@ -32,6 +32,30 @@ struct PrefillParams {
   int64_t B = 0, T = 0, H = 0, K = 128, V = 128;
   Preprocess pre;
   Precision precision = Precision::kPrecise;  // GPU recurrence only (types.h)
+
+  // Serving prefill (docs/SPEC.md §9), in place of initial_state / final_state: the states live in
+  // a decode pool. Sequence n starts from slot state_indices[n] (from zeros when
+  // has_initial_state[n] is false) and its final state is written back into that slot; no other
+  // slot is written. A negative slot marks padding: nothing is read or written for the sequence
+  // and its output rows are zero. CPU backend only in this version (the CUDA backend throws
+  // kUnsupported; the Python API gathers, runs the plain prefill and scatters on the GPU).
+  void* state_pool = nullptr;               // [P, H, V, K] state_pool_dtype (kF32 or kBF16), or null
+  DType state_pool_dtype = DType::kF32;
+  int64_t pool_size = 0;                    // P
+  const int32_t* state_indices = nullptr;   // [N], required with state_pool
+  const bool* has_initial_state = nullptr;  // [N], or null: every live slot is read
+
+  // Checkpoints (docs/SPEC.md §9): the state of every sequence after each checkpoint_every tokens,
+  // at positions E, 2E, ... up to its length (a sequence of length L has floor(L / E) of them; when
+  // E divides L the last one equals its final state). They are numbered sequence by sequence,
+  // position by position: checkpoint_count(params) in all (flashkda.h), which the caller passes as
+  // num_checkpoints. Written either densely into checkpoints (padding sequences: zeros) or into
+  // the pool slots checkpoint_slots names (negative: not written), in the pool's dtype.
+  int64_t checkpoint_every = 0;               // 0: none; else a positive multiple of 64
+  void* checkpoints = nullptr;                // [num_checkpoints, H, V, K] checkpoint_dtype, or null
+  DType checkpoint_dtype = DType::kF32;       // kF32 or kBF16
+  const int32_t* checkpoint_slots = nullptr;  // [num_checkpoints] slots of state_pool, or null
+  int64_t num_checkpoints = 0;
 };
 
 // One decode step for N sequences of 1..16 new tokens each, states in a pool updated in place.

@@ -12,11 +12,12 @@ namespace flashkda::cpu {
 
 // kChunk and kMaxFactorisedShift (the largest |G - mid| built from shifted factors): config.h.
 
-// The chunked forward with state and arithmetic in T. out / final_state: when non-null, written
-// in T ([B, T, H, V] and [N, H, V, K]) instead of p.out / p.final_state in their dtypes.
-// Does not validate p (callers do).
+// The chunked forward with state and arithmetic in T. out / final_state / checkpoints: when
+// non-null, written in T ([B, T, H, V], [N, H, V, K] and [num_checkpoints, H, V, K]) instead of
+// p.out / p.final_state / p.checkpoints in their dtypes (a state pool is read and written as
+// PrefillParams says, whatever these are). Does not validate p (callers do).
 template <typename T>
-void chunk_forward(const PrefillParams& p, T* out = nullptr, T* final_state = nullptr);
+void chunk_forward(const PrefillParams& p, T* out = nullptr, T* final_state = nullptr, T* checkpoints = nullptr);
 
 // X <- (I + L)^{-1} X for a strictly lower triangular n x n block of a row-major [C, C] matrix L
 // and R right-hand sides (X[i * R + r]), by forward substitution: x_i -= sum_{j<i} L[i,j] x_j.

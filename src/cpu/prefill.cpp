@@ -497,12 +497,40 @@ FLASHKDA_INLINE void state_pass(ChunkScratch<T>& s, int n, int64_t v_begin, int6
   for (int64_t v0 = v_begin; v0 < v_end; v0 += kPanel) state_panel<T, kAvx2>(s, n, v0);
 }
 
+// Where the checkpoints of one (sequence, head) go (PrefillParams::checkpoint_every): the state
+// after each `every` tokens of the sequence, columns [v0, v1), numbered from `first`.
+template <typename T>
+struct CheckpointSink {
+  const PrefillParams* p = nullptr;
+  int64_t every = 0;  // 0: none
+  int64_t first = 0, h = 0, v0 = 0, v1 = 0;
+  T* dense = nullptr;  // [num_checkpoints, H, V, K] in T instead of p->checkpoints, or null
+  T* buf = nullptr;    // [V, K] scratch
+
+  // Checkpoint j (0-based within the sequence) from the transposed state in s.St.
+  void save(const ChunkScratch<T>& s, int64_t j) const {
+    const int64_t K = s.K, V = s.V, Vp = s.Vp, H = p->H;
+    for (int64_t v = v0; v < v1; ++v)
+      for (int64_t c = 0; c < K; ++c) buf[v * K + c] = s.St[c * Vp + v];
+    const int64_t ck = first + j, count = (v1 - v0) * K;
+    if (dense != nullptr) {
+      std::copy(&buf[v0 * K], &buf[v1 * K], dense + ((ck * H + h) * V + v0) * K);
+    } else if (p->checkpoints != nullptr) {
+      host::store_row(p->checkpoints, p->checkpoint_dtype, ((ck * H + h) * V + v0) * K, count, &buf[v0 * K]);
+    } else if (p->checkpoint_slots != nullptr && p->checkpoint_slots[ck] >= 0) {
+      const int64_t slot = p->checkpoint_slots[ck];
+      host::store_row(p->state_pool, p->state_pool_dtype, ((slot * H + h) * V + v0) * K, count, &buf[v0 * K]);
+    }
+  }
+};
+
 // The whole recurrence of sequence n, head h, for value columns [v_begin, v_end) (whole panels,
 // or up to V), with the transposed state in s.St; writes those columns of out (in T when out is
-// non-null, else in p.dtype).
+// non-null, else in p.dtype) and the checkpoints the sink names.
 template <typename T, bool kAvx2>
 FLASHKDA_INLINE void forward_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale,
-                                           ChunkScratch<T>& s, T* out, int64_t v_begin, int64_t v_end) {
+                                           ChunkScratch<T>& s, T* out, int64_t v_begin, int64_t v_end,
+                                           const CheckpointSink<T>& ck) {
   const int64_t H = p.H, V = s.V, Vp = s.Vp;
   const int64_t width = std::min(v_end, V) - v_begin;
   const SeqRange r = detail::seq_range(p, n);
@@ -512,6 +540,9 @@ FLASHKDA_INLINE void forward_sequence_head(const PrefillParams& p, int64_t n, in
     load_chunk(p, h, tok0, len, gate, s);
     build_chunk_matrices(s, len, scale);
     state_pass<T, kAvx2>(s, len, v_begin, v_end);
+    // every is a multiple of 64, so checkpoint positions fall on chunk ends (chunks start at bos)
+    const int64_t done = tok0 + len - r.bos;
+    if (ck.every > 0 && done % ck.every == 0) ck.save(s, done / ck.every - 1);
     for (int i = 0; i < len; ++i) {
       const int64_t row = (tok0 + i) * H + h;
       if (out != nullptr) {
@@ -525,27 +556,49 @@ FLASHKDA_INLINE void forward_sequence_head(const PrefillParams& p, int64_t n, in
 
 template <typename T>
 void run_default(const PrefillParams& p, int64_t n, int64_t h, T scale, ChunkScratch<T>& s, T* out, int64_t v0,
-                 int64_t v1) {
-  forward_sequence_head<T, false>(p, n, h, scale, s, out, v0, v1);
+                 int64_t v1, const CheckpointSink<T>& ck) {
+  forward_sequence_head<T, false>(p, n, h, scale, s, out, v0, v1, ck);
 }
 
 #ifdef FLASHKDA_X86_DISPATCH
 __attribute__((target("avx2,fma"))) void run_avx2(const PrefillParams& p, int64_t n, int64_t h, float scale,
-                                                  ChunkScratch<float>& s, float* out, int64_t v0, int64_t v1) {
-  forward_sequence_head<float, true>(p, n, h, scale, s, out, v0, v1);
+                                                  ChunkScratch<float>& s, float* out, int64_t v0, int64_t v1,
+                                                  const CheckpointSink<float>& ck) {
+  forward_sequence_head<float, true>(p, n, h, scale, s, out, v0, v1, ck);
 }
 #endif
 
 template <typename T>
 void run_sequence_head(const PrefillParams& p, int64_t n, int64_t h, T scale, ChunkScratch<T>& s, T* out,
-                       int64_t v0, int64_t v1) {
+                       int64_t v0, int64_t v1, const CheckpointSink<T>& ck) {
 #ifdef FLASHKDA_X86_DISPATCH
   if constexpr (std::is_same_v<T, float>) {
     static const bool has_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    if (has_avx2) return run_avx2(p, n, h, scale, s, out, v0, v1);
+    if (has_avx2) return run_avx2(p, n, h, scale, s, out, v0, v1, ck);
   }
 #endif
-  run_default(p, n, h, scale, s, out, v0, v1);
+  run_default(p, n, h, scale, s, out, v0, v1, ck);
+}
+
+// Zeros for a padding sequence (negative slot): its output rows and dense checkpoints, columns
+// [v0, v1) of head h; buf holds at least V * K elements.
+template <typename T>
+void zero_padding(const PrefillParams& p, int64_t n, int64_t h, int64_t v0, int64_t v1, int64_t first_checkpoint,
+                  T* out, T* checkpoints, std::vector<T>& buf) {
+  const int64_t H = p.H, K = p.K, V = p.V;
+  std::fill(buf.begin(), buf.end(), T(0));
+  const SeqRange r = detail::seq_range(p, n);
+  for (int64_t t = r.bos; t < r.eos; ++t) {
+    const int64_t at = (t * H + h) * V + v0;
+    if (out != nullptr) std::fill(out + at, out + at + (v1 - v0), T(0));
+    else host::store_row(p.out, p.dtype, at, v1 - v0, buf.data());
+  }
+  if (p.checkpoint_every == 0) return;
+  for (int64_t j = 0; j < r.len() / p.checkpoint_every; ++j) {
+    const int64_t at = (((first_checkpoint + j) * H + h) * V + v0) * K;
+    if (checkpoints != nullptr) std::fill(checkpoints + at, checkpoints + at + (v1 - v0) * K, T(0));
+    else if (p.checkpoints != nullptr) host::store_row(p.checkpoints, p.checkpoint_dtype, at, (v1 - v0) * K, buf.data());
+  }
 }
 
 // The per-thread scratch of chunk_forward, kept between calls (OpenMP's threads persist): a call
@@ -571,11 +624,20 @@ ScratchSet<T>& thread_scratch(int64_t K, int64_t V) {
 }  // namespace
 
 template <typename T>
-void chunk_forward(const PrefillParams& p, T* out, T* final_state) {
+void chunk_forward(const PrefillParams& p, T* out, T* final_state, T* checkpoints) {
   const int64_t N = detail::num_sequences(p);
   const int64_t H = p.H, K = p.K, V = p.V;
   const T scale = host::output_scale<T>(p.pre, K);
   if (N * H == 0) return;
+  // The first checkpoint of each sequence: prefix sums of floor(length / every).
+  thread_local std::vector<int64_t> first_checkpoint;  // kept: steady-state calls allocate nothing
+  const int64_t every = p.checkpoint_every;
+  if (every > 0) {
+    first_checkpoint.resize(size_t(N));
+    int64_t count = 0;
+    for (int64_t n = 0; n < N; ++n) first_checkpoint[n] = count, count += detail::seq_range(p, n).len() / every;
+  }
+  const int64_t* first = first_checkpoint.data();
   // Work items: (sequence, head), and when there are fewer of those than threads, also groups of
   // value panels (columns of S evolve independently given the chunk's factors, which each item
   // computes for itself): parallelism beyond (sequence, head) for one long sequence of few heads.
@@ -599,13 +661,30 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state) {
       const int64_t n = nh / H, h = nh % H;
       const int64_t v0 = grp * per_group * kPanel, v1 = std::min(V, (grp + 1) * per_group * kPanel);
       if (v0 >= v1) continue;
-      host::load_state(p.initial_state, p.initial_state_dtype, n, h, H, V, K, state.data());
+      const int64_t first_n = every > 0 ? first[n] : 0;
+      // The initial state: from the pool slot (zeros when has_initial_state says so; padding
+      // reads and writes nothing), else from initial_state (zeros when null).
+      const int32_t slot = p.state_pool != nullptr ? p.state_indices[n] : -1;
+      if (p.state_pool != nullptr && slot < 0) {
+        zero_padding(p, n, h, v0, v1, first_n, out, checkpoints, state);
+        continue;
+      }
+      if (p.state_pool == nullptr) {
+        host::load_state(p.initial_state, p.initial_state_dtype, n, h, H, V, K, state.data());
+      } else {
+        const bool read = p.has_initial_state == nullptr || p.has_initial_state[n];
+        host::load_state(read ? p.state_pool : nullptr, p.state_pool_dtype, slot, h, H, V, K, state.data());
+      }
       for (int64_t c = 0; c < K; ++c)
         for (int64_t v = v0; v < v1; ++v) s.St[c * Vp + v] = state[v * K + c];
-      run_sequence_head(p, n, h, scale, s, out, v0, v1);
+      const CheckpointSink<T> ck{&p, every, first_n, h, v0, v1, checkpoints, state.data()};
+      run_sequence_head(p, n, h, scale, s, out, v0, v1, ck);
       for (int64_t c = 0; c < K; ++c)
         for (int64_t v = v0; v < v1; ++v) state[v * K + c] = s.St[c * Vp + v];
-      if (final_state != nullptr) {
+      if (p.state_pool != nullptr) {
+        host::store_row(p.state_pool, p.state_pool_dtype, (slot * H + h) * V * K + v0 * K, (v1 - v0) * K,
+                        &state[v0 * K]);
+      } else if (final_state != nullptr) {
         std::copy(&state[v0 * K], &state[v1 * K], final_state + (n * H + h) * V * K + v0 * K);
       } else if (p.final_state != nullptr) {
         host::store_row(p.final_state, p.final_state_dtype, (n * H + h) * V * K + v0 * K, (v1 - v0) * K,
@@ -615,8 +694,8 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state) {
   }
 }
 
-template void chunk_forward<float>(const PrefillParams&, float*, float*);
-template void chunk_forward<double>(const PrefillParams&, double*, double*);
+template void chunk_forward<float>(const PrefillParams&, float*, float*, float*);
+template void chunk_forward<double>(const PrefillParams&, double*, double*, double*);
 
 void forward(const PrefillParams& p) { chunk_forward<float>(p); }
 

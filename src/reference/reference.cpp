@@ -11,7 +11,9 @@ namespace flashkda {
 namespace {
 
 // Runs the recurrence of sequence n, head h; S is the [V, K] (v-first) state, updated in place.
-void recur_sequence_head(const PrefillParams& p, int64_t n, int64_t h, double scale, double* out, double* S) {
+// checkpoints (when non-null): S after each p.checkpoint_every tokens, numbered from first.
+void recur_sequence_head(const PrefillParams& p, int64_t n, int64_t h, double scale, double* out, double* S,
+                         double* checkpoints, int64_t first) {
   const int64_t H = p.H, K = p.K, V = p.V;
   const SeqRange r = detail::seq_range(p, n);
   const host::HeadGate<double> gate(p.pre, h, K);
@@ -36,25 +38,36 @@ void recur_sequence_head(const PrefillParams& p, int64_t n, int64_t h, double sc
       }
       out[row * V + j] = scale * o;
     }
+    const int64_t done = t + 1 - r.bos;
+    if (checkpoints != nullptr && p.checkpoint_every > 0 && done % p.checkpoint_every == 0) {
+      std::copy(S, S + V * K, checkpoints + ((first + done / p.checkpoint_every - 1) * H + h) * V * K);
+    }
   }
 }
 
 }  // namespace
 
-void reference_forward(const PrefillParams& params_in, double* out, double* final_state) {
+void reference_forward(const PrefillParams& params_in, double* out, double* final_state, double* checkpoints) {
   // The results go to the fp64 out and final_state arguments: params.out and params.final_state
   // are not used (and may be null); everything else is validated as for forward.
   PrefillParams params = params_in;
   params.out = out;
   params.final_state = nullptr;
+  if (params.checkpoint_slots == nullptr && checkpoints != nullptr) params.checkpoints = checkpoints;
   detail::check_reachable(params, Backend::kCpu);  // host memory only, cu_seqlens included
-  detail::check_reachable(Backend::kCpu, {{out, "out (fp64)"}, {final_state, "final_state (fp64)"}}, "");
+  detail::check_reachable(Backend::kCpu,
+                          {{out, "out (fp64)"}, {final_state, "final_state (fp64)"},
+                           {checkpoints, "checkpoints (fp64)"}},
+                          "");
   FLASHKDA_CHECK_ARG(out != nullptr || params.B * params.T * params.H == 0,
                      "reference_forward: out (the fp64 output [B, T, H, V]) must not be null");
   detail::validate_prefill(params, Backend::kCpu);
   const int64_t N = detail::num_sequences(params);
   const int64_t H = params.H, K = params.K, V = params.V;
   const double scale = host::output_scale<double>(params.pre, K);
+  const int64_t every = params.checkpoint_every;
+  std::vector<int64_t> first(size_t(N), 0);  // the first checkpoint of each sequence
+  for (int64_t n = 1; n < N && every > 0; ++n) first[n] = first[n - 1] + detail::seq_range(params, n - 1).len() / every;
 
 #pragma omp parallel
   {
@@ -62,8 +75,25 @@ void reference_forward(const PrefillParams& params_in, double* out, double* fina
 #pragma omp for schedule(dynamic, 1)
     for (int64_t nh = 0; nh < N * H; ++nh) {
       const int64_t n = nh / H, h = nh % H;
-      host::load_state(params.initial_state, params.initial_state_dtype, n, h, H, V, K, S.data());
-      recur_sequence_head(params, n, h, scale, out, S.data());
+      if (params.state_pool != nullptr && params.state_indices[n] < 0) {
+        // Padding: zero outputs, final state and checkpoints; the pool is never written here.
+        const SeqRange r = detail::seq_range(params, n);
+        for (int64_t t = r.bos; t < r.eos; ++t) std::fill(out + (t * H + h) * V, out + (t * H + h + 1) * V, 0.0);
+        if (final_state != nullptr) std::fill(final_state + nh * V * K, final_state + (nh + 1) * V * K, 0.0);
+        for (int64_t j = 0; checkpoints != nullptr && every > 0 && j < r.len() / every; ++j) {
+          double* at = checkpoints + ((first[n] + j) * H + h) * V * K;
+          std::fill(at, at + V * K, 0.0);
+        }
+        continue;
+      }
+      if (params.state_pool != nullptr) {
+        const bool read = params.has_initial_state == nullptr || params.has_initial_state[n];
+        host::load_state(read ? params.state_pool : nullptr, params.state_pool_dtype, params.state_indices[n], h, H,
+                         V, K, S.data());
+      } else {
+        host::load_state(params.initial_state, params.initial_state_dtype, n, h, H, V, K, S.data());
+      }
+      recur_sequence_head(params, n, h, scale, out, S.data(), checkpoints, first[n]);
       if (final_state != nullptr) {
         std::copy(S.begin(), S.end(), final_state + (n * H + h) * V * K);
       }
