@@ -7,6 +7,7 @@ where they live, CUDA on the current stream):
 - fwd(q, k, v, g, beta, scale, out, ...)      MoonshotAI FlashKDA's fwd: writes out/final_state
 - fused_recurrent_kda(q, k, v, g, beta, ...)  fla's fused_recurrent_kda plus vLLM's state pool
 - reference_forward(...)                      the fp64 token recurrence, for checking
+- checkpoint_count(lengths, every)            how many checkpoints a serving prefill writes
 - cuda_available(), version()
 
 With torch installed the three are also torch.ops.flashkda.{chunk_kda, fwd, fused_recurrent_kda}
@@ -33,8 +34,8 @@ if _WANT_TORCH:
 from . import _C, _impl  # noqa: E402
 from ._arrays import is_torch, ops_for  # noqa: E402
 
-__all__ = ["chunk_kda", "fwd", "fused_recurrent_kda", "reference_forward", "cuda_available", "version",
-           "built_with_cuda"]
+__all__ = ["chunk_kda", "fwd", "fused_recurrent_kda", "reference_forward", "checkpoint_count", "cuda_available",
+           "version", "built_with_cuda"]
 
 __version__ = _C.version()
 built_with_cuda = bool(_C.built_with_cuda)
@@ -51,6 +52,7 @@ def cuda_available() -> bool:
 
 
 reference_forward = _impl.reference_forward
+checkpoint_count = _impl.checkpoint_count
 
 _torch_ops = None
 if _WANT_TORCH:
@@ -107,7 +109,10 @@ def _torch_arg(q, x, name):
 
     if x is None or isinstance(x, torch.Tensor):
         return x
-    if name in ("cu_seqlens", "ssm_state_indices", "num_accepted_tokens") and isinstance(x, (list, tuple)):
+    if name in ("cu_seqlens", "ssm_state_indices", "num_accepted_tokens", "state_indices", "checkpoint_slots",
+                "has_initial_state") and isinstance(x, (list, tuple)):
+        if name == "has_initial_state":
+            return torch.tensor(x, dtype=torch.bool, device=q.device)
         return torch.tensor(x, dtype=torch.int64 if name == "cu_seqlens" else torch.int32, device=q.device)
     raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__module__}.{type(x).__name__}")
 
@@ -121,7 +126,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
               allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
               return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
               cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None,
-              precision="precise", **kwargs):
+              precision="precise", state_pool=None, state_indices=None, has_initial_state=None,
+              checkpoint_every=0, checkpoints=None, checkpoint_slots=None, **kwargs):
     """Chunked KDA forward with fla 0.6's `chunk_kda` semantics. Returns (o, final_state).
 
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K]; beta: [B, T, H]. q, k, v bfloat16 or float32
@@ -139,15 +145,31 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     - precision (flashkda's own): 'precise' (default) or 'fast', the GPU recurrence's mode: 'fast'
       rounds the tensor-core operands to bf16 instead of splitting them (about 2x the output error,
       a shorter prefill; docs/BENCHMARKS.md). The CPU computes in fp32 either way.
+    - return_intermediate_states=True (fla's): returns (o, final_state, h), h the state at the start
+      of every 64-token chunk of every sequence, [B, NT, H, K, V] ([1, sum NT, ...] with cu_seqlens;
+      V before K with state_v_first) in k's dtype, NT = ceil(T / 64). CPU backend only for now.
+
+    Serving prefill (flashkda's own keywords, docs/SPEC.md §9):
+    - state_pool [P, H, K, V] ([P, H, V, K] with state_v_first) with state_indices [N] int: sequence n
+      starts from slot state_indices[n] (zeros where has_initial_state [N] bool is False) and its
+      final state is written back there; a negative index marks padding (output zero, nothing read or
+      written). Replaces initial_state; the second result is the pool, updated in place.
+    - checkpoint_every (a multiple of 64): the state after every checkpoint_every tokens of each
+      sequence, checkpoint_count(lengths, checkpoint_every) of them in sequence order, into
+      checkpoints [C, H, K, V] (state layout; written in place, zeros for padding) or into the pool
+      slots checkpoint_slots [C] (negative: not written). CPU backend only for now.
 
     The positional order is fla 0.6.0's; A_log, dt_bias and precision are keywords. fla options
     without effect here (disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs, chunk_size) are
-    accepted; allow_neg_eigval, return_intermediate_states and cp_context raise NotImplementedError
-    when set.
+    accepted; allow_neg_eigval and cp_context raise NotImplementedError when set.
     """
     state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
-    _not_supported("chunk_kda", allow_neg_eigval=allow_neg_eigval,
-                   return_intermediate_states=return_intermediate_states, cp_context=cp_context)
+    _not_supported("chunk_kda", allow_neg_eigval=allow_neg_eigval, cp_context=cp_context)
+    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
+                            checkpoint_slots, bool(return_intermediate_states))
+    if _use_op(q) and serving.return_intermediate_states:
+        raise NotImplementedError("chunk_kda: return_intermediate_states under torch.compile (its shape depends "
+                                  "on the sequence lengths); call it outside the compiled region")
     if _use_op(q):
         import torch
 
@@ -156,19 +178,27 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                                              (initial_state, "initial_state"), (cu_seqlens, "cu_seqlens")))
         for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
             _torch_arg(q, x, n)
+        state_pool, state_indices, has_initial_state, checkpoints, checkpoint_slots = (
+            _torch_arg(q, x, n) for x, n in ((state_pool, "state_pool"), (state_indices, "state_indices"),
+                                             (has_initial_state, "has_initial_state"),
+                                             (checkpoints, "checkpoints"), (checkpoint_slots, "checkpoint_slots")))
         o, ht = torch.ops.flashkda.chunk_kda(
             q, k, v, g, beta, _opt_float(scale), initial_state, bool(output_final_state),
             bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
             bool(safe_gate), _opt_float(lower_bound), A_log, dt_bias, bool(state_v_first), cu_seqlens,
-            _impl._precision(precision))
+            _impl._precision(precision), state_pool, state_indices, has_initial_state, int(checkpoint_every or 0),
+            checkpoints, checkpoint_slots)
+        if state_pool is not None:
+            return o, state_pool
         return o, (ht if output_final_state else None)
     return _impl.chunk_kda(ops_for(q), q, k, v, g, beta, scale, initial_state, output_final_state,
                            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
-                           lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision)
+                           lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision, serving)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None, precision="precise"):
+        cu_seqlens=None, precision="precise", *, state_pool=None, state_indices=None, has_initial_state=None,
+        checkpoint_every=0, checkpoints=None, checkpoint_slots=None):
     """MoonshotAI FlashKDA's `flash_kda.fwd`: writes `out` (and `final_state`) in place, returns None.
 
     q, k, v, g: [B, T, H, K|V] bfloat16 (float32 also on the CPU); beta: [B, T, H] logits (sigmoid
@@ -177,7 +207,12 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     initial_state / final_state: [N, H, V, K] float32 or bfloat16 (None: zeros / not written).
     cu_seqlens: [N + 1] int64 (or int32) with B = 1.
     precision (flashkda's own): 'precise' (default) or 'fast'; see chunk_kda.
+    state_pool [P, H, V, K], state_indices, has_initial_state, checkpoint_every, checkpoints
+    [C, H, V, K], checkpoint_slots (flashkda's own): the serving prefill of chunk_kda, in place of
+    initial_state / final_state; layouts V before K as everywhere in fwd.
     """
+    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
+                            checkpoint_slots)
     if _use_op(q):
         import torch
 
@@ -191,11 +226,17 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
             raise ValueError("A_log: required ([H] float32)")
         if scale is None or lower_bound is None:
             raise ValueError(f"{'scale' if scale is None else 'lower_bound'}: required (a float)")
+        state_pool, state_indices, has_initial_state, checkpoints, checkpoint_slots = (
+            _torch_arg(q, x, n) for x, n in ((state_pool, "state_pool"), (state_indices, "state_indices"),
+                                             (has_initial_state, "has_initial_state"),
+                                             (checkpoints, "checkpoints"), (checkpoint_slots, "checkpoint_slots")))
         torch.ops.flashkda.fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, float(lower_bound),
-                               initial_state, final_state, cu_seqlens, _impl._precision(precision))
+                               initial_state, final_state, cu_seqlens, _impl._precision(precision), state_pool,
+                               state_indices, has_initial_state, int(checkpoint_every or 0), checkpoints,
+                               checkpoint_slots)
         return None
     _impl.fwd(ops_for(q), q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-              cu_seqlens, precision)
+              cu_seqlens, precision, serving)
     return None
 
 

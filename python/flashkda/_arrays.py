@@ -130,6 +130,15 @@ class NumpyOps:
         return np.ascontiguousarray(np.asarray(x))
 
     @staticmethod
+    def as_flags(x, like):
+        """A contiguous bool array (has_initial_state) from any array-like."""
+        return np.ascontiguousarray(np.asarray(x).astype(bool, copy=False))
+
+    @staticmethod
+    def concat(xs):
+        return np.concatenate(xs, axis=0)
+
+    @staticmethod
     def to_ext(x):
         """The object handed to flashkda._C: bfloat16 numpy arrays travel as their uint16 bits."""
         if x is not None and x.dtype.name == BF16:
@@ -253,6 +262,17 @@ class TorchOps:
         if isinstance(x, torch.Tensor):
             return x.contiguous()
         return torch.as_tensor(np.asarray(x), device=like.device).contiguous()
+
+    @staticmethod
+    def as_flags(x, like):
+        torch = _torch()
+        if not isinstance(x, torch.Tensor):
+            x = torch.as_tensor(np.asarray(x), device=like.device)
+        return x.to(torch.bool).contiguous()
+
+    @staticmethod
+    def concat(xs):
+        return _torch().cat(xs, dim=0)
 
     @staticmethod
     def to_ext(x):

@@ -7,12 +7,31 @@ _launch. The torch custom ops (_torch_ops.py) call these same functions.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from . import _launch
 from ._arrays import BF16, F32, I32, I64, NumpyOps, TorchOps, is_numpy, is_torch
 from ._launch import Preprocess
 
 _FLOATS = (BF16, F32)
 MAX_DECODE_TOKENS = 16  # docs/SPEC.md §5: a decode step takes 1..16 tokens per sequence
+
+
+class Serving(NamedTuple):
+    """chunk_kda / fwd's serving-prefill keywords (flashkda's own), as the caller passed them."""
+
+    state_pool: object = None
+    state_indices: object = None
+    has_initial_state: object = None
+    checkpoint_every: int = 0
+    checkpoints: object = None
+    checkpoint_slots: object = None
+    return_intermediate_states: bool = False  # fla's flag (chunk_kda only)
+
+    def wanted(self) -> bool:
+        return (any(x is not None for x in (self.state_pool, self.state_indices, self.has_initial_state,
+                                            self.checkpoints, self.checkpoint_slots))
+                or bool(self.checkpoint_every) or bool(self.return_intermediate_states))
 
 
 def _shape(x):
@@ -212,9 +231,11 @@ def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state
 def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
               safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False,
-              cu_seqlens=None, precision="precise"):
+              cu_seqlens=None, precision="precise", serving: Serving = Serving()):
+    """Returns (o, final_state), (o, state_pool) with a pool, and fla's h third with
+    serving.return_intermediate_states."""
     precision = _precision(precision)
-    if ops is TorchOps:
+    if ops is TorchOps and not serving.wanted():
         res = _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log,
                                 dt_bias, state_v_first, cu_seqlens, precision)
@@ -228,12 +249,20 @@ def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_fina
     h0 = None if initial_state is None else _state_in(ops, q, initial_state, "initial_state", N, H, K, V,
                                                        state_v_first)
     out = ops.empty(tuple(v.shape), ops.dtype_name(q), q)
-    ht = ops.empty((N, H, V, K), F32, q) if output_final_state else None
+    pool = serving.state_pool
+    if pool is not None and initial_state is not None:
+        raise ValueError("initial_state: pass either initial_state or state_pool (the pool holds the initial states)")
+    ht = ops.empty((N, H, V, K), F32, q) if output_final_state and pool is None else None
     pre = Preprocess(form, A_log, dt_bias, lb, bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
                      _scale(scale))
-    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=ht, cu_seqlens=cu,
-                    precision=precision)
-    return out, (None if ht is None else _state_out(ops, ht, state_v_first))
+    if not serving.wanted():
+        _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=ht, cu_seqlens=cu,
+                        precision=precision)
+        return out, (None if ht is None else _state_out(ops, ht, state_v_first))
+    h = _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_first, precision, serving,
+                         h0=h0, ht=ht)
+    second = pool if pool is not None else (None if ht is None else _state_out(ops, ht, state_v_first))
+    return (out, second, h) if serving.return_intermediate_states else (out, second)
 
 
 # ---- fwd (MoonshotAI FlashKDA semantics) --------------------------------------------------------
@@ -267,9 +296,9 @@ def _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
 
 
 def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None, precision="precise"):
+        cu_seqlens=None, precision="precise", serving: Serving = Serving()):
     precision = _precision(precision)
-    if (ops is TorchOps and scale is not None and lower_bound is not None and A_log is not None
+    if (ops is TorchOps and not serving.wanted() and scale is not None and lower_bound is not None and A_log is not None
             and _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                             cu_seqlens, precision)):
         return
@@ -289,6 +318,12 @@ def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_
     if final_state is not None:
         _inplace_target(ops, q, final_state, "final_state", [N, H, V, K], _FLOATS)
     pre = Preprocess(form, A_log, dt_bias, lb, True, True, float(scale))
+    if serving.wanted():
+        if serving.state_pool is not None and (initial_state is not None or final_state is not None):
+            raise ValueError("state_pool: replaces initial_state and final_state (the pool holds both)")
+        _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, True, precision, serving, h0=h0,
+                         ht=final_state)
+        return
     _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=final_state, cu_seqlens=cu,
                     precision=precision)
 
@@ -501,14 +536,176 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
     return out, None
 
 
+# ---- serving prefill (docs/SPEC.md §9): state pools, checkpoints, fla's intermediate states ---------
+
+FLA_STATE_EVERY = 64  # fla's return_intermediate_states: the state at the start of every 64-token chunk
+
+
+def checkpoint_count(seq_lens, checkpoint_every):
+    """How many checkpoints a prefill writes: sum over the sequences of length // checkpoint_every."""
+    every = int(checkpoint_every)
+    if every <= 0 or every % 64:
+        raise ValueError(f"checkpoint_every: must be a positive multiple of 64, got {checkpoint_every}")
+    return sum(int(n) // every for n in seq_lens)
+
+
+def _host_lengths(ops, cu, N, T):
+    """Sequence lengths on the host (cu_seqlens on the CPU, or N sequences of T tokens)."""
+    if cu is None:
+        return [T] * N
+    host = ops.host_values(cu)
+    return [int(host[n + 1]) - int(host[n]) for n in range(N)]
+
+
+def _check_gathered_slots(ops, slots, P, names):
+    """The checks the C++ validation makes on pool slots, for the path that hands it a gathered copy
+    of the named slots (a pool not in [P, H, V, K] layout): each slot < P, no live slot twice."""
+    host = ops.host_values(slots)
+    seen = {}
+    for i, s in enumerate(int(x) for x in host):
+        name, j = names[i]
+        if s >= P:
+            raise ValueError(f"{name}[{j}]={s} must be < pool_size={P} (negative marks padding)")
+        if s >= 0 and s in seen:
+            raise ValueError(f"{seen[s]} and {name}[{j}] both name slot {s} (each slot holds one state: "
+                             "a sequence's or one checkpoint's; negative skips)")
+        seen.setdefault(s, f"{name}[{j}]")
+
+
+def _initial_rows(ops, q, pool, idx, has, N, H, K, V, state_v_first):
+    """The initial states the pool gives each sequence, [N, H, V, K] in the pool's dtype: its slot
+    (zeros for padding or where has_initial_state is False)."""
+    rows = ops.take_rows(pool, ops.where(idx >= 0, idx, 0))
+    rows = ops.contiguous(rows) if state_v_first else ops.swap_last2(rows)
+    read = idx >= 0 if has is None else (idx >= 0) & has
+    return ops.where(read.reshape((N, 1, 1, 1)), rows, ops.zeros((N, H, V, K), ops.dtype_name(pool), q))
+
+
+def _pool_shape_check(ops, q, pool, H, K, V, state_v_first):
+    _require_array(ops, pool, "state_pool")
+    _same_device(ops, q, pool, "state_pool")
+    _float_dtype(ops, pool, "state_pool")
+    inner = [H, V, K] if state_v_first else [H, K, V]
+    if pool.ndim != 4 or _shape(pool)[1:] != inner:
+        layout = "[P, H, V, K] (state_v_first=True)" if state_v_first else "[P, H, K, V]"
+        raise ValueError(f"state_pool: expected a pool {layout} with [H, ., .] = {inner}, got {_shape(pool)}")
+
+
+def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_first, precision, sv: Serving,
+                     h0=None, ht=None):
+    """One prefill with the serving keywords. h0 / ht: the plain initial / final states ([N,H,V,K],
+    without a pool). Writes out, the pool and the checkpoints in place; returns fla's intermediate
+    states h when sv.return_intermediate_states, else None."""
+    every = int(sv.checkpoint_every or 0)
+    fla_h = bool(sv.return_intermediate_states)
+    if fla_h and (every or sv.checkpoints is not None or sv.checkpoint_slots is not None):
+        raise ValueError("return_intermediate_states: fla's states every 64 tokens; it does not combine with "
+                         "checkpoint_every / checkpoints / checkpoint_slots")
+    pool = sv.state_pool
+    if pool is not None:
+        _pool_shape_check(ops, q, pool, H, K, V, state_v_first)
+        if sv.state_indices is None:
+            raise ValueError("state_indices: required with state_pool (the slot of each sequence, [N] int32)")
+    idx = None if sv.state_indices is None else _slot_indices(ops, sv.state_indices, q, N, "state_indices")
+    has = None if sv.has_initial_state is None else ops.as_flags(sv.has_initial_state, q)
+    if has is not None and _shape(has) != [N]:
+        raise ValueError(f"has_initial_state: expected a bool array [N] with N={N}, got shape {_shape(has)}")
+    ck_slots = None
+    if sv.checkpoint_slots is not None:
+        n_ck = len(sv.checkpoint_slots) if isinstance(sv.checkpoint_slots, (list, tuple)) else sv.checkpoint_slots.shape[0]
+        ck_slots = _slot_indices(ops, sv.checkpoint_slots, q, n_ck, "checkpoint_slots")
+
+    if ops.is_cuda(q):
+        if every or fla_h or sv.checkpoints is not None or ck_slots is not None:
+            raise NotImplementedError("checkpoints (checkpoint_every, return_intermediate_states) run on the CPU "
+                                      "backend only in this version")
+        if pool is None or idx is None:
+            raise ValueError("state_indices / has_initial_state: need state_pool (the pool they index)")
+        # Gather, plain prefill, scatter: what the pool path computes, without a host synchronisation.
+        init = _initial_rows(ops, q, pool, idx, has, N, H, K, V, state_v_first)
+        final = ops.empty((N, H, V, K), ops.dtype_name(pool), q)
+        _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=init, final_state=final, cu_seqlens=cu,
+                        precision=precision)
+        _scatter_slots(ops, pool, idx, final, state_v_first)
+        _zero_padding_outputs(ops, out, idx, cu)
+        return None
+
+    # The CPU backend: the pool (or a copy of its named slots in the kernels' layout) goes to the C++ call.
+    lengths = _host_lengths(ops, cu, N, q.shape[1])
+    if fla_h:
+        every = FLA_STATE_EVERY
+        ck_vk = ops.empty((sum(n // every for n in lengths), H, V, K), ops.dtype_name(q), q)
+        if pool is not None:
+            first_states = _initial_rows(ops, q, pool, idx, has, N, H, K, V, state_v_first)
+        else:
+            first_states = h0 if h0 is not None else ops.zeros((N, H, V, K), F32, q)
+    else:
+        ck_user = sv.checkpoints
+        ck_vk = ck_user
+        if ck_user is not None:
+            _require_array(ops, ck_user, "checkpoints")
+            _same_device(ops, q, ck_user, "checkpoints")
+            if ck_user.ndim != 4:
+                raise ValueError(f"checkpoints: expected [num_checkpoints, H, ., .], got shape {_shape(ck_user)}")
+            if not state_v_first or not ops.is_contiguous(ck_user):
+                ck_vk = ops.empty((ck_user.shape[0], H, V, K), ops.dtype_name(ck_user), q)
+    native_pool, native_idx, native_ck_slots, gathered = pool, idx, ck_slots, None
+    if pool is not None and not (state_v_first and ops.is_contiguous(pool)):
+        named = idx if ck_slots is None else ops.concat([idx, ck_slots])
+        names = [("state_indices", n) for n in range(N)] + [("checkpoint_slots", c) for c in
+                                                              range(0 if ck_slots is None else ck_slots.shape[0])]
+        _check_gathered_slots(ops, named, pool.shape[0], names)
+        native_pool, local = _gather_slots(ops, q, pool, named, state_v_first)
+        native_idx = local[:N]
+        native_ck_slots = None if ck_slots is None else ops.contiguous(local[N:])
+        gathered = named
+    serving = dict(state_pool=native_pool, state_indices=native_idx, has_initial_state=has, checkpoint_every=every,
+                   checkpoints=ck_vk, checkpoint_slots=native_ck_slots)
+    _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=h0, final_state=ht, cu_seqlens=cu,
+                    precision=precision, serving={n: x for n, x in serving.items() if x is not None})
+    if gathered is not None:
+        _scatter_slots(ops, pool, gathered, native_pool, state_v_first)
+    if not fla_h:
+        if ck_vk is not sv.checkpoints:
+            ops.copy_(sv.checkpoints, ck_vk if state_v_first else ops.swap_last2_view(ck_vk))
+        return None
+    return _fla_intermediate_states(ops, q, first_states, ck_vk, lengths, cu is not None, state_v_first)
+
+
+def _fla_intermediate_states(ops, q, first_states, checkpoints, lengths, varlen, state_v_first):
+    """fla's h: the state at the start of every 64-token chunk of every sequence ([B, NT, H, K, V],
+    [1, sum NT, ...] with cu_seqlens; V before K with state_v_first), in q's dtype: the initial state,
+    then the checkpoints but the one at a sequence's end."""
+    import numpy as np
+
+    N = len(lengths)
+    rows, first = [], 0
+    for n, length in enumerate(lengths):
+        chunks = -(-length // FLA_STATE_EVERY)
+        if chunks:
+            rows.append(n)
+            rows.extend(N + first + j for j in range(chunks - 1))
+        first += length // FLA_STATE_EVERY
+    dt = ops.dtype_name(q)
+    source = ops.concat([ops.astype(first_states, dt), checkpoints])
+    h = ops.take_rows(source, ops.as_index_array(np.asarray(rows, np.int64), q, "rows"))
+    H, V, K = source.shape[1:]
+    h = h.reshape((1, len(rows), H, V, K) if varlen else (N, len(rows) // max(N, 1), H, V, K))
+    return h if state_v_first else ops.swap_last2(h)
+
+
 # ---- reference ----------------------------------------------------------------------------------
 
 
 def reference_forward(q, k, v, g, beta, *, gate="lower_bound", A_log=None, dt_bias=None, lower_bound=-5.0,
-                      l2norm_qk=True, beta_is_logit=True, scale=None, initial_state=None, cu_seqlens=None):
+                      l2norm_qk=True, beta_is_logit=True, scale=None, initial_state=None, cu_seqlens=None,
+                      state_pool=None, state_indices=None, has_initial_state=None, checkpoint_every=0):
     """The library's fp64 token recurrence (docs/SPEC.md §3) on host arrays (numpy or CPU torch).
 
     initial_state is [N, H, V, K]. Returns float64 numpy arrays (out [B,T,H,V], final_state [N,H,V,K]).
+    With state_pool [P, H, V, K] and state_indices [N] (and has_initial_state [N]) the initial states
+    are read from the pool (never written; final_state holds the states in sequence order, zeros for
+    padding). With checkpoint_every it returns a third array, the checkpoints [C, H, V, K] (SPEC §9).
     """
     import numpy as np
 
@@ -532,6 +729,21 @@ def reference_forward(q, k, v, g, beta, *, gate="lower_bound", A_log=None, dt_bi
     out = np.empty((B, T, H, V), np.float64)
     ht = np.empty((N, H, V, K), np.float64)
     pre = Preprocess(gate, A_log, dt_bias, lower_bound, l2norm_qk, beta_is_logit, _scale(scale))
+    serving = {}
+    if state_pool is not None:
+        _pool_shape_check(ops, q, state_pool, H, K, V, True)
+        serving["state_pool"] = ops.contiguous(state_pool)
+    if state_indices is not None:
+        serving["state_indices"] = _slot_indices(ops, state_indices, q, N, "state_indices")
+    if has_initial_state is not None:
+        serving["has_initial_state"] = ops.as_flags(has_initial_state, q)
+    ck = None
+    if checkpoint_every:
+        every = int(checkpoint_every)
+        ck = np.empty((checkpoint_count(_host_lengths(ops, cu, N, T), every), H, V, K), np.float64)
+        serving.update(checkpoint_every=every, checkpoints=ck)
     _C.reference_forward(*[ops.to_ext(x) for x in (q, k, v, g, beta)], out, initial_state=ops.to_ext(h0),
-                         final_state=ht, cu_seqlens=ops.to_ext(cu), **pre.ext_kwargs(ops))
-    return out, ht
+                         final_state=ht, cu_seqlens=ops.to_ext(cu), **pre.ext_kwargs(ops),
+                         **{n: x if n in ("checkpoint_every", "checkpoints") else ops.to_ext(x)
+                            for n, x in serving.items()})
+    return (out, ht) if ck is None else (out, ht, ck)

@@ -69,12 +69,17 @@ def _cuda_call(q, fn):
 
 
 def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, final_state=None, cu_seqlens=None,
-            precision="precise"):
-    """flashkda::forward on checked, contiguous arrays; writes out and final_state ([N,H,V,K])."""
+            precision="precise", serving=None):
+    """flashkda::forward on checked, contiguous arrays; writes out and final_state ([N,H,V,K]).
+
+    serving: flashkda._C.forward's serving-prefill arguments (state_pool, state_indices,
+    has_initial_state, checkpoint_every, checkpoints, checkpoint_slots), written in place."""
     args = [ops.to_ext(x) for x in (q, k, v, g, beta, out)]
     kw = pre.ext_kwargs(ops)
     kw.update(initial_state=ops.to_ext(initial_state), final_state=ops.to_ext(final_state),
               cu_seqlens=ops.to_ext(cu_seqlens), precision=precision)
+    for name, x in (serving or {}).items():
+        kw[name] = x if name == "checkpoint_every" else ops.to_ext(x)
     kw.update(_config.get("prefill", {}))
     if ops is TorchOps and q.is_cuda:
         def run(stream, torch):

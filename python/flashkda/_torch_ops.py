@@ -25,38 +25,50 @@ def _no_state(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashkda::chunk_kda", mutates_args=())
+@torch.library.custom_op("flashkda::chunk_kda", mutates_args=("state_pool", "checkpoints"))
 def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
               initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
               use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, safe_gate: bool,
               lower_bound: Optional[float], A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-              state_v_first: bool, cu_seqlens: Optional[Tensor], precision: str) -> Tuple[Tensor, Tensor]:
+              state_v_first: bool, cu_seqlens: Optional[Tensor], precision: str, state_pool: Optional[Tensor],
+              state_indices: Optional[Tensor], has_initial_state: Optional[Tensor], checkpoint_every: int,
+              checkpoints: Optional[Tensor], checkpoint_slots: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The pool and the checkpoints are written in place; the second output is the final state
+    only when one is created here (output_final_state without a pool), else an empty tensor."""
+    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
+                            checkpoint_slots)
     o, ht = _impl.chunk_kda(TorchOps, q, k, v, g, beta, scale, initial_state, output_final_state,
                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
-                            lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision)
-    return o, (_no_state(q) if ht is None else ht)
+                            lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision, serving)
+    return o, (_no_state(q) if ht is None or ht is state_pool else ht)
 
 
 @chunk_kda.register_fake
 def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-      use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision):
+      use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision,
+      state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots):
     o = v.new_empty(v.shape, dtype=q.dtype)
-    if not output_final_state:
+    if not output_final_state or state_pool is not None:
         return o, _no_state(q)
     N, H, K, V = _num_seqs(q, cu_seqlens), q.shape[2], q.shape[3], v.shape[3]
     return o, q.new_empty((N, H, V, K) if state_v_first else (N, H, K, V), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashkda::fwd", mutates_args=("out", "final_state"))
+@torch.library.custom_op("flashkda::fwd", mutates_args=("out", "final_state", "state_pool", "checkpoints"))
 def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, out: Tensor, A_log: Tensor,
         dt_bias: Optional[Tensor], lower_bound: float, initial_state: Optional[Tensor],
-        final_state: Optional[Tensor], cu_seqlens: Optional[Tensor], precision: str) -> None:
+        final_state: Optional[Tensor], cu_seqlens: Optional[Tensor], precision: str, state_pool: Optional[Tensor],
+        state_indices: Optional[Tensor], has_initial_state: Optional[Tensor], checkpoint_every: int,
+        checkpoints: Optional[Tensor], checkpoint_slots: Optional[Tensor]) -> None:
+    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
+                            checkpoint_slots)
     _impl.fwd(TorchOps, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-              cu_seqlens, precision)
+              cu_seqlens, precision, serving)
 
 
 @fwd.register_fake
-def _(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens, precision):
+def _(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens, precision,
+      state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots):
     return None
 
 

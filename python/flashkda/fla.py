@@ -14,7 +14,7 @@ Registered (fla.backends.register, priority 2, ahead of fla's FlashKDA backend a
   slots with num_accepted_tokens, in place or not.
 
 Calls it cannot serve (autograd, grouped value heads, per-channel beta, allow_neg_eigval,
-context parallelism, return_intermediate_states, a GPU without the CUDA backend, ...) are
+context parallelism, return_intermediate_states on the GPU, a GPU without the CUDA backend, ...) are
 declined with a reason (fla logs it at INFO) and fla runs its own kernels. `FLA_FLASHKDA=0`
 switches the backend off, as `FLA_FLASH_KDA=0` does fla's FlashKDA backend.
 """
@@ -91,8 +91,8 @@ class FlashkdaChunkBackend(BaseBackend):
                                 allow_neg_eigval)
         if reason is None and cp_context is not None:
             reason = "flashkda does not support context parallel"
-        if reason is None and return_intermediate_states:
-            reason = "flashkda does not support return_intermediate_states"
+        if reason is None and return_intermediate_states and q.is_cuda:
+            reason = "flashkda serves return_intermediate_states on the CPU backend only (not yet on the GPU)"
         if reason is None and safe_gate and lower_bound is None:
             reason = "flashkda requires lower_bound with safe_gate=True"
         return reason is None, reason
@@ -108,7 +108,8 @@ class FlashkdaChunkBackend(BaseBackend):
                                   use_gate_in_kernel=use_gate_in_kernel,
                                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate,
                                   lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
-                                  A_log=A_log, dt_bias=dt_bias)
+                                  return_intermediate_states=return_intermediate_states, A_log=A_log,
+                                  dt_bias=dt_bias)
 
 
 @register("kda")

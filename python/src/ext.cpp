@@ -74,6 +74,7 @@ struct View {
   std::vector<int64_t> shape;
   int device_type = kDLCPU;
   int device_id = 0;
+  bool is_bool = false;  // a bool array (make_view with bools=true); dtype is then unused
 
   bool on_cuda() const { return device_type == kDLCUDA || device_type == kDLCUDAManaged; }
   int64_t dim(size_t i) const { return shape[i]; }
@@ -85,8 +86,9 @@ struct View {
   std::string where() const { return on_cuda() ? "cuda:" + std::to_string(device_id) : "cpu"; }
 };
 
+// bools: the array must be bool (one byte per element), as has_initial_state is.
 template <typename Array>
-View make_view(const char* name, const Array& a, bool u16_is_bf16) {
+View make_view(const char* name, const Array& a, bool u16_is_bf16, bool bools = false) {
   View v;
   v.name = name;
   v.data = const_cast<void*>(static_cast<const void*>(a.data()));
@@ -97,7 +99,11 @@ View make_view(const char* name, const Array& a, bool u16_is_bf16) {
   const nb::dlpack::dtype t = a.dtype();
   const auto code = static_cast<nb::dlpack::dtype_code>(t.code);
   FLASHKDA_CHECK_ARG(t.lanes == 1, name, ": vector dtypes (lanes=", int(t.lanes), ") are not supported");
-  if (code == nb::dlpack::dtype_code::Float && t.bits == 32) {
+  if (bools) {
+    FLASHKDA_CHECK_ARG(code == nb::dlpack::dtype_code::Bool && t.bits == 8, name, ": expected dtype bool, got ",
+                       dlpack_dtype_name(t));
+    v.is_bool = true;
+  } else if (code == nb::dlpack::dtype_code::Float && t.bits == 32) {
     v.dtype = DType::kF32;
   } else if (code == nb::dlpack::dtype_code::Bfloat && t.bits == 16) {
     v.dtype = DType::kBF16;
@@ -289,14 +295,81 @@ void attach_outputs(PrefillArrays& r, const OutArray& out_, const OptOut& final_
   }
 }
 
+// Serving prefill (docs/SPEC.md §9): the pool, its indices and the checkpoints.
+struct ServingArgs {
+  OptOut state_pool;
+  OptIn state_indices, has_initial_state;
+  int64_t checkpoint_every = 0;
+  OptOut checkpoints;
+  OptIn checkpoint_slots;
+};
+
+// fp64_checkpoints: reference_forward's checkpoints are float64 (taken by the caller), so only
+// their count is read here.
+void attach_serving(PrefillArrays& r, const ServingArgs& a, bool u16_is_bf16, bool fp64_checkpoints = false) {
+  PrefillParams& p = r.p;
+  const int64_t N = r.N;
+  if (a.state_pool) {
+    View pool = view_out("state_pool", *a.state_pool, u16_is_bf16);
+    expect_rank(pool, 4, "[P, H, V, K]");
+    expect_float(pool);
+    expect_shape(pool, {pool.dim(0), p.H, p.V, p.K});
+    expect_same_device(r.q, pool);
+    p.state_pool = pool.data, p.state_pool_dtype = pool.dtype, p.pool_size = pool.dim(0);
+  }
+  if (a.state_indices) {
+    View idx = view_in("state_indices", *a.state_indices, false);
+    expect_dtype(idx, DType::kI32);
+    expect_shape(idx, {N});
+    expect_same_device(r.q, idx);
+    p.state_indices = static_cast<const int32_t*>(idx.data);
+  }
+  if (a.has_initial_state) {
+    View has = make_view("has_initial_state", *a.has_initial_state, false, /*bools=*/true);
+    expect_shape(has, {N});
+    expect_same_device(r.q, has);
+    p.has_initial_state = static_cast<const bool*>(has.data);
+  }
+  p.checkpoint_every = a.checkpoint_every;
+  if (a.checkpoints) {
+    FLASHKDA_CHECK_ARG(a.checkpoints->ndim() == 4, "checkpoints: expected a 4-d array [num_checkpoints, H, V, K]");
+    const int64_t count = int64_t(a.checkpoints->shape(0));
+    if (!fp64_checkpoints) {
+      View ck = view_out("checkpoints", *a.checkpoints, u16_is_bf16);
+      expect_float(ck);
+      expect_same_device(r.q, ck);
+      p.checkpoints = ck.data, p.checkpoint_dtype = ck.dtype;
+    }
+    const std::vector<int64_t> want = {count, p.H, p.V, p.K};
+    std::vector<int64_t> got;
+    for (size_t i = 0; i < 4; ++i) got.push_back(int64_t(a.checkpoints->shape(i)));
+    FLASHKDA_CHECK_ARG(got == want, "checkpoints: expected shape ", shape_str(want), ", got ", shape_str(got));
+    p.num_checkpoints = count;
+  }
+  if (a.checkpoint_slots) {
+    View slots = view_in("checkpoint_slots", *a.checkpoint_slots, false);
+    expect_dtype(slots, DType::kI32);
+    expect_rank(slots, 1, "[num_checkpoints]");
+    FLASHKDA_CHECK_ARG(!a.checkpoints || slots.dim(0) == p.num_checkpoints, "checkpoint_slots: expected shape [",
+                       p.num_checkpoints, "] like checkpoints, got ", shape_str(slots.shape));
+    expect_same_device(r.q, slots);
+    p.checkpoint_slots = static_cast<const int32_t*>(slots.data);
+    p.num_checkpoints = slots.dim(0);
+  }
+}
+
 void forward(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
              const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
              bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
-             OptOut final_state, OptIn cu_seqlens, OptOut workspace, nb::object workspace_alloc, uintptr_t stream,
-             bool u16_is_bf16, const std::string& precision, int v_splits, int64_t segment_chunks) {
+             OptOut final_state, OptIn cu_seqlens, OptOut state_pool, OptIn state_indices, OptIn has_initial_state,
+             int64_t checkpoint_every, OptOut checkpoints, OptIn checkpoint_slots, OptOut workspace,
+             nb::object workspace_alloc, uintptr_t stream, bool u16_is_bf16, const std::string& precision,
+             int v_splits, int64_t segment_chunks) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
   PrefillArrays r = make_prefill(q, k, v, g, beta, initial_state, cu_seqlens, pre, u16_is_bf16);
   attach_outputs(r, out, final_state, u16_is_bf16);
+  attach_serving(r, {state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots},
+                 u16_is_bf16);
   r.p.precision = parse_precision(precision);
   const internal::PrefillLaunch launch{v_splits, segment_chunks};
   // workspace_alloc(nbytes) -> array: asked only when no workspace was passed and the backend needs
@@ -340,10 +413,13 @@ void reference_forward(const InArray& q, const InArray& k, const InArray& v, con
                        const InArray& beta, const OutArray& out, OptIn A_log, OptIn dt_bias,
                        const std::string& gate, float lower_bound, bool l2norm_qk, bool beta_is_logit,
                        std::optional<float> scale, OptIn initial_state, OptOut final_state, OptIn cu_seqlens,
-                       bool u16_is_bf16) {
+                       OptOut state_pool, OptIn state_indices, OptIn has_initial_state, int64_t checkpoint_every,
+                       OptOut checkpoints, bool u16_is_bf16) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
   PrefillArrays r = make_prefill(q, k, v, g, beta, initial_state, cu_seqlens, pre, u16_is_bf16);
   FLASHKDA_CHECK_ARG(!r.q.on_cuda(), "q: reference_forward runs on the host; got arrays on ", r.q.where());
+  attach_serving(r, {state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, std::nullopt},
+                 u16_is_bf16, /*fp64_checkpoints=*/true);
   PrefillParams& p = r.p;
   auto f64_view = [&](const OutArray& a, const char* name, const std::vector<int64_t>& shape) -> double* {
     FLASHKDA_CHECK_ARG(a.dtype() == nb::dtype<double>(), name, ": reference_forward writes float64, got ",
@@ -358,9 +434,10 @@ void reference_forward(const InArray& q, const InArray& k, const InArray& v, con
   };
   double* o = f64_view(out, "out", {p.B, p.T, p.H, p.V});
   double* ht = final_state ? f64_view(*final_state, "final_state", {r.N, p.H, p.V, p.K}) : nullptr;
+  double* ck = checkpoints ? f64_view(*checkpoints, "checkpoints", {p.num_checkpoints, p.H, p.V, p.K}) : nullptr;
   r.p.out = o;  // validation wants a non-null out; the reference writes through the fp64 pointer
   nb::gil_scoped_release nogil;
-  flashkda::reference_forward(r.p, o, ht);
+  flashkda::reference_forward(r.p, o, ht, ck);
 }
 
 void decode(const InArray& q_, const InArray& k_, const InArray& v_, const InArray& g_, const InArray& beta_,
@@ -477,9 +554,14 @@ NB_MODULE(_C, m) {
         arg("lower_bound") = -5.0f, arg("l2norm_qk") = true, arg("beta_is_logit") = true,
         arg("scale").none() = nb::none(), arg("initial_state").none() = nb::none(),
         arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(),
+        arg("state_pool").none() = nb::none(), arg("state_indices").none() = nb::none(),
+        arg("has_initial_state").none() = nb::none(), arg("checkpoint_every") = 0,
+        arg("checkpoints").none() = nb::none(), arg("checkpoint_slots").none() = nb::none(),
         arg("workspace").none() = nb::none(), arg("workspace_alloc").none() = nb::none(), arg("stream") = 0,
         arg("u16_is_bf16") = false, arg("precision") = "precise", arg("_v_splits") = 0, arg("_segment_chunks") = 0,
         "Chunked KDA forward (docs/SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
+        "state_pool [P,H,V,K] with state_indices [N] int32 (and has_initial_state [N] bool) in place of the "
+        "state tensors; checkpoint_every with checkpoints [C,H,V,K] or checkpoint_slots [C] int32 (SPEC §9). "
         "workspace: device bytes (any dtype); or workspace_alloc(nbytes) -> array, called when needed. "
         "precision: 'precise' or 'fast' (the GPU recurrence; flashkda::Precision). "
         "_v_splits, _segment_chunks: internal launch configuration (tests, benchmarks; 0 = the launcher's rule).");
@@ -496,8 +578,12 @@ NB_MODULE(_C, m) {
         arg("out"), nb::kw_only(), arg("A_log").none() = nb::none(), arg("dt_bias").none() = nb::none(),
         arg("gate") = "lower_bound", arg("lower_bound") = -5.0f, arg("l2norm_qk") = true,
         arg("beta_is_logit") = true, arg("scale").none() = nb::none(), arg("initial_state").none() = nb::none(),
-        arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(), arg("u16_is_bf16") = false,
-        "fp64 token recurrence on host arrays: writes float64 out [B,T,H,V] and final_state [N,H,V,K].");
+        arg("final_state").none() = nb::none(), arg("cu_seqlens").none() = nb::none(),
+        arg("state_pool").none() = nb::none(), arg("state_indices").none() = nb::none(),
+        arg("has_initial_state").none() = nb::none(), arg("checkpoint_every") = 0,
+        arg("checkpoints").none() = nb::none(), arg("u16_is_bf16") = false,
+        "fp64 token recurrence on host arrays: writes float64 out [B,T,H,V] and final_state [N,H,V,K] "
+        "(and float64 checkpoints [C,H,V,K]); a state_pool is only read.");
 
   m.def("decode", &py::decode, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("out"), arg("state_pool"),
         arg("state_indices"), nb::kw_only(), arg("num_accepted_tokens").none() = nb::none(),

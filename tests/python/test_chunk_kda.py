@@ -196,8 +196,7 @@ def test_fla_options_without_effect_are_accepted(rng):
     np.testing.assert_array_equal(o1, o2)
 
 
-@pytest.mark.parametrize("name,value", [("allow_neg_eigval", True), ("return_intermediate_states", True),
-                                        ("cp_context", object())])
+@pytest.mark.parametrize("name,value", [("allow_neg_eigval", True), ("cp_context", object())])
 def test_unsupported_fla_options_raise(rng, name, value):
     p = make_problem(rng)
     with pytest.raises(NotImplementedError, match=name):

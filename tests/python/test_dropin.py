@@ -61,8 +61,6 @@ def test_chunk_kda_takes_fla_positional_order(rng):
     assert rel_rms(np.swapaxes(ht, -1, -2), ref_h) <= 1e-5
     with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
         flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], None, None, False, True, True, True, True)
-    with pytest.raises(NotImplementedError, match="return_intermediate_states"):
-        flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], return_intermediate_states=True)
     with pytest.raises(NotImplementedError, match="cp_context"):
         flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], cp_context=object())
     # accepted and without effect here

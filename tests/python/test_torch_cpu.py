@@ -306,15 +306,29 @@ def test_opcheck_chunk_kda(rng):
     t = torch_problem(p)
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"], None, t["h0_vk"].transpose(-1, -2).contiguous(), True,
             True, True, True, False, -2.0, t["A_log"], t["dt_bias"], False, t["cu_seqlens"], "precise")
+    no_serving = (None, None, None, 0, None, None)
+    torch.library.opcheck(torch.ops.flashkda.chunk_kda.default, args + no_serving)
+    torch.library.opcheck(torch.ops.flashkda.chunk_kda.default, args[:-1] + ("fast",) + no_serving)
+    # The serving prefill: a pool ([P, H, K, V], updated in place) and dense checkpoints.
+    p = make_problem(rng, lengths=[70, 64], K=32, V=16)
+    t = torch_problem(p)
+    pool = torch.randn(3, 2, 32, 16) * 0.1
+    checkpoints = torch.zeros(2, 2, 32, 16)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], None, None, False, True, True, True, False, -2.0,
+            t["A_log"], t["dt_bias"], False, t["cu_seqlens"], "precise", pool, torch.tensor([2, 0], dtype=torch.int32),
+            torch.tensor([True, False]), 64, checkpoints, None)
     torch.library.opcheck(torch.ops.flashkda.chunk_kda.default, args)
-    torch.library.opcheck(torch.ops.flashkda.chunk_kda.default, args[:-1] + ("fast",))
 
 
 def test_opcheck_fwd(rng):
     p = make_problem(rng, B=2, T=7, state=True, K=32, V=16)
     t = torch_problem(p)
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"], 0.2, torch.empty(t["v"].shape), t["A_log"], t["dt_bias"],
-            -2.0, t["h0_vk"], torch.empty(t["h0_vk"].shape), None, "precise")
+            -2.0, t["h0_vk"], torch.empty(t["h0_vk"].shape), None, "precise", None, None, None, 0, None, None)
+    torch.library.opcheck(torch.ops.flashkda.fwd.default, args)
+    pool = torch.randn(4, 2, 16, 32) * 0.1
+    args = args[:10] + (None, None, None, "precise", pool, torch.tensor([3, 1], dtype=torch.int32), None, 0, None,
+                        None)
     torch.library.opcheck(torch.ops.flashkda.fwd.default, args)
 
 
@@ -351,6 +365,33 @@ def test_torch_compile_fullgraph(rng):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     torch.testing.assert_close(pool_eager, pool_comp, rtol=0, atol=0)  # the in-place update survives compile
     assert not torch.equal(pool_eager, pool0)
+
+
+def test_torch_compile_pool_prefill(rng):
+    """chunk_kda through a state pool, with checkpoints, inside a compiled graph: the pool and the
+    checkpoints written in place, as in eager mode."""
+    p = make_problem(rng, B=2, T=70, K=32, V=16)
+    t = torch_problem(p)
+    pool0 = torch.randn(4, 2, 16, 32) * 0.1
+    idx = torch.tensor([3, 1], dtype=torch.int32)
+
+    def step(q, k, v, g, beta, A_log, dt_bias, pool, checkpoints):
+        o, _ = flashkda.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                  lower_bound=-2.0, use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                  state_v_first=True, state_pool=pool, state_indices=idx, checkpoint_every=64,
+                                  checkpoints=checkpoints)
+        return o + 1
+
+    args = [t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    pool_eager, pool_comp = pool0.clone(), pool0.clone()
+    ck_eager, ck_comp = torch.zeros(2, 2, 16, 32), torch.zeros(2, 2, 16, 32)
+    eager = step(*args, pool_eager, ck_eager)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(*args, pool_comp, ck_comp)
+    torch.testing.assert_close(eager, compiled, rtol=0, atol=0)
+    torch.testing.assert_close(pool_eager, pool_comp, rtol=0, atol=0)
+    torch.testing.assert_close(ck_eager, ck_comp, rtol=0, atol=0)
+    assert not torch.equal(pool_eager, pool0) and ck_eager.abs().sum() > 0
+    assert torch.equal(pool_eager[[0, 2]], pool0[[0, 2]])
 
 
 def test_meta_tensors_are_a_value_error():
