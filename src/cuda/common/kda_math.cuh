@@ -3,6 +3,8 @@
 
 #include <cuda_bf16.h>
 
+#include "flashkda/types.h"
+
 namespace flashkda::cuda {
 
 __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __expf(-x)); }
@@ -10,10 +12,10 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __ex
 // softplus(x) = log(1 + e^x), exact to fp32 rounding for large x (no overflow).
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
-// Log-decay a <= 0 for gate form `form` (0 lower-bound, 1 softplus, 2 precomputed).
-__device__ __forceinline__ float log_decay(int form, float g, float a_exp, float bias, float lower_bound) {
-  if (form == 0) return lower_bound * sigmoidf_(a_exp * (g + bias));
-  if (form == 1) return -a_exp * softplusf_(g + bias);
+// Log-decay a <= 0 of one channel for each gate form (docs/SPEC.md §2; types.h GateForm).
+__device__ __forceinline__ float log_decay(GateForm form, float g, float a_exp, float bias, float lower_bound) {
+  if (form == GateForm::kLowerBound) return lower_bound * sigmoidf_(a_exp * (g + bias));
+  if (form == GateForm::kSoftplus) return -a_exp * softplusf_(g + bias);
   return g;
 }
 

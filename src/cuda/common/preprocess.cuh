@@ -28,7 +28,7 @@ struct HeadGate {
 
   // Log-decay a of one channel from the raw gate g and its dt_bias (0 when absent).
   __device__ __forceinline__ float log_decay(float g, float bias) const {
-    return ::flashkda::cuda::log_decay(static_cast<int>(form), g, a_scale, bias, lower_bound);
+    return ::flashkda::cuda::log_decay(form, g, a_scale, bias, lower_bound);
   }
 };
 

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "flashkda/config.h"
+#include "flashkda/types.h"
 
 namespace flashkda::cuda::sm90::prefill {
 
@@ -129,8 +130,8 @@ inline int64_t max_segments(int64_t chunk_slots, int64_t num_seqs, int64_t seg_c
   return (chunk_slots + seg_chunks - 1) / seg_chunks + num_seqs;
 }
 
+// The element type of an optional kernel operand: kNone marks an absent one (DType has no such value).
 enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
-enum class Gate : int { kLowerBound = 0, kSoftplus = 1, kPrecomputed = 2 };
 
 // Everything the kernels need, by value (a __grid_constant__-friendly POD).
 struct Params {
@@ -153,7 +154,7 @@ struct Params {
   int64_t seq_len;            // T without cu_seqlens
   int64_t total_tokens;       // B*T
   int H;
-  Gate gate;
+  GateForm gate;
   float lower_bound;
   bool l2norm_qk;
   bool beta_is_logit;

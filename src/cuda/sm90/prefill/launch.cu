@@ -168,7 +168,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.seq_len = p.T;
   kp.total_tokens = p.B * p.T;
   kp.H = int(p.H);
-  kp.gate = static_cast<Gate>(int(p.pre.gate));
+  kp.gate = p.pre.gate;
   kp.lower_bound = p.pre.lower_bound;
   kp.l2norm_qk = p.pre.l2norm_qk;
   kp.beta_is_logit = p.pre.beta_is_logit;

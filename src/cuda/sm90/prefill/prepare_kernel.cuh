@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     sm.beta[tid] = b;
   }
   {
-    const float a_exp = (p.gate == Gate::kPrecomputed) ? 0.f : __expf(p.A_log[h]);
+    const float a_exp = (p.gate == GateForm::kPrecomputed) ? 0.f : __expf(p.A_log[h]);
     float bias[4] = {0.f, 0.f, 0.f, 0.f};
     if (p.dt_bias != nullptr) load4(p.dt_bias, int64_t(h) * kHeadDim + 4 * lane, true, bias);
     // One branch on the gate form per thread, not per element.
@@ -264,9 +264,9 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
       }
     };
     const float lb = p.lower_bound;
-    if (p.gate == Gate::kLowerBound) {
+    if (p.gate == GateForm::kLowerBound) {
       apply([&](float x) { return lb * fast_rcp(1.f + exp_ftz(-a_exp * x)); });
-    } else if (p.gate == Gate::kSoftplus) {
+    } else if (p.gate == GateForm::kSoftplus) {
       // softplus(x) = max(x, 0) + log(1 + e^{-|x|}): no overflow; absolute error ~1e-7.
       apply([&](float x) { return -a_exp * (fmaxf(x, 0.f) + __logf(1.f + exp_ftz(-fabsf(x)))); });
     } else {
