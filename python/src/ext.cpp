@@ -214,6 +214,18 @@ Preprocess make_preprocess(const PreArgs& a, const View& q, int64_t H, int64_t K
   return pre;
 }
 
+// cu_seqlens [N + 1] (int32 or int64) of packed sequences; the batch size B of q must be 1.
+View view_cu_seqlens(const InArray& a, int64_t B) {
+  View cu = view_in("cu_seqlens", a, false);
+  expect_rank(cu, 1, "[N + 1]");
+  FLASHKDA_CHECK_ARG(cu.dtype == DType::kI32 || cu.dtype == DType::kI64,
+                     "cu_seqlens: expected dtype int32 or int64, got ", dtype_name(cu.dtype));
+  FLASHKDA_CHECK_ARG(cu.dim(0) >= 1, "cu_seqlens: needs at least one entry (N + 1 boundaries), got shape ",
+                     shape_str(cu.shape));
+  FLASHKDA_CHECK_ARG(B == 1, "q: with cu_seqlens the batch size B must be 1 (flatten the sequences), got B=", B);
+  return cu;
+}
+
 // The tensors of one prefill problem, checked against each other (docs/SPEC.md §1).
 struct PrefillArrays {
   PrefillParams p;
@@ -247,18 +259,10 @@ PrefillArrays make_prefill(const InArray& q_, const InArray& k_, const InArray& 
 
   r.N = p.B;
   if (cu_seqlens_) {
-    View cu = view_in("cu_seqlens", *cu_seqlens_, false);
-    expect_rank(cu, 1, "[N + 1]");
-    FLASHKDA_CHECK_ARG(cu.dtype == DType::kI32 || cu.dtype == DType::kI64,
-                       "cu_seqlens: expected dtype int32 or int64, got ", dtype_name(cu.dtype));
-    FLASHKDA_CHECK_ARG(cu.dim(0) >= 1, "cu_seqlens: needs at least one entry (N + 1 boundaries), got shape ",
-                       shape_str(cu.shape));
-    FLASHKDA_CHECK_ARG(p.B == 1, "q: with cu_seqlens the batch size B must be 1 (flatten the sequences), got B=",
-                       p.B);
+    const View cu = view_cu_seqlens(*cu_seqlens_, p.B);
     p.cu_seqlens = cu.data;
     p.cu_seqlens_dtype = cu.dtype;
-    p.num_seqs = cu.dim(0) - 1;
-    r.N = p.num_seqs;
+    p.num_seqs = r.N = cu.dim(0) - 1;
     views.push_back(cu);
   }
   if (initial_state_) {
@@ -471,12 +475,7 @@ void decode(const InArray& q_, const InArray& k_, const InArray& v_, const InArr
 
   p.num_seqs = B;
   if (cu_seqlens_) {
-    View cu = view_in("cu_seqlens", *cu_seqlens_, false);
-    expect_rank(cu, 1, "[N + 1]");
-    FLASHKDA_CHECK_ARG(cu.dtype == DType::kI32 || cu.dtype == DType::kI64,
-                       "cu_seqlens: expected dtype int32 or int64, got ", dtype_name(cu.dtype));
-    FLASHKDA_CHECK_ARG(cu.dim(0) >= 1, "cu_seqlens: needs at least one entry (N + 1 boundaries)");
-    FLASHKDA_CHECK_ARG(B == 1, "q: with cu_seqlens the batch size must be 1 (flatten the sequences), got ", B);
+    const View cu = view_cu_seqlens(*cu_seqlens_, B);
     p.cu_seqlens = cu.data;
     p.cu_seqlens_dtype = cu.dtype;
     p.num_seqs = cu.dim(0) - 1;

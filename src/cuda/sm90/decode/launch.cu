@@ -10,8 +10,8 @@
 #include <limits>
 
 #include "backend.h"
-#include "cuda/common/check.h"
-#include "cuda/common/host_env.h"
+#include "cuda/check.h"
+#include "cuda/device_info.h"
 #include "cuda/sm90/decode/config.h"
 #include "cuda/sm90/decode/kernel.cuh"
 

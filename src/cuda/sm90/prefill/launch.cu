@@ -4,8 +4,8 @@
 #include <cstring>
 
 #include "backend.h"
-#include "cuda/common/check.h"
-#include "cuda/common/host_env.h"
+#include "cuda/check.h"
+#include "cuda/device_info.h"
 #include "launch_config.h"
 #include "cuda/sm90/prefill/launch.h"
 #include "cuda/sm90/prefill/prepare_kernel.cuh"

@@ -17,7 +17,6 @@
 // config.h for what that costs in accuracy).
 #pragma once
 
-#include <cute/arch/copy_sm80.hpp>
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include <utility>
@@ -251,11 +250,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     if (s < num_chunks)
       load_stage<Smem, kPrecise>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base,
                                  !transition_rows);
-    cute::cp_async_fence();
+    cp_async_commit();
   }
 
   for (int64_t j = 0; j < num_chunks; ++j) {
-    cute::cp_async_wait<kStages - 2>();
+    cp_async_wait_group<kStages - 2>();
     fence_proxy_async_smem();
     __syncthreads();
     {
@@ -263,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       if (jn < num_chunks)
         load_stage<Smem, kPrecise>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
                                    chunk_rows(jn), v_base, !transition_rows);
-      cute::cp_async_fence();
+      cp_async_commit();
     }
     const typename Smem::Stage& st = sm.stage[j % kStages];
     const uint8_t* rec = st.record;
@@ -416,7 +415,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     cute::warpgroup_wait<0>();
     fence_regs(S);
   }
-  cute::cp_async_wait<0>();
+  cp_async_wait_all();
 
   if (seg.count == 1 && first_segment) {  // the whole sequence: its final state
     if (p.final_state != nullptr) store_state_rows(S, p.final_state, p.final_state_type, state_base, v_row, t4);

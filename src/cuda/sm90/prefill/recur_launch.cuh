@@ -1,7 +1,7 @@
 // Definition of launch_recur<kWarps, kPrecise>, included by the instantiation units.
 #pragma once
 
-#include "cuda/common/check.h"
+#include "cuda/check.h"
 #include "cuda/sm90/prefill/launch.h"
 #include "cuda/sm90/prefill/recur_kernel.cuh"
 
