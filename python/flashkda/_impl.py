@@ -1,8 +1,13 @@
 """Eager implementations of the public functions, for numpy arrays and torch tensors alike.
 
-Each checks its arguments (messages name the argument), makes inputs contiguous, turns fla's state
-layout [N, H, K, V] into the kernels' [N, H, V, K] and back, and calls flashkda._C through
-_launch. The torch custom ops (_torch_ops.py) call these same functions.
+Two paths, each making one call into flashkda._C (through _launch):
+- direct: torch tensors already in the kernels' form (_in_kernel_form: contiguous, kernel dtypes,
+  v-first states) go straight to the extension, whose C++ validation names any bad argument;
+- checked: everything else is checked here as far as its conversion needs (messages name the
+  argument), made contiguous, cast, and turned from fla's state layout [N, H, K, V] into the
+  kernels' [N, H, V, K] and back; the values (lengths, slots, gate bounds) are still the C++
+  validation's to judge.
+The torch custom ops (_torch_ops.py) call these same functions.
 """
 
 from __future__ import annotations
@@ -182,6 +187,25 @@ def _all_tensors(required, optional):
             and all(x is None or isinstance(x, Tensor) for x in optional))
 
 
+def _in_kernel_form(q, data=(), params=(), indices=(), int32_only=()):
+    """True when every tensor is already what flashkda._C takes as it is: contiguous, on q's device
+    (16-byte aligned there when it is a GPU), data in bfloat16 / float32, A_log and dt_bias float32,
+    indices int32 (cu_seqlens also int64). Then the direct paths make one call and its errors are
+    the answer (the C++ validation names every bad shape and value); anything else takes the
+    checked path, which converts what it can and names what it cannot. None entries are absent."""
+    torch = __import__("torch")
+    groups = ((data, (torch.bfloat16, torch.float32)), (params, (torch.float32,)),
+              (indices, (torch.int32, torch.int64)), (int32_only, (torch.int32,)))
+    for tensors, dtypes in groups:
+        for x in tensors:
+            if x is None:
+                continue
+            if (not isinstance(x, torch.Tensor) or x.dtype not in dtypes or x.device != q.device
+                    or not x.is_contiguous() or (x.is_cuda and x.data_ptr() % 16)):
+                return False
+    return True
+
+
 def _direct_gate(use_gate, lower_bound, safe_gate, A_log, dt_bias):
     """_gate's form for the direct paths: (form, lower_bound, A_log, dt_bias), or None where the
     checked path has work to do (a default A_log) or an error to name."""
@@ -213,18 +237,19 @@ def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state
     form, lb, A_log, dt_bias = gate
     if not _all_tensors((q, k, v, g, beta), (A_log, dt_bias, initial_state, cu_seqlens)):
         return None
+    if not _in_kernel_form(q, (q, k, v, g, beta, initial_state), (A_log, dt_bias), (cu_seqlens,)):
+        return None
     if q.dim() != 4 or v.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
         return None
+    if A_log is not None and A_log.dim() != 1:
+        return None  # the checked path reshapes it
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     out = TorchOps.empty(tuple(v.shape), TorchOps.dtype_name(q), q)
     ht = TorchOps.empty((N, H, V, K), F32, q) if output_final_state else None
     pre = Preprocess(form, A_log, dt_bias, lb, bool(l2norm), bool(beta_sigmoid), _scale(scale))
-    try:
-        _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=ht,
-                        cu_seqlens=cu_seqlens, precision=precision)
-    except (ValueError, TypeError):
-        return None
+    _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=ht,
+                    cu_seqlens=cu_seqlens, precision=precision)
     return out, (None if ht is None else _state_out(TorchOps, ht, state_v_first))
 
 
@@ -286,12 +311,13 @@ def _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     Python checks below only need to run when it refuses. Returns False then."""
     if not _all_tensors((q, k, v, g, beta, out, A_log), (dt_bias, initial_state, final_state, cu_seqlens)):
         return False
+    if not _in_kernel_form(q, (q, k, v, g, beta, out, initial_state, final_state), (A_log, dt_bias), (cu_seqlens,)):
+        return False  # the checked path makes the layout (casts, copies) or names the problem
+    if A_log.dim() != 1:
+        return False
     pre = Preprocess("lower_bound", A_log, dt_bias, float(lower_bound), True, True, float(scale))
-    try:
-        _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=final_state,
-                        cu_seqlens=cu_seqlens, precision=precision)
-    except (ValueError, TypeError):
-        return False  # the checked path names the problem, or makes the layout (casts, copies) and calls again
+    _launch.forward(TorchOps, q, k, v, g, beta, out, pre, initial_state=initial_state, final_state=final_state,
+                    cu_seqlens=cu_seqlens, precision=precision)
     return True
 
 
@@ -350,19 +376,22 @@ def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_ga
     gate = _direct_gate(use_gate, lower_bound, False, A_log, dt_bias)
     if gate is None or not _all_tensors((q, k, v, g, beta, pool, idx), (A_log, dt_bias, cu_seqlens, acc, out)):
         return None
-    if pool.dim() != 4 or idx.dim() == 0:
-        return None  # the checked path names the pool's shape
+    if q.dim() != 4 or (cu_seqlens is not None and cu_seqlens.dim() != 1):
+        return None
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    if pool.dim() != 4 or idx.dim() == 0 or idx.shape[0] != N:
+        return None  # the checked path names the pool's shape, and ssm_state_indices by that name
+    if not _in_kernel_form(q, (q, k, v, g, beta, pool, out), (A_log, dt_bias), (cu_seqlens,), (idx, acc)):
+        return None  # the checked path converts (int64 indices, casts, copies) or names the problem
+    if A_log is not None and A_log.dim() != 1:
+        return None
+    if _long_sequences(TorchOps, q.shape[1], cu_seqlens, N):
+        return None  # longer than a decode step: the checked path runs the chunked forward
     form, lb, A_log, dt_bias = gate
     if out is None:
-        dt = TorchOps.dtype_name(q)
-        if dt not in _FLOATS:
-            return None  # the checked path names q's dtype
-        out = TorchOps.empty(tuple(v.shape), dt, q)
+        out = TorchOps.empty(tuple(v.shape), TorchOps.dtype_name(q), q)
     pre = Preprocess(form, A_log, dt_bias, lb, bool(l2norm), bool(beta_sigmoid), _scale(scale))
-    try:
-        _launch.decode(TorchOps, q, k, v, g, beta, out, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu_seqlens)
-    except (ValueError, TypeError):
-        return None
+    _launch.decode(TorchOps, q, k, v, g, beta, out, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu_seqlens)
     return out, pool
 
 

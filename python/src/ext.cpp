@@ -137,6 +137,19 @@ void expect_shape(const View& v, const std::vector<int64_t>& shape) {
                      shape_str(v.shape));
 }
 
+// v [B, T, HV, V] with HV != H: fla's grouped value heads, named as such.
+void expect_value_heads(const View& v, int64_t B, int64_t T, int64_t H) {
+  FLASHKDA_CHECK_ARG(!(v.dim(0) == B && v.dim(1) == T && v.dim(2) != H), "v: grouped value heads (HV=", v.dim(2),
+                     " != H=", H, ") are not supported; expected shape [", B, ", ", T, ", ", H, ", V]");
+}
+
+// beta [B, T, H]; a per-channel beta [B, T, H, V] is named as such.
+void expect_beta(const View& beta, int64_t B, int64_t T, int64_t H, int64_t V) {
+  FLASHKDA_CHECK_ARG(beta.shape != std::vector<int64_t>({B, T, H, V}), "beta: per-channel beta [B, T, H, V] is not ",
+                     "supported; expected shape ", shape_str({B, T, H}));
+  expect_shape(beta, {B, T, H});
+}
+
 void expect_rank(const View& v, size_t rank, const char* layout) {
   FLASHKDA_CHECK_ARG(v.shape.size() == rank, v.name, ": expected a ", rank, "-d array ", layout, ", got shape ",
                      shape_str(v.shape));
@@ -248,9 +261,10 @@ PrefillArrays make_prefill(const InArray& q_, const InArray& k_, const InArray& 
   View g = view_in("g", g_, u16_is_bf16);
   View beta = view_in("beta", beta_, u16_is_bf16);
   expect_shape(k, q.shape);
+  expect_value_heads(v, p.B, p.T, p.H);
   expect_shape(v, {p.B, p.T, p.H, p.V});
   expect_shape(g, q.shape);
-  expect_shape(beta, {p.B, p.T, p.H});
+  expect_beta(beta, p.B, p.T, p.H, p.V);
   expect_dtype(k, q.dtype);
   expect_dtype(v, q.dtype);
   expect_float(g);
@@ -462,9 +476,10 @@ void decode(const InArray& q_, const InArray& k_, const InArray& v_, const InArr
   View beta = view_in("beta", beta_, u16_is_bf16);
   View out = view_out("out", out_, u16_is_bf16);
   expect_shape(k, q.shape);
+  expect_value_heads(v, B, p.T, p.H);
   expect_shape(v, {B, p.T, p.H, p.V});
   expect_shape(g, q.shape);
-  expect_shape(beta, {B, p.T, p.H});
+  expect_beta(beta, B, p.T, p.H, p.V);
   expect_shape(out, v.shape);
   expect_dtype(k, q.dtype);
   expect_dtype(v, q.dtype);
