@@ -154,6 +154,14 @@ def _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate=Fal
     return form, A_log, dt_bias, (-5.0 if lower_bound is None else lower_bound)
 
 
+def _checked_inputs(ops, q, k, v, g, beta, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                    safe_gate=False):
+    """The checked path's common start: (q, k, v, g, beta) contiguous, (cu_seqlens, N), _gate's tuple."""
+    arrays = _qkvgb(ops, q, k, v, g, beta)
+    cu, N = _cu_seqlens(ops, arrays[0], cu_seqlens)
+    return arrays, cu, N, _gate(ops, arrays[0], use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
+
+
 def _state_in(ops, q, x, name, N, H, K, V, v_first, allow_larger_pool=False):
     """A state in the user's layout ([N,H,K,V], or [N,H,V,K] when v_first) -> contiguous [N,H,V,K]."""
     _require_array(ops, x, name)
@@ -266,11 +274,10 @@ def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_fina
                                 dt_bias, state_v_first, cu_seqlens, precision)
         if res is not None:
             return res
-    q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
+    (q, k, v, g, beta), cu, N, (form, A_log, dt_bias, lb) = _checked_inputs(
+        ops, q, k, v, g, beta, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
     B, T, H, K = q.shape
     V = v.shape[3]
-    cu, N = _cu_seqlens(ops, q, cu_seqlens)
-    form, A_log, dt_bias, lb = _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
     h0 = None if initial_state is None else _state_in(ops, q, initial_state, "initial_state", N, H, K, V,
                                                        state_v_first)
     out = ops.empty(tuple(v.shape), ops.dtype_name(q), q)
@@ -459,11 +466,10 @@ def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=N
                              ssm_state_indices, num_accepted_tokens, out)
         if res is not None:
             return res
-    q, k, v, g, beta = _qkvgb(ops, q, k, v, g, beta)
+    (q, k, v, g, beta), cu, N, (form, A_log, dt_bias, lb) = _checked_inputs(
+        ops, q, k, v, g, beta, cu_seqlens, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     B, T, H, K = q.shape
     V = v.shape[3]
-    cu, N = _cu_seqlens(ops, q, cu_seqlens)
-    form, A_log, dt_bias, lb = _gate(ops, q, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     pre = Preprocess(form, A_log, dt_bias, lb, bool(use_qk_l2norm_in_kernel), bool(use_beta_sigmoid_in_kernel),
                      _scale(scale))
 
