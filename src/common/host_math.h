@@ -8,6 +8,14 @@
 
 #include "flashkda/types.h"
 
+// Forced inlining for helpers that hot loops call: each ISA entry point of the CPU engine (AVX2,
+// baseline) then gets its own vectorised copy instead of sharing one baseline function.
+#if defined(__GNUC__)
+#define FLASHKDA_HOST_INLINE inline __attribute__((always_inline))
+#else
+#define FLASHKDA_HOST_INLINE inline
+#endif
+
 namespace flashkda::host {
 
 // Element i of an int32 or int64 offsets array in host memory (cu_seqlens).
@@ -36,18 +44,13 @@ inline T softplus(T x) {
   return x > T(20) ? x : std::log1p(std::exp(x));
 }
 
-// Log-decay a <= 0 of channel c of head h from the raw gate value g (docs/SPEC.md §2).
-template <typename T>
-inline T log_decay(const Preprocess& pre, int64_t h, int64_t c, int64_t K, T g) {
-  if (pre.gate == GateForm::kPrecomputed) return g;
-  const T bias = pre.dt_bias != nullptr ? T(pre.dt_bias[h * K + c]) : T(0);
-  const T a_scale = std::exp(T(pre.A_log[h]));
-  if (pre.gate == GateForm::kLowerBound) return T(pre.lower_bound) * sigmoid(a_scale * (g + bias));
-  return -a_scale * softplus(g + bias);
-}
-
-// The per-channel gate constants of one head, so hot loops skip the Preprocess branches:
-// a = lower_bound * sigmoid(a_scale * (g + bias[c])) or a = -a_scale * softplus(g + bias[c]).
+// The log-decay a <= 0 of each gate form (docs/SPEC.md §2) for one head, the host's one
+// definition (the reference, the CPU backend, CPU decode): the per-channel constants of the head
+// are taken once, so hot loops skip the Preprocess branches.
+//   lower bound: a = lower_bound / (1 + e^{-a_scale (g + bias[c])})  (lower_bound * sigmoid(.);
+//                e^{-x} overflowing to +inf for x << 0 gives a = -0, the limit)
+//   softplus:    a = -a_scale * softplus(g + bias[c])
+//   precomputed: a = g
 template <typename T>
 struct HeadGate {
   GateForm form = GateForm::kPrecomputed;
@@ -64,8 +67,25 @@ struct HeadGate {
   T operator()(int64_t c, T g) const {
     if (form == GateForm::kPrecomputed) return g;
     const T x = g + (bias != nullptr ? T(bias[c]) : T(0));
-    if (form == GateForm::kLowerBound) return lower_bound * sigmoid(a_scale * x);
+    if (form == GateForm::kLowerBound) return lower_bound / (T(1) + std::exp(-(a_scale * x)));
     return -a_scale * softplus(x);
+  }
+
+  // a[c] <- the log-decay of g[c] for c < K (a may be g), with exp the caller's e^x: the lower-bound
+  // form as one loop that vectorises with a vectorisable exp (the CPU engine's).
+  template <typename Exp>
+  FLASHKDA_HOST_INLINE void row(const T* g, T* a, int64_t K, Exp exp) const {
+    if (form != GateForm::kLowerBound) {
+      for (int64_t c = 0; c < K; ++c) a[c] = (*this)(c, g[c]);
+      return;
+    }
+    if (bias == nullptr) {
+#pragma omp simd
+      for (int64_t c = 0; c < K; ++c) a[c] = lower_bound / (T(1) + exp(-(a_scale * g[c])));
+      return;
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < K; ++c) a[c] = lower_bound / (T(1) + exp(-(a_scale * (g[c] + T(bias[c])))));
   }
 };
 

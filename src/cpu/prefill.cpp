@@ -21,8 +21,10 @@
 // The engine's helpers are forced inline so each ISA entry point gets its own vectorised copy.
 #if defined(__GNUC__)
 #define FLASHKDA_INLINE inline __attribute__((always_inline))
+#define FLASHKDA_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define FLASHKDA_INLINE inline
+#define FLASHKDA_INLINE_LAMBDA
 #endif
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -103,7 +105,6 @@ struct ChunkScratch {
   std::vector<T> e_row;              // [Kp]: e^{G_i} of the row being built
   std::vector<T> k_decayed_s, q_decayed_s, k_inv_s;  // [C, Kp]: shifted factors
   std::vector<T> o;                  // [C, Vp]
-  std::vector<float> zero_bias;      // [K]: dt_bias of a head when none is given
   std::vector<T> St;                 // [Kp, Vp]: the state, transposed (channel-major)
   T b[C];
   T L[C * C];
@@ -114,7 +115,7 @@ struct ChunkScratch {
         q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * Vp, T(0)), gate_a(C * Kp, T(0)), G64(C * Kp, 0.0),
         kq_decayed(2 * C * Kp, T(0)), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)), mid(Kp, 0.0),
         decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * Vp),
-        zero_bias(K, 0.0f), St(Kp * Vp, T(0)) {}
+        St(Kp * Vp, T(0)) {}
 };
 
 // Rows [tok0, tok0 + n) of head h, preprocessed; gate_a holds the log-decay a (G64 its prefix sums).
@@ -135,17 +136,7 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
       host::l2_normalize(qi, K);
       host::l2_normalize(ki, K);
     }
-    if (gate.form == GateForm::kLowerBound) {
-      // a = lb * sigmoid(x) = lb / (1 + e^{-x}); for x << 0 the clamped exponent leaves a ~ 0.
-      const float* bias = gate.bias != nullptr ? gate.bias : s.zero_bias.data();
-#pragma omp simd
-      for (int64_t c = 0; c < K; ++c) {
-        const T x = gate.a_scale * (ai[c] + T(bias[c]));
-        ai[c] = gate.lower_bound / (T(1) + engine_exp(-x));
-      }
-    } else {
-      for (int64_t c = 0; c < K; ++c) ai[c] = gate(c, ai[c]);
-    }
+    gate.row(ai, ai, K, [](T x) FLASHKDA_INLINE_LAMBDA { return engine_exp(x); });
     s.b[i] = host::beta_activation(p.pre, host::load<T>(p.beta, p.beta_dtype, row));
   }
 }

@@ -34,15 +34,18 @@ TEST(HostMath, GateFormsFollowSpec) {
   const double g = 0.7;
   const double x = g + double(dt_bias[3 + 2]);
   pre.gate = GateForm::kLowerBound;
-  EXPECT_NEAR(log_decay(pre, 1, 2, 3, g), -4.0 / (1.0 + std::exp(-std::exp(-1.0) * x)), 1e-14);
-  EXPECT_NEAR(HeadGate<double>(pre, 1, 3)(2, g), log_decay(pre, 1, 2, 3, g), 1e-15);
+  const auto exp = [](double y) { return std::exp(y); };
+  double row[3] = {g, g, g};
+  EXPECT_NEAR(HeadGate<double>(pre, 1, 3)(2, g), -4.0 / (1.0 + std::exp(-std::exp(-1.0) * x)), 1e-14);
+  HeadGate<double>(pre, 1, 3).row(row, row, 3, exp);
+  EXPECT_EQ(row[2], HeadGate<double>(pre, 1, 3)(2, g));  // the row form is the same formula
+  EXPECT_EQ(HeadGate<double>(pre, 1, 3)(2, -1e6), 0.0);   // e^{-x} overflows: the limit, not NaN
   pre.gate = GateForm::kSoftplus;
-  EXPECT_NEAR(log_decay(pre, 1, 2, 3, g), -std::exp(-1.0) * std::log1p(std::exp(x)), 1e-14);
-  EXPECT_NEAR(HeadGate<double>(pre, 1, 3)(2, g), log_decay(pre, 1, 2, 3, g), 1e-15);
+  EXPECT_NEAR(HeadGate<double>(pre, 1, 3)(2, g), -std::exp(-1.0) * std::log1p(std::exp(x)), 1e-14);
   pre.dt_bias = nullptr;
-  EXPECT_NEAR(log_decay(pre, 0, 1, 3, g), -std::exp(0.5) * std::log1p(std::exp(g)), 1e-14);
+  EXPECT_NEAR(HeadGate<double>(pre, 0, 3)(1, g), -std::exp(0.5) * std::log1p(std::exp(g)), 1e-14);
   pre.gate = GateForm::kPrecomputed;
-  EXPECT_EQ(log_decay(pre, 0, 0, 3, -123.0), -123.0);
+  EXPECT_EQ(HeadGate<double>(pre, 0, 3)(0, -123.0), -123.0);
 }
 
 TEST(HostMath, L2NormAndBeta) {
