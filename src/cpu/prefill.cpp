@@ -588,7 +588,8 @@ void zero_padding(const PrefillParams& p, int64_t n, int64_t h, int64_t v0, int6
   for (int64_t j = 0; j < r.len() / p.checkpoint_every; ++j) {
     const int64_t at = (((first_checkpoint + j) * H + h) * V + v0) * K;
     if (checkpoints != nullptr) std::fill(checkpoints + at, checkpoints + at + (v1 - v0) * K, T(0));
-    else if (p.checkpoints != nullptr) host::store_row(p.checkpoints, p.checkpoint_dtype, at, (v1 - v0) * K, buf.data());
+    else if (p.checkpoints != nullptr)
+      host::store_row(p.checkpoints, p.checkpoint_dtype, at, (v1 - v0) * K, buf.data());
   }
 }
 

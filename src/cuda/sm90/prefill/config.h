@@ -13,6 +13,7 @@ namespace flashkda::cuda::sm90::prefill {
 constexpr int kChunk = flashkda::kChunk;         // tokens per chunk (docs/SPEC.md §4)
 constexpr int kHeadDim = flashkda::kCudaHeadDim;  // K = V = 128
 constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
+constexpr int kKSteps = kHeadDim / kMmaK;  // MMA k-steps over one head dimension
 
 // One chunk of one head in the workspace, written by K1 and read by K2: 23040 bytes in the
 // precise mode, 13824 in the fast mode (RecordLayout below).
@@ -21,7 +22,7 @@ constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 // canonical no-swizzle shared-memory layouts those instructions read, so K2 copies the record
 // into shared memory unchanged and points a descriptor at it. A "core matrix" is 8 rows x 16
 // bytes (8 bf16 along the contiguous dimension), 128 contiguous bytes.
-//  - WO tile: B operands of W^T = S^T kd^T and O^T = S^T [qd | qd_lo]^T (rows n = 16 * which + t,
+//  - WO tile: B operands of W^T = S^T k_decayed^T and O^T = S^T [q_decayed | q_decayed_lo]^T (rows n = 16 * which + t,
 //    K = 128 channels c, K-major; W reads rows 0..15, O rows 16..). Element (which, t, c) at
 //        kWoLbo * (c / 8) + 128 * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8)
 //    i.e. LBO (next 8 channels) = 256 bytes per operand (768 B precise, 512 B fast), SBO (next 8

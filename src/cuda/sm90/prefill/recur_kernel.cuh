@@ -5,7 +5,7 @@
 // columns; each warpgroup owns 64 value columns of the state, S^T [64 v x 128 k], in fp32
 // registers for the whole sequence (warp w of the group rows 16w..16w+15; value columns evolve
 // independently, so splitting V needs no communication). Per chunk, with M = v rows:
-//   W^T = S^T kd^T, O^T = S^T qd^T (K = 128)        wgmma, B from the record in shared memory
+//   W^T = S^T k_decayed^T, O^T = S^T q_decayed^T (K = 128)        wgmma, B from the record in shared memory
 //   u^T = v^T - W^T,  U^T = u^T inv_b^T (K = 16)      per-warp mma.sync, inv_b = (I + L)^-1 diag(b)
 //   O^T += U^T Mqk^T                                   per-warp mma.sync
 //   S^T  = S^T diag(e^Gamma) + U^T Kr (N = 128, K = 16) wgmma into the state registers
@@ -267,14 +267,14 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     const typename Smem::Stage& st = sm.stage[j % kStages];
     const uint8_t* rec = st.record;
 
-    // W^T = S^T kd^T and O^T = S^T [qd | qd_lo]^T over K = 128 (8 k-steps), as two wgmma groups:
+    // W^T = S^T k_decayed^T and O^T = S^T [q_decayed | q_decayed_lo]^T over K = 128 (8 k-steps), as two wgmma groups:
     // W is on the recurrence's critical path and is waited for first; O completes while this
-    // warp forms u and U. The precise mode adds S_lo^T kd^T to W and S_lo^T qd^T to O (a second
+    // warp forms u and U. The precise mode adds S_lo^T k_decayed^T to W and S_lo^T q_decayed^T to O (a second
     // O accumulator: different wgmma shapes never share one).
     uint32_t sa[8][4], sa_lo[8][4];
     state_fragments<kPrecise>(S, sa, sa_lo);
-    const uint64_t desc_w = smem_desc(rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: kd
-    const uint64_t desc_o = desc_w + ((2 * Rec::kWoSbo) >> 4);  // rows 16..: qd (and qd_lo)
+    const uint64_t desc_w = smem_desc(rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: k_decayed
+    const uint64_t desc_o = desc_w + ((2 * Rec::kWoSbo) >> 4);  // rows 16..: q_decayed (and q_decayed_lo)
     constexpr uint64_t kStep = Rec::kWoStepBytes >> 4;
     float Dw[8], Do[kPrecise ? 16 : 8], Dol[8];
 #pragma unroll

@@ -157,11 +157,11 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   float2 w_next[4];
   load_w(0, w_next);
 #pragma unroll
-  for (int ks = 0; ks < kHeadDim / kMmaK; ++ks) {
+  for (int ks = 0; ks < kKSteps; ++ks) {
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) split_bf16x2(w_next[r].x, w_next[r].y, a_hi[r], a_lo[r]);
-    if (ks + 1 < kHeadDim / kMmaK) load_w(ks + 1, w_next);
+    if (ks + 1 < kKSteps) load_w(ks + 1, w_next);
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
       const int v = 8 * nt + g, k = kMmaK * ks + 2 * t4;
