@@ -32,12 +32,10 @@ void decode(const DecodeParams& params, Stream stream) { internal::decode(params
 
 int64_t checkpoint_count(const PrefillParams& params) {
   if (params.checkpoint_every <= 0) return 0;
-  const int64_t N = detail::num_sequences(params);
-  if (params.cu_seqlens == nullptr) return N * (params.T / params.checkpoint_every);
+  if (params.cu_seqlens == nullptr) return detail::num_sequences(params) * (params.T / params.checkpoint_every);
   detail::check_reachable(Backend::kCpu, {{params.cu_seqlens, "cu_seqlens"}}, "checkpoint_count: ");
-  int64_t count = 0;
-  for (int64_t n = 0; n < N; ++n) count += detail::seq_range(params, n).len() / params.checkpoint_every;
-  return count;
+  thread_local std::vector<int64_t> first;  // kept: steady-state calls allocate nothing
+  return detail::first_checkpoints(params, first);
 }
 
 namespace internal {
@@ -193,6 +191,26 @@ void check_reachable(Backend backend, std::initializer_list<NamedPointer> tensor
   (void)backend, (void)tensors, (void)prefix;  // without CUDA every pointer is host memory
 #endif
 }
+
+int64_t first_checkpoints(const PrefillParams& p, std::vector<int64_t>& first) {
+  const int64_t N = num_sequences(p), every = p.checkpoint_every;
+  first.resize(size_t(N + 1));
+  first[0] = 0;
+  for (int64_t n = 0; n < N; ++n) first[n + 1] = first[n] + (every > 0 ? seq_range(p, n).len() / every : 0);
+  return first[N];
+}
+
+template <typename T>
+void load_initial_state(const PrefillParams& p, int64_t n, int64_t h, T* dst) {
+  if (p.state_pool == nullptr) {
+    host::load_state(p.initial_state, p.initial_state_dtype, n, h, p.H, p.V, p.K, dst);
+    return;
+  }
+  const bool read = p.has_initial_state == nullptr || p.has_initial_state[n];
+  host::load_state(read ? p.state_pool : nullptr, p.state_pool_dtype, p.state_indices[n], h, p.H, p.V, p.K, dst);
+}
+template void load_initial_state<float>(const PrefillParams&, int64_t, int64_t, float*);
+template void load_initial_state<double>(const PrefillParams&, int64_t, int64_t, double*);
 
 namespace {
 SeqRange seq_range(const void* cu_seqlens, DType dtype, int64_t tokens_per_seq, int64_t n) {

@@ -23,6 +23,15 @@ int64_t num_sequences(const PrefillParams& p);  // N
 SeqRange seq_range(const PrefillParams& p, int64_t n);
 SeqRange seq_range(const DecodeParams& p, int64_t n);
 float effective_scale(const Preprocess& pre, int64_t K);
+// The checkpoint numbering of docs/SPEC.md §9: first[n] = the index of sequence n's first
+// checkpoint (the sum of floor(length / checkpoint_every) over the sequences before it), n = 0..N,
+// so first[N] is the count (0 when checkpoint_every <= 0). first is resized (only grows in
+// capacity: a kept vector makes steady-state calls allocate nothing). Host-readable cu_seqlens.
+int64_t first_checkpoints(const PrefillParams& p, std::vector<int64_t>& first);
+// The initial state of sequence n, head h as [V, K] in T: from its pool slot (zeros where
+// has_initial_state says so), else from initial_state (zeros when null). Not for padding entries.
+template <typename T>
+void load_initial_state(const PrefillParams& p, int64_t n, int64_t h, T* dst);
 
 // Throw flashkda::Error naming the first bad argument; nothing is written before they pass.
 // backend decides which checks can read memory (cu_seqlens on the host) and which dtypes apply.

@@ -489,11 +489,10 @@ FLASHKDA_INLINE void state_pass(ChunkScratch<T>& s, int n, int64_t v_begin, int6
 }
 
 // Where the checkpoints of one (sequence, head) go (PrefillParams::checkpoint_every): the state
-// after each `every` tokens of the sequence, columns [v0, v1), numbered from `first`.
+// after each checkpoint_every tokens of the sequence, columns [v0, v1), numbered from `first`.
 template <typename T>
 struct CheckpointSink {
   const PrefillParams* p = nullptr;
-  int64_t every = 0;  // 0: none
   int64_t first = 0, h = 0, v0 = 0, v1 = 0;
   T* dense = nullptr;  // [num_checkpoints, H, V, K] in T instead of p->checkpoints, or null
   T* buf = nullptr;    // [V, K] scratch
@@ -532,8 +531,8 @@ FLASHKDA_INLINE void forward_sequence_head(const PrefillParams& p, int64_t n, in
     build_chunk_matrices(s, len, scale);
     state_pass<T, kAvx2>(s, len, v_begin, v_end);
     // every is a multiple of 64, so checkpoint positions fall on chunk ends (chunks start at bos)
-    const int64_t done = tok0 + len - r.bos;
-    if (ck.every > 0 && done % ck.every == 0) ck.save(s, done / ck.every - 1);
+    const int64_t done = tok0 + len - r.bos, every = p.checkpoint_every;
+    if (every > 0 && done % every == 0) ck.save(s, done / every - 1);
     for (int i = 0; i < len; ++i) {
       const int64_t row = (tok0 + i) * H + h;
       if (out != nullptr) {
@@ -621,14 +620,8 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state, T* checkpoint
   const int64_t H = p.H, K = p.K, V = p.V;
   const T scale = host::output_scale<T>(p.pre, K);
   if (N * H == 0) return;
-  // The first checkpoint of each sequence: prefix sums of floor(length / every).
   thread_local std::vector<int64_t> first_checkpoint;  // kept: steady-state calls allocate nothing
-  const int64_t every = p.checkpoint_every;
-  if (every > 0) {
-    first_checkpoint.resize(size_t(N));
-    int64_t count = 0;
-    for (int64_t n = 0; n < N; ++n) first_checkpoint[n] = count, count += detail::seq_range(p, n).len() / every;
-  }
+  if (p.checkpoint_every > 0) detail::first_checkpoints(p, first_checkpoint);
   const int64_t* first = first_checkpoint.data();
   // Work items: (sequence, head), and when there are fewer of those than threads, also groups of
   // value panels (columns of S evolve independently given the chunk's factors, which each item
@@ -653,7 +646,7 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state, T* checkpoint
       const int64_t n = nh / H, h = nh % H;
       const int64_t v0 = grp * per_group * kPanel, v1 = std::min(V, (grp + 1) * per_group * kPanel);
       if (v0 >= v1) continue;
-      const int64_t first_n = every > 0 ? first[n] : 0;
+      const int64_t first_n = p.checkpoint_every > 0 ? first[n] : 0;
       // The initial state: from the pool slot (zeros when has_initial_state says so; padding
       // reads and writes nothing), else from initial_state (zeros when null).
       const int32_t slot = p.state_pool != nullptr ? p.state_indices[n] : -1;
@@ -661,15 +654,10 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state, T* checkpoint
         zero_padding(p, n, h, v0, v1, first_n, out, checkpoints, state);
         continue;
       }
-      if (p.state_pool == nullptr) {
-        host::load_state(p.initial_state, p.initial_state_dtype, n, h, H, V, K, state.data());
-      } else {
-        const bool read = p.has_initial_state == nullptr || p.has_initial_state[n];
-        host::load_state(read ? p.state_pool : nullptr, p.state_pool_dtype, slot, h, H, V, K, state.data());
-      }
+      detail::load_initial_state(p, n, h, state.data());
       for (int64_t c = 0; c < K; ++c)
         for (int64_t v = v0; v < v1; ++v) s.St[c * Vp + v] = state[v * K + c];
-      const CheckpointSink<T> ck{&p, every, first_n, h, v0, v1, checkpoints, state.data()};
+      const CheckpointSink<T> ck{&p, first_n, h, v0, v1, checkpoints, state.data()};
       run_sequence_head(p, n, h, scale, s, out, v0, v1, ck);
       for (int64_t c = 0; c < K; ++c)
         for (int64_t v = v0; v < v1; ++v) state[v * K + c] = s.St[c * Vp + v];

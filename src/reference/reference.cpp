@@ -66,8 +66,8 @@ void reference_forward(const PrefillParams& params_in, double* out, double* fina
   const int64_t H = params.H, K = params.K, V = params.V;
   const double scale = host::output_scale<double>(params.pre, K);
   const int64_t every = params.checkpoint_every;
-  std::vector<int64_t> first(size_t(N), 0);  // the first checkpoint of each sequence
-  for (int64_t n = 1; n < N && every > 0; ++n) first[n] = first[n - 1] + detail::seq_range(params, n - 1).len() / every;
+  std::vector<int64_t> first;  // the first checkpoint of each sequence
+  detail::first_checkpoints(params, first);
 
 #pragma omp parallel
   {
@@ -86,13 +86,7 @@ void reference_forward(const PrefillParams& params_in, double* out, double* fina
         }
         continue;
       }
-      if (params.state_pool != nullptr) {
-        const bool read = params.has_initial_state == nullptr || params.has_initial_state[n];
-        host::load_state(read ? params.state_pool : nullptr, params.state_pool_dtype, params.state_indices[n], h, H,
-                         V, K, S.data());
-      } else {
-        host::load_state(params.initial_state, params.initial_state_dtype, n, h, H, V, K, S.data());
-      }
+      detail::load_initial_state(params, n, h, S.data());
       recur_sequence_head(params, n, h, scale, out, S.data(), checkpoints, first[n]);
       if (final_state != nullptr) {
         std::copy(S.begin(), S.end(), final_state + (n * H + h) * V * K);
