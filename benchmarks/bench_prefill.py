@@ -175,28 +175,25 @@ def time_graph_ms(fn, reps=20):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
+    ms = _median_event_ms(graph.replay, reps)
     del graph
-    return statistics.median(times)
+    return ms
 
 
 def time_eager_ms(fn, reps=20, warmup=3):
     for _ in range(warmup):
         fn()
+    return _median_event_ms(fn, reps)
+
+
+def _median_event_ms(run, reps):
+    """Median ms of `reps` calls of run() on the current stream, each timed by CUDA events."""
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        run()
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))

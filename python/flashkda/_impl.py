@@ -368,11 +368,9 @@ def _long_sequences(ops, T, cu, N):
     """True when some sequence is known (without a device sync) to lie outside decode's 1..16 tokens."""
     if cu is None:
         return T == 0 or T > MAX_DECODE_TOKENS
-    host = ops.host_values(cu)
-    if host is None:  # device cu_seqlens: decode validates what it can
+    if ops.host_values(cu) is None:  # device cu_seqlens: decode validates what it can
         return False
-    lengths = [int(host[i + 1]) - int(host[i]) for i in range(N)]
-    return any(n == 0 or n > MAX_DECODE_TOKENS for n in lengths)
+    return any(n == 0 or n > MAX_DECODE_TOKENS for n in _host_lengths(ops, cu, N, T))
 
 
 def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_gate, beta_sigmoid, lower_bound,
@@ -666,8 +664,8 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
         return None
 
     # The CPU backend: the pool (or a copy of its named slots in the kernels' layout) goes to the C++ call.
-    lengths = _host_lengths(ops, cu, N, q.shape[1])
     if fla_h:
+        lengths = _host_lengths(ops, cu, N, q.shape[1])
         every = FLA_STATE_EVERY
         ck_vk = ops.empty((sum(n // every for n in lengths), H, V, K), ops.dtype_name(q), q)
         if pool is not None:

@@ -71,15 +71,19 @@ def _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_
     return None
 
 
-@register(_fla_chunk_kda)
-class FlashkdaChunkBackend(BaseBackend):
-    """fla's chunk_kda on flashkda's chunked forward (inference only)."""
+class _FlashkdaBackend(BaseBackend):
+    """What both of flashkda's fla backends share: fla's switches and priority."""
 
     backend_type = "flashkda"
     package_name = "flashkda"
     env_var = "FLA_FLASHKDA"
     default_enable = True
     priority = 2
+
+
+@register(_fla_chunk_kda)
+class FlashkdaChunkBackend(_FlashkdaBackend):
+    """fla's chunk_kda on flashkda's chunked forward (inference only)."""
 
     def chunk_kda_verifier(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
@@ -113,15 +117,9 @@ class FlashkdaChunkBackend(BaseBackend):
 
 
 @register("kda")
-class FlashkdaKDABackend(BaseBackend):
+class FlashkdaKDABackend(_FlashkdaBackend):
     """fla's fused_recurrent_kda_fwd (behind fla's fused_recurrent_kda and vLLM's serving call) on
     flashkda's decode kernels and, for longer inputs, its chunked forward."""
-
-    backend_type = "flashkda"
-    package_name = "flashkda"
-    env_var = "FLA_FLASHKDA"
-    default_enable = True
-    priority = 2
 
     def fused_recurrent_kda_fwd_verifier(self, q, k, v, g, beta, A_log=None, dt_bias=None, initial_state=None,
                                          scale=None, output_final_state=False, inplace_final_state=True,
