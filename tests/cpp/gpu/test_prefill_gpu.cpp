@@ -229,18 +229,29 @@ TEST_F(PrefillGpu, GateFormsAndFlags) {
 // noise accumulates in state directions the delta rule never corrects (docs/DESIGN.md): its bound
 // here is the measured level with a margin, not the 6e-3 of the precise mode (fla measures 2.0e-2
 // / 2.4e-2 on this input at T=4096, FlashKDA overflows).
+// The repeated-key adversarial input: T = 16384, H = 2, every token's key that of token 0 (per
+// head), raw gate -12, raw beta 8; fp32 final state.
+KdaOptions repeated_key_options(Precision precision) {
+  KdaOptions o;
+  o.T = 16384, o.H = 2;
+  o.final_state = StateKind::kF32;
+  o.precision = precision;
+  return o;
+}
+
+void make_repeated_key(KdaInputs& in) {
+  const KdaOptions& o = in.opt;
+  for (int64_t t = 1; t < o.T; ++t)
+    for (int64_t h = 0; h < o.H; ++h)
+      for (int64_t c = 0; c < o.K; ++c) in.k.set((t * o.H + h) * o.K + c, in.k.get(h * o.K + c));
+  for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
+  for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
+}
+
 TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
   for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
-    KdaOptions o;
-    o.T = 16384, o.H = 2;
-    o.final_state = StateKind::kF32;
-    o.precision = precision;
-    KdaInputs in(o);
-    for (int64_t t = 1; t < o.T; ++t)
-      for (int64_t h = 0; h < o.H; ++h)
-        for (int64_t c = 0; c < o.K; ++c) in.k.set((t * o.H + h) * o.K + c, in.k.get(h * o.K + c));
-    for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
-    for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
+    KdaInputs in(repeated_key_options(precision));
+    make_repeated_key(in);
     const bool fast = precision == Precision::kFast;
     // fast: the default launch cuts this problem (H = 2) into 32 segments, and the bf16-rounded
     // transitions compound along the chain: 4.0e-2 / 4.7e-2 measured on the H200 (2026-12-01; one
@@ -363,14 +374,16 @@ TEST_F(PrefillGpu, CudaGraphCaptureAndReplayMatchesEagerRun) {
 
 // cu_seqlens cannot be read on the host without a sync: the kernels check it and fill the
 // outputs with NaN instead of computing garbage.
-TEST_F(PrefillGpu, InvalidDeviceCuSeqlensPoisonsOutputsWithNaN) {
+// Three sequences whose device cu_seqlens decreases at entry 2, outputs zeroed first: after the
+// call every element of out and final_state is NaN.
+void expect_bad_cu_seqlens_poison_outputs(const std::vector<int64_t>& seqlens, internal::PrefillLaunch launch) {
   KdaOptions o;
-  o.seqlens = {40, 30, 20};
+  o.seqlens = seqlens;
   o.H = 2;
   o.final_state = StateKind::kF32;
   KdaInputs in(o);
-  in.cu_seqlens.set(2, 10.0);  // 0, 40, 10, 90: decreasing
-  DeviceProblem dev(in);
+  in.cu_seqlens.set(2, 10.0);  // below cu_seqlens[1]: decreasing
+  DeviceProblem dev(in, launch);
   cudaMemset(dev.out, 0, in.out.data_bytes());
   cudaMemset(dev.fin, 0, in.final_state.data_bytes());
   dev.run();
@@ -378,6 +391,10 @@ TEST_F(PrefillGpu, InvalidDeviceCuSeqlensPoisonsOutputsWithNaN) {
   dev.download();
   EXPECT_EQ(count_nonfinite(in.out.values()), in.out.count);
   EXPECT_EQ(count_nonfinite(in.final_state.values()), in.final_state.count);
+}
+
+TEST_F(PrefillGpu, InvalidDeviceCuSeqlensPoisonsOutputsWithNaN) {
+  expect_bad_cu_seqlens_poison_outputs({40, 30, 20}, {});  // 0, 40, 10, 90
 }
 
 TEST_F(PrefillGpu, BadArgumentsThrowBeforeAnyWork) {
@@ -634,16 +651,8 @@ TEST_F(PrefillGpu, SegmentsRepeatedKeyAdversarial) {
   for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
     const bool fast = precision == Precision::kFast;
     {
-      KdaOptions o;
-      o.T = 16384, o.H = 2;
-      o.final_state = StateKind::kF32;
-      o.precision = precision;
-      KdaInputs in(o);
-      for (int64_t t = 1; t < o.T; ++t)
-        for (int64_t h = 0; h < o.H; ++h)
-          for (int64_t c = 0; c < o.K; ++c) in.k.set((t * o.H + h) * o.K + c, in.k.get(h * o.K + c));
-      for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, -12.0);
-      for (int64_t i = 0; i < in.beta.count; ++i) in.beta.set(i, 8.0);
+      KdaInputs in(repeated_key_options(precision));
+      make_repeated_key(in);
       // fast: 3.5e-2 / 4.3e-2 measured on the H200 with these 16 segments (the serial fast mode:
       // 8.8e-3 / 1.1e-2): the bf16-rounded transitions compound along the chain on this input.
       const Errors e = fast ? check_against_reference(in, 6e-2, 6e-2, segments(64))
@@ -718,20 +727,7 @@ TEST_F(PrefillGpu, SegmentsRepeatsAndGraphReplayAreBitIdentical) {
 }
 
 TEST_F(PrefillGpu, SegmentsInvalidDeviceCuSeqlensPoisonOutputs) {
-  KdaOptions o;
-  o.seqlens = {400, 300, 200};
-  o.H = 2;
-  o.final_state = StateKind::kF32;
-  KdaInputs in(o);
-  in.cu_seqlens.set(2, 10.0);  // decreasing
-  DeviceProblem dev(in, segments(2));
-  cudaMemset(dev.out, 0, in.out.data_bytes());
-  cudaMemset(dev.fin, 0, in.final_state.data_bytes());
-  dev.run();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  dev.download();
-  EXPECT_EQ(count_nonfinite(in.out.values()), in.out.count);
-  EXPECT_EQ(count_nonfinite(in.final_state.values()), in.final_state.count);
+  expect_bad_cu_seqlens_poison_outputs({400, 300, 200}, segments(2));
 }
 
 // internal::segment_transition on the GPU: for random start states X the returned (A, B) give
