@@ -640,6 +640,8 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
         if sv.state_indices is None:
             raise ValueError("state_indices: required with state_pool (the slot of each sequence, [N] int32)")
     idx = None if sv.state_indices is None else _slot_indices(ops, sv.state_indices, q, N, "state_indices")
+    if idx is not None and idx.ndim != 1:  # the GPU path and the gathered copy index with it directly
+        raise ValueError(f"state_indices: expected a 1-d array [N] with N={N}, got shape {_shape(idx)}")
     has = None if sv.has_initial_state is None else ops.as_flags(sv.has_initial_state, q)
     if has is not None and _shape(has) != [N]:
         raise ValueError(f"has_initial_state: expected a bool array [N] with N={N}, got shape {_shape(has)}")
@@ -647,6 +649,8 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
     if sv.checkpoint_slots is not None:
         n_ck = len(sv.checkpoint_slots) if isinstance(sv.checkpoint_slots, (list, tuple)) else sv.checkpoint_slots.shape[0]
         ck_slots = _slot_indices(ops, sv.checkpoint_slots, q, n_ck, "checkpoint_slots")
+        if ck_slots.ndim != 1:
+            raise ValueError(f"checkpoint_slots: expected a 1-d array [num_checkpoints], got shape {_shape(ck_slots)}")
 
     if ops.is_cuda(q):
         if every or fla_h or sv.checkpoints is not None or ck_slots is not None:

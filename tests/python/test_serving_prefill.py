@@ -177,6 +177,12 @@ def test_slot_errors_name_the_argument(rng, fw, v_first):
               initial_state=_fw(fw, np.zeros((3, H, K, V), np.float32)), state_v_first=v_first)
     with pytest.raises(ValueError, match="state_indices"):
         _call(fw, p, state_pool=pool, state_v_first=v_first)
+    with pytest.raises(ValueError, match=r"state_indices: expected .*\[N\]"):
+        _call(fw, p, state_pool=pool, state_indices=_fw(fw, np.array([[2], [0], [1]], np.int32)),
+              state_v_first=v_first)
+    with pytest.raises(ValueError, match=r"checkpoint_slots: expected a 1-d array"):
+        _call(fw, p, state_pool=pool, state_indices=_fw(fw, np.array([2, 0, 1], np.int32)), checkpoint_every=64,
+              checkpoint_slots=_fw(fw, np.array([[3], [-1]], np.int32)), state_v_first=v_first)
     with pytest.raises(ValueError, match="num_checkpoints must be 2"):
         _call(fw, p, checkpoint_every=64, checkpoints=_fw(fw, np.zeros((3, H, K, V), np.float32)))
 
