@@ -218,6 +218,8 @@ def implementations(args):
     impls = [("flashkda", lambda x, s: run_flashkda(x, s))]
     if not args.no_serial:
         impls.append(("flashkda serial", lambda x, s: run_flashkda(x, s, launch=dict(segment_chunks=-1))))
+    if not args.no_balanced:
+        impls.append(("flashkda balanced", lambda x, s: run_flashkda(x, s, "balanced")))
     if not args.no_fast:
         impls.append(("flashkda fast", lambda x, s: run_flashkda(x, s, "fast")))
     peers = []
@@ -299,6 +301,7 @@ def main():
     ap.add_argument("--cases", default="", help="comma-separated substrings: only cases whose name contains one")
     ap.add_argument("--eager", action="store_true", help="also eager-call medians of the default flashkda call")
     ap.add_argument("--no-serial", action="store_true", help="skip the serial (no segments) flashkda column")
+    ap.add_argument("--no-balanced", action="store_true", help="skip the balanced-precision flashkda column")
     ap.add_argument("--no-fast", action="store_true", help="skip the fast-precision flashkda column")
     ap.add_argument("--no-peers", action="store_true", help="flashkda only")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")

@@ -88,7 +88,7 @@ def main():
     print("|---|---|---|---|---|")
     for name, H, seqlens, state in CASES:
         x = make_inputs(H, seqlens, state)
-        for precision in ("precise", "fast"):
+        for precision in ("precise", "balanced", "fast"):
             for label, launch in (("default", {}), ("serial", dict(segment_chunks=-1))):
                 fn = run_flashkda(x, state, precision, launch)[0]
                 times = kernel_times(fn)

@@ -234,8 +234,9 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
   check_checkpoints(p);
   if (backend == Backend::kCpu) check_pool_indices(p);
   validate_preprocess(p.pre);
-  FLASHKDA_CHECK_ARG(p.precision == Precision::kPrecise || p.precision == Precision::kFast,
-                     "precision must be Precision::kPrecise or Precision::kFast, got ", int(p.precision));
+  FLASHKDA_CHECK_ARG(p.precision == Precision::kPrecise || p.precision == Precision::kBalanced ||
+                         p.precision == Precision::kFast,
+                     "precision must be Precision::kPrecise, kBalanced or kFast, got ", int(p.precision));
   if (backend == Backend::kCuda) {
     FLASHKDA_CHECK(p.state_pool == nullptr && p.checkpoint_every == 0, ErrorCode::kUnsupported,
                    "state_pool and checkpoints (serving prefill, docs/SPEC.md §9) run on the CPU backend only in this "

@@ -61,18 +61,21 @@ inline const char* gate_form_name(GateForm f) {
   return "unknown";
 }
 
-// Precision of the GPU prefill recurrence (docs/DESIGN.md, "The inverse and the precision of the
-// recurrence"). kPrecise splits the state, U, inv_b, k_restored, q_decayed and Mqk into bf16 hi + lo
-// pairs for the tensor cores: errors at the floor set by rounding the output to bf16 (~1.7e-3
-// output, 1e-5 .. 6e-4 state, adversarial inputs included). kFast rounds them to bf16: about 2x the
-// output error and a state error of ~3e-3 on random inputs (more on adversarial ones), for a
-// shorter prefill (docs/BENCHMARKS.md). The CPU backend and decode compute in fp32 either way.
-enum class Precision : int { kPrecise = 0, kFast = 1 };
+// Precision of the GPU prefill recurrence (docs/DESIGN.md, "Precision as an option"): which
+// operands of its tensor-core products are split into bf16 hi + lo pairs (the rest are rounded
+// to bf16). kPrecise splits the state, u, U, inv_b, k_restored, q_decayed and Mqk: errors at the
+// floor set by rounding the output to bf16 (~1.7e-3 output, 1e-5 .. 6e-4 state, adversarial
+// inputs included). kBalanced splits all of them but the state, the costliest split, for a
+// shorter prefill (docs/VALIDATION.md has its errors). kFast splits nothing: about 2x the output error and a state
+// error of ~3e-3 on random inputs (more on adversarial ones), for the shortest prefill
+// (docs/BENCHMARKS.md). The CPU backend and decode compute in fp32 whatever the mode.
+enum class Precision : int { kPrecise = 0, kFast = 1, kBalanced = 2 };
 
 inline const char* precision_name(Precision p) {
   switch (p) {
     case Precision::kPrecise: return "precise";
     case Precision::kFast: return "fast";
+    case Precision::kBalanced: return "balanced";
   }
   return "unknown";
 }

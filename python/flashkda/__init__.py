@@ -142,9 +142,11 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     - initial_state: [N, H, K, V] ([N, H, V, K] with state_v_first=True), float32 or bfloat16.
       final_state (output_final_state=True): float32, same layout; otherwise None.
     - cu_seqlens: [N + 1] int32/int64 boundaries of N sequences packed along T (then B must be 1).
-    - precision (flashkda's own): 'precise' (default) or 'fast', the GPU recurrence's mode: 'fast'
-      rounds the tensor-core operands to bf16 instead of splitting them (about 2x the output error,
-      a shorter prefill; docs/BENCHMARKS.md). The CPU computes in fp32 either way.
+    - precision (flashkda's own): 'precise' (default), 'balanced' or 'fast', the GPU recurrence's
+      mode: which tensor-core operands are split into bf16 hi + lo rather than rounded. 'balanced'
+      drops the split of the state (a shorter prefill, errors in docs/VALIDATION.md), 'fast' splits
+      nothing (about 2x the output error, the shortest prefill; docs/BENCHMARKS.md). The CPU
+      computes in fp32 in every mode.
     - return_intermediate_states=True (fla's): returns (o, final_state, h), h the state at the start
       of every 64-token chunk of every sequence, [B, NT, H, K, V] ([1, sum NT, ...] with cu_seqlens;
       V before K with state_v_first) in k's dtype, NT = ceil(T / 64). CPU backend only for now.
@@ -206,7 +208,7 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     dt_bias [H, K] fp32, lower_bound in [-5, 0); q and k are L2-normalised; out: [B, T, H, V].
     initial_state / final_state: [N, H, V, K] float32 or bfloat16 (None: zeros / not written).
     cu_seqlens: [N + 1] int64 (or int32) with B = 1.
-    precision (flashkda's own): 'precise' (default) or 'fast'; see chunk_kda.
+    precision (flashkda's own): 'precise' (default), 'balanced' or 'fast'; see chunk_kda.
     state_pool [P, H, V, K], state_indices, has_initial_state, checkpoint_every, checkpoints
     [C, H, V, K], checkpoint_slots (flashkda's own): the serving prefill of chunk_kda, in place of
     initial_state / final_state; layouts V before K as everywhere in fwd.

@@ -227,9 +227,9 @@ def _direct_gate(use_gate, lower_bound, safe_gate, A_log, dt_bias):
 
 
 def _precision(precision):
-    """The prefill precision mode ('precise' or 'fast'; flashkda::Precision), checked by name."""
-    if precision not in ("precise", "fast"):
-        raise ValueError(f"precision: expected 'precise' or 'fast', got {precision!r}")
+    """The prefill precision mode ('precise', 'balanced' or 'fast'; flashkda::Precision), checked by name."""
+    if precision not in ("precise", "balanced", "fast"):
+        raise ValueError(f"precision: expected 'precise', 'balanced' or 'fast', got {precision!r}")
     return precision
 
 

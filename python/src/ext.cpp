@@ -181,8 +181,9 @@ GateForm parse_gate(const std::string& gate) {
 
 Precision parse_precision(const std::string& precision) {
   if (precision == "precise") return Precision::kPrecise;
+  if (precision == "balanced") return Precision::kBalanced;
   if (precision == "fast") return Precision::kFast;
-  FLASHKDA_CHECK_ARG(false, "precision: expected 'precise' or 'fast', got '", precision, "'");
+  FLASHKDA_CHECK_ARG(false, "precision: expected 'precise', 'balanced' or 'fast', got '", precision, "'");
   return Precision::kPrecise;
 }
 
@@ -577,7 +578,7 @@ NB_MODULE(_C, m) {
         "state_pool [P,H,V,K] with state_indices [N] int32 (and has_initial_state [N] bool) in place of the "
         "state tensors; checkpoint_every with checkpoints [C,H,V,K] or checkpoint_slots [C] int32 (SPEC §9). "
         "workspace: device bytes (any dtype); or workspace_alloc(nbytes) -> array, called when needed. "
-        "precision: 'precise' or 'fast' (the GPU recurrence; flashkda::Precision). "
+        "precision: 'precise', 'balanced' or 'fast' (the GPU recurrence; flashkda::Precision). "
         "_v_splits, _segment_chunks: internal launch configuration (tests, benchmarks; 0 = the launcher's rule).");
 
   m.def("workspace_size", &py::workspace_size, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("out"),

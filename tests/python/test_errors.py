@@ -147,13 +147,13 @@ def test_ext_info():
 def test_precision_is_checked_by_name(rng):
     p = make_problem(rng, T=8)
     o_precise, _ = chunk(p)
-    o_fast, _ = chunk(p, precision="fast")  # the CPU backend computes in fp32 in either mode
-    np.testing.assert_array_equal(o_precise, o_fast)
-    with pytest.raises(ValueError, match=r"precision: expected 'precise' or 'fast', got 'fp64'"):
+    for mode in ("fast", "balanced"):  # the CPU backend computes in fp32 in every mode
+        np.testing.assert_array_equal(o_precise, chunk(p, precision=mode)[0])
+    with pytest.raises(ValueError, match=r"precision: expected 'precise', 'balanced' or 'fast', got 'fp64'"):
         chunk(p, precision="fp64")
     out = np.zeros_like(p["v"])
-    with pytest.raises(ValueError, match="precision: expected 'precise' or 'fast'"):
+    with pytest.raises(ValueError, match="precision: expected 'precise', 'balanced' or 'fast'"):
         flashkda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], 0.1, out, np.zeros(2, np.float32), None, -1.0,
                      precision=None)
-    with pytest.raises(ValueError, match="precision: expected 'precise' or 'fast'"):
+    with pytest.raises(ValueError, match="precision: expected 'precise', 'balanced' or 'fast'"):
         _C.forward(p["q"], p["k"], p["v"], p["g"], p["beta"], out, gate="precomputed", precision="exact")

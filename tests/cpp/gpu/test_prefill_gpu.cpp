@@ -25,6 +25,9 @@ namespace {
 
 constexpr double kTolOut = 6e-3;    // issue target: within FlashKDA's measured level (5.8e-3 / 5.0e-3)
 constexpr double kTolState = 6e-3;
+// Every precision mode (flashkda::Precision); the precise and balanced modes are held to the same
+// bounds, the fast mode to its own where it is looser.
+constexpr Precision kModes[] = {Precision::kPrecise, Precision::kBalanced, Precision::kFast};
 
 struct DeviceBuffer {
   void* ptr = nullptr;
@@ -195,7 +198,7 @@ TEST_F(PrefillGpu, GateFormsAndFlags) {
   };
   // Both precision modes: the fast one is a public option too (scripts/sim_rounding.py puts it
   // at ~3.3e-3 on these gates).
-  for (const Precision precision : {Precision::kPrecise, Precision::kFast})
+  for (const Precision precision : kModes)
   for (const Case& c : cases) {
     KdaOptions o;
     o.T = 333, o.H = 2, o.B = 2;
@@ -249,22 +252,23 @@ void make_repeated_key(KdaInputs& in) {
 }
 
 TEST_F(PrefillGpu, RepeatedKeyExtremeBetaLongSequence) {
-  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+  for (const Precision precision : kModes) {
     KdaInputs in(repeated_key_options(precision));
     make_repeated_key(in);
     const bool fast = precision == Precision::kFast;
     // fast: the default launch cuts this problem (H = 2) into 32 segments, and the bf16-rounded
     // transitions compound along the chain: 4.0e-2 / 4.7e-2 measured on the H200 (2026-12-01; one
-    // CTA walking the sequence: 8.8e-3 / 1.1e-2), bounded at 6e-2. The precise mode holds 6e-3.
-    const Errors e = fast ? check_against_reference(in, 6e-2, 6e-2) : check_against_reference(in);
-    const std::string name = fast ? "repeated_key_fast" : "repeated_key";
+    // CTA walking the sequence: 8.8e-3 / 1.1e-2), bounded at 6e-2. The precise and balanced modes
+    // are held to the contract of docs/VALIDATION.md on this input, 3e-3 / 2e-3.
+    const Errors e = fast ? check_against_reference(in, 6e-2, 6e-2) : check_against_reference(in, 3e-3, 2e-3);
+    const std::string name = std::string("repeated_key_") + precision_name(precision);
     report(name + "_out_rel_rms", e.out);
     report(name + "_state_rel_rms", e.state);
   }
 }
 
-// PrefillParams::precision reaches the kernels: kFast and kPrecise give different outputs, each
-// the same on a repeat.
+// PrefillParams::precision reaches the kernels: every mode gives its own outputs, each the same
+// on a repeat.
 TEST_F(PrefillGpu, PrecisionParameterSelectsTheMode) {
   KdaOptions o;
   o.seqlens = {300, 17, 64};
@@ -280,11 +284,15 @@ TEST_F(PrefillGpu, PrecisionParameterSelectsTheMode) {
     dev.download();
     return std::make_pair(in.out.bytes, in.final_state.bytes);
   };
-  const auto fast = run(Precision::kFast);
-  const auto precise = run(Precision::kPrecise);
-  EXPECT_TRUE(fast == run(Precision::kFast)) << "Precision::kFast is not repeatable";
-  EXPECT_TRUE(precise == run(Precision::kPrecise)) << "Precision::kPrecise is not repeatable";
-  EXPECT_FALSE(fast.first == precise.first) << "kFast and kPrecise gave bit-identical outputs";
+  std::vector<std::pair<std::vector<unsigned char>, std::vector<unsigned char>>> results;
+  for (const Precision precision : kModes) {
+    results.push_back(run(precision));
+    EXPECT_TRUE(results.back() == run(precision)) << precision_name(precision) << " is not repeatable";
+  }
+  for (size_t i = 0; i < results.size(); ++i)
+    for (size_t j = i + 1; j < results.size(); ++j)
+      EXPECT_FALSE(results[i].first == results[j].first)
+          << precision_name(kModes[i]) << " and " << precision_name(kModes[j]) << " gave bit-identical outputs";
 }
 
 TEST_F(PrefillGpu, VeryLongSequence131072) {
@@ -301,7 +309,7 @@ TEST_F(PrefillGpu, VeryLongSequence131072) {
 TEST_F(PrefillGpu, AllRecurrenceVariantsMatchReference) {
   const internal::PrefillLaunch launches[] = {{1, -1}, {2, -1}, {0, 16}, {0, 3}};
   for (const internal::PrefillLaunch& launch : launches) {
-    for (const Precision precision : {Precision::kFast, Precision::kPrecise}) {
+    for (const Precision precision : kModes) {
       KdaOptions o;
       o.seqlens = {300, 17, 1024, 77};
       o.H = 4;
@@ -568,7 +576,7 @@ TEST_F(PrefillGpu, SegmentsVarlenWithEmptySequences) {
 // Small enough for compute-sanitizer (scripts/gpu_check.sh sanitize): every kernel of the
 // segmented path, varlen with an empty sequence, both precisions.
 TEST_F(PrefillGpu, SegmentsSmallForSanitizers) {
-  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+  for (const Precision precision : kModes) {
     KdaOptions o;
     o.seqlens = {0, 100, 17, 300};
     o.H = 2;
@@ -622,7 +630,7 @@ TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
       {GateForm::kPrecomputed, -1000, 0, 0, true, true, false}, {GateForm::kPrecomputed, -0.05, 0, 0, true, true, false},
       {GateForm::kPrecomputed, -2, 0, 0, false, false, true},  {GateForm::kLowerBound, -3, 3, 1, false, true, true},
   };
-  for (const Precision precision : {Precision::kPrecise, Precision::kFast})
+  for (const Precision precision : kModes)
     for (const Case& c : cases) {
       KdaOptions o;
       o.T = 333, o.H = 2, o.B = 2;
@@ -648,7 +656,7 @@ TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
 // 16384 tokens (raw gate -12, raw beta 8), and q = k with no decay and beta ~ 1 (T = 4096). The
 // segment transitions carry almost all of the state here (no decay), so their rounding shows.
 TEST_F(PrefillGpu, SegmentsRepeatedKeyAdversarial) {
-  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+  for (const Precision precision : kModes) {
     const bool fast = precision == Precision::kFast;
     {
       KdaInputs in(repeated_key_options(precision));
@@ -744,7 +752,7 @@ TEST_F(PrefillGpu, SegmentTransitionMapsAnyStartStateLikeTheRecurrence) {
                         {"precomputed_-1000", GateForm::kPrecomputed, -1000, 0, false, 5e-4},
                         {"precomputed_little_decay", GateForm::kPrecomputed, -0.02, 0, false, 2e-3},
                         {"repeated_key", GateForm::kLowerBound, -12, -12, true, 2e-3}};
-  for (const Precision precision : {Precision::kPrecise, Precision::kFast})
+  for (const Precision precision : kModes)
     for (const Case& c : cases) {
       KdaOptions o;
       o.seqlens = {0, 1, 77, 1500};

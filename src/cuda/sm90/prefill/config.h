@@ -16,7 +16,7 @@ constexpr int kMmaK = 16;       // k extent of one m16n8k16 MMA
 constexpr int kKSteps = kHeadDim / kMmaK;  // MMA k-steps over one head dimension
 
 // One chunk of one head in the workspace, written by K1 and read by K2: 23040 bytes in the
-// precise mode, 13824 in the fast mode (RecordLayout below).
+// precise and balanced modes, 13824 in the fast mode (RecordLayout below).
 //
 // The three 16x128 operands of K2's warpgroup MMAs (wgmma, docs/notes/wgmma.md) are stored in the
 // canonical no-swizzle shared-memory layouts those instructions read, so K2 copies the record
@@ -25,16 +25,16 @@ constexpr int kKSteps = kHeadDim / kMmaK;  // MMA k-steps over one head dimensio
 //  - WO tile: B operands of W^T = S^T k_decayed^T and O^T = S^T [q_decayed | q_decayed_lo]^T (rows n = 16 * which + t,
 //    K = 128 channels c, K-major; W reads rows 0..15, O rows 16..). Element (which, t, c) at
 //        kWoLbo * (c / 8) + 128 * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8)
-//    i.e. LBO (next 8 channels) = 256 bytes per operand (768 B precise, 512 B fast), SBO (next 8
-//    rows) = 128 B; which = 0 k_decayed, 1 q_decayed, 2 (precise only) the bf16 remainder of
+//    i.e. LBO (next 8 channels) = 256 bytes per operand (768 B with q_decayed split, 512 B without), SBO (next 8
+//    rows) = 128 B; which = 0 k_decayed, 1 q_decayed, 2 (q_decayed split only) the bf16 remainder of
 //    q_decayed. k-step s (channels 16s..16s+15) starts at 2 * kWoLbo * s.
-//  - Kr tiles (k_restored and, precise only, its remainder): B operand of the state update
+//  - Kr tiles (k_restored and, where the policy splits the factors, its remainder): B operand of the state update
 //    S^T += U^T Kr (N = 128 channels, K = 16 tokens), MN-major (channels contiguous). Element
 //    (t, c) at
 //        2048 * (t / 8) + 128 * (c / 8) + 16 * (t % 8) + 2 * (c % 8)
 //    i.e. LBO (next 8 tokens) = 2048 B, SBO (next 8 channels) = 128 B.
 //  - gamma: exp(G_C) per channel, fp32.
-//  - Mqk and inv_b = (I+L)^-1 diag(b), and (precise only) their remainders: 16x16 B operands of
+//  - Mqk and inv_b = (I+L)^-1 diag(b), and (factors split) their remainders: 16x16 B operands of
 //    per-warp m16n8k16 MMAs in fragment order (16-byte unit `lane` holds lane's four bf16x2
 //    registers).
 // In both big layouts a 16-byte granule is 8 consecutive channels of one token, and K1's lane l
@@ -46,32 +46,50 @@ constexpr int kKSteps = kHeadDim / kMmaK;  // MMA k-steps over one head dimensio
 // rel-RMS at 16384 tokens), and the output is a sum of two nearly cancelling terms, S q_decayed^T
 // and Mqk U, so bf16 rounding of q_decayed and Mqk is amplified (an fp64 simulation: 3.5e-3 with
 // both rounded, 1.7e-3 with both split, against a 1.65e-3 floor from rounding the output to bf16).
-// The fast mode reads none of the remainders, so its record leaves them out: every value it
-// holds is the bf16 rounding that the precise record stores as the hi part, so the fast mode
-// computes what it computed when it read the hi parts of a precise record.
+// The balanced mode reads the same record and rounds only the state S in K2 (the simulation puts
+// the repeated key at 2.3e-3 / 2.5e-4 that way, 2.9e-3 with q_decayed rounded too); the fast mode
+// reads no remainder. A record holds only the remainders its mode reads, and every value it holds
+// is the bf16 rounding that the precise record stores as the hi part.
 constexpr int kTileBytes = kChunk * kHeadDim * 2;      // 4096: one bf16 16x128 operand
 constexpr int kSmallTileBytes = kChunk * kChunk * 2;   // 512: Mqk, inv_b
 constexpr int kGammaBytes = kHeadDim * 4;              // 512: exp(G_C) per channel, fp32
 constexpr int kKrLbo = 2048, kKrSbo = 128;
 
-template <bool kPrecise>
+// The precision policy of one prefill mode (docs/DESIGN.md "Precision as an option"): which
+// operands of the recurrence's tensor-core products are split into bf16 hi + lo (the rest are
+// rounded to bf16). K1 writes the remainders of the record operands a policy splits, K2 reads
+// them and splits its register operands.
+//   state      S^T, the A operand of W^T = S^T kd^T and O^T = S^T qd^T (K2 registers)
+//   q_decayed  q_decayed in O^T (record: a third WO operand)
+//   factors    u and U (K2 registers), inv_b, Mqk and k_restored (record remainders): the
+//              operands the state's accuracy needs (a repeated key writes the rounding noise of
+//              k_restored or inv_b into state directions nothing removes)
+template <bool kState, bool kQDecayed, bool kFactors>
+struct SplitPolicy {
+  static constexpr bool state = kState, q_decayed = kQDecayed, factors = kFactors;
+};
+using PreciseSplit = SplitPolicy<true, true, true>;     // Precision::kPrecise
+using BalancedSplit = SplitPolicy<false, true, true>;   // Precision::kBalanced: the precise record
+using FastSplit = SplitPolicy<false, false, false>;     // Precision::kFast
+
+template <class Split>
 struct RecordLayout {
-  static constexpr int kWoOperands = kPrecise ? 3 : 2;        // k_decayed | q_decayed [| q_decayed_lo]
-  static constexpr int kWoLbo = 2 * 128 * kWoOperands;        // 768 / 512
+  static constexpr int kWoOperands = Split::q_decayed ? 3 : 2;  // k_decayed | q_decayed [| q_decayed_lo]
+  static constexpr int kWoLbo = 2 * 128 * kWoOperands;          // 768 / 512
   static constexpr int kWoSbo = 128;
   static constexpr int kWoStepBytes = 2 * kWoLbo;
   static constexpr int kWoTileBytes = kWoOperands * kTileBytes;
-  static constexpr int kKrTiles = kPrecise ? 2 : 1;          // k_restored [| k_restored_lo]
+  static constexpr int kKrTiles = Split::factors ? 2 : 1;  // k_restored [| k_restored_lo]
 
   static constexpr int kOffWo = 0;
   static constexpr int kOffKRestored = kOffWo + kWoTileBytes;
-  static constexpr int kOffKRestoredLo = kOffKRestored + kTileBytes;  // precise only
+  static constexpr int kOffKRestoredLo = kOffKRestored + kTileBytes;  // factors split only
   static constexpr int kOffGamma = kOffKRestored + kKrTiles * kTileBytes;
   static constexpr int kOffMqk = kOffGamma + kGammaBytes;
   static constexpr int kOffInvB = kOffMqk + kSmallTileBytes;
-  static constexpr int kOffMqkLo = kOffInvB + kSmallTileBytes;   // precise only
-  static constexpr int kOffInvBLo = kOffMqkLo + kSmallTileBytes;  // precise only
-  static constexpr int kBytes = kPrecise ? kOffInvBLo + kSmallTileBytes : kOffInvB + kSmallTileBytes;
+  static constexpr int kOffMqkLo = kOffInvB + kSmallTileBytes;   // factors split only
+  static constexpr int kOffInvBLo = kOffMqkLo + kSmallTileBytes;  // factors split only
+  static constexpr int kBytes = Split::factors ? kOffInvBLo + kSmallTileBytes : kOffInvB + kSmallTileBytes;
 
   // Byte offset of the granule half (8 bytes: channels 4l'..4l'+3 with l' = c / 4) holding
   // channel c of token t of WO operand `which`.
@@ -79,9 +97,11 @@ struct RecordLayout {
     return kWoLbo * (c / 8) + kWoSbo * (2 * which + t / 8) + 16 * (t % 8) + 2 * (c % 8);
   }
 };
-using PreciseRecord = RecordLayout<true>;
-using FastRecord = RecordLayout<false>;
+using PreciseRecord = RecordLayout<PreciseSplit>;
+using BalancedRecord = RecordLayout<BalancedSplit>;
+using FastRecord = RecordLayout<FastSplit>;
 static_assert(PreciseRecord::kBytes == 23040 && PreciseRecord::kBytes % 128 == 0);
+static_assert(BalancedRecord::kBytes == PreciseRecord::kBytes);
 static_assert(FastRecord::kBytes == 13824 && FastRecord::kBytes % 128 == 0);
 constexpr int kMaxRecordBytes = PreciseRecord::kBytes;
 
@@ -162,7 +182,7 @@ struct Params {
   float scale;
   int32_t* chunk_start;       // workspace header: [N+1]
   int32_t* error_flag;        // workspace header: 1 when cu_seqlens is invalid
-  uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<precise>::kBytes]
+  uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
 
   // Segments (all zero / null when sequences are not split).

@@ -13,7 +13,7 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-template <bool kPrecise>
+template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream) {
   if (p.cu_seqlens != nullptr) {
     chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
@@ -22,7 +22,7 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   const int64_t blocks = p.chunk_slots * p.H;
   if (blocks == 0) return;
   constexpr int smem = sizeof(PrepareSmem);
-  auto kernel = prepare_kernel<kPrecise>;
+  auto kernel = prepare_kernel<Split>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   kernel<<<unsigned(blocks), kPrepThreads, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
@@ -74,9 +74,9 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // Measured on the H200 (docs/BENCHMARKS.md): a segmented chunk takes ~2.0 us against the serial
 // kernel's ~1.2 us (two warpgroups per SM), and the combine adds ~1.25 KB of traffic per token
 // and head, so two segments per sequence gain only 6-7% in the precise mode (T=32768, H=32) and
-// lose ~2% in the fast mode, whose chunks are cheaper: the rule asks for 2 (precise) or 3 (fast)
-// segments per sequence on average.
-int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, bool precise,
+// lose ~2% in the fast mode, whose chunks are cheaper: the rule asks for 3 segments per sequence
+// on average in the fast mode and 2 in the others.
+int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precision precision,
                               const internal::PrefillLaunch& launch) {
   if (launch.segment_chunks < 0) return 0;
   if (launch.segment_chunks > 0)  // forced; longer than any sequence is one segment each
@@ -84,7 +84,7 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, bool p
   if (N <= 0 || H <= 0) return 0;
   const int64_t slots = 2 * int64_t(sm_count());
   const int64_t segments = (slots / H + 2 * N) / 4;  // total over all sequences
-  if (segments < (precise ? 2 : 3) * N) return 0;
+  if (segments < (precision == Precision::kFast ? 3 : 2) * N) return 0;
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? seg_chunks : 0;
@@ -110,21 +110,31 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
   return l;
 }
 
-template <bool kPrecise>
+template <class Split>
 void launch_segmented(const Params& kp, cudaStream_t stream) {
-  launch_prepare<kPrecise>(kp, stream);
-  launch_recur_segmented<kPrecise>(kp, stream);
+  launch_prepare<Split>(kp, stream);
+  launch_recur_segmented<Split>(kp, stream);
   launch_segment_chain(kp, stream);
   launch_segment_combine(kp, stream);
 }
 
 // K1 writes the mode's record layout and K2 reads it (config.h RecordLayout).
-template <bool kPrecise>
+template <class Split>
 void launch_mode(int warps, const Params& kp, cudaStream_t stream) {
-  if (kp.seg_chunks > 0) return launch_segmented<kPrecise>(kp, stream);
-  launch_prepare<kPrecise>(kp, stream);
-  if (warps == 8) launch_recur<8, kPrecise>(kp, stream);
-  else launch_recur<4, kPrecise>(kp, stream);
+  if (kp.seg_chunks > 0) return launch_segmented<Split>(kp, stream);
+  launch_prepare<Split>(kp, stream);
+  if (warps == 8) launch_recur<8, Split>(kp, stream);
+  else launch_recur<4, Split>(kp, stream);
+}
+
+// Calls f(Split{}) with the precision policy of the mode (config.h SplitPolicy).
+template <class F>
+void with_split(Precision precision, F&& f) {
+  switch (precision) {
+    case Precision::kFast: return f(FastSplit{});
+    case Precision::kBalanced: return f(BalancedSplit{});
+    default: return f(PreciseSplit{});
+  }
 }
 
 }  // namespace
@@ -141,7 +151,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws);
 }  // namespace
 
 int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision == Precision::kPrecise, launch);
+  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision, launch);
 }
 
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
@@ -208,8 +218,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   }
 
   const int warps = choose_warps(N * p.H, launch);
-  if (p.precision == Precision::kPrecise) launch_mode<true>(warps, kp, stream);
-  else launch_mode<false>(warps, kp, stream);
+  with_split(p.precision, [&](auto split) { launch_mode<decltype(split)>(warps, kp, stream); });
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {
@@ -233,13 +242,10 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   kp.records = ws + l.header;
   kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records);
   kp.seg_a = transition, kp.seg_b = zero_start;
-  if (p.precision == Precision::kPrecise) {
-    launch_prepare<true>(kp, stream);
-    launch_recur_segmented<true>(kp, stream);
-  } else {
-    launch_prepare<false>(kp, stream);
-    launch_recur_segmented<false>(kp, stream);
-  }
+  with_split(p.precision, [&](auto split) {
+    launch_prepare<decltype(split)>(kp, stream);
+    launch_recur_segmented<decltype(split)>(kp, stream);
+  });
 }
 
 }  // namespace flashkda::cuda

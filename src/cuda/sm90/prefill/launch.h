@@ -8,13 +8,14 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-template <bool kPrecise>
+// Split: the mode's precision policy (config.h SplitPolicy).
+template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) + K1 (the mode's record)
 
-template <int kWarps, bool kPrecise>
+template <int kWarps, class Split>
 void launch_recur(const Params& p, cudaStream_t stream);  // K2, grid (N*H, 8 / kWarps)
 
-template <bool kPrecise>
+template <class Split>
 void launch_recur_segmented(const Params& p, cudaStream_t stream);  // K2 over segments, grid (max_segs*H, 4)
 void launch_segment_chain(const Params& p, cudaStream_t stream);     // segment start states, final state
 void launch_segment_combine(const Params& p, cudaStream_t stream);   // outputs of segments s > 0

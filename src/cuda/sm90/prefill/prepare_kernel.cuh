@@ -206,13 +206,13 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
   }
 }
 
-// kPrecise: the record of the precise mode (with the bf16 remainders), else the fast mode's
-// (config.h RecordLayout). Six CTAs per SM (24 warps): 80 registers, no local memory; 6 x 36 KB
+// Split: the mode's precision policy, i.e. which bf16 remainders its record holds (config.h
+// SplitPolicy, RecordLayout). Six CTAs per SM (24 warps): 80 registers, no local memory; 6 x 36 KB
 // of shared memory fits the SM's 228 KB. Measured against five CTAs (96 registers) on the H200:
 // K1 1.5-2.5% shorter.
-template <bool kPrecise>
+template <class Split>
 __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_constant__ Params p) {
-  using Rec = RecordLayout<kPrecise>;
+  using Rec = RecordLayout<Split>;
   extern __shared__ __align__(16) uint8_t smem_raw[];
   PrepareSmem& sm = *reinterpret_cast<PrepareSmem*>(smem_raw);
 
@@ -361,13 +361,15 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     const auto kr_at = [](int t, int c) { return kr_offset(t, c); };
     uint8_t* const wo_tile = rec + Rec::kOffWo;
     store_rounded(wo_tile + Rec::wo_offset(0, 0, 0), r_k_decayed, warp, lane, wo);
-    if constexpr (kPrecise) {
+    // Unsplit operands: the bf16 roundings, i.e. the hi parts a split stores.
+    if constexpr (Split::q_decayed)
       store_split(wo_tile + Rec::wo_offset(1, 0, 0), wo_tile + Rec::wo_offset(2, 0, 0), r_q_decayed, warp, lane, wo);
-      store_split(rec + Rec::kOffKRestored, rec + Rec::kOffKRestoredLo, r_k_restored, warp, lane, kr_at);
-    } else {  // the bf16 roundings, i.e. the hi parts the precise record holds
+    else
       store_rounded(wo_tile + Rec::wo_offset(1, 0, 0), r_q_decayed, warp, lane, wo);
+    if constexpr (Split::factors)
+      store_split(rec + Rec::kOffKRestored, rec + Rec::kOffKRestoredLo, r_k_restored, warp, lane, kr_at);
+    else
       store_rounded(rec + Rec::kOffKRestored, r_k_restored, warp, lane, kr_at);
-    }
   }
   __syncthreads();
 
@@ -387,7 +389,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
       const uint2 a = split_pair(m[0][0], m[0][1]), b = split_pair(m[1][0], m[1][1]);
       const uint2 c = split_pair(m[0][2], m[0][3]), d = split_pair(m[1][2], m[1][3]);
       reinterpret_cast<uint4*>(rec + Rec::kOffMqk)[lane] = make_uint4(a.x, b.x, c.x, d.x);
-      if constexpr (kPrecise) reinterpret_cast<uint4*>(rec + Rec::kOffMqkLo)[lane] = make_uint4(a.y, b.y, c.y, d.y);
+      if constexpr (Split::factors) reinterpret_cast<uint4*>(rec + Rec::kOffMqkLo)[lane] = make_uint4(a.y, b.y, c.y, d.y);
       return;
     }
 #pragma unroll
@@ -414,14 +416,14 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
       else {
         const float hi = __bfloat162float(__float2bfloat16_rn(acc));
         store_bf16_at(sm.small[0], frag_index_small(i, j), hi);
-        if constexpr (kPrecise) store_bf16_at(sm.small[1], frag_index_small(i, j), acc - hi);
+        if constexpr (Split::factors) store_bf16_at(sm.small[1], frag_index_small(i, j), acc - hi);
       }
     }
     __syncthreads();
     if (warp >= 1) {
       if (warp == 1) {
         reinterpret_cast<uint4*>(rec + Rec::kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
-        if constexpr (kPrecise)
+        if constexpr (Split::factors)
           reinterpret_cast<uint4*>(rec + Rec::kOffMqkLo)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
       }
       return;
@@ -446,12 +448,12 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     for (int i = 0; i < kChunk; ++i) {
       const float val = x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
       store_bf16_at(sm.small[2], frag_index_small(i, j), hi);
-      if constexpr (kPrecise) store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
+      if constexpr (Split::factors) store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
     }
   }
   __syncwarp();
   reinterpret_cast<uint4*>(rec + Rec::kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
-  if constexpr (kPrecise)
+  if constexpr (Split::factors)
     reinterpret_cast<uint4*>(rec + Rec::kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[3])[lane];
 }
 

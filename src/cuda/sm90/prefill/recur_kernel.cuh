@@ -12,13 +12,14 @@
 // wgmma's register layouts per warp equal mma.sync's (docs/notes/wgmma.md), so the accumulator
 // of one product is the A operand of the next and U and S never leave registers; the chunk
 // records (already in wgmma's shared-memory layouts, config.h) and v stream through a cp.async
-// ring of kStages stages. kPrecise splits S, U, inv_b, k_restored, q_decayed and Mqk into bf16
-// hi + lo halves (2-3x the MMAs on those products); the fast mode rounds them to bf16 (see
-// config.h for what that costs in accuracy).
+// ring of kStages stages. The mode's precision policy (config.h SplitPolicy) says which operands
+// are split into bf16 hi + lo halves (2-3x the MMAs on those products): the precise mode splits S,
+// u, U, inv_b, k_restored, q_decayed and Mqk, the balanced mode all but S, the fast mode none (see config.h for what that costs in accuracy).
 #pragma once
 
 #include <cute/arch/mma_sm90_gmma.hpp>
 
+#include <type_traits>
 #include <utility>
 
 #include "cuda/common/async_copy.cuh"
@@ -31,13 +32,13 @@ constexpr int kStages = 3;
 
 // Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v. The
 // segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0.
-template <int kWarps, bool kPrecise, bool kSeg = false>
+template <int kWarps, class Split, bool kSeg = false>
 struct RecurSmem {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
   static_assert(!kSeg || kWarps == 4, "the segmented K2 runs one warpgroup per CTA");
   static constexpr int kVCols = kWarps * 16;
   struct alignas(128) Stage {
-    alignas(128) uint8_t record[RecordLayout<kPrecise>::kBytes];
+    alignas(128) uint8_t record[RecordLayout<Split>::kBytes];
     alignas(16) __nv_bfloat16 v[kChunk][kVCols];
   };
   Stage stage[kStages];
@@ -49,11 +50,11 @@ __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_
 
 // Copies chunk `slot`'s record and (unless !with_v: the transition rows' values are zero) v into
 // a stage.
-template <class Smem, bool kPrecise>
+template <class Smem, class Split>
 __device__ __forceinline__ void load_stage(typename Smem::Stage& st, const Params& p, int64_t slot, int h,
                                            int64_t row0, int rows, int v_base, bool with_v = true) {
   constexpr int kThreads = Smem::kVCols * 2;
-  constexpr int kRecordBytes = RecordLayout<kPrecise>::kBytes;
+  constexpr int kRecordBytes = RecordLayout<Split>::kBytes;
   constexpr int kRecordChunks = kRecordBytes / 16;
   constexpr int kVChunksPerRow = Smem::kVCols / 8;
   const uint8_t* rec = p.records + (slot * p.H + h) * kRecordBytes;
@@ -89,24 +90,24 @@ __device__ inline void poison_outputs(const Params& p) {
 }
 
 // Converts the 16 n-tiles of S^T (flat: S[4j + e] is n-tile j, element e) into the 8 A fragments
-// of the K = 128 products; with kPrecise also the bf16 remainders.
-template <bool kPrecise>
+// of the K = 128 products; with kSplit also the bf16 remainders.
+template <bool kSplit>
 __device__ __forceinline__ void state_fragments(const float (&S)[64], uint32_t (&hi)[8][4], uint32_t (&lo)[8][4]) {
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const float* c = &S[4 * (2 * s + (r >> 1)) + (r & 1) * 2];
-      if constexpr (kPrecise) split_bf16x2_trunc(c[0], c[1], hi[s][r], lo[s][r]);
+      if constexpr (kSplit) split_bf16x2_trunc(c[0], c[1], hi[s][r], lo[s][r]);
       else hi[s][r] = pack_bf16x2(c[0], c[1]);
     }
   }
 }
 
-template <bool kPrecise>
+template <bool kSplit>
 __device__ __forceinline__ void acc_fragments(const float (&c0)[4], const float (&c1)[4], uint32_t (&hi)[4],
                                               uint32_t (&lo)[4]) {
-  if constexpr (kPrecise) {
+  if constexpr (kSplit) {
     split_bf16x2_trunc(c0[0], c0[1], hi[0], lo[0]);
     split_bf16x2_trunc(c0[2], c0[3], hi[1], lo[1]);
     split_bf16x2_trunc(c1[0], c1[1], hi[2], lo[2]);
@@ -199,10 +200,11 @@ __device__ __forceinline__ void identity_rows(float (&S)[64], int r, int t4) {
 // are the value rows, 2-3 the transition rows (A^T) of a segment. Segment 0 runs from the initial
 // state and writes its outputs; segments s > 0 run from zero (transition rows: the identity, with
 // zero values) and write fp32 o_zero and w for the combine kernel, and B_s^T and A_s^T.
-template <int kWarps, bool kPrecise, bool kSeg>
+template <int kWarps, class Split, bool kSeg>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  using Smem = RecurSmem<kWarps, kPrecise, kSeg>;
-  using Rec = RecordLayout<kPrecise>;
+  using Smem = RecurSmem<kWarps, Split, kSeg>;
+  using Rec = RecordLayout<Split>;
+  constexpr bool kSplitS = Split::state, kSplitQd = Split::q_decayed, kSplitF = Split::factors;
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -248,7 +250,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_chunks)
-      load_stage<Smem, kPrecise>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base,
+      load_stage<Smem, Split>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base,
                                  !transition_rows);
     cp_async_commit();
   }
@@ -260,7 +262,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     {
       const int64_t jn = j + kStages - 1;
       if (jn < num_chunks)
-        load_stage<Smem, kPrecise>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
+        load_stage<Smem, Split>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
                                    chunk_rows(jn), v_base, !transition_rows);
       cp_async_commit();
     }
@@ -269,34 +271,32 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 
     // W^T = S^T k_decayed^T and O^T = S^T [q_decayed | q_decayed_lo]^T over K = 128 (8 k-steps), as two wgmma groups:
     // W is on the recurrence's critical path and is waited for first; O completes while this
-    // warp forms u and U. The precise mode adds S_lo^T k_decayed^T to W and S_lo^T q_decayed^T to O (a second
-    // O accumulator: different wgmma shapes never share one).
+    // warp forms u and U. A split S adds S_lo^T k_decayed^T to W and S_lo^T q_decayed^T to O (a
+    // second O accumulator: different wgmma shapes never share one); a split q_decayed widens
+    // the O product to [q_decayed | q_decayed_lo] (n = 32).
     uint32_t sa[8][4], sa_lo[8][4];
-    state_fragments<kPrecise>(S, sa, sa_lo);
+    state_fragments<kSplitS>(S, sa, sa_lo);
     const uint64_t desc_w = smem_desc(rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: k_decayed
     const uint64_t desc_o = desc_w + ((2 * Rec::kWoSbo) >> 4);  // rows 16..: q_decayed (and q_decayed_lo)
     constexpr uint64_t kStep = Rec::kWoStepBytes >> 4;
-    float Dw[8], Do[kPrecise ? 16 : 8], Dol[8];
+    using WgmmaO = std::conditional_t<kSplitQd, WgmmaN32, WgmmaN16>;
+    float Dw[8], Do[kSplitQd ? 16 : 8], Dol[kSplitS ? 8 : 1];
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       fence_regs(sa[s]);
-      if constexpr (kPrecise) fence_regs(sa_lo[s]);
+      if constexpr (kSplitS) fence_regs(sa_lo[s]);
     }
     cute::warpgroup_arrive();
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       wgmma<WgmmaN16>(sa[s], desc_w + s * kStep, Dw, s > 0);
-      if constexpr (kPrecise) wgmma<WgmmaN16>(sa_lo[s], desc_w + s * kStep, Dw, true);
+      if constexpr (kSplitS) wgmma<WgmmaN16>(sa_lo[s], desc_w + s * kStep, Dw, true);
     }
     cute::warpgroup_commit_batch();
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
-      if constexpr (kPrecise) {
-        wgmma<WgmmaN32>(sa[s], desc_o + s * kStep, Do, s > 0);
-        wgmma<WgmmaN16>(sa_lo[s], desc_o + s * kStep, Dol, s > 0);
-      } else {
-        wgmma<WgmmaN16>(sa[s], desc_o + s * kStep, Do, s > 0);
-      }
+      wgmma<WgmmaO>(sa[s], desc_o + s * kStep, Do, s > 0);
+      if constexpr (kSplitS) wgmma<WgmmaN16>(sa_lo[s], desc_o + s * kStep, Dol, s > 0);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();
@@ -318,36 +318,38 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
         W[nt][e] = vt - W[nt][e];
       }
     uint32_t ua[4], ua_lo[4];
-    acc_fragments<kPrecise>(W[0], W[1], ua, ua_lo);
+    acc_fragments<kSplitF>(W[0], W[1], ua, ua_lo);
     float U[2][4] = {};
     {
       const uint4 bi = lds128(rec + Rec::kOffInvB + lane * 16);
       mma_bf16_n16(U[0], U[1], ua, bi);
-      if constexpr (kPrecise) {
+      if constexpr (kSplitF) {
         const uint4 bi_lo = lds128(rec + Rec::kOffInvBLo + lane * 16);
         mma_bf16_n16(U[0], U[1], ua_lo, bi);
         mma_bf16_n16(U[0], U[1], ua, bi_lo);
       }
     }
     uint32_t uc[4], uc_lo[4];
-    acc_fragments<kPrecise>(U[0], U[1], uc, uc_lo);
+    acc_fragments<kSplitF>(U[0], U[1], uc, uc_lo);
 
     cute::warpgroup_wait<0>();
     fence_regs(Do);
-    if constexpr (kPrecise) fence_regs(Dol);
+    if constexpr (kSplitS) fence_regs(Dol);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        if constexpr (kPrecise) O[nt][e] = Do[4 * nt + e] + (Do[8 + 4 * nt + e] + Dol[4 * nt + e]);
-        else O[nt][e] = Do[4 * nt + e];
+        O[nt][e] = Do[4 * nt + e];
+        if constexpr (kSplitQd && kSplitS) O[nt][e] += Do[8 + 4 * nt + e] + Dol[4 * nt + e];
+        else if constexpr (kSplitQd) O[nt][e] += Do[8 + 4 * nt + e];
+        else if constexpr (kSplitS) O[nt][e] += Dol[4 * nt + e];
       }
 
     // O^T += U^T Mqk^T.
     {
       const uint4 bm = lds128(rec + Rec::kOffMqk + lane * 16);
       mma_bf16_n16(O[0], O[1], uc, bm);
-      if constexpr (kPrecise) {
+      if constexpr (kSplitF) {
         const uint4 bm_lo = lds128(rec + Rec::kOffMqkLo + lane * 16);
         mma_bf16_n16(O[0], O[1], uc_lo, bm);
         mma_bf16_n16(O[0], O[1], uc, bm_lo);
@@ -365,10 +367,10 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     {
       const uint64_t desc_kr = smem_desc(rec + Rec::kOffKRestored, kKrLbo, kKrSbo);
       fence_regs(S), fence_regs(uc);
-      if constexpr (kPrecise) fence_regs(uc_lo);
+      if constexpr (kSplitF) fence_regs(uc_lo);
       cute::warpgroup_arrive();
       wgmma<WgmmaUpdate>(uc, desc_kr, S, true);
-      if constexpr (kPrecise) {
+      if constexpr (kSplitF) {
         const uint64_t desc_kr_lo = smem_desc(rec + Rec::kOffKRestoredLo, kKrLbo, kKrSbo);
         wgmma<WgmmaUpdate>(uc_lo, desc_kr, S, true);
         wgmma<WgmmaUpdate>(uc, desc_kr_lo, S, true);

@@ -1,4 +1,5 @@
-// Definition of launch_recur<kWarps, kPrecise>, included by the instantiation units.
+// Definitions of launch_recur<kWarps, Split> and launch_recur_segmented<Split>, included by the
+// instantiation units.
 #pragma once
 
 #include "cuda/check.h"
@@ -7,24 +8,24 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-template <int kWarps, bool kPrecise>
+template <int kWarps, class Split>
 void launch_recur(const Params& p, cudaStream_t stream) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
-  constexpr int smem = sizeof(RecurSmem<kWarps, kPrecise>);
-  auto kernel = recur_kernel<kWarps, kPrecise, false>;
+  constexpr int smem = sizeof(RecurSmem<kWarps, Split>);
+  auto kernel = recur_kernel<kWarps, Split, false>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(work), 8 / kWarps);
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
 }
 
-template <bool kPrecise>
+template <class Split>
 void launch_recur_segmented(const Params& p, cudaStream_t stream) {
   const int64_t ctas = p.max_segs * p.H;
   if (ctas == 0) return;
-  constexpr int smem = sizeof(RecurSmem<4, kPrecise, true>);
-  auto kernel = recur_kernel<4, kPrecise, true>;
+  constexpr int smem = sizeof(RecurSmem<4, Split, true>);
+  auto kernel = recur_kernel<4, Split, true>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(ctas), kSegRows / 64);
   kernel<<<grid, 4 * 32, smem, stream>>>(p);
