@@ -16,7 +16,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 SKIP = {"case", "gates", "best peer", "vs best peer", "floor", "% of floor", "eager"}
-COLORS = {"flashkda": "tab:blue", "flashkda serial": "tab:cyan", "flashkda fast": "tab:olive", "fla": "tab:green",
+COLORS = {"flashkda": "tab:blue", "flashkda serial": "tab:cyan", "flashkda balanced": "tab:purple", "flashkda fast": "tab:olive", "fla": "tab:green",
           "FlashKDA": "tab:orange", "cuDNN": "tab:red"}
 
 
