@@ -238,17 +238,22 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
                          p.precision == Precision::kFast,
                      "precision must be Precision::kPrecise, kBalanced or kFast, got ", int(p.precision));
   if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK(p.state_pool == nullptr && p.checkpoint_every == 0, ErrorCode::kUnsupported,
-                   "state_pool and checkpoints (serving prefill, docs/SPEC.md §9) run on the CPU backend only in this "
-                   "version; on the GPU gather the states, run the plain prefill and scatter them (flashkda's Python "
-                   "API does this for state_pool)");
+    // The indices and lengths live on the GPU: slots outside [0, P) are padding there (as in
+    // decode), a slot named twice is the caller's error (undefined, not detected), and with
+    // cu_seqlens a num_checkpoints other than the lengths give fills the outputs with NaN (K0).
+    if (p.checkpoint_every > 0 && p.cu_seqlens == nullptr) {
+      const int64_t want = p.B * (p.T / p.checkpoint_every);
+      FLASHKDA_CHECK_ARG(p.num_checkpoints == want, "num_checkpoints must be ", want, " (B * floor(T / checkpoint_every=",
+                         p.checkpoint_every, ")), got ", p.num_checkpoints);
+    }
     // K1's grid has one CTA per (chunk slot, head): at most one partial chunk per sequence.
     const int64_t chunk_slots = (p.B * p.T + kChunk - 1) / kChunk + num_sequences(p);
     FLASHKDA_CHECK(chunk_slots <= std::numeric_limits<int32_t>::max() / std::max<int64_t>(p.H, 1),
                    ErrorCode::kUnsupported, "(B*T/16 + N) * H = (", p.B * p.T, "/16 + ", num_sequences(p), ") * ",
                    p.H, " chunk-head pairs exceed the GPU grid limit (2^31 - 1)");
     check_aligned16({{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.out, "out"}, {p.pre.dt_bias, "dt_bias"},
-                     {p.initial_state, "initial_state"}, {p.final_state, "final_state"}},
+                     {p.initial_state, "initial_state"}, {p.final_state, "final_state"}, {p.state_pool, "state_pool"},
+                     {p.checkpoints, "checkpoints"}},
                     "");
   }
 }

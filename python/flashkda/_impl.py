@@ -607,10 +607,11 @@ def _check_gathered_slots(ops, slots, P, names):
 
 def _initial_rows(ops, q, pool, idx, has, N, H, K, V, state_v_first):
     """The initial states the pool gives each sequence, [N, H, V, K] in the pool's dtype: its slot
-    (zeros for padding or where has_initial_state is False)."""
-    rows = ops.take_rows(pool, ops.where(idx >= 0, idx, 0))
+    (zeros for padding, a slot outside [0, P) included, or where has_initial_state is False)."""
+    live = (idx >= 0) & (idx < pool.shape[0])
+    rows = ops.take_rows(pool, ops.where(live, idx, 0))
     rows = ops.contiguous(rows) if state_v_first else ops.swap_last2(rows)
-    read = idx >= 0 if has is None else (idx >= 0) & has
+    read = live if has is None else live & has
     return ops.where(read.reshape((N, 1, 1, 1)), rows, ops.zeros((N, H, V, K), ops.dtype_name(pool), q))
 
 
@@ -652,22 +653,9 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
         if ck_slots.ndim != 1:
             raise ValueError(f"checkpoint_slots: expected a 1-d array [num_checkpoints], got shape {_shape(ck_slots)}")
 
-    if ops.is_cuda(q):
-        if every or fla_h or sv.checkpoints is not None or ck_slots is not None:
-            raise NotImplementedError("checkpoints (checkpoint_every, return_intermediate_states) run on the CPU "
-                                      "backend only in this version")
-        if pool is None or idx is None:
-            raise ValueError("state_indices / has_initial_state: need state_pool (the pool they index)")
-        # Gather, plain prefill, scatter: what the pool path computes, without a host synchronisation.
-        init = _initial_rows(ops, q, pool, idx, has, N, H, K, V, state_v_first)
-        final = ops.empty((N, H, V, K), ops.dtype_name(pool), q)
-        _launch.forward(ops, q, k, v, g, beta, out, pre, initial_state=init, final_state=final, cu_seqlens=cu,
-                        precision=precision)
-        _scatter_slots(ops, pool, idx, final, state_v_first)
-        _zero_padding_outputs(ops, out, idx, cu)
-        return None
-
-    # The CPU backend: the pool (or a copy of its named slots in the kernels' layout) goes to the C++ call.
+    # The pool (or a copy of its named slots in the kernels' layout) goes to the C++ call, on either
+    # backend. On the GPU nothing here reads the indices on the host (no synchronisation), except
+    # fla's return_intermediate_states, whose layout needs the lengths.
     if fla_h:
         lengths = _host_lengths(ops, cu, N, q.shape[1])
         every = FLA_STATE_EVERY
@@ -689,9 +677,12 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
     native_pool, native_idx, native_ck_slots, gathered = pool, idx, ck_slots, None
     if pool is not None and not (state_v_first and ops.is_contiguous(pool)):
         named = idx if ck_slots is None else ops.concat([idx, ck_slots])
-        names = [("state_indices", n) for n in range(N)] + [("checkpoint_slots", c) for c in
-                                                              range(0 if ck_slots is None else ck_slots.shape[0])]
-        _check_gathered_slots(ops, named, pool.shape[0], names)
+        if ops.is_cuda(q):  # the kernels' rule, without reading the slots: outside [0, P) is padding
+            named = ops.where(named < pool.shape[0], named, -1)
+        else:
+            names = [("state_indices", n) for n in range(N)] + [("checkpoint_slots", c) for c in
+                                                                  range(0 if ck_slots is None else ck_slots.shape[0])]
+            _check_gathered_slots(ops, named, pool.shape[0], names)
         native_pool, local = _gather_slots(ops, q, pool, named, state_v_first)
         native_idx = local[:N]
         native_ck_slots = None if ck_slots is None else ops.contiguous(local[N:])

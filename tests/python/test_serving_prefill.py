@@ -253,7 +253,7 @@ def _gpu_reason():
 
 @pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
 @pytest.mark.parametrize("v_first", [True, False])
-def test_gpu_pool_prefill_gathers_and_scatters(rng, v_first):
+def test_gpu_pool_prefill_matches_gathered_states(rng, v_first):
     import torch
 
     p = make_problem(rng, H=H, K=128, V=128, gate="lower_bound", lengths=[70, 0, 130, 64, 33], dtype=BF16)
@@ -283,6 +283,52 @@ def test_gpu_pool_prefill_gathers_and_scatters(rng, v_first):
         assert torch.equal(pool[s], ht[n])
     for s in set(range(P)) - set(slots.tolist()):
         assert torch.equal(pool[s], before[s])
-    with pytest.raises(NotImplementedError, match="CPU backend only"):
-        flashkda.chunk_kda(*args, state_pool=pool, state_indices=idx, checkpoint_every=64,
-                           checkpoints=torch.zeros((4, H, 128, 128), device="cuda"), **kw)
+
+
+CK_SLOTS = [1, -1, 2, 4, 6, 8]
+
+
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("v_first", [True, False])
+def test_gpu_checkpoints_and_fla_states_match_the_cpu(rng, v_first):
+    """Checkpoints on the GPU (dense and into pool slots) and fla's return_intermediate_states
+    against the CPU backend's on the same inputs (both against the same recurrence: close, not
+    bit-equal)."""
+    import torch
+
+    p = make_problem(rng, H=H, K=128, V=128, gate="lower_bound", lengths=[200, 0, 130, 64, 33], dtype=BF16)
+    N, P = p["N"], 10
+    slots = [3, 0, 7, -1, 5]
+    host = {n: to_torch(p[n], "cpu") for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens")}
+    dev = {n: x.cuda() for n, x in host.items()}
+    pool = torch.randn((P, H, 128, 128)) * 0.1
+    count = flashkda.checkpoint_count([200, 0, 130, 64, 33], 64)
+    assert count == len(CK_SLOTS)  # 3 of sequence 0, 2 of sequence 2, 1 of the padding sequence 3
+    results = {}
+    for where, t in (("cpu", host), ("cuda", dev)):
+        args = [t[n] for n in ("q", "k", "v", "g", "beta")]
+        kw = dict(cu_seqlens=t["cu_seqlens"], use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                  use_gate_in_kernel=True, A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=p["lower_bound"],
+                  state_v_first=v_first)
+        pl = pool.clone().to(where)
+        idx = torch.tensor(slots, dtype=torch.int32, device=where)
+        ck = torch.full((count, H, 128, 128), float("nan"), device=where)
+        o, _ = flashkda.chunk_kda(*args, state_pool=pl, state_indices=idx, checkpoint_every=64, checkpoints=ck, **kw)
+        pl2 = pool.clone().to(where)
+        ck_slots = torch.tensor(CK_SLOTS, dtype=torch.int32, device=where)
+        flashkda.chunk_kda(*args, state_pool=pl2, state_indices=idx, checkpoint_every=64, checkpoint_slots=ck_slots,
+                           **kw)
+        h0 = torch.stack([pool[s] if s >= 0 else torch.zeros_like(pool[0]) for s in slots]).to(where)
+        _, _, h = flashkda.chunk_kda(*args, initial_state=h0, output_final_state=True,
+                                     return_intermediate_states=True, **kw)
+        results[where] = [x.float().cpu() for x in (o, pl, ck, pl2, h)]
+    (o_c, pl_c, ck_c, pl2_c, h_c), (o_g, pl_g, ck_g, pl2_g, h_g) = results["cpu"], results["cuda"]
+    assert not torch.isnan(ck_g).any()
+    assert rel_rms(o_g.numpy(), o_c.numpy()) <= 6e-3
+    assert rel_rms(ck_g.numpy(), ck_c.numpy()) <= 1e-4
+    assert rel_rms(pl_g.numpy(), pl_c.numpy()) <= 1e-4
+    assert rel_rms(pl2_g.numpy(), pl2_c.numpy()) <= 1e-4
+    for c, s in enumerate(CK_SLOTS):  # the checkpoint slots hold the dense checkpoints, bit for bit
+        if s >= 0:  # checkpoint 5 is the padding sequence's: its slot keeps its state
+            assert torch.equal(pl2_g[s], pool[s] if c == 5 else ck_g[c]), (c, s)
+    assert h_g.shape == h_c.shape and rel_rms(h_g.numpy(), h_c.numpy()) <= 6e-3

@@ -2,6 +2,8 @@
 // Chunk "slots" number the chunks of all sequences consecutively (workspace record order).
 #pragma once
 
+#include <cuda_bf16.h>
+
 #include "cuda/common/math.cuh"
 #include "cuda/sm90/prefill/config.h"
 
@@ -81,6 +83,50 @@ __device__ __forceinline__ bool locate_chunk(const Params& p, int64_t slot, int6
   row0 = sc.bos + (slot - sc.chunk_begin) * kChunk;
   rows = int(sc.eos - row0 < kChunk ? sc.eos - row0 : kChunk);
   return true;
+}
+
+// ---- Serving prefill (config.h Params, docs/SPEC.md §9) ------------------------------------------
+// The state slot of sequence n: n for dense states, its pool slot with state_indices, -1 for
+// padding (a pool slot outside [0, P), as in decode).
+__device__ __forceinline__ int64_t state_slot(const Params& p, int64_t n) {
+  if (p.state_indices == nullptr) return n;
+  const int64_t slot = p.state_indices[n];
+  return slot >= 0 && slot < p.pool_size ? slot : -1;
+}
+
+// Offset of head h's [V][K] state in slot `slot` of initial_state / final_state / the pool.
+__device__ __forceinline__ int64_t state_offset(const Params& p, int64_t slot, int h) {
+  return (slot * p.H + h) * int64_t(kHeadDim) * kHeadDim;
+}
+
+// Whether sequence n (slot >= 0) starts from a stored state rather than zeros.
+__device__ __forceinline__ bool reads_initial_state(const Params& p, int64_t n) {
+  return p.initial_state != nullptr && (p.has_initial_state == nullptr || p.has_initial_state[n]);
+}
+
+// Index of the first checkpoint of sequence n (the checkpoints are numbered sequence by sequence).
+__device__ __forceinline__ int64_t first_checkpoint(const Params& p, int64_t n) {
+  return p.cu_seqlens == nullptr ? n * (p.seq_len / p.checkpoint_every) : p.ckpt_start[n];
+}
+
+// Where checkpoint c of head h goes: base, element type and offset of its [V][K] state; false
+// when it is not written (a pool slot outside [0, P), or c past num_checkpoints).
+__device__ __forceinline__ bool checkpoint_target(const Params& p, int64_t c, int h, void*& base, ElemType& type,
+                                                  int64_t& offset) {
+  if (c < 0 || c >= p.num_checkpoints) return false;
+  if (p.checkpoints != nullptr) {
+    base = p.checkpoints, type = p.checkpoint_type, offset = state_offset(p, c, h);
+    return true;
+  }
+  const int64_t slot = p.checkpoint_slots[c];
+  if (slot < 0 || slot >= p.pool_size) return false;
+  base = p.final_state, type = p.final_state_type, offset = state_offset(p, slot, h);
+  return true;
+}
+
+__device__ __forceinline__ void store_state_elem(void* base, ElemType type, int64_t idx, float x) {
+  if (type == ElemType::kF32) static_cast<float*>(base)[idx] = x;
+  else static_cast<__nv_bfloat16*>(base)[idx] = __float2bfloat16_rn(x);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill

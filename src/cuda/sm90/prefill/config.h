@@ -115,12 +115,12 @@ __host__ __device__ constexpr int kr_offset(int t, int c) {
 // computes that chunk's L and Mqk pairwise with exp(G_i - G_j) <= 1 instead.
 constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift);
 
-// Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1] int32] [chunk records,
+// Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1], ckpt_start[N+1] int32] [chunk records,
 // slot-major, head-minor] and, when sequences are split into segments, [segment states]
 // [segment outputs] (workspace_layout in launch.cu).
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(2 * num_seqs + 3) * sizeof(int32_t)); }
+inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(3 * num_seqs + 4) * sizeof(int32_t)); }
 // Upper bound on chunks over all sequences: sum ceil(len/16) <= ceil(total/16) + N.
 inline int64_t max_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return (total_tokens + kChunk - 1) / kChunk + num_seqs;
@@ -195,6 +195,22 @@ struct Params {
   float* seg_out;             // [chunk_slots][H][16][256] o_zero | w of the chunks of segments s >= 1
   bool transitions_only;      // every sequence is one segment, run as s > 0: seg_b, seg_a = (B, A^T) of
                               // each whole sequence (internal::segment_transition); out is not written
+
+  // Serving prefill (docs/SPEC.md §9). With state_indices the states live in a pool [P][H][V][K]
+  // (initial_state = final_state = the pool): sequence n reads (unless has_initial_state[n] is
+  // false) and writes slot state_indices[n]; a slot outside [0, P) marks padding (nothing read or
+  // written, zero outputs and dense checkpoints), as in decode.
+  const int32_t* state_indices;     // [N] or null (dense [N][H][V][K] states)
+  const bool* has_initial_state;    // [N] or null
+  int64_t pool_size;                // P
+  // Checkpoints: the state after every checkpoint_every tokens of each sequence, numbered sequence
+  // by sequence (ckpt_start), into a dense [C][H][V][K] tensor or into pool slots.
+  int64_t checkpoint_every;         // tokens, a multiple of 64; 0 = none
+  void* checkpoints;                // [num_checkpoints][H][V][K] checkpoint_type, or null
+  ElemType checkpoint_type;
+  const int32_t* checkpoint_slots;  // [num_checkpoints] slots of the pool, or null
+  int64_t num_checkpoints;
+  int32_t* ckpt_start;              // workspace header [N+1] (varlen): first checkpoint of sequence n (K0)
 };
 
 }  // namespace flashkda::cuda::sm90::prefill

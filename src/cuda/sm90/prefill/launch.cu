@@ -76,18 +76,31 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // and head, so two segments per sequence gain only 6-7% in the precise mode (T=32768, H=32) and
 // lose ~2% in the fast mode, whose chunks are cheaper: the rule asks for 3 segments per sequence
 // on average in the fast mode and 2 in the others.
+//
+// With checkpoints the segment length must divide checkpoint_every (in chunks), so that every
+// checkpoint is a segment start or a sequence end, which the chain kernel has: the length is
+// rounded down to the largest such divisor (forced lengths too), and the rule's length to one of at
+// least kSegMinChunks chunks or no segments.
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precision precision,
-                              const internal::PrefillLaunch& launch) {
+                              int64_t checkpoint_every, const internal::PrefillLaunch& launch) {
+  const int64_t longest = std::max<int64_t>(1, max_chunk_slots(total_tokens, 1));  // chunks of any sequence
+  auto fit_checkpoints = [&](int64_t seg_chunks, int64_t shortest) -> int64_t {
+    if (seg_chunks == 0 || checkpoint_every == 0 || seg_chunks >= longest) return seg_chunks;
+    const int64_t period = checkpoint_every / kChunk;
+    for (int64_t d = std::min(seg_chunks, period); d >= shortest; --d)
+      if (period % d == 0) return d;
+    return 0;
+  };
   if (launch.segment_chunks < 0) return 0;
   if (launch.segment_chunks > 0)  // forced; longer than any sequence is one segment each
-    return std::min(launch.segment_chunks, std::max<int64_t>(1, max_chunk_slots(total_tokens, 1)));
+    return fit_checkpoints(std::min(launch.segment_chunks, longest), 1);
   if (N <= 0 || H <= 0) return 0;
   const int64_t slots = 2 * int64_t(sm_count());
   const int64_t segments = (slots / H + 2 * N) / 4;  // total over all sequences
   if (segments < (precision == Precision::kFast ? 3 : 2) * N) return 0;
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
-  return chunks >= 2 * seg_chunks ? seg_chunks : 0;
+  return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
 }
 
 struct Layout {
@@ -151,7 +164,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws);
 }  // namespace
 
 int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision, launch);
+  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision, p.checkpoint_every, launch);
 }
 
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
@@ -172,6 +185,18 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.initial_state_type = elem_type(p.initial_state, p.initial_state_dtype);
   kp.final_state = p.final_state;
   kp.final_state_type = elem_type(p.final_state, p.final_state_dtype);
+  if (p.state_pool != nullptr) {  // the serving prefill: every state read and written in the pool
+    kp.initial_state = kp.final_state = p.state_pool;
+    kp.initial_state_type = kp.final_state_type = elem_type(p.state_pool, p.state_pool_dtype);
+    kp.state_indices = p.state_indices;
+    kp.has_initial_state = p.has_initial_state;
+    kp.pool_size = p.pool_size;
+  }
+  kp.checkpoint_every = p.checkpoint_every;
+  kp.checkpoints = p.checkpoints;
+  kp.checkpoint_type = elem_type(p.checkpoints, p.checkpoint_dtype);
+  kp.checkpoint_slots = p.checkpoint_slots;
+  kp.num_checkpoints = p.num_checkpoints;
   kp.cu_seqlens = p.cu_seqlens;
   kp.cu_seqlens_64 = p.cu_seqlens_dtype == DType::kI64;
   kp.num_seqs = N;
@@ -186,6 +211,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.chunk_start = reinterpret_cast<int32_t*>(ws);
   kp.error_flag = kp.chunk_start + (N + 1);
   kp.seg_start = kp.error_flag + 1;
+  kp.ckpt_start = kp.seg_start + (N + 1);
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
   return kp;
 }
@@ -235,6 +261,8 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   Params kp = kernel_params(p, ws);
   kp.out = nullptr, kp.initial_state = nullptr, kp.final_state = nullptr;
   kp.initial_state_type = kp.final_state_type = ElemType::kNone;
+  kp.state_indices = nullptr, kp.has_initial_state = nullptr;  // no states: the transition only
+  kp.checkpoint_every = 0, kp.checkpoints = nullptr, kp.checkpoint_slots = nullptr, kp.num_checkpoints = 0;
   kp.seg_chunks = whole_sequence_chunks(p);
   kp.max_segs = N;
   kp.transitions_only = true;

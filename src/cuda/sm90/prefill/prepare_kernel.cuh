@@ -2,8 +2,10 @@
 //
 // K0: grid = 1, block = 1024. Validates cu_seqlens (starts at 0, non-decreasing, ends at the
 //     token count) and writes chunk_start[n] = sum_{m<n} ceil(len_m / 16) and, with segments,
-//     seg_start[n] = sum_{m<n} segments_of(chunks_m). On invalid input it raises error_flag and
-//     writes zero chunks, so K1/K2 do no work and K2 fills the outputs with NaN.
+//     seg_start[n] = sum_{m<n} segments_of(chunks_m), with checkpoints ckpt_start[n] = sum_{m<n}
+//     floor(len_m / checkpoint_every). On invalid input it raises error_flag and writes zero
+//     chunks, so K1/K2 do no work and K2 fills the outputs with NaN; a checkpoint total other than
+//     num_checkpoints raises it too (K2 then fills the outputs with NaN).
 // K1: grid = chunk_slots * H, block = 128.
 //     One CTA builds, for one 16-token chunk of one head: q_decayed, k_decayed, k_restored,
 //     Mqk, inv_b = (I + L)^-1 diag(b) and exp(G_C), in the record layout of config.h.
@@ -29,7 +31,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
     typename Reduce::TempStorage reduce;
     typename Scan::TempStorage scan;
   } tmp;
-  __shared__ int carry, seg_carry;
+  __shared__ int carry, seg_carry, ckpt_carry;
 
   const int64_t N = p.num_seqs;
   int bad = 0;
@@ -41,7 +43,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   }
   const int any_bad = Reduce(tmp.reduce).Sum(bad);
   if (threadIdx.x == 0) {
-    carry = 0, seg_carry = 0;
+    carry = 0, seg_carry = 0, ckpt_carry = 0;
     *p.error_flag = any_bad > 0 ? 1 : 0;
   }
   __syncthreads();
@@ -59,10 +61,19 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
       Scan(tmp.scan).ExclusiveSum(i < N ? int(segments_of(chunks, p.seg_chunks)) : 0, seg_prefix, seg_total);
       if (i <= N) p.seg_start[i] = seg_carry + seg_prefix;
     }
+    int ckpt_prefix = 0, ckpt_total = 0;
+    if (p.checkpoint_every > 0) {  // ckpt_start[n]: the first checkpoint of sequence n
+      __syncthreads();
+      const int ckpts = !invalid && i < N ? int((cu_at(p, i + 1) - cu_at(p, i)) / p.checkpoint_every) : 0;
+      Scan(tmp.scan).ExclusiveSum(ckpts, ckpt_prefix, ckpt_total);
+      if (i <= N) p.ckpt_start[i] = ckpt_carry + ckpt_prefix;
+    }
     __syncthreads();
-    if (threadIdx.x == 0) carry += total, seg_carry += seg_total;
+    if (threadIdx.x == 0) carry += total, seg_carry += seg_total, ckpt_carry += ckpt_total;
     __syncthreads();
   }
+  // The caller's num_checkpoints must be what the lengths give (the host cannot read them).
+  if (threadIdx.x == 0 && p.checkpoint_every > 0 && ckpt_carry != p.num_checkpoints) *p.error_flag = 1;
 }
 
 // ---- K1 ----------------------------------------------------------------------------------------

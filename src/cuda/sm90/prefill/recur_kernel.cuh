@@ -69,7 +69,9 @@ __device__ __forceinline__ void load_stage(typename Smem::Stage& st, const Param
   }
 }
 
-// Fills out and final_state with NaN (invalid cu_seqlens): loud, never silent garbage.
+// Fills out, final_state and dense checkpoints with NaN (invalid cu_seqlens, or a checkpoint count
+// that does not match them): loud, never silent garbage. A state pool is left as it was: its
+// other slots hold other sequences' states.
 __device__ inline void poison_outputs(const Params& p) {
   const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
   const int64_t tid = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
@@ -78,14 +80,39 @@ __device__ inline void poison_outputs(const Params& p) {
     for (int64_t i = tid; i < n_mat; i += threads) p.seg_a[i] = p.seg_b[i] = __int_as_float(0x7fc00000);
     return;
   }
+  const float nan = __int_as_float(0x7fc00000);
   const int64_t n_out = p.total_tokens * p.H * kHeadDim;
-  for (int64_t i = tid; i < n_out; i += threads)
-    static_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16(__int_as_float(0x7fc00000));
-  if (p.final_state == nullptr) return;
+  for (int64_t i = tid; i < n_out; i += threads) static_cast<__nv_bfloat16*>(p.out)[i] = __float2bfloat16(nan);
+  if (p.checkpoints != nullptr) {
+    const int64_t n_ckpt = p.num_checkpoints * p.H * kHeadDim * kHeadDim;
+    for (int64_t i = tid; i < n_ckpt; i += threads) store_state_elem(p.checkpoints, p.checkpoint_type, i, nan);
+  }
+  if (p.final_state == nullptr || p.state_indices != nullptr) return;
   const int64_t n_state = p.num_seqs * p.H * kHeadDim * kHeadDim;
-  for (int64_t i = tid; i < n_state; i += threads) {
-    if (p.final_state_type == ElemType::kF32) static_cast<float*>(p.final_state)[i] = __int_as_float(0x7fc00000);
-    else static_cast<__nv_bfloat16*>(p.final_state)[i] = __float2bfloat16(__int_as_float(0x7fc00000));
+  for (int64_t i = tid; i < n_state; i += threads) store_state_elem(p.final_state, p.final_state_type, i, nan);
+}
+
+// A padding sequence (a pool slot outside [0, P)): zero outputs for this CTA's value columns of
+// the tokens [sc.bos, sc.eos) and, with_checkpoints, of every dense checkpoint of the sequence
+// (seq_tokens long).
+template <int kVCols>
+__device__ void zero_padding_outputs(const Params& p, int64_t n, int h, const SeqChunks& sc, int64_t seq_tokens,
+                                     int v_base, bool with_checkpoints) {
+  constexpr int kUnits = kVCols / 8;  // 16-byte units per token row
+  for (int64_t i = threadIdx.x; i < (sc.eos - sc.bos) * kUnits; i += blockDim.x) {
+    const int64_t row = sc.bos + i / kUnits;
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + (row * p.H + h) * kHeadDim + v_base +
+                              8 * (i % kUnits)) = make_uint4(0, 0, 0, 0);
+  }
+  if (!with_checkpoints || p.checkpoint_every == 0 || p.checkpoints == nullptr) return;
+  const int64_t first = first_checkpoint(p, n), count = seq_tokens / p.checkpoint_every;
+  for (int64_t c = first; c < first + count; ++c) {
+    void* base;
+    ElemType type;
+    int64_t offset;
+    if (!checkpoint_target(p, c, h, base, type, offset)) continue;
+    for (int i = threadIdx.x; i < kVCols * kHeadDim; i += blockDim.x)
+      store_state_elem(base, type, offset + int64_t(v_base) * kHeadDim + i, 0.f);
   }
 }
 
@@ -237,11 +264,24 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   const int v_base = transition_rows ? 0 : row_base;  // value columns this CTA reads and writes
   const int v_row = row_base + warp * 16 + g;  // this thread's rows: v_row and v_row + 8
   const int64_t head_offset = int64_t(h) * kSegStateFloats;
-  const int64_t state_base = (n * p.H + h) * int64_t(kHeadDim) * kHeadDim;
+  const int64_t slot = state_slot(p, n);
+  if (slot < 0) {  // padding: zero outputs, nothing read or written
+    if (!transition_rows) {
+      const SeqChunks whole = seq_chunks(p, n);
+      zero_padding_outputs<Smem::kVCols>(p, n, h, sc, whole.eos - whole.bos, v_base, seg.s == 0);
+    }
+    return;
+  }
+  const int64_t state_base = state_offset(p, slot, h);
+  // Checkpoints at chunk ends come from this CTA only when it walks the whole sequence (with
+  // segments, checkpoints fall on segment boundaries and the chain kernel writes them).
+  const bool checkpoints_here = p.checkpoint_every > 0 && seg.count == 1 && first_segment;
 
   // S^T tile, flat: S[4j + e] = state(v = v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1)).
   float S[64];
-  if (first_segment) load_state_rows(S, p.initial_state, p.initial_state_type, state_base, v_row, t4);
+  if (first_segment)
+    load_state_rows(S, p.initial_state, reads_initial_state(p, n) ? p.initial_state_type : ElemType::kNone,
+                    state_base, v_row, t4);
   else if (transition_rows) identity_rows(S, v_row - kHeadDim, t4);
   else load_state_rows(S, nullptr, ElemType::kNone, 0, v_row, t4);
 
@@ -416,6 +456,14 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     // lets a cp.async overwrite this stage.
     cute::warpgroup_wait<0>();
     fence_regs(S);
+    if (checkpoints_here && chunk_rows(j) == kChunk && ((j + 1) * kChunk) % p.checkpoint_every == 0) {
+      void* base;
+      ElemType type;
+      int64_t offset;
+      if (checkpoint_target(p, first_checkpoint(p, n) + (j + 1) * kChunk / p.checkpoint_every - 1, h, base, type,
+                            offset))
+        store_state_rows(S, base, type, offset, v_row, t4);
+    }
   }
   cp_async_wait_all();
 

@@ -3,7 +3,8 @@
 // chain    grid (N * H, kHeadDim / kChainRows), block kChainThreads. Per sequence and head, in
 //          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T in fp32 (rows of X^T are independent,
 //          so each CTA owns kChainRows of them); X_1 comes from segment 0, the last product is
-//          the final state.
+//          the final state. With checkpoints the segment length divides checkpoint_every, so
+//          every checkpoint is a segment start X_s or the final state, and the chain writes it.
 // combine  grid (max_segs * tiles * H), block kCombineThreads. For the tokens of segments s > 0:
 //          out_t = o_zero_t + X_s^T w_t, the K = 128 product on the tensor cores with split-bf16
 //          operands (hi * hi + hi * lo + lo * hi, about fp32 accuracy), rounded once to bf16.
@@ -55,18 +56,37 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   const int h = int(blockIdx.x % p.H);
   int64_t first, count;
   sequence_segments(p, n, first, count);
-  if (count <= 1) return;  // K2 wrote the final state
+  if (count <= 1) return;  // K2 wrote the final state (and the checkpoints)
+  const int64_t slot = state_slot(p, n);
+  if (slot < 0) return;  // padding: K2 wrote the zero outputs
+  // Checkpoint of the state after `tokens` tokens of the sequence, or -1.
+  const SeqChunks sc = seq_chunks(p, n);
+  const int64_t E = p.checkpoint_every, first_ckpt = E > 0 ? first_checkpoint(p, n) : 0;
+  auto checkpoint_at = [&](int64_t tokens) { return E > 0 && tokens % E == 0 ? first_ckpt + tokens / E - 1 : -1; };
+  const bool final_checkpoint = checkpoint_at(sc.eos - sc.bos) >= 0;
 
   const int tid = threadIdx.x;
   const int v0 = blockIdx.y * kChainRows;          // this CTA's rows of X^T
   const int c = tid % kHeadDim, r0 = (tid / kHeadDim) * (kChainRows / 2);  // this thread: rows r0.. r0+3, column c
   constexpr int kQuads = kHeadDim * kHeadDim / 4;
+  // Writes this thread's elements (rows r0.., column c) of a state into checkpoint `ckpt`.
+  auto store_checkpoint = [&](int64_t ckpt, const float* x, int stride) {
+    void* base;
+    ElemType type;
+    int64_t offset;
+    if (!checkpoint_target(p, ckpt, h, base, type, offset)) return;
+    for (int i = 0; i < kChainRows / 2; ++i)
+      store_state_elem(base, type, offset + int64_t(v0 + r0 + i) * kHeadDim + c, x[i * stride]);
+  };
   for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
     sm.x[i / kHeadDim][i % kHeadDim] = p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i];
-  const int64_t state_base = (n * p.H + h) * int64_t(kHeadDim) * kHeadDim;
+  __syncthreads();
+  const int64_t seg_tokens = p.seg_chunks * kChunk;
+  if (checkpoint_at(seg_tokens) >= 0) store_checkpoint(checkpoint_at(seg_tokens), &sm.x[r0][c], kHeadDim);
+  const int64_t state_base = state_offset(p, slot, h);
   for (int64_t s = 1; s < count; ++s) {
     const bool last = s + 1 == count;
-    if (last && p.final_state == nullptr) break;
+    if (last && p.final_state == nullptr && !final_checkpoint) break;
     const float* a = p.seg_a + segment_matrix(p, first + s, h);
     __syncthreads();  // the previous step's reads of sm.a and sm.x are done
     for (int i = tid; i < kQuads; i += kChainThreads)
@@ -87,14 +107,11 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     for (int i = 0; i < kChainRows / 2; ++i) {
       const int64_t idx = int64_t(v0 + r0 + i) * kHeadDim + c;
       sm.x[r0 + i][c] = acc[i];
-      if (!last) {
-        p.seg_x[segment_matrix(p, first + s + 1, h) + idx] = acc[i];
-      } else if (p.final_state_type == ElemType::kF32) {
-        static_cast<float*>(p.final_state)[state_base + idx] = acc[i];
-      } else {
-        static_cast<__nv_bfloat16*>(p.final_state)[state_base + idx] = __float2bfloat16_rn(acc[i]);
-      }
+      if (!last) p.seg_x[segment_matrix(p, first + s + 1, h) + idx] = acc[i];
+      else if (p.final_state != nullptr) store_state_elem(p.final_state, p.final_state_type, state_base + idx, acc[i]);
     }
+    const int64_t ckpt = checkpoint_at(last ? sc.eos - sc.bos : (s + 1) * seg_tokens);
+    if (ckpt >= 0) store_checkpoint(ckpt, acc, 1);
   }
 }
 
@@ -109,6 +126,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const int64_t tile = blockIdx.x / p.H;
   SegmentRef seg;
   if (!locate_segment(p, tile / tiles, seg) || seg.s == 0) return;  // segment 0 wrote its outputs
+  if (state_slot(p, seg.n) < 0) return;  // padding: K2 wrote zero outputs
   const SeqChunks sc = segment_chunks(p, seq_chunks(p, seg.n), seg.s);
   const int64_t j0 = (tile % tiles) * kCombineChunks;
   if (sc.chunk_begin + j0 >= sc.chunk_end) return;

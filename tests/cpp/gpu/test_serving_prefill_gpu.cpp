@@ -1,0 +1,347 @@
+// Serving prefill on the GPU (docs/SPEC.md §9): prefill against a state pool (slots, padding,
+// has_initial_state), checkpoints dense and into pool slots, serial and in segments, and a
+// checkpoint count that does not match the lengths. Bit for bit against the GPU's own plain prefill
+// where the kernels compute the same thing (gather -> prefill -> scatter; a serial prefill cut at
+// a checkpoint), against the fp64 reference elsewhere. Skips with a reason when no Hopper GPU is
+// visible.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "device_problem.h"
+#include "kda_test_utils.h"
+#include "launch_config.h"
+
+namespace flashkda::test {
+namespace {
+
+constexpr int64_t kH = 2, kK = 128, kV = 128, kState = kH * kV * kK;  // elements of one slot
+
+class ServingPrefillGpu : public ::testing::TestWithParam<DType> {
+ protected:
+  void SetUp() override {
+    if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU serving prefill tests skipped";
+  }
+};
+
+HostTensor random_pool(DType dtype, int64_t P, uint64_t seed) {
+  HostTensor pool(dtype, P * kState);
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 0.1);
+  for (int64_t i = 0; i < P * kState; ++i) pool.set(i, normal(rng));
+  return pool;
+}
+
+bool same_bytes(const HostTensor& a, int64_t a_elem, const HostTensor& b, int64_t b_elem, int64_t count) {
+  const size_t w = dtype_size(a.dtype);
+  return a.dtype == b.dtype && std::memcmp(a.bytes.data() + a_elem * w, b.bytes.data() + b_elem * w, count * w) == 0;
+}
+
+struct Range {
+  int64_t bos, eos;
+  int64_t len() const { return eos - bos; }
+};
+
+Range range_of(const KdaInputs& in, int64_t n) {
+  int64_t bos = 0;
+  for (int64_t m = 0; m < n; ++m) bos += in.opt.seqlens[m];
+  return {bos, bos + in.opt.seqlens[n]};
+}
+
+// A pool problem on the GPU: varlen inputs, P slots of random states (untouched slots keep their
+// bytes), sequence `padding` with slot -1 and sequence `past_pool` with slot P (padding too, as in
+// decode), has_initial_state alternating.
+struct PoolCase {
+  KdaInputs in;
+  DeviceProblem dev;
+  HostTensor pool, pool_before;
+  std::vector<int32_t> slots;
+  std::vector<char> has_init;
+  int64_t P;
+  void *d_pool, *d_slots, *d_has;
+
+  PoolCase(const std::vector<int64_t>& seqlens, DType pool_dtype, int64_t P_, int padding, int past_pool,
+           internal::PrefillLaunch launch = {})
+      : in(opts(seqlens)), dev(in, launch), P(P_) {
+    pool = random_pool(pool_dtype, P, in.seed + 1);
+    pool_before = pool;
+    std::vector<int32_t> perm(P);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), std::mt19937_64(in.seed + 2));
+    for (int64_t n = 0; n < in.N; ++n) slots.push_back(n == padding ? -1 : n == past_pool ? int32_t(P) : perm[n]);
+    for (int64_t n = 0; n < in.N; ++n) has_init.push_back(n % 3 != 1);
+    d_pool = dev.upload(pool.bytes.data(), pool.bytes.size());
+    d_slots = dev.upload(slots.data(), slots.size() * 4);
+    d_has = dev.upload(has_init.data(), has_init.size());
+  }
+
+  static KdaOptions opts(const std::vector<int64_t>& seqlens) {
+    KdaOptions o;
+    o.seqlens = seqlens;
+    o.H = kH;
+    return o;
+  }
+
+  bool live(int64_t n) const { return slots[n] >= 0 && slots[n] < P; }
+  bool slot_named(int64_t s) const { return std::find(slots.begin(), slots.end(), int32_t(s)) != slots.end(); }
+
+  PrefillParams params() const {
+    PrefillParams p = dev.params();
+    p.state_pool = d_pool, p.state_pool_dtype = pool.dtype, p.pool_size = P;
+    p.state_indices = static_cast<const int32_t*>(d_slots);
+    p.has_initial_state = static_cast<const bool*>(d_has);
+    return p;
+  }
+
+  // Runs p (workspace sized for it) and copies out and the pool back.
+  void run(const PrefillParams& p, internal::PrefillLaunch launch) {
+    DeviceBuffer ws(internal::workspace_size(p, launch));
+    internal::forward(p, launch, ws.ptr, ws.bytes);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    cudaMemcpy(pool.bytes.data(), d_pool, pool.bytes.size(), cudaMemcpyDeviceToHost);
+  }
+
+  void reset_pool() {
+    pool = pool_before;
+    cudaMemcpy(d_pool, pool.bytes.data(), pool.bytes.size(), cudaMemcpyHostToDevice);
+  }
+
+  // The plain prefill of the same inputs from the gathered states (zeros where a sequence reads
+  // none), on the GPU: out into in.out, final states [N][H][V][K] in the pool's dtype.
+  HostTensor plain_prefill(internal::PrefillLaunch launch) {
+    HostTensor init(pool.dtype, in.N * kState), fin(pool.dtype, in.N * kState);
+    for (int64_t n = 0; n < in.N; ++n)
+      for (int64_t i = 0; i < kState; ++i)
+        init.set(n * kState + i, live(n) && has_init[n] ? pool_before.get(slots[n] * kState + i) : 0.0);
+    DeviceBuffer d_init(init.bytes.size()), d_fin(fin.bytes.size());
+    cudaMemcpy(d_init.ptr, init.bytes.data(), init.bytes.size(), cudaMemcpyHostToDevice);
+    PrefillParams p = dev.params();
+    p.initial_state = d_init.ptr, p.initial_state_dtype = pool.dtype;
+    p.final_state = d_fin.ptr, p.final_state_dtype = pool.dtype;
+    dev.poison();
+    DeviceBuffer ws(internal::workspace_size(p, launch));
+    internal::forward(p, launch, ws.ptr, ws.bytes);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    cudaMemcpy(fin.bytes.data(), d_fin.ptr, fin.bytes.size(), cudaMemcpyDeviceToHost);
+    return fin;
+  }
+};
+
+const internal::PrefillLaunch kSerial{0, -1};
+
+// Pool prefill == gather -> plain prefill -> scatter on the GPU, bit for bit, serial and in
+// segments; padding rows (slot -1, and a slot past the pool) are zero; slots not named keep their
+// bytes; and against the fp64 reference.
+TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
+  for (const internal::PrefillLaunch launch : {kSerial, internal::PrefillLaunch{0, 3}, internal::PrefillLaunch{}}) {
+    PoolCase c({37, 130, 0, 64, 200, 16, 300}, GetParam(), 11, /*padding=*/3, /*past_pool=*/5, launch);
+    SCOPED_TRACE(c.in.describe() + " segment_chunks=" + std::to_string(launch.segment_chunks));
+    c.dev.poison();
+    c.run(c.params(), launch);
+    const HostTensor out_pool = c.in.out;
+    const HostTensor pool_after = c.pool;
+    EXPECT_TRUE(out_pool.guard_intact() && pool_after.guard_intact());
+    const HostTensor fin = c.plain_prefill(launch);
+    for (int64_t n = 0; n < c.in.N; ++n) {
+      const Range r = range_of(c.in, n);
+      const int64_t first = r.bos * kH * kV, count = r.len() * kH * kV;
+      if (!c.live(n)) {
+        for (int64_t i = first; i < first + count; ++i) ASSERT_EQ(out_pool.get(i), 0.0) << "padding output row " << n;
+        continue;
+      }
+      EXPECT_TRUE(same_bytes(out_pool, first, c.in.out, first, count)) << "output of sequence " << n;
+      EXPECT_TRUE(same_bytes(pool_after, c.slots[n] * kState, fin, n * kState, kState))
+          << "final state of sequence " << n << " in slot " << c.slots[n];
+    }
+    for (int64_t s = 0; s < c.P; ++s)
+      if (!c.slot_named(s)) EXPECT_TRUE(same_bytes(pool_after, s * kState, c.pool_before, s * kState, kState)) << "slot " << s;
+
+    std::vector<double> ref_out(c.in.out.count), ref_state(size_t(c.in.N * kState));
+    PrefillParams host = c.in.params();
+    std::vector<int32_t> host_slots = c.slots;
+    for (int32_t& s : host_slots) s = s < c.P ? s : -1;  // the reference refuses a slot past the pool
+    host.state_pool = c.pool_before.data(), host.state_pool_dtype = c.pool.dtype, host.pool_size = c.P;
+    host.state_indices = host_slots.data();
+    host.has_initial_state = reinterpret_cast<const bool*>(c.has_init.data());
+    HostTensor ref_pool = c.pool_before;
+    host.state_pool = ref_pool.data();
+    reference_forward(host, ref_out.data(), ref_state.data());
+    std::vector<double> got_state(size_t(c.in.N * kState), 0.0);
+    for (int64_t n = 0; n < c.in.N; ++n)
+      for (int64_t i = 0; c.live(n) && i < kState; ++i) got_state[n * kState + i] = pool_after.get(c.slots[n] * kState + i);
+    const double e_out = rel_rms(out_pool.values(), ref_out), e_state = rel_rms(got_state, ref_state);
+    report("gpu pool out rel-RMS", e_out);
+    report("gpu pool state rel-RMS", e_state);
+    EXPECT_LT(e_out, 6e-3);
+    EXPECT_LT(e_state, GetParam() == DType::kBF16 ? 6e-3 : 1e-4);
+  }
+}
+
+// Checkpoints, serial: each equals the final state of the same GPU prefill cut at its position, bit
+// for bit (the chunks up to there are the same); padding sequences' dense checkpoints are zero;
+// the same checkpoints into pool slots (every other one skipped) equal the dense ones; and in
+// segments (the segment length divides checkpoint_every) they match the fp64 reference.
+TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
+  const DType dtype = GetParam();
+  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/-1, kSerial);
+  SCOPED_TRACE(c.in.describe());
+  PrefillParams p = c.params();
+  p.checkpoint_every = 64;
+  const int64_t count = 3 + 1 + 0 + 2 + 0 + 4 + 16;
+  HostTensor dense(dtype, count * kState);
+  void* d_dense = c.dev.upload(dense.bytes.data(), dense.bytes.size());  // poisoned with its guard bytes
+  p.checkpoints = d_dense, p.checkpoint_dtype = dtype, p.num_checkpoints = count;
+  c.run(p, kSerial);
+  cudaMemcpy(dense.bytes.data(), d_dense, dense.bytes.size(), cudaMemcpyDeviceToHost);
+  EXPECT_TRUE(dense.guard_intact());
+  EXPECT_EQ(count_nonfinite(dense.values()), 0);
+
+  int64_t ck = 0;
+  std::vector<int64_t> owner;
+  for (int64_t n = 0; n < c.in.N; ++n) {
+    const Range r = range_of(c.in, n);
+    for (int64_t j = 0; j < r.len() / 64; ++j, ++ck) {
+      owner.push_back(n);
+      if (!c.live(n)) {
+        for (int64_t i = 0; i < kState; ++i) ASSERT_EQ(dense.get(ck * kState + i), 0.0) << "padding checkpoint " << ck;
+        continue;
+      }
+      if (j > 3 && j + 1 < r.len() / 64) continue;  // the long sequence: its first four and last one
+      KdaOptions o = PoolCase::opts({64 * (j + 1)});
+      o.seed = c.in.seed;
+      KdaInputs cut(o);
+      const int64_t rows = 64 * (j + 1) * kH;
+      std::memcpy(cut.q.data(), c.in.q.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
+      std::memcpy(cut.k.data(), c.in.k.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
+      std::memcpy(cut.v.data(), c.in.v.bytes.data() + r.bos * kH * kV * 2, rows * kV * 2);
+      std::memcpy(cut.g.data(), c.in.g.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
+      std::memcpy(cut.beta.data(), c.in.beta.bytes.data() + r.bos * kH * 2, rows * 2);
+      cut.A_log = c.in.A_log;
+      cut.dt_bias = c.in.dt_bias;
+      DeviceProblem dcut(cut, kSerial);
+      HostTensor h0(dtype, kState), ht(dtype, kState);
+      for (int64_t i = 0; i < kState; ++i) h0.set(i, c.has_init[n] ? c.pool_before.get(c.slots[n] * kState + i) : 0.0);
+      void* d_h0 = dcut.upload(h0.bytes.data(), h0.bytes.size());
+      void* d_ht = dcut.upload(ht.bytes.data(), ht.bytes.size());
+      PrefillParams q = dcut.params();
+      q.initial_state = d_h0, q.initial_state_dtype = dtype;
+      q.final_state = d_ht, q.final_state_dtype = dtype;
+      DeviceBuffer ws(internal::workspace_size(q, kSerial));
+      internal::forward(q, kSerial, ws.ptr, ws.bytes);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      cudaMemcpy(ht.bytes.data(), d_ht, ht.bytes.size(), cudaMemcpyDeviceToHost);
+      EXPECT_TRUE(same_bytes(dense, ck * kState, ht, 0, kState)) << "checkpoint " << ck << " (sequence " << n
+                                                                  << ", after " << 64 * (j + 1) << " tokens)";
+    }
+  }
+  ASSERT_EQ(ck, count);
+
+  // Into pool slots: the free slots, every other checkpoint skipped (-1) or past the pool.
+  std::vector<int32_t> free_slots;
+  for (int64_t s = 0; s < c.P; ++s)
+    if (!c.slot_named(s)) free_slots.push_back(int32_t(s));
+  std::vector<int32_t> ck_slots(size_t(count), -1);
+  for (int64_t i = 0, f = 0; i < count && f < int64_t(free_slots.size()); i += 2) ck_slots[i] = free_slots[f++];
+  ck_slots[1] = int32_t(c.P);
+  c.reset_pool();
+  PrefillParams ps = c.params();
+  ps.checkpoint_every = 64;
+  ps.checkpoint_slots = static_cast<const int32_t*>(c.dev.upload(ck_slots.data(), ck_slots.size() * 4));
+  ps.num_checkpoints = count;
+  c.run(ps, kSerial);
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t s = ck_slots[i];
+    if (s < 0 || s >= c.P) continue;
+    if (!c.live(owner[i])) {
+      EXPECT_TRUE(same_bytes(c.pool, s * kState, c.pool_before, s * kState, kState)) << "padding checkpoint slot " << i;
+    } else {
+      EXPECT_TRUE(same_bytes(c.pool, s * kState, dense, i * kState, kState)) << "checkpoint slot " << i;
+    }
+  }
+  for (int32_t s : free_slots)
+    if (std::find(ck_slots.begin(), ck_slots.end(), s) == ck_slots.end())
+      EXPECT_TRUE(same_bytes(c.pool, s * kState, c.pool_before, s * kState, kState)) << "unnamed slot " << s;
+
+  // fp64 reference checkpoints, and the same call in segments: segments of 4 chunks (64 tokens)
+  // and of 2, both dividing checkpoint_every = 64 tokens (4 chunks); the chain kernel writes them.
+  std::vector<double> ref_out(c.in.out.count), ref_ck(size_t(count * kState), std::nan(""));
+  PrefillParams host = c.in.params();
+  HostTensor ref_pool = c.pool_before;
+  host.state_pool = ref_pool.data(), host.state_pool_dtype = dtype, host.pool_size = c.P;
+  host.state_indices = c.slots.data();
+  host.has_initial_state = reinterpret_cast<const bool*>(c.has_init.data());
+  host.checkpoint_every = 64, host.num_checkpoints = count;
+  reference_forward(host, ref_out.data(), nullptr, ref_ck.data());
+  const double tol = dtype == DType::kBF16 ? 6e-3 : 1e-4;
+  const double e = rel_rms(dense.values(), ref_ck);
+  report("gpu checkpoints serial rel-RMS", e);
+  EXPECT_LT(e, tol);
+  for (const int64_t seg : {4, 2}) {
+    const internal::PrefillLaunch launch{0, seg};
+    ASSERT_EQ(internal::chosen_segment_chunks(p, launch), seg);
+    c.reset_pool();
+    HostTensor seg_dense(dtype, count * kState);
+    void* d_seg = c.dev.upload(seg_dense.bytes.data(), seg_dense.bytes.size());
+    PrefillParams pseg = p;
+    pseg.checkpoints = d_seg;
+    c.dev.poison();
+    c.run(pseg, launch);
+    cudaMemcpy(seg_dense.bytes.data(), d_seg, seg_dense.bytes.size(), cudaMemcpyDeviceToHost);
+    EXPECT_TRUE(seg_dense.guard_intact());
+    EXPECT_EQ(count_nonfinite(seg_dense.values()), 0);
+    const double es = rel_rms(seg_dense.values(), ref_ck);
+    report("gpu checkpoints segments" + std::to_string(seg) + " rel-RMS", es);
+    EXPECT_LT(es, tol);
+    EXPECT_LT(rel_rms(c.in.out.values(), ref_out), 6e-3);
+  }
+  // A segment length that does not divide checkpoint_every is rounded down to one that does.
+  EXPECT_EQ(internal::chosen_segment_chunks(p, internal::PrefillLaunch{0, 3}), 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(PoolDtypes, ServingPrefillGpu, ::testing::Values(DType::kF32, DType::kBF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// With device cu_seqlens the host cannot count the checkpoints: a num_checkpoints other than the
+// lengths give fills out and the dense checkpoints with NaN (as invalid cu_seqlens do) and leaves
+// the pool untouched.
+TEST(ServingPrefillGpuErrors, WrongCheckpointCountPoisonsOutputs) {
+  if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible";
+  PoolCase c({200, 64, 130}, DType::kF32, 4, -1, -1);
+  PrefillParams p = c.params();
+  p.checkpoint_every = 64;
+  const int64_t count = 3 + 1 + 2 + 1;  // one too many
+  HostTensor dense(DType::kF32, count * kState);
+  void* d_dense = c.dev.upload(dense.bytes.data(), dense.bytes.size());
+  p.checkpoints = d_dense, p.checkpoint_dtype = DType::kF32, p.num_checkpoints = count;
+  c.dev.poison();
+  c.run(p, {});
+  cudaMemcpy(dense.bytes.data(), d_dense, dense.bytes.size(), cudaMemcpyDeviceToHost);
+  const std::vector<double> out = c.in.out.values(), ck = dense.values();
+  EXPECT_EQ(count_nonfinite(out), int64_t(out.size()));
+  EXPECT_EQ(count_nonfinite(ck), int64_t(ck.size()));
+  EXPECT_TRUE(same_bytes(c.pool, 0, c.pool_before, 0, c.P * kState)) << "the pool was written";
+  // Without cu_seqlens the host counts them and names the field.
+  KdaOptions o;
+  o.B = 2, o.T = 130, o.H = kH;
+  KdaInputs in(o);
+  DeviceProblem dev(in);
+  PrefillParams q = dev.params();
+  q.checkpoint_every = 64, q.checkpoints = d_dense, q.num_checkpoints = 3;
+  try {
+    internal::forward(q, {}, nullptr, 0);
+    ADD_FAILURE() << "num_checkpoints=3 accepted for B=2, T=130";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("num_checkpoints must be 4"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace flashkda::test
