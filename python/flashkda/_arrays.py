@@ -154,8 +154,8 @@ class NumpyOps:
         return False
 
     @staticmethod
-    def host_values(x):
-        """Host copy of a small integer array, or None when reading it would synchronise."""
+    def host_values(x, sync=False):
+        """Host copy of a small integer array, or None when reading it would synchronise (unless sync)."""
         return np.asarray(x)
 
 
@@ -295,9 +295,9 @@ class TorchOps:
         return x.device.type == "cuda"
 
     @staticmethod
-    def host_values(x):
+    def host_values(x, sync=False):
         if x.device.type != "cpu":
-            return None
+            return x.detach().cpu().numpy() if sync else None
         return x.detach().numpy()
 
 

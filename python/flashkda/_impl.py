@@ -582,11 +582,14 @@ def checkpoint_count(seq_lens, checkpoint_every):
     return sum(int(n) // every for n in seq_lens)
 
 
-def _host_lengths(ops, cu, N, T):
-    """Sequence lengths on the host (cu_seqlens on the CPU, or N sequences of T tokens)."""
+def _host_lengths(ops, cu, N, T, sync=False):
+    """Sequence lengths on the host (cu_seqlens on the CPU, or N sequences of T tokens); None where
+    reading device cu_seqlens would synchronise, unless sync."""
     if cu is None:
         return [T] * N
-    host = ops.host_values(cu)
+    host = ops.host_values(cu, sync)
+    if host is None:
+        return None
     return [int(host[n + 1]) - int(host[n]) for n in range(N)]
 
 
@@ -657,7 +660,7 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
     # backend. On the GPU nothing here reads the indices on the host (no synchronisation), except
     # fla's return_intermediate_states, whose layout needs the lengths.
     if fla_h:
-        lengths = _host_lengths(ops, cu, N, q.shape[1])
+        lengths = _host_lengths(ops, cu, N, q.shape[1], sync=True)  # fla's layout needs them (as fla does)
         every = FLA_STATE_EVERY
         ck_vk = ops.empty((sum(n // every for n in lengths), H, V, K), ops.dtype_name(q), q)
         if pool is not None:

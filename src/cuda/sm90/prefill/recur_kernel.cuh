@@ -274,8 +274,10 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   }
   const int64_t state_base = state_offset(p, slot, h);
   // Checkpoints at chunk ends come from this CTA only when it walks the whole sequence (with
-  // segments, checkpoints fall on segment boundaries and the chain kernel writes them).
-  const bool checkpoints_here = p.checkpoint_every > 0 && seg.count == 1 && first_segment;
+  // segments, checkpoints fall on segment boundaries and the chain kernel writes them): next_ckpt
+  // is the chunk after which the next one falls, -1 for none (one compare per chunk).
+  const int64_t ckpt_period = p.checkpoint_every / kChunk;
+  int64_t next_ckpt = p.checkpoint_every > 0 && seg.count == 1 && first_segment ? ckpt_period - 1 : -1;
 
   // S^T tile, flat: S[4j + e] = state(v = v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1)).
   float S[64];
@@ -456,12 +458,13 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     // lets a cp.async overwrite this stage.
     cute::warpgroup_wait<0>();
     fence_regs(S);
-    if (checkpoints_here && chunk_rows(j) == kChunk && ((j + 1) * kChunk) % p.checkpoint_every == 0) {
+    if (j == next_ckpt) {
+      next_ckpt += ckpt_period;
       void* base;
       ElemType type;
       int64_t offset;
-      if (checkpoint_target(p, first_checkpoint(p, n) + (j + 1) * kChunk / p.checkpoint_every - 1, h, base, type,
-                            offset))
+      if (chunk_rows(j) == kChunk &&
+          checkpoint_target(p, first_checkpoint(p, n) + (j + 1) / ckpt_period - 1, h, base, type, offset))
         store_state_rows(S, base, type, offset, v_row, t4);
     }
   }
