@@ -37,8 +37,8 @@ struct PrefillParams {
   // a decode pool. Sequence n starts from slot state_indices[n] (from zeros when
   // has_initial_state[n] is false) and its final state is written back into that slot; no other
   // slot is written. A negative slot marks padding: nothing is read or written for the sequence
-  // and its output rows are zero. CPU backend only in this version (the CUDA backend throws
-  // kUnsupported; the Python API gathers, runs the plain prefill and scatters on the GPU).
+  // and its output rows are zero. On the GPU the indices stay on the device: a slot outside [0, P)
+  // is padding there too (as in decode), and a slot named twice is undefined (not detected).
   void* state_pool = nullptr;               // [P, H, V, K] state_pool_dtype (kF32 or kBF16), or null
   DType state_pool_dtype = DType::kF32;
   int64_t pool_size = 0;                    // P
@@ -50,7 +50,9 @@ struct PrefillParams {
   // E divides L the last one equals its final state). They are numbered sequence by sequence,
   // position by position: checkpoint_count(params) in all (flashkda.h), which the caller passes as
   // num_checkpoints. Written either densely into checkpoints (padding sequences: zeros) or into
-  // the pool slots checkpoint_slots names (negative: not written), in the pool's dtype.
+  // the pool slots checkpoint_slots names (negative: not written), in the pool's dtype. On the GPU
+  // with device cu_seqlens a num_checkpoints other than the lengths give fills out and the dense
+  // checkpoints with NaN (the pool is left as it was).
   int64_t checkpoint_every = 0;               // 0: none; else a positive multiple of 64
   void* checkpoints = nullptr;                // [num_checkpoints, H, V, K] checkpoint_dtype, or null
   DType checkpoint_dtype = DType::kF32;       // kF32 or kBF16
