@@ -12,25 +12,12 @@
 #include <vector>
 
 #include "kda_test_utils.h"
+#include "serving_test_utils.h"
 
 namespace flashkda::test {
 namespace {
 
-constexpr int64_t kH = 2, kK = 128, kV = 128, kState = kH * kV * kK;  // elements of one slot
-
-// A pool of P slots filled with random states (the sentinel: untouched slots keep these bytes).
-HostTensor random_pool(DType dtype, int64_t P, uint64_t seed) {
-  HostTensor pool(dtype, P * kState);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal(0.0, 0.1);
-  for (int64_t i = 0; i < P * kState; ++i) pool.set(i, normal(rng));
-  return pool;
-}
-
-bool same_bytes(const HostTensor& a, int64_t a_elem, const HostTensor& b, int64_t b_elem, int64_t count) {
-  const size_t w = dtype_size(a.dtype);
-  return a.dtype == b.dtype && std::memcmp(a.bytes.data() + a_elem * w, b.bytes.data() + b_elem * w, count * w) == 0;
-}
+using namespace serving;
 
 // One pool problem: inputs of the given lengths, slots drawn from a shuffled pool, one padding
 // entry where slots[n] < 0, has_initial_state alternating.
@@ -42,7 +29,7 @@ struct PoolCase {
   int64_t P;
 
   PoolCase(const std::vector<int64_t>& seqlens, DType pool_dtype, int64_t P_, int padding)
-      : in(opts(seqlens)), P(P_) {
+      : in(pool_options(seqlens)), P(P_) {
     pool = random_pool(pool_dtype, P, in.seed + 1);
     pool_before = pool;
     std::vector<int32_t> perm(P);
@@ -50,13 +37,6 @@ struct PoolCase {
     std::shuffle(perm.begin(), perm.end(), std::mt19937_64(in.seed + 2));
     for (int64_t n = 0; n < in.N; ++n) slots.push_back(n == padding ? -1 : perm[n]);
     for (int64_t n = 0; n < in.N; ++n) has_init.push_back(n % 3 != 1);
-  }
-
-  static KdaOptions opts(const std::vector<int64_t>& seqlens) {
-    KdaOptions o;
-    o.seqlens = seqlens;
-    o.H = kH;
-    return o;
   }
 
   PrefillParams params() {
@@ -71,18 +51,6 @@ struct PoolCase {
 
   bool slot_named(int64_t s) const { return std::find(slots.begin(), slots.end(), int32_t(s)) != slots.end(); }
 };
-
-// [bos, eos) of sequence n.
-struct Range {
-  int64_t bos, eos;
-  int64_t len() const { return eos - bos; }
-};
-
-Range range_of(const KdaInputs& in, int64_t n) {
-  int64_t bos = 0;
-  for (int64_t m = 0; m < n; ++m) bos += in.opt.seqlens[m];
-  return {bos, bos + in.opt.seqlens[n]};
-}
 
 // The plain prefill of the same problem from gathered states: initial_state[n] = pool[slot] (or
 // zeros), final_state in the pool's dtype.
@@ -137,10 +105,8 @@ TEST_P(PoolPrefill, MatchesGatherPrefillScatter) {
   HostTensor pool_after = c.pool;
   c.pool = c.pool_before;
   reference_forward(c.params(), ref_out.data(), ref_state.data());
-  std::vector<double> got_state(size_t(c.in.N * kState), 0.0);
-  for (int64_t n = 0; n < c.in.N; ++n)
-    for (int64_t i = 0; c.slots[n] >= 0 && i < kState; ++i) got_state[n * kState + i] = pool_after.get(c.slots[n] * kState + i);
-  const double e_out = rel_rms(out_pool.values(), ref_out), e_state = rel_rms(got_state, ref_state);
+  const double e_out = rel_rms(out_pool.values(), ref_out);
+  const double e_state = rel_rms(states_in_slots(pool_after, c.slots, c.P), ref_state);
   report("pool out rel-RMS", e_out);
   report("pool state rel-RMS", e_state);
   EXPECT_LT(e_out, 5e-3);
@@ -176,17 +142,7 @@ TEST_P(PoolPrefill, CheckpointsEqualTruncatedPrefill) {
         continue;
       }
       // The same sequence alone, cut after 64 (j + 1) tokens, from the same initial state.
-      KdaOptions o = PoolCase::opts({64 * (j + 1)});
-      o.seed = c.in.seed;
-      KdaInputs cut(o);
-      const int64_t rows = 64 * (j + 1) * kH;
-      std::memcpy(cut.q.data(), c.in.q.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
-      std::memcpy(cut.k.data(), c.in.k.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
-      std::memcpy(cut.v.data(), c.in.v.bytes.data() + r.bos * kH * kV * 2, rows * kV * 2);
-      std::memcpy(cut.g.data(), c.in.g.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
-      std::memcpy(cut.beta.data(), c.in.beta.bytes.data() + r.bos * kH * 2, rows * 2);
-      cut.A_log = c.in.A_log;
-      cut.dt_bias = c.in.dt_bias;
+      KdaInputs cut = cut_sequence(c.in, r, 64 * (j + 1));
       HostTensor h0(dtype, kState), ht(dtype, kState);
       for (int64_t i = 0; i < kState; ++i) h0.set(i, c.has_init[n] ? c.pool_before.get(c.slots[n] * kState + i) : 0.0);
       PrefillParams q = cut.params();

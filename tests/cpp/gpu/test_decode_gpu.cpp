@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "device_problem.h"
 #include "fuzz_params.h"
 #include "launch_config.h"
 #include "test_decode_fixture.h"
@@ -26,18 +27,6 @@ constexpr double kTolBf16 = 5e-3;  // bf16 out or bf16 state: one rounding (~1.1
 constexpr double kTolF32 = 2e-5;   // fp32 state (fast-math exp/rsqrt: ~1e-6)
 
 double tol_state(const DecodeOptions& o) { return o.state_dtype == DType::kBF16 ? kTolBf16 : kTolF32; }
-
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t n) {
-    if (n > 0 && cudaMalloc(&ptr, n) != cudaSuccess) ptr = nullptr;
-  }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() {
-    if (ptr) cudaFree(ptr);
-  }
-};
 
 // Device copies (data + guard bytes) of a decode problem; download() brings out and the pool back.
 struct DeviceDecode {

@@ -16,12 +16,13 @@
 
 #include "device_problem.h"
 #include "kda_test_utils.h"
+#include "serving_test_utils.h"
 #include "launch_config.h"
 
 namespace flashkda::test {
 namespace {
 
-constexpr int64_t kH = 2, kK = 128, kV = 128, kState = kH * kV * kK;  // elements of one slot
+using namespace serving;
 
 class ServingPrefillGpu : public ::testing::TestWithParam<DType> {
  protected:
@@ -29,30 +30,6 @@ class ServingPrefillGpu : public ::testing::TestWithParam<DType> {
     if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU serving prefill tests skipped";
   }
 };
-
-HostTensor random_pool(DType dtype, int64_t P, uint64_t seed) {
-  HostTensor pool(dtype, P * kState);
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> normal(0.0, 0.1);
-  for (int64_t i = 0; i < P * kState; ++i) pool.set(i, normal(rng));
-  return pool;
-}
-
-bool same_bytes(const HostTensor& a, int64_t a_elem, const HostTensor& b, int64_t b_elem, int64_t count) {
-  const size_t w = dtype_size(a.dtype);
-  return a.dtype == b.dtype && std::memcmp(a.bytes.data() + a_elem * w, b.bytes.data() + b_elem * w, count * w) == 0;
-}
-
-struct Range {
-  int64_t bos, eos;
-  int64_t len() const { return eos - bos; }
-};
-
-Range range_of(const KdaInputs& in, int64_t n) {
-  int64_t bos = 0;
-  for (int64_t m = 0; m < n; ++m) bos += in.opt.seqlens[m];
-  return {bos, bos + in.opt.seqlens[n]};
-}
 
 // A pool problem on the GPU: varlen inputs, P slots of random states (untouched slots keep their
 // bytes), sequence `padding` with slot -1 and sequence `past_pool` with slot P (padding too, as in
@@ -68,7 +45,7 @@ struct PoolCase {
 
   PoolCase(const std::vector<int64_t>& seqlens, DType pool_dtype, int64_t P_, int padding, int past_pool,
            internal::PrefillLaunch launch = {})
-      : in(opts(seqlens)), dev(in, launch), P(P_) {
+      : in(pool_options(seqlens)), dev(in, launch), P(P_) {
     pool = random_pool(pool_dtype, P, in.seed + 1);
     pool_before = pool;
     std::vector<int32_t> perm(P);
@@ -79,13 +56,6 @@ struct PoolCase {
     d_pool = dev.upload(pool.bytes.data(), pool.bytes.size());
     d_slots = dev.upload(slots.data(), slots.size() * 4);
     d_has = dev.upload(has_init.data(), has_init.size());
-  }
-
-  static KdaOptions opts(const std::vector<int64_t>& seqlens) {
-    KdaOptions o;
-    o.seqlens = seqlens;
-    o.H = kH;
-    return o;
   }
 
   bool live(int64_t n) const { return slots[n] >= 0 && slots[n] < P; }
@@ -168,16 +138,13 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
     PrefillParams host = c.in.params();
     std::vector<int32_t> host_slots = c.slots;
     for (int32_t& s : host_slots) s = s < c.P ? s : -1;  // the reference refuses a slot past the pool
-    host.state_pool = c.pool_before.data(), host.state_pool_dtype = c.pool.dtype, host.pool_size = c.P;
+    HostTensor ref_pool = c.pool_before;
+    host.state_pool = ref_pool.data(), host.state_pool_dtype = c.pool.dtype, host.pool_size = c.P;
     host.state_indices = host_slots.data();
     host.has_initial_state = reinterpret_cast<const bool*>(c.has_init.data());
-    HostTensor ref_pool = c.pool_before;
-    host.state_pool = ref_pool.data();
     reference_forward(host, ref_out.data(), ref_state.data());
-    std::vector<double> got_state(size_t(c.in.N * kState), 0.0);
-    for (int64_t n = 0; n < c.in.N; ++n)
-      for (int64_t i = 0; c.live(n) && i < kState; ++i) got_state[n * kState + i] = pool_after.get(c.slots[n] * kState + i);
-    const double e_out = rel_rms(out_pool.values(), ref_out), e_state = rel_rms(got_state, ref_state);
+    const double e_out = rel_rms(out_pool.values(), ref_out);
+    const double e_state = rel_rms(states_in_slots(pool_after, c.slots, c.P), ref_state);
     report("gpu pool out rel-RMS", e_out);
     report("gpu pool state rel-RMS", e_state);
     EXPECT_LT(e_out, 6e-3);
@@ -215,17 +182,7 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
         continue;
       }
       if (j > 3 && j + 1 < r.len() / 64) continue;  // the long sequence: its first four and last one
-      KdaOptions o = PoolCase::opts({64 * (j + 1)});
-      o.seed = c.in.seed;
-      KdaInputs cut(o);
-      const int64_t rows = 64 * (j + 1) * kH;
-      std::memcpy(cut.q.data(), c.in.q.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
-      std::memcpy(cut.k.data(), c.in.k.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
-      std::memcpy(cut.v.data(), c.in.v.bytes.data() + r.bos * kH * kV * 2, rows * kV * 2);
-      std::memcpy(cut.g.data(), c.in.g.bytes.data() + r.bos * kH * kK * 2, rows * kK * 2);
-      std::memcpy(cut.beta.data(), c.in.beta.bytes.data() + r.bos * kH * 2, rows * 2);
-      cut.A_log = c.in.A_log;
-      cut.dt_bias = c.in.dt_bias;
+      KdaInputs cut = cut_sequence(c.in, r, 64 * (j + 1));
       DeviceProblem dcut(cut, kSerial);
       HostTensor h0(dtype, kState), ht(dtype, kState);
       for (int64_t i = 0; i < kState; ++i) h0.set(i, c.has_init[n] ? c.pool_before.get(c.slots[n] * kState + i) : 0.0);
