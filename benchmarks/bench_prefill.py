@@ -112,6 +112,51 @@ def run_flashkda(x, with_state, precision="precise", launch=None):
     return call, lambda: (out[0], ht)
 
 
+def run_flashkda_pool(x, checkpoint_every=0, precision="precise"):
+    """The serving prefill (SPEC §9) on the same inputs: states in a pool of N + 4 fp32 slots (sequence
+    n in slot n + 2), read and written in place, and with checkpoint_every the checkpoints into free
+    pool slots (any past the pool's last slot are skipped)."""
+    N, H = x["h0"].shape[:2]
+    pool = torch.zeros(N + 4, H, D, D, device="cuda")
+    pool[2:N + 2] = x["h0"]
+    idx = torch.arange(2, N + 2, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(x["v"])
+    kw = {}
+    if checkpoint_every:
+        lens = (x["cu_seqlens"][1:] - x["cu_seqlens"][:-1]).tolist()
+        count = flashkda.checkpoint_count(lens, checkpoint_every)
+        slots = torch.full((count,), -1, dtype=torch.int32, device="cuda")
+        free = [0, 1, N + 2, N + 3]
+        slots[:min(count, 4)] = torch.tensor(free[:min(count, 4)], dtype=torch.int32, device="cuda")
+        kw = dict(checkpoint_every=checkpoint_every, checkpoint_slots=slots)
+
+    def call():
+        flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
+                     LOWER_BOUND, cu_seqlens=x["cu_seqlens"], precision=precision, state_pool=pool,
+                     state_indices=idx, **kw)
+
+    return call, lambda: (out[0], pool[2:N + 2])
+
+
+def serving_rows(reps):
+    """Issue 13's cost target: pool prefill with checkpoints every 4096 tokens against the plain
+    prefill, same inputs, same run."""
+    rows = ["", "Serving prefill against the plain call (fp32 states; pool of N + 4 slots; CUDA-graph medians, ms):",
+            "", "| case | plain | pool | pool + checkpoints every 4096 | cost of pool + checkpoints |",
+            "|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)
+    for name, H, seqlens in (("T=8192 H=96 one seq", 96, [8192]), ("T=32768 H=12 one seq", 12, [32768])):
+        x = make_inputs(H, seqlens, True)
+        plain = time_graph_ms(run_flashkda(x, True)[0], reps=reps)
+        pool = time_graph_ms(run_flashkda_pool(x)[0], reps=reps)
+        ck = time_graph_ms(run_flashkda_pool(x, 4096)[0], reps=reps)
+        rows.append(f"| {name} | {plain:.3f} | {pool:.3f} | {ck:.3f} | {100 * (ck / plain - 1):+.1f}% |")
+        print(rows[-1], flush=True)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
 def run_flash_kda(x, with_state):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
@@ -307,6 +352,7 @@ def main():
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
+    ap.add_argument("--serving", action="store_true", help="also the serving prefill's cost (pool, checkpoints)")
     args = ap.parse_args()
 
     impls, peers = implementations(args)
@@ -354,6 +400,8 @@ def main():
             print(row, flush=True)
             del x
             torch.cuda.empty_cache()
+    if args.serving:
+        lines += serving_rows(args.reps)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

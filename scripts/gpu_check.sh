@@ -111,7 +111,7 @@ fi
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want bench; then
   step bench
-  python3 benchmarks/bench_prefill.py --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -45 || status=1
+  python3 benchmarks/bench_prefill.py --serving --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -45 || status=1
 fi
 if want decode; then
   step bench-decode

@@ -116,3 +116,24 @@ def test_fla_flashkda_0_switches_it_off(monkeypatch):
     monkeypatch.setenv("FLA_FLASHKDA", "0")
     assert not backend.FlashkdaChunkBackend().is_enabled()
     assert not backend.FlashkdaKDABackend().is_enabled()
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="needs a Hopper GPU with a CUDA build of flashkda (fla's own "
+                    "kernels run on the GPU only)")
+def test_return_intermediate_states_matches_flas_own(rng, monkeypatch):
+    """fla's chunk_kda(return_intermediate_states=True) with flashkda switched off (fla's own Triton
+    chunk-64 kernels) and flashkda's: the same layout [B, NT, H, K, V] and dtype, and values within
+    both implementations' rounding (fla's bf16 h, SPEC §6: ~4e-3 on its own)."""
+    t, kw = inputs(rng, "cuda", T=300)
+    kw["state_v_first"] = False
+    h0 = t["h0_vk"].transpose(-1, -2).contiguous()
+    monkeypatch.setenv("FLA_FLASHKDA", "0")
+    with torch.no_grad():
+        o_fla, ht_fla, h_fla = fla_kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0,
+                                                 return_intermediate_states=True, **kw)
+        o, ht, h = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0,
+                                      return_intermediate_states=True, **kw)
+    assert h.shape == h_fla.shape and h.dtype == h_fla.dtype, (h.shape, h_fla.shape, h.dtype, h_fla.dtype)
+    rel = (torch.linalg.norm((h.double() - h_fla.double())) / torch.linalg.norm(h_fla.double())).item()
+    assert rel <= 2e-2, rel
+    assert (torch.linalg.norm(o.double() - o_fla.double()) / torch.linalg.norm(o_fla.double())).item() <= 2e-2

@@ -263,6 +263,47 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   EXPECT_EQ(internal::chosen_segment_chunks(p, internal::PrefillLaunch{0, 3}), 2);
 }
 
+// The pool path with checkpoints into pool slots, captured in a CUDA graph and replayed: the
+// replay gives what the eager call gave, bit for bit (no host synchronisation, no allocation).
+TEST_P(ServingPrefillGpu, GraphCaptureOfThePoolPath) {
+  PoolCase c({200, 64, 0, 130, 1030}, GetParam(), 12, /*padding=*/2, /*past_pool=*/-1);
+  PrefillParams p = c.params();
+  p.checkpoint_every = 128;
+  p.num_checkpoints = 1 + 0 + 0 + 1 + 8;
+  std::vector<int32_t> ck_slots(size_t(p.num_checkpoints), -1);
+  for (int64_t i = 0, s = 0; i < p.num_checkpoints && s < c.P; ++s)
+    if (!c.slot_named(s)) ck_slots[size_t(i++)] = int32_t(s);
+  p.checkpoint_slots = static_cast<const int32_t*>(c.dev.upload(ck_slots.data(), ck_slots.size() * 4));
+  DeviceBuffer ws(internal::workspace_size(p, {}));
+  c.dev.poison();
+  internal::forward(p, {}, ws.ptr, ws.bytes);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  c.dev.download();
+  const HostTensor out_eager = c.in.out;
+  HostTensor pool_eager(c.pool.dtype, c.P * kState);
+  cudaMemcpy(pool_eager.bytes.data(), c.d_pool, pool_eager.bytes.size(), cudaMemcpyDeviceToHost);
+
+  c.reset_pool();
+  c.dev.poison();
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  internal::forward(p, {}, ws.ptr, ws.bytes, stream);
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  c.dev.download();
+  cudaMemcpy(c.pool.bytes.data(), c.d_pool, c.pool.bytes.size(), cudaMemcpyDeviceToHost);
+  EXPECT_TRUE(same_bytes(c.in.out, 0, out_eager, 0, c.in.out.count)) << "graph replay output";
+  EXPECT_TRUE(same_bytes(c.pool, 0, pool_eager, 0, c.P * kState)) << "graph replay pool";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
 INSTANTIATE_TEST_SUITE_P(PoolDtypes, ServingPrefillGpu, ::testing::Values(DType::kF32, DType::kBF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
