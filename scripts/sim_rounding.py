@@ -3,7 +3,7 @@ fp64 token recurrence: what the GPU's precision modes can reach on a given input
 
 Needs flashkda installed (its fp64 reference is the yardstick):
 
-    python scripts/sim_rounding.py [--case softplus|precomputed|random|repeated] [--pair] [--T 333]
+    python scripts/sim_rounding.py [--case softplus|precomputed|random|repeated] [--pair] [--T 333] [--chunk 32]
 
 Modes: 'fast' rounds every tensor-core operand (S, U, kd, qd, kr, inv_b, Mqk, and in the pair
 form the cross matrices and the e^Γ-scaled operands) as the fast kernels do; 'exact' rounds
@@ -16,7 +16,7 @@ import numpy as np
 
 from flashkda import reference_forward  # the library's fp64 token recurrence (docs/SPEC.md §3)
 
-C = 16
+C = 16  # tokens per chunk (the GPU kernels' kChunk); --chunk changes it for a design study
 
 
 def bf16(x):
@@ -151,16 +151,19 @@ def main():
     ap.add_argument("--K", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pair", action="store_true", help="the pair form (two chunks per step)")
+    ap.add_argument("--chunk", type=int, default=16, help="tokens per chunk (16: the kernels; 32: the chunk-32 study)")
     ap.add_argument("--keep", nargs="*", default=None, metavar="OPERAND",
                     help=f"fast mode with these operands unrounded (split), any of {' '.join(OPERANDS)}; "
                          "several --keep sets can be compared with --sets")
     ap.add_argument("--sets", nargs="*", default=None,
                     help="comma-separated operand sets to keep, one fast run each (e.g. kr kr,inv S,U,kr,inv)")
     args = ap.parse_args()
+    global C
+    C = args.chunk
     q, k, v, g, beta, kw, h0 = inputs(args.case, args.T, args.H, args.K, args.seed)
     ref_o, ref_s = reference_forward(*map(f32, (q, k, v, g, beta)), initial_state=f32(h0),
                                      **{name: f32(x) for name, x in kw.items()})
-    form = "pair" if args.pair else "chunk"
+    form = ("pair" if args.pair else "chunk") + ("" if C == 16 else f" C={C}")
     if args.sets is not None:
         for spec in args.sets:
             keep = tuple(x for x in spec.split(",") if x)

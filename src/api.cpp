@@ -111,6 +111,11 @@ PrefillParams without_out(const PrefillParams& params) {
 }
 }  // namespace
 
+void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int32_t* checkpoint_slots,
+                      int64_t num_checkpoints, int64_t pool_size) {
+  detail::check_pool_slots(state_indices, num_seqs, checkpoint_slots, num_checkpoints, pool_size);
+}
+
 size_t segment_transition_workspace_size(const PrefillParams& params_in) {
   const PrefillParams params = without_out(params_in);
   const Backend backend = backend_of(params.q);

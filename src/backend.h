@@ -48,6 +48,12 @@ struct SlotUse {
   const char* array;
   int64_t i, j;
 };
+// Serving prefill slots on the host (docs/SPEC.md §9): every slot < pool_size and no live slot
+// named twice across state_indices [num_seqs] and checkpoint_slots [num_checkpoints]; throws
+// naming the position(s).
+void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int32_t* checkpoint_slots,
+                      int64_t num_checkpoints, int64_t pool_size);
+
 // Throws naming the first two uses of one slot by different owners: "<prefix><array>[..] and
 // <array>[..] both name slot s (<why>)". Sorts uses.
 void check_distinct_slots(std::vector<SlotUse>& uses, const char* prefix, const char* why);

@@ -42,4 +42,11 @@ size_t segment_transition_workspace_size(const PrefillParams& params);
 void segment_transition(const PrefillParams& params, float* transition, float* zero_start, void* workspace,
                         size_t workspace_bytes, Stream stream = nullptr);
 
+// The serving prefill's slot rule on host indices (what forward checks on the CPU backend): every
+// slot < pool_size, no live slot named twice across state_indices and checkpoint_slots; throws
+// flashkda::Error naming the position(s). For callers that hand forward a gathered copy of the
+// named slots (the Python API with a pool in another layout), whose indices no longer show it.
+void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int32_t* checkpoint_slots,
+                      int64_t num_checkpoints, int64_t pool_size);
+
 }  // namespace flashkda::internal

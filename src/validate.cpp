@@ -130,27 +130,30 @@ void check_pool_indices(const PrefillParams& p) {
                        "floor(length / checkpoint_every=", p.checkpoint_every, ")), got ", p.num_checkpoints);
   }
   if (p.state_pool == nullptr) return;
-  thread_local std::vector<SlotUse> uses;  // kept: steady-state calls allocate nothing
-  uses.clear();
-  const int64_t N = num_sequences(p);
-  for (int64_t n = 0; n < N; ++n) {
-    const int32_t slot = p.state_indices[n];
-    FLASHKDA_CHECK_ARG(slot < p.pool_size, "state_indices[", n, "]=", slot, " must be < pool_size=", p.pool_size,
-                       " (negative marks padding)");
-    if (slot >= 0) uses.push_back({slot, int64_t(uses.size()), "state_indices", n, -1});
-  }
-  if (p.checkpoint_slots != nullptr) {
-    for (int64_t c = 0; c < p.num_checkpoints; ++c) {
-      const int32_t slot = p.checkpoint_slots[c];
-      FLASHKDA_CHECK_ARG(slot < p.pool_size, "checkpoint_slots[", c, "]=", slot, " must be < pool_size=",
-                         p.pool_size, " (negative: not written)");
-      if (slot >= 0) uses.push_back({slot, int64_t(uses.size()), "checkpoint_slots", c, -1});
-    }
-  }
-  check_distinct_slots(uses, "", "each slot holds one state: a sequence's or one checkpoint's; negative skips");
+  check_pool_slots(p.state_indices, num_sequences(p), p.checkpoint_slots,
+                   p.checkpoint_slots != nullptr ? p.num_checkpoints : 0, p.pool_size);
 }
 
 }  // namespace
+
+void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int32_t* checkpoint_slots,
+                      int64_t num_checkpoints, int64_t pool_size) {
+  thread_local std::vector<SlotUse> uses;  // kept: steady-state calls allocate nothing
+  uses.clear();
+  for (int64_t n = 0; n < num_seqs; ++n) {
+    const int32_t slot = state_indices[n];
+    FLASHKDA_CHECK_ARG(slot < pool_size, "state_indices[", n, "]=", slot, " must be < pool_size=", pool_size,
+                       " (negative marks padding)");
+    if (slot >= 0) uses.push_back({slot, int64_t(uses.size()), "state_indices", n, -1});
+  }
+  for (int64_t c = 0; c < num_checkpoints; ++c) {
+    const int32_t slot = checkpoint_slots[c];
+    FLASHKDA_CHECK_ARG(slot < pool_size, "checkpoint_slots[", c, "]=", slot, " must be < pool_size=", pool_size,
+                       " (negative: not written)");
+    if (slot >= 0) uses.push_back({slot, int64_t(uses.size()), "checkpoint_slots", c, -1});
+  }
+  check_distinct_slots(uses, "", "each slot holds one state: a sequence's or one checkpoint's; negative skips");
+}
 
 void check_distinct_slots(std::vector<SlotUse>& uses, const char* prefix, const char* why) {
   std::sort(uses.begin(), uses.end(),

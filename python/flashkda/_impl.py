@@ -593,21 +593,6 @@ def _host_lengths(ops, cu, N, T, sync=False):
     return [int(host[n + 1]) - int(host[n]) for n in range(N)]
 
 
-def _check_gathered_slots(ops, slots, P, names):
-    """The checks the C++ validation makes on pool slots, for the path that hands it a gathered copy
-    of the named slots (a pool not in [P, H, V, K] layout): each slot < P, no live slot twice."""
-    host = ops.host_values(slots)
-    seen = {}
-    for i, s in enumerate(int(x) for x in host):
-        name, j = names[i]
-        if s >= P:
-            raise ValueError(f"{name}[{j}]={s} must be < pool_size={P} (negative marks padding)")
-        if s >= 0 and s in seen:
-            raise ValueError(f"{seen[s]} and {name}[{j}] both name slot {s} (each slot holds one state: "
-                             "a sequence's or one checkpoint's; negative skips)")
-        seen.setdefault(s, f"{name}[{j}]")
-
-
 def _initial_rows(ops, q, pool, idx, has, N, H, K, V, state_v_first):
     """The initial states the pool gives each sequence, [N, H, V, K] in the pool's dtype: its slot
     (zeros for padding, a slot outside [0, P) included, or where has_initial_state is False)."""
@@ -682,10 +667,10 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
         named = idx if ck_slots is None else ops.concat([idx, ck_slots])
         if ops.is_cuda(q):  # the kernels' rule, without reading the slots: outside [0, P) is padding
             named = ops.where(named < pool.shape[0], named, -1)
-        else:
-            names = [("state_indices", n) for n in range(N)] + [("checkpoint_slots", c) for c in
-                                                                  range(0 if ck_slots is None else ck_slots.shape[0])]
-            _check_gathered_slots(ops, named, pool.shape[0], names)
+        else:  # the C++ rule on the caller's slots: the gathered copy's indices no longer show it
+            from . import _C
+
+            _C._check_pool_slots(ops.to_ext(idx), None if ck_slots is None else ops.to_ext(ck_slots), pool.shape[0])
         native_pool, local = _gather_slots(ops, q, pool, named, state_v_first)
         native_idx = local[:N]
         native_ck_slots = None if ck_slots is None else ops.contiguous(local[N:])

@@ -417,6 +417,23 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
   internal::forward(r.p, launch, ws, ws_bytes, reinterpret_cast<Stream>(stream));
 }
 
+// internal::check_pool_slots on host int32 index arrays (the Python path that hands forward a
+// gathered copy of the named slots).
+void check_pool_slots(const InArray& state_indices, OptIn checkpoint_slots, int64_t pool_size) {
+  auto host_indices = [](const char* name, const InArray& a) {
+    View v = view_in(name, a, false);
+    expect_dtype(v, DType::kI32);
+    expect_rank(v, 1, "[n]");
+    FLASHKDA_CHECK_ARG(!v.on_cuda(), name, ": must be host memory here");
+    return v;
+  };
+  const View idx = host_indices("state_indices", state_indices);
+  std::optional<View> ck;
+  if (checkpoint_slots) ck = host_indices("checkpoint_slots", *checkpoint_slots);
+  internal::check_pool_slots(static_cast<const int32_t*>(idx.data), idx.dim(0),
+                             ck ? static_cast<const int32_t*>(ck->data) : nullptr, ck ? ck->dim(0) : 0, pool_size);
+}
+
 size_t workspace_size(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
                       const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
                       bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
@@ -581,6 +598,8 @@ NB_MODULE(_C, m) {
         "precision: 'precise', 'balanced' or 'fast' (the GPU recurrence; flashkda::Precision). "
         "_v_splits, _segment_chunks: internal launch configuration (tests, benchmarks; 0 = the launcher's rule).");
 
+  m.def("_check_pool_slots", &py::check_pool_slots, arg("state_indices"), arg("checkpoint_slots").none() = nb::none(),
+        arg("pool_size"), "internal: the serving prefill's slot rule on host int32 indices (docs/SPEC.md §9).");
   m.def("workspace_size", &py::workspace_size, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("out"),
         nb::kw_only(), arg("A_log").none() = nb::none(), arg("dt_bias").none() = nb::none(),
         arg("gate") = "lower_bound", arg("lower_bound") = -5.0f, arg("l2norm_qk") = true,
