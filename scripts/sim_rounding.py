@@ -3,7 +3,7 @@ fp64 token recurrence: what the GPU's precision modes can reach on a given input
 
 Needs flashkda installed (its fp64 reference is the yardstick):
 
-    python scripts/sim_rounding.py [--case softplus|precomputed|random|repeated] [--pair] [--T 333] [--chunk 32]
+    python scripts/sim_rounding.py [--case softplus|precomputed|random|repeated|long] [--pair] [--T 333] [--chunk 32]
 
 Modes: 'fast' rounds every tensor-core operand (S, U, kd, qd, kr, inv_b, Mqk, and in the pair
 form the cross matrices and the e^Γ-scaled operands) as the fast kernels do; 'exact' rounds
@@ -25,6 +25,11 @@ def bf16(x):
     u = x32.view(np.uint32).astype(np.uint64)
     u = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
     return u.view(np.float32).astype(np.float64)
+
+
+def f16(x):
+    """Round to IEEE half precision (nearest even), returned as float64: the fp16-operand option."""
+    return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
 
 
 def f32(x):
@@ -66,6 +71,11 @@ def inputs(case, T, H, K, seed):
         g = np.full((1, T, H, K), -12.0)
         beta[:] = 8.0
         kw = dict(gate="lower_bound", A_log=rng.uniform(-1, 1, H), dt_bias=rng.uniform(-1, 1, (H, K)))
+    elif case == "long":  # the benchmark's long-memory regime: 8 channels per head with dt_bias -8
+        g = bf16(rng.standard_normal((1, T, H, K)))
+        dt_bias = rng.uniform(0, 1, (H, K))
+        dt_bias[:, :8] = -8.0
+        kw = dict(gate="lower_bound", A_log=rng.uniform(0, 1, H), dt_bias=dt_bias)
     else:
         g = bf16(rng.uniform(-3, 3, (1, T, H, K)))
         kw = dict(gate="lower_bound", A_log=rng.uniform(-1, 1, H), dt_bias=rng.uniform(-1, 1, (H, K)))
@@ -94,13 +104,16 @@ def chunk_mats(qh, kh, a, b):
 
 
 OPERANDS = ("S", "u", "U", "kd", "qd", "kr", "inv", "Mqk")  # u = v - W, the A operand of inv_b
+# "<operand>16" in keep: that operand rounded to fp16 instead of bf16 (8x smaller rounding, a
+# narrower range) rather than split.
 
 
 def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
     """keep: operands left unrounded in the fast mode (what a split into bf16 hi + lo would give)."""
     _, T, H, K = q.shape
     rnd = bf16 if mode == "fast" else (lambda x: x)
-    rk = {name: (lambda x: x) if name in keep else rnd for name in OPERANDS}
+    rk = {name: (lambda x: x) if name in keep else (f16 if mode == "fast" and name + "16" in keep else rnd)
+          for name in OPERANDS}
     qh = q[0] / np.sqrt((q[0] ** 2).sum(-1, keepdims=True) + 1e-6) * K ** -0.5
     kh = k[0] / np.sqrt((k[0] ** 2).sum(-1, keepdims=True) + 1e-6)
     a = log_decay(g[0], kw.get("gate"), kw.get("A_log"), kw.get("dt_bias"))
@@ -145,7 +158,7 @@ def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--case", default="softplus", choices=["softplus", "precomputed", "random", "repeated"])
+    ap.add_argument("--case", default="softplus", choices=["softplus", "precomputed", "random", "repeated", "long"])
     ap.add_argument("--T", type=int, default=333)
     ap.add_argument("--H", type=int, default=2)
     ap.add_argument("--K", type=int, default=128)
@@ -153,7 +166,8 @@ def main():
     ap.add_argument("--pair", action="store_true", help="the pair form (two chunks per step)")
     ap.add_argument("--chunk", type=int, default=16, help="tokens per chunk (16: the kernels; 32: the chunk-32 study)")
     ap.add_argument("--keep", nargs="*", default=None, metavar="OPERAND",
-                    help=f"fast mode with these operands unrounded (split), any of {' '.join(OPERANDS)}; "
+                    help=f"fast mode with these operands unrounded (split), any of {' '.join(OPERANDS)} "
+                         "(or NAME16: rounded to fp16); "
                          "several --keep sets can be compared with --sets")
     ap.add_argument("--sets", nargs="*", default=None,
                     help="comma-separated operand sets to keep, one fast run each (e.g. kr kr,inv S,U,kr,inv)")
