@@ -267,6 +267,8 @@ def implementations(args):
         impls.append(("flashkda balanced", lambda x, s: run_flashkda(x, s, "balanced")))
     if not args.no_fast:
         impls.append(("flashkda fast", lambda x, s: run_flashkda(x, s, "fast")))
+    if args.candidates:  # internal candidates (src/launch_config.h), not public modes
+        impls.append(("flashkda f16 candidate", lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=True))))
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -349,6 +351,8 @@ def main():
     ap.add_argument("--no-balanced", action="store_true", help="skip the balanced-precision flashkda column")
     ap.add_argument("--no-fast", action="store_true", help="skip the fast-precision flashkda column")
     ap.add_argument("--no-peers", action="store_true", help="flashkda only")
+    ap.add_argument("--candidates", action="store_true",
+                    help="also the internal candidates (the fp16-operand K2 of docs/DESIGN.md 'Toward prefill v2')")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

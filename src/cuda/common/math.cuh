@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cstdint>
 
 namespace flashkda::cuda {
@@ -32,6 +33,19 @@ __device__ __forceinline__ float bf16_hi(uint32_t pair) { return __uint_as_float
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// Two floats rounded to fp16 (nearest even), packed like pack_bf16x2.
+__device__ __forceinline__ uint32_t pack_f16x2(float lo, float hi) {
+  const __half2 pair = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// A pair rounded to the 16-bit operand type of a product: fp16 (kF16) or bf16.
+template <bool kF16>
+__device__ __forceinline__ uint32_t pack_x2(float lo, float hi) {
+  if constexpr (kF16) return pack_f16x2(lo, hi);
+  else return pack_bf16x2(lo, hi);
 }
 
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float x) {

@@ -64,13 +64,18 @@ constexpr int kKrLbo = 2048, kKrSbo = 128;
 //   factors    u and U (K2 registers), inv_b, Mqk and k_restored (record remainders): the
 //              operands the state's accuracy needs (a repeated key writes the rounding noise of
 //              k_restored or inv_b into state directions nothing removes)
-template <bool kState, bool kQDecayed, bool kFactors>
+//   f16        S, k_decayed and q_decayed rounded to fp16 instead of bf16 (the W and O products on
+//              f16 x f16 wgmma; unsplit, so with state = q_decayed = false): the internal candidate
+//              of docs/DESIGN.md "Toward prefill v2" (fp16 holds +-65504: no range guard yet)
+template <bool kState, bool kQDecayed, bool kFactors, bool kF16 = false>
 struct SplitPolicy {
-  static constexpr bool state = kState, q_decayed = kQDecayed, factors = kFactors;
+  static constexpr bool state = kState, q_decayed = kQDecayed, factors = kFactors, f16 = kF16;
+  static_assert(!kF16 || (!kState && !kQDecayed), "fp16 operands are not split");
 };
 using PreciseSplit = SplitPolicy<true, true, true>;     // Precision::kPrecise
 using BalancedSplit = SplitPolicy<false, true, true>;   // Precision::kBalanced: the precise record
 using FastSplit = SplitPolicy<false, false, false>;     // Precision::kFast
+using F16Split = SplitPolicy<false, false, true, true>;  // internal::PrefillLaunch::f16_operands
 
 template <class Split>
 struct RecordLayout {

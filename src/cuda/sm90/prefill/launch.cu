@@ -140,9 +140,11 @@ void launch_mode(int warps, const Params& kp, cudaStream_t stream) {
   else launch_recur<4, Split>(kp, stream);
 }
 
-// Calls f(Split{}) with the precision policy of the mode (config.h SplitPolicy).
+// Calls f(Split{}) with the precision policy of the mode (config.h SplitPolicy), or of the internal
+// fp16 candidate.
 template <class F>
-void with_split(Precision precision, F&& f) {
+void with_split(Precision precision, bool f16_operands, F&& f) {
+  if (f16_operands) return f(F16Split{});
   switch (precision) {
     case Precision::kFast: return f(FastSplit{});
     case Precision::kBalanced: return f(BalancedSplit{});
@@ -244,7 +246,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   }
 
   const int warps = choose_warps(N * p.H, launch);
-  with_split(p.precision, [&](auto split) { launch_mode<decltype(split)>(warps, kp, stream); });
+  with_split(p.precision, launch.f16_operands, [&](auto split) { launch_mode<decltype(split)>(warps, kp, stream); });
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {
@@ -270,7 +272,7 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   kp.records = ws + l.header;
   kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records);
   kp.seg_a = transition, kp.seg_b = zero_start;
-  with_split(p.precision, [&](auto split) {
+  with_split(p.precision, false, [&](auto split) {
     launch_prepare<decltype(split)>(kp, stream);
     launch_recur_segmented<decltype(split)>(kp, stream);
   });

@@ -189,17 +189,19 @@ __device__ __forceinline__ void store_granules(uint8_t* dst_even, uint2 a, uint2
   *reinterpret_cast<uint4*>(dst_even + (odd ? 16 : 0)) = v;
 }
 
+template <bool kF16 = false>
 __device__ __forceinline__ uint2 pack4(const float (&x)[4]) {
-  return make_uint2(pack_bf16x2(x[0], x[1]), pack_bf16x2(x[2], x[3]));
+  return make_uint2(pack_x2<kF16>(x[0], x[1]), pack_x2<kF16>(x[2], x[3]));
 }
 
-// x rounded to bf16 at tile offset off(t, c) of the granule (t = token, c = first of its 8
-// channels). Rows r = 0, 1 of this thread are tokens 2w, 2w+1 and rows 2, 3 are 2w+8, 2w+9.
-template <class Offset>
+// x rounded to bf16 (or fp16: kF16) at tile offset off(t, c) of the granule (t = token, c = first
+// of its 8 channels). Rows r = 0, 1 of this thread are tokens 2w, 2w+1 and rows 2, 3 are 2w+8, 2w+9.
+template <bool kF16 = false, class Offset>
 __device__ __forceinline__ void store_rounded(uint8_t* tile, const float (&x)[4][4], int warp, int lane, Offset off) {
 #pragma unroll
   for (int rp = 0; rp < 2; ++rp)
-    store_granules(tile + off(row_of(warp, 2 * rp), 8 * (lane >> 1)), pack4(x[2 * rp]), pack4(x[2 * rp + 1]), lane);
+    store_granules(tile + off(row_of(warp, 2 * rp), 8 * (lane >> 1)), pack4<kF16>(x[2 * rp]),
+                   pack4<kF16>(x[2 * rp + 1]), lane);
 }
 
 // The bf16 split of x: hi into hi_tile, lo into lo_tile, both at tile offset off(t, c) of the
@@ -371,12 +373,12 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     const auto wo = [](int t, int c) { return Rec::wo_offset(0, t, c); };  // operand `which` adds 256 * which
     const auto kr_at = [](int t, int c) { return kr_offset(t, c); };
     uint8_t* const wo_tile = rec + Rec::kOffWo;
-    store_rounded(wo_tile + Rec::wo_offset(0, 0, 0), r_k_decayed, warp, lane, wo);
-    // Unsplit operands: the bf16 roundings, i.e. the hi parts a split stores.
+    // k_decayed and unsplit q_decayed: the bf16 roundings (the hi parts a split stores), or fp16.
+    store_rounded<Split::f16>(wo_tile + Rec::wo_offset(0, 0, 0), r_k_decayed, warp, lane, wo);
     if constexpr (Split::q_decayed)
       store_split(wo_tile + Rec::wo_offset(1, 0, 0), wo_tile + Rec::wo_offset(2, 0, 0), r_q_decayed, warp, lane, wo);
     else
-      store_rounded(wo_tile + Rec::wo_offset(1, 0, 0), r_q_decayed, warp, lane, wo);
+      store_rounded<Split::f16>(wo_tile + Rec::wo_offset(1, 0, 0), r_q_decayed, warp, lane, wo);
     if constexpr (Split::factors)
       store_split(rec + Rec::kOffKRestored, rec + Rec::kOffKRestoredLo, r_k_restored, warp, lane, kr_at);
     else

@@ -14,7 +14,9 @@
 // records (already in wgmma's shared-memory layouts, config.h) and v stream through a cp.async
 // ring of kStages stages. The mode's precision policy (config.h SplitPolicy) says which operands
 // are split into bf16 hi + lo halves (2-3x the MMAs on those products): the precise mode splits S,
-// u, U, inv_b, k_restored, q_decayed and Mqk, the balanced mode all but S, the fast mode none (see config.h for what that costs in accuracy).
+// u, U, inv_b, k_restored, q_decayed and Mqk, the balanced mode all but S, the fast mode none;
+// the internal fp16 candidate rounds S, k_decayed and q_decayed to fp16 (see config.h for what
+// each costs in accuracy).
 #pragma once
 
 #include <cute/arch/mma_sm90_gmma.hpp>
@@ -117,8 +119,8 @@ __device__ void zero_padding_outputs(const Params& p, int64_t n, int h, const Se
 }
 
 // Converts the 16 n-tiles of S^T (flat: S[4j + e] is n-tile j, element e) into the 8 A fragments
-// of the K = 128 products; with kSplit also the bf16 remainders.
-template <bool kSplit>
+// of the K = 128 products; with kSplit also the bf16 remainders; kF16: rounded to fp16 instead.
+template <bool kSplit, bool kF16 = false>
 __device__ __forceinline__ void state_fragments(const float (&S)[64], uint32_t (&hi)[8][4], uint32_t (&lo)[8][4]) {
 #pragma unroll
   for (int s = 0; s < 8; ++s) {
@@ -126,7 +128,7 @@ __device__ __forceinline__ void state_fragments(const float (&S)[64], uint32_t (
     for (int r = 0; r < 4; ++r) {
       const float* c = &S[4 * (2 * s + (r >> 1)) + (r & 1) * 2];
       if constexpr (kSplit) split_bf16x2_trunc(c[0], c[1], hi[s][r], lo[s][r]);
-      else hi[s][r] = pack_bf16x2(c[0], c[1]);
+      else hi[s][r] = pack_x2<kF16>(c[0], c[1]);
     }
   }
 }
@@ -147,6 +149,7 @@ __device__ __forceinline__ void acc_fragments(const float (&c0)[4], const float 
 // ---- wgmma (docs/notes/wgmma.md): A from registers, B from shared memory, fp32 accumulate ----
 namespace gmma = cute::SM90::GMMA;
 using WgmmaN16 = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
+using WgmmaN16F16 = cute::SM90::GMMA::MMA_64x16x16_F32F16F16_RS<gmma::Major::K, gmma::Major::K>;
 using WgmmaN32 = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
 using WgmmaUpdate = cute::SM90::GMMA::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
 
@@ -232,6 +235,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   using Smem = RecurSmem<kWarps, Split, kSeg>;
   using Rec = RecordLayout<Split>;
   constexpr bool kSplitS = Split::state, kSplitQd = Split::q_decayed, kSplitF = Split::factors;
+  using WgmmaWO16 = std::conditional_t<Split::f16, WgmmaN16F16, WgmmaN16>;  // W, and O unless q_decayed is split
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -317,11 +321,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     // second O accumulator: different wgmma shapes never share one); a split q_decayed widens
     // the O product to [q_decayed | q_decayed_lo] (n = 32).
     uint32_t sa[8][4], sa_lo[8][4];
-    state_fragments<kSplitS>(S, sa, sa_lo);
+    state_fragments<kSplitS, Split::f16>(S, sa, sa_lo);
     const uint64_t desc_w = smem_desc(rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: k_decayed
     const uint64_t desc_o = desc_w + ((2 * Rec::kWoSbo) >> 4);  // rows 16..: q_decayed (and q_decayed_lo)
     constexpr uint64_t kStep = Rec::kWoStepBytes >> 4;
-    using WgmmaO = std::conditional_t<kSplitQd, WgmmaN32, WgmmaN16>;
+    using WgmmaO = std::conditional_t<kSplitQd, WgmmaN32, WgmmaWO16>;
     float Dw[8], Do[kSplitQd ? 16 : 8], Dol[kSplitS ? 8 : 1];
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
@@ -331,7 +335,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     cute::warpgroup_arrive();
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
-      wgmma<WgmmaN16>(sa[s], desc_w + s * kStep, Dw, s > 0);
+      wgmma<WgmmaWO16>(sa[s], desc_w + s * kStep, Dw, s > 0);
       if constexpr (kSplitS) wgmma<WgmmaN16>(sa_lo[s], desc_w + s * kStep, Dw, true);
     }
     cute::warpgroup_commit_batch();
