@@ -102,6 +102,7 @@ struct ChunkScratch {
   std::vector<T> decay_total;        // [Kp]: e^Γ
   std::vector<double> mid;           // [Kp]: per-channel shift (G_first + G_last) / 2
   std::vector<T> decay_mid;          // [Kp]: e^{Γ - mid}
+  std::vector<T> e_mid;              // [Kp]: e^{mid} (shifted chunks with every mid >= -80)
   std::vector<T> e_row;              // [Kp]: e^{G_i} of the row being built
   std::vector<T> k_decayed_s, q_decayed_s, k_inv_s;  // [C, Kp]: shifted factors
   std::vector<T> o;                  // [C, Vp]
@@ -114,7 +115,7 @@ struct ChunkScratch {
       : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), Vp((V_ + kLane - 1) / kLane * kLane),
         q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * Vp, T(0)), gate_a(C * Kp, T(0)), G64(C * Kp, 0.0),
         kq_decayed(2 * C * Kp, T(0)), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)), mid(Kp, 0.0),
-        decay_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * Vp),
+        decay_mid(Kp, T(0)), e_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * Vp),
         St(Kp * Vp, T(0)) {}
 };
 
@@ -253,6 +254,15 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
   double max_shift = 0.0;
   for (int w = 0; w < kLane; ++w) max_shift = part[w] > max_shift ? part[w] : max_shift;
   const bool shifted = max_shift <= kMaxFactorisedShift;
+  // On the shifted path e^{G} = e^{G - mid} e^{mid}, one exponential per element fewer, where every
+  // e^{mid} is a normal float (mid >= -80: the product then differs from e^{G} by a rounding);
+  // below that e^{G} is formed directly (NaN compares false here and keeps the direct form).
+  bool mid_normal = shifted;
+  for (int64_t c = 0; c < K && mid_normal; ++c) mid_normal = s.mid[c] >= -80.0;
+  if (mid_normal) {
+#pragma omp simd
+    for (int64_t c = 0; c < K; ++c) s.e_mid[c] = engine_exp(T(s.mid[c]));
+  }
 
   // Rows past the sequence end (a partial last chunk) read as k = q = b = 0: nothing of theirs
   // enters U, the outputs or the state.
@@ -270,13 +280,6 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
     T* kr = &s.k_restored[i * Kp];
     T* kd = &s.kq_decayed[i * Kp];
     T* qd = &s.kq_decayed[(C + i) * Kp];
-#pragma omp simd
-    for (int64_t c = 0; c < K; ++c) e[c] = engine_exp(T(Gi[c]));  // <= 1; underflow to 0 is harmless
-#pragma omp simd
-    for (int64_t c = 0; c < K; ++c) {
-      kd[c] = ki[c] * e[c];
-      qd[c] = scale * qi[c] * e[c];
-    }
     if (shifted) {
       // |G - mid| <= kMaxFactorisedShift: up and 1/up are finite, and e^{Γ - G} = e^{Γ - mid} e^{mid - G}
       // is a product of two finite factors (Γ - mid lies within the same bound).
@@ -291,11 +294,21 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
         qds[c] = qi[c] * up;
         kis[c] = ki[c] * down;
         kr[c] = ki[c] * (s.decay_mid[c] * down);
+        e[c] = up * s.e_mid[c];  // replaced below unless mid_normal
       }
       for (int64_t c = K; c < Kp; ++c) kds[c] = qds[c] = kis[c] = T(0);
     } else {
 #pragma omp simd
       for (int64_t c = 0; c < K; ++c) kr[c] = ki[c] * engine_exp(T(gamma[c] - Gi[c]));
+    }
+    if (!mid_normal) {
+#pragma omp simd
+      for (int64_t c = 0; c < K; ++c) e[c] = engine_exp(T(Gi[c]));  // <= 1; underflow to 0 is harmless
+    }
+#pragma omp simd
+    for (int64_t c = 0; c < K; ++c) {
+      kd[c] = ki[c] * e[c];
+      qd[c] = scale * qi[c] * e[c];
     }
   }
 
