@@ -149,7 +149,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
       computes in fp32 in every mode.
     - return_intermediate_states=True (fla's): returns (o, final_state, h), h the state at the start
       of every 64-token chunk of every sequence, [B, NT, H, K, V] ([1, sum NT, ...] with cu_seqlens;
-      V before K with state_v_first) in k's dtype, NT = ceil(T / 64). CPU backend only for now.
+      V before K with state_v_first) in k's dtype, NT = ceil(T / 64). On CUDA tensors this reads the
+      lengths on the host (a synchronisation, as fla's own does).
 
     Serving prefill (flashkda's own keywords, docs/SPEC.md §9):
     - state_pool [P, H, K, V] ([P, H, V, K] with state_v_first) with state_indices [N] int: sequence n
@@ -159,7 +160,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     - checkpoint_every (a multiple of 64): the state after every checkpoint_every tokens of each
       sequence, checkpoint_count(lengths, checkpoint_every) of them in sequence order, into
       checkpoints [C, H, K, V] (state layout; written in place, zeros for padding) or into the pool
-      slots checkpoint_slots [C] (negative: not written). CPU backend only for now.
+      slots checkpoint_slots [C] (negative: not written). On the GPU a slot outside [0, P) is padding
+      and a slot named twice is undefined (the indices stay on the device).
 
     The positional order is fla 0.6.0's; A_log, dt_bias and precision are keywords. fla options
     without effect here (disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs, chunk_size) are

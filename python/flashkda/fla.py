@@ -96,7 +96,8 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
         if reason is None and cp_context is not None:
             reason = "flashkda does not support context parallel"
         if reason is None and return_intermediate_states and q.is_cuda:
-            reason = "flashkda serves return_intermediate_states on the CPU backend only (not yet on the GPU)"
+            reason = ("flashkda's return_intermediate_states on CUDA tensors is not yet checked against fla's own "
+                      "(docs/VALIDATION.md); fla runs it")
         if reason is None and safe_gate and lower_bound is None:
             reason = "flashkda requires lower_bound with safe_gate=True"
         return reason is None, reason
