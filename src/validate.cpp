@@ -121,14 +121,18 @@ void check_checkpoints(const PrefillParams& p) {
   check_element_count("checkpoints [num_checkpoints, H, V, K]", {p.num_checkpoints, p.H, p.V, p.K});
 }
 
+// The caller's num_checkpoints equal to what the lengths give (host-readable cu_seqlens, or none).
+void check_checkpoint_count(const PrefillParams& p) {
+  if (p.checkpoint_every <= 0) return;
+  const int64_t want = checkpoint_count(p);
+  FLASHKDA_CHECK_ARG(p.num_checkpoints == want, "num_checkpoints must be ", want, " (the sum over sequences of ",
+                     "floor(length / checkpoint_every=", p.checkpoint_every, ")), got ", p.num_checkpoints);
+}
+
 // Host-readable indices (CPU backend): slots inside the pool, no live slot named twice, and the
 // caller's num_checkpoints equal to what the lengths give.
 void check_pool_indices(const PrefillParams& p) {
-  if (p.checkpoint_every > 0) {
-    const int64_t want = checkpoint_count(p);
-    FLASHKDA_CHECK_ARG(p.num_checkpoints == want, "num_checkpoints must be ", want, " (the sum over sequences of ",
-                       "floor(length / checkpoint_every=", p.checkpoint_every, ")), got ", p.num_checkpoints);
-  }
+  check_checkpoint_count(p);
   if (p.state_pool == nullptr) return;
   check_pool_slots(p.state_indices, num_sequences(p), p.checkpoint_slots,
                    p.checkpoint_slots != nullptr ? p.num_checkpoints : 0, p.pool_size);
@@ -243,12 +247,9 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
   if (backend == Backend::kCuda) {
     // The indices and lengths live on the GPU: slots outside [0, P) are padding there (as in
     // decode), a slot named twice is the caller's error (undefined, not detected), and with
-    // cu_seqlens a num_checkpoints other than the lengths give fills the outputs with NaN (K0).
-    if (p.checkpoint_every > 0 && p.cu_seqlens == nullptr) {
-      const int64_t want = p.B * (p.T / p.checkpoint_every);
-      FLASHKDA_CHECK_ARG(p.num_checkpoints == want, "num_checkpoints must be ", want, " (B * floor(T / checkpoint_every=",
-                         p.checkpoint_every, ")), got ", p.num_checkpoints);
-    }
+    // cu_seqlens a num_checkpoints other than the lengths give fills the outputs with NaN (K0);
+    // without cu_seqlens the host counts them.
+    if (p.cu_seqlens == nullptr) check_checkpoint_count(p);
     // K1's grid has one CTA per (chunk slot, head): at most one partial chunk per sequence.
     const int64_t chunk_slots = (p.B * p.T + kChunk - 1) / kChunk + num_sequences(p);
     FLASHKDA_CHECK(chunk_slots <= std::numeric_limits<int32_t>::max() / std::max<int64_t>(p.H, 1),

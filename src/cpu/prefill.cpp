@@ -115,8 +115,8 @@ struct ChunkScratch {
       : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), Vp((V_ + kLane - 1) / kLane * kLane),
         q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * Vp, T(0)), gate_a(C * Kp, T(0)), G64(C * Kp, 0.0),
         kq_decayed(2 * C * Kp, T(0)), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)), mid(Kp, 0.0),
-        decay_mid(Kp, T(0)), e_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp), k_inv_s(C * Kp), o(C * Vp),
-        St(Kp * Vp, T(0)) {}
+        decay_mid(Kp, T(0)), e_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp),
+        k_inv_s(C * Kp), o(C * Vp), St(Kp * Vp, T(0)) {}
 };
 
 // Rows [tok0, tok0 + n) of head h, preprocessed; gate_a holds the log-decay a (G64 its prefix sums).

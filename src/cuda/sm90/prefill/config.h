@@ -76,6 +76,9 @@ using PreciseSplit = SplitPolicy<true, true, true>;     // Precision::kPrecise
 using BalancedSplit = SplitPolicy<false, true, true>;   // Precision::kBalanced: the precise record
 using FastSplit = SplitPolicy<false, false, false>;     // Precision::kFast
 using F16Split = SplitPolicy<false, false, true, true>;  // internal::PrefillLaunch::f16_operands
+// Every policy the launcher dispatches to (launch.cu with_split): X(policy) for each, so the
+// instantiation units list them once.
+#define FLASHKDA_PREFILL_SPLITS(X) X(FastSplit) X(BalancedSplit) X(PreciseSplit) X(F16Split)
 
 template <class Split>
 struct RecordLayout {

@@ -1,9 +1,9 @@
-// K2 over segments (one warpgroup per CTA, value and transition rows), every precision mode and the fp16 candidate.
+// K2 over segments (one warpgroup per CTA, value and transition rows), every precision policy
+// (config.h FLASHKDA_PREFILL_SPLITS).
 #include "cuda/sm90/prefill/recur_launch.cuh"
 
 namespace flashkda::cuda::sm90::prefill {
-template void launch_recur_segmented<FastSplit>(const Params&, cudaStream_t);
-template void launch_recur_segmented<BalancedSplit>(const Params&, cudaStream_t);
-template void launch_recur_segmented<PreciseSplit>(const Params&, cudaStream_t);
-template void launch_recur_segmented<F16Split>(const Params&, cudaStream_t);
+#define FLASHKDA_INSTANTIATE(Split) template void launch_recur_segmented<Split>(const Params&, cudaStream_t);
+FLASHKDA_PREFILL_SPLITS(FLASHKDA_INSTANTIATE)
+#undef FLASHKDA_INSTANTIATE
 }  // namespace flashkda::cuda::sm90::prefill
