@@ -268,7 +268,8 @@ def implementations(args):
     if not args.no_fast:
         impls.append(("flashkda fast", lambda x, s: run_flashkda(x, s, "fast")))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
-        impls.append(("flashkda f16 candidate", lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=True))))
+        impls.append(("flashkda split-state precise",
+                      lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -352,7 +353,8 @@ def main():
     ap.add_argument("--no-fast", action="store_true", help="skip the fast-precision flashkda column")
     ap.add_argument("--no-peers", action="store_true", help="flashkda only")
     ap.add_argument("--candidates", action="store_true",
-                    help="also the internal candidates (the fp16-operand K2 of docs/DESIGN.md 'Toward prefill v2')")
+                    help="also the internal variants: the precise mode with the bf16 split of the state in place of "
+                         "its fp16 policy (docs/DESIGN.md 'Precision as an option')")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

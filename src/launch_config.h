@@ -16,9 +16,9 @@ struct PrefillLaunch {
   int v_splits = 0;            // value-column splits of the one-CTA-per-sequence recurrence: 0 = rule, 1 or 2
   int64_t segment_chunks = 0;  // 0 = rule; -1 = never cut sequences into segments; > 0 = segments of this
                                // many 16-token chunks (docs/DESIGN.md "Segments")
-  bool f16_operands = false;   // candidate (GPU): S, k_decayed and q_decayed in fp16, the factors split, in
-                               // place of the precision's policy (docs/DESIGN.md "Toward prefill v2");
-                               // no range guard: states beyond +-65504 overflow
+  int f16_operands = 0;        // GPU: 0 = rule (the precise mode runs S, k_decayed and q_decayed in fp16 where q
+                               // and k are L2-normalised, docs/DESIGN.md "Precision as an option"); 1 = that
+                               // fp16 policy for every mode; -1 = never (the bf16 split of S)
 };
 
 struct DecodeLaunch {

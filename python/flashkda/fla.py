@@ -14,7 +14,7 @@ Registered (fla.backends.register, priority 2, ahead of fla's FlashKDA backend a
   slots with num_accepted_tokens, in place or not.
 
 Calls it cannot serve (autograd, grouped value heads, per-channel beta, allow_neg_eigval,
-context parallelism, return_intermediate_states on the GPU, a GPU without the CUDA backend, ...) are
+context parallelism, a GPU without the CUDA backend, ...) are
 declined with a reason (fla logs it at INFO) and fla runs its own kernels. `FLA_FLASHKDA=0`
 switches the backend off, as `FLA_FLASH_KDA=0` does fla's FlashKDA backend.
 """
@@ -95,9 +95,6 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
                                 allow_neg_eigval)
         if reason is None and cp_context is not None:
             reason = "flashkda does not support context parallel"
-        if reason is None and return_intermediate_states and q.is_cuda:
-            reason = ("flashkda's return_intermediate_states on CUDA tensors is not yet checked against fla's own "
-                      "(docs/VALIDATION.md); fla runs it")
         if reason is None and safe_gate and lower_bound is None:
             reason = "flashkda requires lower_bound with safe_gate=True"
         return reason is None, reason

@@ -223,15 +223,16 @@ TEST_F(PrefillGpu, PrecisionParameterSelectsTheMode) {
           << precision_name(kModes[i]) << " and " << precision_name(kModes[j]) << " gave bit-identical outputs";
 }
 
-// The internal fp16 candidate (internal::PrefillLaunch::f16_operands: S, k_decayed, q_decayed in
-// fp16, the factors split; docs/DESIGN.md "Toward prefill v2"), serial and in segments, on random
-// varlen inputs, the gate extremes, long-memory channels and the repeated key: the simulation puts
-// it at the precise mode's errors; each case is reported by name and held to the general bounds
-// (the repeated key to the contract's 3e-3 / 2e-3).
-TEST_F(PrefillGpu, F16OperandsCandidateMatchesReference) {
+// The precise mode runs two policies (docs/DESIGN.md "Precision as an option"): S, k_decayed and
+// q_decayed in fp16 with a row-scale range guard where q and k are L2-normalised (what every
+// default-mode test here runs), the bf16 split of S otherwise. This runs the split one
+// (internal::PrefillLaunch::f16_operands = -1) on the inputs the fp16 one is most sensitive to,
+// serial and in segments: random varlen, long-memory channels, precomputed log-decays to -1000
+// and the repeated key (the contract's 3e-3 / 2e-3), each reported by name.
+TEST_F(PrefillGpu, SplitStatePolicyMatchesReference) {
   for (const int64_t seg : {int64_t(-1), int64_t(16)}) {
-    const internal::PrefillLaunch launch{0, seg, true};
-    const std::string tag = std::string("f16 candidate") + (seg > 0 ? " segments" : " serial");
+    const internal::PrefillLaunch launch{0, seg, -1};
+    const std::string tag = std::string("split state") + (seg > 0 ? " segments" : " serial");
     {
       KdaOptions o;
       o.seqlens = {300, 17, 1024, 77};
@@ -265,11 +266,50 @@ TEST_F(PrefillGpu, F16OperandsCandidateMatchesReference) {
       report(tag + " precomputed [-1000, 0] state", e.state);
     }
     {
-      KdaInputs in(repeated_key_options(Precision::kBalanced));
+      KdaInputs in(repeated_key_options(Precision::kPrecise));
       make_repeated_key(in);
       const Errors e = check_against_reference(in, 3e-3, 2e-3, launch);
       report(tag + " repeated key out", e.out);
       report(tag + " repeated key state", e.state);
+    }
+  }
+}
+
+// The fp16 policy's range guard (recur_kernel.cuh RowScale): states far above fp16's 65504 and far
+// below its normal range, a jump of 2^36 in |v| within a sequence (the fp32 recomputation of a
+// chunk whose fp16 state overflowed) and an initial state of ~2^17, serial and in segments, fp32
+// states, slow decay so that the state keeps its scale. Each case runs both precise policies on the
+// same inputs: the fp16 one (the rule) within the general bounds and within 1.25x (+1e-4) of the
+// split one's error.
+TEST_F(PrefillGpu, PreciseRangeGuardMatchesReference) {
+  struct Case {
+    const char* name;
+    double v_scale_first, v_scale_second, state_scale;  // powers of two: exact in bf16 / fp32
+  };
+  const Case cases[] = {{"v x 2^17", 0x1p17, 0x1p17, 1.0},
+                        {"v x 2^-24", 0x1p-24, 0x1p-24, 0x1p-24},
+                        {"v x 2^-20 then x 2^16", 0x1p-20, 0x1p16, 0x1p-20},
+                        {"initial state x 2^20", 1.0, 1.0, 0x1p20}};
+  for (const int64_t seg : {int64_t(-1), int64_t(16)}) {
+    for (const Case& c : cases) {
+      KdaOptions o;
+      o.T = 1500, o.H = 2;
+      o.gate = GateForm::kPrecomputed, o.g_min = -0.05, o.g_max = 0, o.g_dtype = DType::kF32, o.with_dt_bias = false;
+      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+      KdaInputs in(o);
+      const int64_t per_token = o.H * o.V;
+      for (int64_t i = 0; i < in.v.count; ++i)
+        in.v.set(i, in.v.get(i) * (i / per_token < o.T / 2 ? c.v_scale_first : c.v_scale_second));
+      for (int64_t i = 0; i < in.initial_state.count; ++i) in.initial_state.set(i, in.initial_state.get(i) * c.state_scale);
+      const std::string tag = std::string(c.name) + (seg > 0 ? " segments" : " serial");
+      const Errors split = check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, seg, -1});
+      const Errors f16 = check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, seg, 0});
+      report(tag + " fp16 out", f16.out);
+      report(tag + " fp16 state", f16.state);
+      report(tag + " split out", split.out);
+      report(tag + " split state", split.state);
+      EXPECT_LE(f16.out, 1.25 * split.out + 1e-4) << tag;
+      EXPECT_LE(f16.state, 1.25 * split.state + 1e-4) << tag;
     }
   }
 }

@@ -1,6 +1,7 @@
 // Host side of the sm90 prefill: workspace layout, kernel parameters, K0/K1/K2 launches and
 // the choice of the recurrence variant (value-column split, precision mode).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "backend.h"
@@ -140,11 +141,22 @@ void launch_mode(int warps, const Params& kp, cudaStream_t stream) {
   else launch_recur<4, Split>(kp, stream);
 }
 
-// Calls f(Split{}) with the precision policy of the mode (config.h SplitPolicy), or of the internal
-// fp16 candidate.
+// Calls f(Split{}) with the precision policy of the call (config.h SplitPolicy). The precise mode
+// runs the fp16 policy (F16Split: S, k_decayed and q_decayed in fp16 with the row-scale range
+// guard of recur_kernel.cuh, the factors split) where its record operands are bounded, i.e. with
+// L2-normalised q and k and |scale| <= kF16MaxScale (|k_decayed| <= 1, |q_decayed| <= |scale|: far
+// inside fp16's range), and the bf16 split of S (PreciseSplit) otherwise. internal::PrefillLaunch::
+// f16_operands forces either (1: F16Split for every mode, -1: never).
+constexpr float kF16MaxScale = 1024.f;
+
+bool runs_f16(const Params& kp, Precision precision, int f16_operands) {
+  if (f16_operands != 0) return f16_operands > 0;
+  return precision == Precision::kPrecise && kp.l2norm_qk && std::fabs(kp.scale) <= kF16MaxScale;
+}
+
 template <class F>
-void with_split(Precision precision, bool f16_operands, F&& f) {
-  if (f16_operands) return f(F16Split{});
+void with_split(const Params& kp, Precision precision, int f16_operands, F&& f) {
+  if (runs_f16(kp, precision, f16_operands)) return f(F16Split{});
   switch (precision) {
     case Precision::kFast: return f(FastSplit{});
     case Precision::kBalanced: return f(BalancedSplit{});
@@ -246,7 +258,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   }
 
   const int warps = choose_warps(N * p.H, launch);
-  with_split(p.precision, launch.f16_operands, [&](auto split) { launch_mode<decltype(split)>(warps, kp, stream); });
+  with_split(kp, p.precision, launch.f16_operands, [&](auto split) { launch_mode<decltype(split)>(warps, kp, stream); });
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {
@@ -272,7 +284,7 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   kp.records = ws + l.header;
   kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records);
   kp.seg_a = transition, kp.seg_b = zero_start;
-  with_split(p.precision, false, [&](auto split) {
+  with_split(kp, p.precision, 0, [&](auto split) {
     launch_prepare<decltype(split)>(kp, stream);
     launch_recur_segmented<decltype(split)>(kp, stream);
   });

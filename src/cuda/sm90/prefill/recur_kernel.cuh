@@ -201,20 +201,107 @@ __device__ __forceinline__ void load_state_rows(float (&S)[64], const void* base
   }
 }
 
+// With row factors f: rows v_row and v_row + 8 multiplied by f[0] and f[1] (the fp16 policy's row
+// scales, RowScale below).
 __device__ __forceinline__ void store_state_rows(const float (&S)[64], void* base, ElemType type, int64_t offset,
-                                                 int v_row, int t4) {
+                                                 int v_row, int t4, const float (&f)[2]) {
 #pragma unroll
   for (int jt = 0; jt < 16; ++jt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t idx = offset + int64_t(v_row + 8 * half) * kHeadDim + 8 * jt + 2 * t4;
-      const float x0 = S[4 * jt + 2 * half], x1 = S[4 * jt + 2 * half + 1];
+      const float x0 = S[4 * jt + 2 * half] * f[half], x1 = S[4 * jt + 2 * half + 1] * f[half];
       if (type == ElemType::kF32) {
         *reinterpret_cast<float2*>(static_cast<float*>(base) + idx) = make_float2(x0, x1);
       } else {
         *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(base) + idx) = pack_bf16x2(x0, x1);
       }
     }
+}
+
+__device__ __forceinline__ void store_state_rows(const float (&S)[64], void* base, ElemType type, int64_t offset,
+                                                 int v_row, int t4) {
+  store_state_rows(S, base, type, offset, v_row, t4, {1.f, 1.f});
+}
+
+// ---- The fp16 policy's range guard (config.h SplitPolicy::f16) ----------------------------------
+// fp16 holds +-65504 and is normal down to 2^-14, where bf16 holds the fp32 range. So the fp16
+// policy keeps each row r of S^T scaled by a power of two m_r (registers hold S_st = m_r S, the
+// update adds m_r U), which leaves every product exact up to the fp16 rounding:
+//   W_st = S_st kd,  u_st = m_r v - W_st,  U_st = u_st inv_b,  O_st = S_st qd + U_st Mqk,
+//   out = O_st / m_r,  S_st <- S_st e^Gamma + U_st Kr,  stored states S_st / m_r.
+// RowScale::renormalise (at the start, after the first chunk and every kRenormChunks chunks; one
+// max over the row per thread quad) leaves m_r alone while the row's largest |entry| lies in
+// [2^-8, 2^12) and otherwise moves it to [2^3, 2^4): so ordinary states run at m = 1 (the
+// products of the unscaled fp16 state, and the same bits whichever call a sequence is cut into),
+// small ones keep fp16's 11 bits (an entry below 2^-14 errs by at most 2^-25, i.e. 2^-17 of a
+// row maximum >= 2^-8) and large ones stay 2^12 below fp16's range. A state that still grows past
+// 65504 between two renormalisations (a jump in |v| of 2^12, a huge initial state) turns W^T
+// non-finite: the warp that sees it renormalises and recomputes its W^T and O^T of the chunk in
+// fp32 on the CUDA cores from the fp32 state (f16_products_fp32), so no finite input falls outside
+// the guard; only non-finite inputs (non-finite results on every path) take that path each chunk.
+constexpr int kRenormChunks = 16;
+constexpr int kRowScaleMaxExp = 60;  // |log2 m_r| <= 60: row maxima from ~2^-57 to ~2^63 rescaled
+
+struct RowScale {
+  float m[2] = {1.f, 1.f}, inv[2] = {1.f, 1.f};
+  int e[2] = {0, 0};  // m = 2^e
+
+  // Quad-collective (every lane of the warp must call it): rescales this thread's rows of S_st.
+  __device__ __forceinline__ void renormalise(float (&S)[64]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = 0.f;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) mx = fmaxf(mx, fmaxf(fabsf(S[4 * j + 2 * half]), fabsf(S[4 * j + 2 * half + 1])));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      // In range, zero, or not finite (nothing a scale can do): m_r stays.
+      if (!(mx > 0.f && mx <= 3.0e38f) || (mx >= 0x1p-8f && mx < 0x1p12f)) continue;
+      const int ex = ((__float_as_int(mx) >> 23) & 0xff) - 127;  // mx in [2^ex, 2^(ex+1)) (normal mx)
+      const int target = max(-kRowScaleMaxExp, min(kRowScaleMaxExp, e[half] + 3 - ex));
+      const int k = target - e[half];
+      if (k == 0) continue;
+      const float f = __int_as_float((127 + k) << 23);  // |k| <= 2 * kRowScaleMaxExp < 127
+#pragma unroll
+      for (int j = 0; j < 16; ++j) S[4 * j + 2 * half] *= f, S[4 * j + 2 * half + 1] *= f;
+      e[half] = target;
+      m[half] = __int_as_float((127 + target) << 23);
+      inv[half] = __int_as_float((127 - target) << 23);
+    }
+  }
+};
+
+// W^T and O^T of one chunk for this thread's rows (v_row, v_row + 8) in fp32 on the CUDA cores:
+// the fp16 policy's fallback when S_st left fp16's range. k_decayed and q_decayed come from the
+// record (fp16, WO operands 0 and 1); Dw and Do receive the wgmma accumulator layout (token
+// 8 nt + 2 t4 + (e & 1), row g + 8 (e >> 1) at [4 nt + e]). Every lane of the warp calls it.
+template <class Rec>
+__device__ __forceinline__ void f16_products_fp32(const float (&S)[64], const uint8_t* wo, float (&Dw)[8],
+                                                  float (&Do)[8], int t4) {
+#pragma unroll
+  for (int t = 0; t < kChunk; ++t) {  // unrolled: Dw and Do stay in registers
+    float w0 = 0.f, w1 = 0.f, o0 = 0.f, o1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = 8 * j + 2 * t4;
+      const float2 kd = __half22float2(*reinterpret_cast<const __half2*>(wo + Rec::wo_offset(0, t, c)));
+      const float2 qd = __half22float2(*reinterpret_cast<const __half2*>(wo + Rec::wo_offset(1, t, c)));
+      w0 = fmaf(S[4 * j], kd.x, fmaf(S[4 * j + 1], kd.y, w0));
+      w1 = fmaf(S[4 * j + 2], kd.x, fmaf(S[4 * j + 3], kd.y, w1));
+      o0 = fmaf(S[4 * j], qd.x, fmaf(S[4 * j + 1], qd.y, o0));
+      o1 = fmaf(S[4 * j + 2], qd.x, fmaf(S[4 * j + 3], qd.y, o1));
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) {
+      w0 += __shfl_xor_sync(0xffffffffu, w0, x), w1 += __shfl_xor_sync(0xffffffffu, w1, x);
+      o0 += __shfl_xor_sync(0xffffffffu, o0, x), o1 += __shfl_xor_sync(0xffffffffu, o1, x);
+    }
+    if (((t & 7) >> 1) == t4) {
+      const int i = 4 * (t >> 3) + (t & 1);
+      Dw[i] = w0, Dw[i + 2] = w1, Do[i] = o0, Do[i + 2] = o1;
+    }
+  }
 }
 
 // Rows r, r + 8 of the identity (the transition rows of a segment start at A = I).
@@ -290,6 +377,8 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
                     state_base, v_row, t4);
   else if (transition_rows) identity_rows(S, v_row - kHeadDim, t4);
   else load_state_rows(S, nullptr, ElemType::kNone, 0, v_row, t4);
+  RowScale rs;  // the fp16 policy's row scales (S holds S_st = m S); unused by the bf16 policies
+  if constexpr (Split::f16) rs.renormalise(S);
 
   const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
@@ -347,6 +436,20 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();
     fence_regs(Dw);
+    if constexpr (Split::f16) {
+      // Range guard (RowScale): a non-finite W^T means S_st left fp16's range (or an input is not
+      // finite); this warp waits for O^T too and redoes both in fp32 at a new scale.
+      float sum = 0.f;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += Dw[i];
+      if (__any_sync(0xffffffffu, !(fabsf(sum) <= 3.0e38f))) {
+        cute::warpgroup_wait<0>();
+        fence_regs(Do);
+        rs.renormalise(S);
+        f16_products_fp32<Rec>(S, rec + Rec::kOffWo, Dw, Do, t4);
+        fence_regs(Dw), fence_regs(Do);
+      }
+    }
     float W[2][4], O[2][4];
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -361,7 +464,8 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
         const int t = nt * 8 + 2 * t4 + (e & 1);
         const int col = warp * 16 + g + 8 * (e >> 1);
         const float vt = transition_rows ? 0.f : __bfloat162float(st.v[t][col]);
-        W[nt][e] = vt - W[nt][e];
+        if constexpr (Split::f16) W[nt][e] = fmaf(vt, rs.m[e >> 1], -W[nt][e]);  // u_st = m v - W_st
+        else W[nt][e] = vt - W[nt][e];
       }
     uint32_t ua[4], ua_lo[4];
     acc_fragments<kSplitF>(W[0], W[1], ua, ua_lo);
@@ -430,7 +534,8 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sm.out32[kSeg ? warp : 0][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = O[nt][e];
+        for (int e = 0; e < 4; ++e)
+          sm.out32[kSeg ? warp : 0][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = O[nt][e] * rs.inv[e >> 1];
       __syncwarp();
       float* dst = p.seg_out + ((sc.chunk_begin + j) * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16;
 #pragma unroll
@@ -446,7 +551,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(O[nt][e]);
+          sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(O[nt][e] * rs.inv[e >> 1]);
       __syncwarp();
       {
         const int t = lane >> 1, part = lane & 1;
@@ -469,22 +574,24 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       int64_t offset;
       if (chunk_rows(j) == kChunk &&
           checkpoint_target(p, first_checkpoint(p, n) + (j + 1) / ckpt_period - 1, h, base, type, offset))
-        store_state_rows(S, base, type, offset, v_row, t4);
+        store_state_rows(S, base, type, offset, v_row, t4, rs.inv);
     }
+    if constexpr (Split::f16)
+      if (j % kRenormChunks == 0) rs.renormalise(S);
   }
   cp_async_wait_all();
 
   if (seg.count == 1 && first_segment) {  // the whole sequence: its final state
-    if (p.final_state != nullptr) store_state_rows(S, p.final_state, p.final_state_type, state_base, v_row, t4);
+    if (p.final_state != nullptr) store_state_rows(S, p.final_state, p.final_state_type, state_base, v_row, t4, rs.inv);
   } else if (first_segment) {  // X_1, the start state of segment 1
     store_state_rows(S, p.seg_x, ElemType::kF32, (seg.first + 1) * p.H * int64_t(kSegStateFloats) + head_offset,
-                     v_row, t4);
+                     v_row, t4, rs.inv);
   } else if (transition_rows) {  // A_s^T
     store_state_rows(S, p.seg_a, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
-                     v_row - kHeadDim, t4);
+                     v_row - kHeadDim, t4, rs.inv);
   } else {  // B_s^T
     store_state_rows(S, p.seg_b, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
-                     v_row, t4);
+                     v_row, t4, rs.inv);
   }
 }
 
