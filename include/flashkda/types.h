@@ -61,14 +61,16 @@ inline const char* gate_form_name(GateForm f) {
   return "unknown";
 }
 
-// Precision of the GPU prefill recurrence (docs/DESIGN.md, "Precision as an option"): which
-// operands of its tensor-core products are split into bf16 hi + lo pairs (the rest are rounded
-// to bf16). kPrecise splits the state, u, U, inv_b, k_restored, q_decayed and Mqk: errors at the
-// floor set by rounding the output to bf16 (~1.7e-3 output, 1e-5 .. 6e-4 state, adversarial
-// inputs included). kBalanced splits all of them but the state, the costliest split, for a
-// shorter prefill (docs/VALIDATION.md has its errors). kFast splits nothing: about 2x the output error and a state
-// error of ~3e-3 on random inputs (more on adversarial ones), for the shortest prefill
-// (docs/BENCHMARKS.md). The CPU backend and decode compute in fp32 whatever the mode.
+// Precision of the GPU prefill recurrence (docs/DESIGN.md, "Precision as an option"): how the
+// operands of its tensor-core products are rounded. kPrecise: errors at the floor set by rounding
+// the output to bf16 (~1.7e-3 output, 1e-5 .. 4e-4 state, adversarial inputs included); with
+// L2-normalised q and k it rounds the state and the decayed q, k to fp16 under a range guard and
+// splits the other operands into bf16 hi + lo pairs, otherwise it splits the state too.
+// kBalanced rounds the state to bf16 (no faster than kPrecise since fp16 state operands, and up to
+// 1.4x its error where little decays; kept for callers that name it). kFast splits nothing: about
+// 2x the output error and a state error of ~3e-3 on random inputs (more on adversarial ones), for
+// the shortest prefill (docs/BENCHMARKS.md). The CPU backend and decode compute in fp32 whatever
+// the mode.
 enum class Precision : int { kPrecise = 0, kFast = 1, kBalanced = 2 };
 
 inline const char* precision_name(Precision p) {

@@ -143,10 +143,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
       final_state (output_final_state=True): float32, same layout; otherwise None.
     - cu_seqlens: [N + 1] int32/int64 boundaries of N sequences packed along T (then B must be 1).
     - precision (flashkda's own): 'precise' (default), 'balanced' or 'fast', the GPU recurrence's
-      mode: which tensor-core operands are split into bf16 hi + lo rather than rounded. 'balanced'
-      drops the split of the state (a shorter prefill, errors in docs/VALIDATION.md), 'fast' splits
-      nothing (about 2x the output error, the shortest prefill; docs/BENCHMARKS.md). The CPU
-      computes in fp32 in every mode.
+      mode: how its tensor-core operands are rounded. 'precise' keeps the errors at the bf16
+      rounding of the output (fp16 state operands under a range guard, the rest split into bf16
+      hi + lo); 'balanced' rounds the state to bf16 (no faster than 'precise' since fp16 state
+      operands, up to 1.4x its error; kept for callers that name it), 'fast' splits nothing (about
+      2x the output error, the shortest prefill; docs/BENCHMARKS.md). The CPU computes in fp32 in
+      every mode.
     - return_intermediate_states=True (fla's): returns (o, final_state, h), h the state at the start
       of every 64-token chunk of every sequence, [B, NT, H, K, V] ([1, sum NT, ...] with cu_seqlens;
       V before K with state_v_first) in k's dtype, NT = ceil(T / 64). On CUDA tensors this reads the

@@ -65,17 +65,18 @@ constexpr int kKrLbo = 2048, kKrSbo = 128;
 //              operands the state's accuracy needs (a repeated key writes the rounding noise of
 //              k_restored or inv_b into state directions nothing removes)
 //   f16        S, k_decayed and q_decayed rounded to fp16 instead of bf16 (the W and O products on
-//              f16 x f16 wgmma; unsplit, so with state = q_decayed = false): the internal candidate
-//              of docs/DESIGN.md "Toward prefill v2" (fp16 holds +-65504: no range guard yet)
+//              f16 x f16 wgmma; unsplit, so with state = q_decayed = false), S under the row-scale
+//              range guard of recur_kernel.cuh (RowScale): the precise mode where q and k are
+//              L2-normalised (launch.cu runs_f16)
 template <bool kState, bool kQDecayed, bool kFactors, bool kF16 = false>
 struct SplitPolicy {
   static constexpr bool state = kState, q_decayed = kQDecayed, factors = kFactors, f16 = kF16;
   static_assert(!kF16 || (!kState && !kQDecayed), "fp16 operands are not split");
 };
-using PreciseSplit = SplitPolicy<true, true, true>;     // Precision::kPrecise
-using BalancedSplit = SplitPolicy<false, true, true>;   // Precision::kBalanced: the precise record
+using PreciseSplit = SplitPolicy<true, true, true>;     // Precision::kPrecise without L2-normalised q, k
+using BalancedSplit = SplitPolicy<false, true, true>;   // Precision::kBalanced: the PreciseSplit record
 using FastSplit = SplitPolicy<false, false, false>;     // Precision::kFast
-using F16Split = SplitPolicy<false, false, true, true>;  // internal::PrefillLaunch::f16_operands
+using F16Split = SplitPolicy<false, false, true, true>;  // Precision::kPrecise with L2-normalised q, k
 // Every policy the launcher dispatches to (launch.cu with_split): X(policy) for each, so the
 // instantiation units list them once.
 #define FLASHKDA_PREFILL_SPLITS(X) X(FastSplit) X(BalancedSplit) X(PreciseSplit) X(F16Split)

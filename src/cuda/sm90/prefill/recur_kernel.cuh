@@ -13,9 +13,10 @@
 // of one product is the A operand of the next and U and S never leave registers; the chunk
 // records (already in wgmma's shared-memory layouts, config.h) and v stream through a cp.async
 // ring of kStages stages. The mode's precision policy (config.h SplitPolicy) says which operands
-// are split into bf16 hi + lo halves (2-3x the MMAs on those products): the precise mode splits S,
+// are split into bf16 hi + lo halves (2-3x the MMAs on those products): PreciseSplit splits S,
 // u, U, inv_b, k_restored, q_decayed and Mqk, the balanced mode all but S, the fast mode none;
-// the internal fp16 candidate rounds S, k_decayed and q_decayed to fp16 (see config.h for what
+// F16Split (the precise mode with L2-normalised q and k) rounds S, k_decayed and q_decayed to fp16,
+// S under a row-scale range guard (RowScale below), and splits the rest (see config.h for what
 // each costs in accuracy).
 #pragma once
 
