@@ -280,8 +280,8 @@ struct RowScale {
 template <class Rec>
 __device__ __forceinline__ void f16_products_fp32(const float (&S)[64], const uint8_t* wo, float (&Dw)[8],
                                                   float (&Do)[8], int t4) {
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) {  // unrolled: Dw and Do stay in registers
+#pragma unroll 1
+  for (int t = 0; t < kChunk; ++t) {  // not unrolled (rare path, registers); the slots by select
     float w0 = 0.f, w1 = 0.f, o0 = 0.f, o1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
@@ -298,9 +298,11 @@ __device__ __forceinline__ void f16_products_fp32(const float (&S)[64], const ui
       w0 += __shfl_xor_sync(0xffffffffu, w0, x), w1 += __shfl_xor_sync(0xffffffffu, w1, x);
       o0 += __shfl_xor_sync(0xffffffffu, o0, x), o1 += __shfl_xor_sync(0xffffffffu, o1, x);
     }
-    if (((t & 7) >> 1) == t4) {
-      const int i = 4 * (t >> 3) + (t & 1);
-      Dw[i] = w0, Dw[i + 2] = w1, Do[i] = o0, Do[i + 2] = o1;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {  // slot i holds token 8 (i / 4) + 2 t4 + (i & 1), row g + 8 ((i >> 1) & 1)
+      const bool mine = t == 8 * (i >> 2) + 2 * t4 + (i & 1);
+      Dw[i] = mine ? ((i & 2) ? w1 : w0) : Dw[i];
+      Do[i] = mine ? ((i & 2) ? o1 : o0) : Do[i];
     }
   }
 }
