@@ -139,18 +139,26 @@ def run_flashkda_pool(x, checkpoint_every=0, precision="precise"):
 
 
 def serving_rows(reps):
-    """Issue 13's cost target: pool prefill with checkpoints every 4096 tokens against the plain
-    prefill, same inputs, same run."""
+    """Issue 13's cost target: pool prefill with checkpoints against the plain prefill, same inputs,
+    same run; with checkpoints the segment length must divide checkpoint_every unless the internal
+    checkpoints_in_segments launch computes the checkpoints inside segments (last column)."""
     rows = ["", "Serving prefill against the plain call (fp32 states; pool of N + 4 slots; CUDA-graph medians, ms):",
-            "", "| case | plain | pool | pool + checkpoints every 4096 | cost of pool + checkpoints |",
-            "|---|---|---|---|---|"]
+            "", "| case | plain | pool | pool + checkpoints | cost of pool + checkpoints "
+            "| the same, checkpoints inside segments (internal) | its cost |",
+            "|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
-    for name, H, seqlens in (("T=8192 H=96 one seq", 96, [8192]), ("T=32768 H=12 one seq", 12, [32768])):
+    cases = (("T=8192 H=96 one seq, checkpoints every 4096", 96, [8192], 4096),
+             ("T=8192 H=12 one seq, checkpoints every 1024", 12, [8192], 1024),
+             ("T=32768 H=12 one seq, checkpoints every 4096", 12, [32768], 4096))
+    for name, H, seqlens, every in cases:
         x = make_inputs(H, seqlens, True)
         plain = time_graph_ms(run_flashkda(x, True)[0], reps=reps)
         pool = time_graph_ms(run_flashkda_pool(x)[0], reps=reps)
-        ck = time_graph_ms(run_flashkda_pool(x, 4096)[0], reps=reps)
-        rows.append(f"| {name} | {plain:.3f} | {pool:.3f} | {ck:.3f} | {100 * (ck / plain - 1):+.1f}% |")
+        ck = time_graph_ms(run_flashkda_pool(x, every)[0], reps=reps)
+        with _internal.launch(checkpoints_in_segments=1):
+            inside = time_graph_ms(run_flashkda_pool(x, every)[0], reps=reps)
+        rows.append(f"| {name} | {plain:.3f} | {pool:.3f} | {ck:.3f} | {100 * (ck / plain - 1):+.1f}% "
+                    f"| {inside:.3f} | {100 * (inside / plain - 1):+.1f}% |")
         print(rows[-1], flush=True)
         del x
         torch.cuda.empty_cache()

@@ -155,7 +155,8 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
 // Checkpoints, serial: each equals the final state of the same GPU prefill cut at its position, bit
 // for bit (the chunks up to there are the same); padding sequences' dense checkpoints are zero;
 // the same checkpoints into pool slots (every other one skipped) equal the dense ones; and in
-// segments (the segment length divides checkpoint_every) they match the fp64 reference.
+// segments (lengths that divide checkpoint_every, and lengths that do not, with the checkpoints
+// inside segments from their partial transitions) they match the fp64 reference.
 TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   const DType dtype = GetParam();
   PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/-1, kSerial);
@@ -241,8 +242,11 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   const double e = rel_rms(dense.values(), ref_ck);
   report("gpu checkpoints serial rel-RMS", e);
   EXPECT_LT(e, tol);
-  for (const int64_t seg : {4, 2}) {
-    const internal::PrefillLaunch launch{0, seg};
+  // Then segments of 3 and 5 chunks with the checkpoints inside segments from their partial
+  // transitions (internal::PrefillLaunch::checkpoints_in_segments).
+  const internal::PrefillLaunch seg_launches[] = {{0, 4}, {0, 2}, {0, 3, 0, 1}, {0, 5, 0, 1}};
+  for (const internal::PrefillLaunch& launch : seg_launches) {
+    const int64_t seg = launch.segment_chunks;
     ASSERT_EQ(internal::chosen_segment_chunks(p, launch), seg);
     c.reset_pool();
     HostTensor seg_dense(dtype, count * kState);
@@ -255,9 +259,12 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
     EXPECT_TRUE(seg_dense.guard_intact());
     EXPECT_EQ(count_nonfinite(seg_dense.values()), 0);
     const double es = rel_rms(seg_dense.values(), ref_ck);
-    report("gpu checkpoints segments" + std::to_string(seg) + " rel-RMS", es);
+    report("gpu checkpoints segments" + std::to_string(seg) + (launch.checkpoints_in_segments > 0 ? " inside" : "") +
+               " rel-RMS",
+           es);
     EXPECT_LT(es, tol);
     EXPECT_LT(rel_rms(c.in.out.values(), ref_out), 6e-3);
+    EXPECT_LT(rel_rms(c.pool.values(), ref_pool.values()), tol);
   }
   // A segment length that does not divide checkpoint_every is rounded down to one that does.
   EXPECT_EQ(internal::chosen_segment_chunks(p, internal::PrefillLaunch{0, 3}), 2);

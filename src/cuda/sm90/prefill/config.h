@@ -202,6 +202,9 @@ struct Params {
   float* seg_b;               // [max_segs][H][V][K] B_s^T: the state after segment s from zero
   float* seg_a;               // [max_segs][H][K][K] A_s^T (row r = A_s e_r): the segment's transition
   float* seg_out;             // [chunk_slots][H][16][256] o_zero | w of the chunks of segments s >= 1
+  float* seg_ckpt_b;          // [num_checkpoints][H][V][K] or null: with checkpoints inside segments, the
+  float* seg_ckpt_a;          // partial B_c^T and A_c^T of segment s up to checkpoint c (s > 0), which the
+                              // chain maps to the checkpoint X_s^T A_c^T + B_c^T
   bool transitions_only;      // every sequence is one segment, run as s > 0: seg_b, seg_a = (B, A^T) of
                               // each whole sequence (internal::segment_transition); out is not written
 

@@ -81,12 +81,17 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // With checkpoints the segment length must divide checkpoint_every (in chunks), so that every
 // checkpoint is a segment start or a sequence end, which the chain kernel has: the length is
 // rounded down to the largest such divisor (forced lengths too), and the rule's length to one of at
-// least kSegMinChunks chunks or no segments.
+// least kSegMinChunks chunks or no segments. Unless the checkpoints inside segments come from
+// their partial transitions (internal::PrefillLaunch::checkpoints_in_segments = 1, ckpt_in_segments):
+// then any length serves.
+bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.checkpoints_in_segments > 0; }
+
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precision precision,
                               int64_t checkpoint_every, const internal::PrefillLaunch& launch) {
   const int64_t longest = std::max<int64_t>(1, max_chunk_slots(total_tokens, 1));  // chunks of any sequence
   auto fit_checkpoints = [&](int64_t seg_chunks, int64_t shortest) -> int64_t {
-    if (seg_chunks == 0 || checkpoint_every == 0 || seg_chunks >= longest) return seg_chunks;
+    if (seg_chunks == 0 || checkpoint_every == 0 || seg_chunks >= longest || ckpt_in_segments(launch))
+      return seg_chunks;
     const int64_t period = checkpoint_every / kChunk;
     for (int64_t d = std::min(seg_chunks, period); d >= shortest; --d)
       if (period % d == 0) return d;
@@ -105,12 +110,13 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 }
 
 struct Layout {
-  size_t header, records, seg_states, seg_out, total;
+  size_t header, records, seg_states, seg_out, seg_ckpt, total;
 };
 
 // The workspace of one call: header, K1 records and, with segments, the per-segment matrices
-// (X_s, B_s^T, A_s^T) and the fp32 outputs of the chunks of segments s > 0.
-Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks) {
+// (X_s, B_s^T, A_s^T), the fp32 outputs of the chunks of segments s > 0 and, with checkpoints
+// inside segments, the partial transitions (B_c^T, A_c^T) of each checkpoint.
+Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks, int64_t ckpt_partials = 0) {
   const int64_t slots = max_chunk_slots(total_tokens, N);
   Layout l{};
   l.header = header_bytes(N);
@@ -119,8 +125,9 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
     const size_t matrices = size_t(max_segments(slots, N, seg_chunks)) * size_t(H) * kSegStateFloats * 4;
     l.seg_states = 3 * align_up(matrices);
     l.seg_out = align_up(size_t(slots) * size_t(H) * kSegOutFloats * 4);
+    l.seg_ckpt = 2 * align_up(size_t(ckpt_partials) * size_t(H) * kSegStateFloats * 4);
   }
-  l.total = l.header + l.records + l.seg_states + l.seg_out;
+  l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt;
   return l;
 }
 
@@ -181,8 +188,15 @@ int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLa
   return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision, p.checkpoint_every, launch);
 }
 
+// Checkpoints whose partial transitions the workspace holds (checkpoints inside segments).
+int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
+}
+
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch)).total;
+  return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
+                          checkpoint_partials(p, launch))
+      .total;
 }
 
 namespace {
@@ -242,7 +256,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
   kp.seg_chunks = prefill_segment_chunks(p, launch);
-  const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks);
+  const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch));
   kp.records = ws + l.header;
   if (kp.seg_chunks > 0) {
     kp.max_segs = max_segments(kp.chunk_slots, N, kp.seg_chunks);
@@ -250,6 +264,10 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const size_t matrices = l.seg_states / 3 / sizeof(float);
     kp.seg_x = states, kp.seg_b = states + matrices, kp.seg_a = states + 2 * matrices;
     kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records + l.seg_states);
+    if (l.seg_ckpt > 0) {
+      kp.seg_ckpt_b = reinterpret_cast<float*>(ws + l.header + l.records + l.seg_states + l.seg_out);
+      kp.seg_ckpt_a = kp.seg_ckpt_b + l.seg_ckpt / 2 / sizeof(float);
+    }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);
     FLASHKDA_CHECK(kp.max_segs <= int64_t(INT32_MAX) / p.H && combine_ctas <= int64_t(INT32_MAX) / p.H,

@@ -367,11 +367,17 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     return;
   }
   const int64_t state_base = state_offset(p, slot, h);
-  // Checkpoints at chunk ends come from this CTA only when it walks the whole sequence (with
-  // segments, checkpoints fall on segment boundaries and the chain kernel writes them): next_ckpt
-  // is the chunk after which the next one falls, -1 for none (one compare per chunk).
+  // Checkpoints at chunk ends: next_ckpt is the chunk (of this CTA's walk) after which the next one
+  // falls, -1 for none (one compare per chunk). A CTA that walks the whole sequence writes them all.
+  // With segments, those on segment boundaries come from the chain kernel; with checkpoints inside
+  // segments (p.seg_ckpt_b) segment 0 writes its inner ones and segments s > 0 store their partial
+  // transitions B_c^T, A_c^T at theirs, which the chain maps to the checkpoint.
   const int64_t ckpt_period = p.checkpoint_every / kChunk;
-  int64_t next_ckpt = p.checkpoint_every > 0 && seg.count == 1 && first_segment ? ckpt_period - 1 : -1;
+  const int64_t seg_chunk0 = kSeg ? seg.s * p.seg_chunks : 0;  // this walk's first chunk in the sequence
+  const bool inner_ckpts = kSeg && p.seg_ckpt_b != nullptr && !p.transitions_only && seg.count > 1;
+  int64_t next_ckpt = p.checkpoint_every > 0 && ((seg.count == 1 && first_segment) || inner_ckpts)
+                          ? ckpt_period - 1 - seg_chunk0 % ckpt_period
+                          : -1;
 
   // S^T tile, flat: S[4j + e] = state(v = v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1)).
   float S[64];
@@ -572,12 +578,24 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     fence_regs(S);
     if (j == next_ckpt) {
       next_ckpt += ckpt_period;
+      const int64_t c = first_checkpoint(p, n) + (seg_chunk0 + j + 1) / ckpt_period - 1;
       void* base;
       ElemType type;
       int64_t offset;
-      if (chunk_rows(j) == kChunk &&
-          checkpoint_target(p, first_checkpoint(p, n) + (j + 1) / ckpt_period - 1, h, base, type, offset))
-        store_state_rows(S, base, type, offset, v_row, t4, rs.inv);
+      if (seg.count == 1 && first_segment) {  // the whole sequence
+        if (chunk_rows(j) == kChunk && checkpoint_target(p, c, h, base, type, offset))
+          store_state_rows(S, base, type, offset, v_row, t4, rs.inv);
+      } else if (j + 1 < num_chunks && c < p.num_checkpoints) {  // inside a segment (its end: the chain)
+        if (first_segment) {
+          if (checkpoint_target(p, c, h, base, type, offset)) store_state_rows(S, base, type, offset, v_row, t4, rs.inv);
+        } else if (transition_rows) {
+          store_state_rows(S, p.seg_ckpt_a, ElemType::kF32, c * p.H * int64_t(kSegStateFloats) + head_offset,
+                           v_row - kHeadDim, t4, rs.inv);
+        } else {
+          store_state_rows(S, p.seg_ckpt_b, ElemType::kF32, c * p.H * int64_t(kSegStateFloats) + head_offset,
+                           v_row, t4, rs.inv);
+        }
+      }
     }
     if constexpr (Split::f16)
       if (j % kRenormChunks == 0) rs.renormalise(S);

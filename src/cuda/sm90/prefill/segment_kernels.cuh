@@ -3,8 +3,10 @@
 // chain    grid (N * H, kHeadDim / kChainRows), block kChainThreads. Per sequence and head, in
 //          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T in fp32 (rows of X^T are independent,
 //          so each CTA owns kChainRows of them); X_1 comes from segment 0, the last product is
-//          the final state. With checkpoints the segment length divides checkpoint_every, so
-//          every checkpoint is a segment start X_s or the final state, and the chain writes it.
+//          the final state. With checkpoints it writes those at segment starts X_s and at the end;
+//          with checkpoints inside segments (p.seg_ckpt_b; otherwise the segment length divides
+//          checkpoint_every and there are none) also X_s^T A_c^T + B_c^T for each checkpoint c
+//          inside segment s > 0, from the partial transitions K2 stored (segment 0's: K2).
 // combine  grid (max_segs * tiles * H), block kCombineThreads. For the tokens of segments s > 0:
 //          out_t = o_zero_t + X_s^T w_t, the K = 128 product on the tensor cores with split-bf16
 //          operands (hi * hi + hi * lo + lo * hi, about fp32 accuracy), rounded once to bf16.
@@ -84,16 +86,14 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   const int64_t seg_tokens = p.seg_chunks * kChunk;
   if (checkpoint_at(seg_tokens) >= 0) store_checkpoint(checkpoint_at(seg_tokens), &sm.x[r0][c], kHeadDim);
   const int64_t state_base = state_offset(p, slot, h);
-  for (int64_t s = 1; s < count; ++s) {
-    const bool last = s + 1 == count;
-    if (last && p.final_state == nullptr && !final_checkpoint) break;
-    const float* a = p.seg_a + segment_matrix(p, first + s, h);
-    __syncthreads();  // the previous step's reads of sm.a and sm.x are done
+  // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices).
+  float acc[kChainRows / 2];
+  auto affine = [&](const float* a, const float* b) {
+    __syncthreads();  // the previous product's reads of sm.a and sm.x are done
     for (int i = tid; i < kQuads; i += kChainThreads)
       reinterpret_cast<float4*>(&sm.a[0][0])[i] = reinterpret_cast<const float4*>(a)[i];
     __syncthreads();
-    const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
-    float acc[kChainRows / 2];
+    b += int64_t(v0) * kHeadDim;
 #pragma unroll
     for (int i = 0; i < kChainRows / 2; ++i) acc[i] = b[(r0 + i) * kHeadDim + c];
 #pragma unroll 4
@@ -102,6 +102,20 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
 #pragma unroll
       for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.x[r0 + i][k], ak, acc[i]);
     }
+  };
+  for (int64_t s = 1; s < count; ++s) {
+    const bool last = s + 1 == count;
+    if (p.seg_ckpt_b != nullptr && E > 0) {  // checkpoints inside segment s: X_s^T A_c^T + B_c^T
+      const int64_t begin = s * seg_tokens, end = last ? sc.eos - sc.bos : (s + 1) * seg_tokens;
+      for (int64_t t = (begin / E + 1) * E; t < end; t += E) {
+        const int64_t ck = checkpoint_at(t);
+        if (ck < 0 || ck >= p.num_checkpoints) continue;
+        affine(p.seg_ckpt_a + segment_matrix(p, ck, h), p.seg_ckpt_b + segment_matrix(p, ck, h));
+        store_checkpoint(ck, acc, 1);
+      }
+    }
+    if (last && p.final_state == nullptr && !final_checkpoint) break;
+    affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h));
     __syncthreads();  // every thread has read sm.x for this step
 #pragma unroll
     for (int i = 0; i < kChainRows / 2; ++i) {
