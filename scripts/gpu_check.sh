@@ -3,10 +3,12 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [sanitize] [python] [bench] [decode] [profile] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [pending] [sanitize] [python] [bench] [decode] [profile] [ab]
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy;
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
+#   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, memcheck on
+#   them, and a flashkda-only benchmark of the internal variants and the serving costs);
 #   decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2; ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -70,6 +72,19 @@ if want gpu-tests && ! want test; then  # the GPU test binaries only (test runs 
   gpu_binaries
 fi
 
+if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
+  step pending
+  pending_tests=(test_prefill_gpu '*RangeGuard*:*SplitState*' test_serving_prefill_gpu '*Checkpoints*')
+  for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
+    t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
+    "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | head -60
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --gtest_filter="$f" > /tmp/pending_memcheck.log 2>&1 ||
+      { status=1; tail -20 /tmp/pending_memcheck.log; }
+    grep -E "ERROR SUMMARY" /tmp/pending_memcheck.log | tee -a "$OUT/sanitize.log"
+  done
+fi
+
 if want sanitize; then
   step compute-sanitizer
   san=(--gtest_filter='*VarlenWithEmptySequencesInt32*:*SegmentsSmall*:GateFormsAndFlags')
@@ -91,7 +106,7 @@ if want sanitize; then
   done
 fi
 
-if want python || want bench || want profile || want decode; then
+if want python || want bench || want profile || want decode || want pending; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
@@ -109,6 +124,12 @@ if want python; then
 fi
 
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
+if want pending; then
+  step pending-bench
+  python3 benchmarks/bench_prefill.py --table both --regime random --no-peers --no-serial --no-fast --candidates \
+    --serving --no-accuracy --reps 10 --out "$OUT/bench_pending.md" 2>&1 | tee -a "$OUT/bench_prefill.log" |
+    grep -E "^\| " | head -40 || status=1
+fi
 if want bench; then
   step bench
   python3 benchmarks/bench_prefill.py --serving --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -45 || status=1
