@@ -380,14 +380,14 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
                           : -1;
 
   // S^T tile, flat: S[4j + e] = state(v = v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1)).
-  float S[64];
+  float r_S[64];
   if (first_segment)
-    load_state_rows(S, p.initial_state, reads_initial_state(p, n) ? p.initial_state_type : ElemType::kNone,
+    load_state_rows(r_S, p.initial_state, reads_initial_state(p, n) ? p.initial_state_type : ElemType::kNone,
                     state_base, v_row, t4);
-  else if (transition_rows) identity_rows(S, v_row - kHeadDim, t4);
-  else load_state_rows(S, nullptr, ElemType::kNone, 0, v_row, t4);
+  else if (transition_rows) identity_rows(r_S, v_row - kHeadDim, t4);
+  else load_state_rows(r_S, nullptr, ElemType::kNone, 0, v_row, t4);
   RowScale rs;  // the fp16 policy's row scales (S holds S_st = m S); unused by the bf16 policies
-  if constexpr (Split::f16) rs.renormalise(S);
+  if constexpr (Split::f16) rs.renormalise(r_S);
 
   const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
@@ -410,60 +410,60 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
                                    chunk_rows(jn), v_base, !transition_rows);
       cp_async_commit();
     }
-    const typename Smem::Stage& st = sm.stage[j % kStages];
-    const uint8_t* rec = st.record;
+    const typename Smem::Stage& s_stage = sm.stage[j % kStages];
+    const uint8_t* s_rec = s_stage.record;
 
     // W^T = S^T k_decayed^T and O^T = S^T [q_decayed | q_decayed_lo]^T over K = 128 (8 k-steps), as two wgmma groups:
     // W is on the recurrence's critical path and is waited for first; O completes while this
     // warp forms u and U. A split S adds S_lo^T k_decayed^T to W and S_lo^T q_decayed^T to O (a
     // second O accumulator: different wgmma shapes never share one); a split q_decayed widens
     // the O product to [q_decayed | q_decayed_lo] (n = 32).
-    uint32_t sa[8][4], sa_lo[8][4];
-    state_fragments<kSplitS, Split::f16>(S, sa, sa_lo);
-    const uint64_t desc_w = smem_desc(rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: k_decayed
+    uint32_t r_S_hi[kKSteps][4], r_S_lo[kKSteps][4];
+    state_fragments<kSplitS, Split::f16>(r_S, r_S_hi, r_S_lo);
+    const uint64_t desc_w = smem_desc(s_rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: k_decayed
     const uint64_t desc_o = desc_w + ((2 * Rec::kWoSbo) >> 4);  // rows 16..: q_decayed (and q_decayed_lo)
     constexpr uint64_t kStep = Rec::kWoStepBytes >> 4;
     using WgmmaO = std::conditional_t<kSplitQd, WgmmaN32, WgmmaWO16>;
-    float Dw[8], Do[kSplitQd ? 16 : 8], Dol[kSplitS ? 8 : 1];
+    float r_W_acc[8], r_O_acc[kSplitQd ? 16 : 8], r_O_lo_acc[kSplitS ? 8 : 1];
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      fence_regs(sa[s]);
-      if constexpr (kSplitS) fence_regs(sa_lo[s]);
+    for (int s = 0; s < kKSteps; ++s) {
+      fence_regs(r_S_hi[s]);
+      if constexpr (kSplitS) fence_regs(r_S_lo[s]);
     }
     cute::warpgroup_arrive();
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      wgmma<WgmmaWO16>(sa[s], desc_w + s * kStep, Dw, s > 0);
-      if constexpr (kSplitS) wgmma<WgmmaN16>(sa_lo[s], desc_w + s * kStep, Dw, true);
+    for (int s = 0; s < kKSteps; ++s) {
+      wgmma<WgmmaWO16>(r_S_hi[s], desc_w + s * kStep, r_W_acc, s > 0);
+      if constexpr (kSplitS) wgmma<WgmmaN16>(r_S_lo[s], desc_w + s * kStep, r_W_acc, true);
     }
     cute::warpgroup_commit_batch();
 #pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      wgmma<WgmmaO>(sa[s], desc_o + s * kStep, Do, s > 0);
-      if constexpr (kSplitS) wgmma<WgmmaN16>(sa_lo[s], desc_o + s * kStep, Dol, s > 0);
+    for (int s = 0; s < kKSteps; ++s) {
+      wgmma<WgmmaO>(r_S_hi[s], desc_o + s * kStep, r_O_acc, s > 0);
+      if constexpr (kSplitS) wgmma<WgmmaN16>(r_S_lo[s], desc_o + s * kStep, r_O_lo_acc, s > 0);
     }
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();
-    fence_regs(Dw);
+    fence_regs(r_W_acc);
     if constexpr (Split::f16) {
       // Range guard (RowScale): a non-finite W^T means S_st left fp16's range (or an input is not
       // finite); this warp waits for O^T too and redoes both in fp32 at a new scale.
       float sum = 0.f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) sum += Dw[i];
+      for (int i = 0; i < 8; ++i) sum += r_W_acc[i];
       if (__any_sync(0xffffffffu, !(fabsf(sum) <= 3.0e38f))) {
         cute::warpgroup_wait<0>();
-        fence_regs(Do);
-        rs.renormalise(S);
-        f16_products_fp32<Rec>(S, rec + Rec::kOffWo, Dw, Do, t4);
-        fence_regs(Dw), fence_regs(Do);
+        fence_regs(r_O_acc);
+        rs.renormalise(r_S);
+        f16_products_fp32<Rec>(r_S, s_rec + Rec::kOffWo, r_W_acc, r_O_acc, t4);
+        fence_regs(r_W_acc), fence_regs(r_O_acc);
       }
     }
-    float W[2][4], O[2][4];
+    float r_u[2][4], r_O[2][4];  // r_u: W^T, then u^T = v^T - W^T in place
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) W[nt][e] = Dw[4 * nt + e];
+      for (int e = 0; e < 4; ++e) r_u[nt][e] = r_W_acc[4 * nt + e];
 
     // u^T = v^T - W^T (v = 0 on transition rows), then U^T = u^T inv_b^T.
 #pragma unroll
@@ -472,67 +472,67 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       for (int e = 0; e < 4; ++e) {
         const int t = nt * 8 + 2 * t4 + (e & 1);
         const int col = warp * 16 + g + 8 * (e >> 1);
-        const float vt = transition_rows ? 0.f : __bfloat162float(st.v[t][col]);
-        if constexpr (Split::f16) W[nt][e] = fmaf(vt, rs.m[e >> 1], -W[nt][e]);  // u_st = m v - W_st
-        else W[nt][e] = vt - W[nt][e];
+        const float vt = transition_rows ? 0.f : __bfloat162float(s_stage.v[t][col]);
+        if constexpr (Split::f16) r_u[nt][e] = fmaf(vt, rs.m[e >> 1], -r_u[nt][e]);  // u_st = m v - W_st
+        else r_u[nt][e] = vt - r_u[nt][e];
       }
-    uint32_t ua[4], ua_lo[4];
-    acc_fragments<kSplitF>(W[0], W[1], ua, ua_lo);
-    float U[2][4] = {};
+    uint32_t r_u_hi[4], r_u_lo[4];
+    acc_fragments<kSplitF>(r_u[0], r_u[1], r_u_hi, r_u_lo);
+    float r_U[2][4] = {};
     {
-      const uint4 bi = lds128(rec + Rec::kOffInvB + lane * 16);
-      mma_bf16_n16(U[0], U[1], ua, bi);
+      const uint4 r_inv_b = lds128(s_rec + Rec::kOffInvB + lane * 16);
+      mma_bf16_n16(r_U[0], r_U[1], r_u_hi, r_inv_b);
       if constexpr (kSplitF) {
-        const uint4 bi_lo = lds128(rec + Rec::kOffInvBLo + lane * 16);
-        mma_bf16_n16(U[0], U[1], ua_lo, bi);
-        mma_bf16_n16(U[0], U[1], ua, bi_lo);
+        const uint4 r_inv_b_lo = lds128(s_rec + Rec::kOffInvBLo + lane * 16);
+        mma_bf16_n16(r_U[0], r_U[1], r_u_lo, r_inv_b);
+        mma_bf16_n16(r_U[0], r_U[1], r_u_hi, r_inv_b_lo);
       }
     }
-    uint32_t uc[4], uc_lo[4];
-    acc_fragments<kSplitF>(U[0], U[1], uc, uc_lo);
+    uint32_t r_U_hi[4], r_U_lo[4];
+    acc_fragments<kSplitF>(r_U[0], r_U[1], r_U_hi, r_U_lo);
 
     cute::warpgroup_wait<0>();
-    fence_regs(Do);
-    if constexpr (kSplitS) fence_regs(Dol);
+    fence_regs(r_O_acc);
+    if constexpr (kSplitS) fence_regs(r_O_lo_acc);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        O[nt][e] = Do[4 * nt + e];
-        if constexpr (kSplitQd && kSplitS) O[nt][e] += Do[8 + 4 * nt + e] + Dol[4 * nt + e];
-        else if constexpr (kSplitQd) O[nt][e] += Do[8 + 4 * nt + e];
-        else if constexpr (kSplitS) O[nt][e] += Dol[4 * nt + e];
+        r_O[nt][e] = r_O_acc[4 * nt + e];
+        if constexpr (kSplitQd && kSplitS) r_O[nt][e] += r_O_acc[8 + 4 * nt + e] + r_O_lo_acc[4 * nt + e];
+        else if constexpr (kSplitQd) r_O[nt][e] += r_O_acc[8 + 4 * nt + e];
+        else if constexpr (kSplitS) r_O[nt][e] += r_O_lo_acc[4 * nt + e];
       }
 
     // O^T += U^T Mqk^T.
     {
-      const uint4 bm = lds128(rec + Rec::kOffMqk + lane * 16);
-      mma_bf16_n16(O[0], O[1], uc, bm);
+      const uint4 r_Mqk = lds128(s_rec + Rec::kOffMqk + lane * 16);
+      mma_bf16_n16(r_O[0], r_O[1], r_U_hi, r_Mqk);
       if constexpr (kSplitF) {
-        const uint4 bm_lo = lds128(rec + Rec::kOffMqkLo + lane * 16);
-        mma_bf16_n16(O[0], O[1], uc_lo, bm);
-        mma_bf16_n16(O[0], O[1], uc, bm_lo);
+        const uint4 r_Mqk_lo = lds128(s_rec + Rec::kOffMqkLo + lane * 16);
+        mma_bf16_n16(r_O[0], r_O[1], r_U_lo, r_Mqk);
+        mma_bf16_n16(r_O[0], r_O[1], r_U_hi, r_Mqk_lo);
       }
     }
 
     // S^T = S^T diag(e^Gamma) + U^T Kr: the decay in registers, then the update on the tensor
     // cores while this warp writes its output.
-    const float* gamma = reinterpret_cast<const float*>(rec + Rec::kOffGamma);
+    const float* s_gamma = reinterpret_cast<const float*>(s_rec + Rec::kOffGamma);
 #pragma unroll
     for (int jt = 0; jt < 16; ++jt) {
-      const float2 eg = *reinterpret_cast<const float2*>(gamma + 8 * jt + 2 * t4);
-      S[4 * jt] *= eg.x, S[4 * jt + 1] *= eg.y, S[4 * jt + 2] *= eg.x, S[4 * jt + 3] *= eg.y;
+      const float2 r_decay = *reinterpret_cast<const float2*>(s_gamma + 8 * jt + 2 * t4);
+      r_S[4 * jt] *= r_decay.x, r_S[4 * jt + 1] *= r_decay.y, r_S[4 * jt + 2] *= r_decay.x, r_S[4 * jt + 3] *= r_decay.y;
     }
     {
-      const uint64_t desc_kr = smem_desc(rec + Rec::kOffKRestored, kKrLbo, kKrSbo);
-      fence_regs(S), fence_regs(uc);
-      if constexpr (kSplitF) fence_regs(uc_lo);
+      const uint64_t desc_kr = smem_desc(s_rec + Rec::kOffKRestored, kKrLbo, kKrSbo);
+      fence_regs(r_S), fence_regs(r_U_hi);
+      if constexpr (kSplitF) fence_regs(r_U_lo);
       cute::warpgroup_arrive();
-      wgmma<WgmmaUpdate>(uc, desc_kr, S, true);
+      wgmma<WgmmaUpdate>(r_U_hi, desc_kr, r_S, true);
       if constexpr (kSplitF) {
-        const uint64_t desc_kr_lo = smem_desc(rec + Rec::kOffKRestoredLo, kKrLbo, kKrSbo);
-        wgmma<WgmmaUpdate>(uc_lo, desc_kr, S, true);
-        wgmma<WgmmaUpdate>(uc, desc_kr_lo, S, true);
+        const uint64_t desc_kr_lo = smem_desc(s_rec + Rec::kOffKRestoredLo, kKrLbo, kKrSbo);
+        wgmma<WgmmaUpdate>(r_U_lo, desc_kr, r_S, true);
+        wgmma<WgmmaUpdate>(r_U_hi, desc_kr_lo, r_S, true);
       }
       cute::warpgroup_commit_batch();
     }
@@ -544,7 +544,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          sm.out32[kSeg ? warp : 0][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = O[nt][e] * rs.inv[e >> 1];
+          sm.out32[kSeg ? warp : 0][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = r_O[nt][e] * rs.inv[e >> 1];
       __syncwarp();
       float* dst = p.seg_out + ((sc.chunk_begin + j) * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16;
 #pragma unroll
@@ -560,7 +560,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
-          sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(O[nt][e] * rs.inv[e >> 1]);
+          sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(r_O[nt][e] * rs.inv[e >> 1]);
       __syncwarp();
       {
         const int t = lane >> 1, part = lane & 1;
@@ -575,7 +575,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     // The update must finish before S is read again and before the next iteration's barrier
     // lets a cp.async overwrite this stage.
     cute::warpgroup_wait<0>();
-    fence_regs(S);
+    fence_regs(r_S);
     if (j == next_ckpt) {
       next_ckpt += ckpt_period;
       const int64_t c = first_checkpoint(p, n) + (seg_chunk0 + j + 1) / ckpt_period - 1;
@@ -584,34 +584,34 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       int64_t offset;
       if (seg.count == 1 && first_segment) {  // the whole sequence
         if (chunk_rows(j) == kChunk && checkpoint_target(p, c, h, base, type, offset))
-          store_state_rows(S, base, type, offset, v_row, t4, rs.inv);
+          store_state_rows(r_S, base, type, offset, v_row, t4, rs.inv);
       } else if (j + 1 < num_chunks && c < p.num_checkpoints) {  // inside a segment (its end: the chain)
         if (first_segment) {
-          if (checkpoint_target(p, c, h, base, type, offset)) store_state_rows(S, base, type, offset, v_row, t4, rs.inv);
+          if (checkpoint_target(p, c, h, base, type, offset)) store_state_rows(r_S, base, type, offset, v_row, t4, rs.inv);
         } else if (transition_rows) {
-          store_state_rows(S, p.seg_ckpt_a, ElemType::kF32, c * p.H * int64_t(kSegStateFloats) + head_offset,
+          store_state_rows(r_S, p.seg_ckpt_a, ElemType::kF32, c * p.H * int64_t(kSegStateFloats) + head_offset,
                            v_row - kHeadDim, t4, rs.inv);
         } else {
-          store_state_rows(S, p.seg_ckpt_b, ElemType::kF32, c * p.H * int64_t(kSegStateFloats) + head_offset,
+          store_state_rows(r_S, p.seg_ckpt_b, ElemType::kF32, c * p.H * int64_t(kSegStateFloats) + head_offset,
                            v_row, t4, rs.inv);
         }
       }
     }
     if constexpr (Split::f16)
-      if (j % kRenormChunks == 0) rs.renormalise(S);
+      if (j % kRenormChunks == 0) rs.renormalise(r_S);
   }
   cp_async_wait_all();
 
   if (seg.count == 1 && first_segment) {  // the whole sequence: its final state
-    if (p.final_state != nullptr) store_state_rows(S, p.final_state, p.final_state_type, state_base, v_row, t4, rs.inv);
+    if (p.final_state != nullptr) store_state_rows(r_S, p.final_state, p.final_state_type, state_base, v_row, t4, rs.inv);
   } else if (first_segment) {  // X_1, the start state of segment 1
-    store_state_rows(S, p.seg_x, ElemType::kF32, (seg.first + 1) * p.H * int64_t(kSegStateFloats) + head_offset,
+    store_state_rows(r_S, p.seg_x, ElemType::kF32, (seg.first + 1) * p.H * int64_t(kSegStateFloats) + head_offset,
                      v_row, t4, rs.inv);
   } else if (transition_rows) {  // A_s^T
-    store_state_rows(S, p.seg_a, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
+    store_state_rows(r_S, p.seg_a, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
                      v_row - kHeadDim, t4, rs.inv);
   } else {  // B_s^T
-    store_state_rows(S, p.seg_b, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
+    store_state_rows(r_S, p.seg_b, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
                      v_row, t4, rs.inv);
   }
 }
