@@ -237,19 +237,19 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int H = p.H;
-  uint8_t* rec = p.records + (slot * H + h) * Rec::kBytes;
+  uint8_t* g_rec = p.records + (slot * H + h) * Rec::kBytes;
 
   // Load rows 2w, 2w+1, 2w+8, 2w+9, channels 4l..4l+3. Rows past the sequence end re-read the
   // last valid row and are zeroed below (k = q = 0, log-decay 0), so all loads issue at once.
-  float q[4][4], k[4][4], a[4][4];
+  float r_q[4][4], r_k[4][4], r_a[4][4];
   const bool g_f32 = p.g_type == ElemType::kF32;
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int t = row_of(warp, r);
     const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * H + h) * kHeadDim + 4 * lane;
-    load4(p.q, idx, false, q[r]);
-    load4(p.k, idx, false, k[r]);
-    load4(p.g, idx, g_f32, a[r]);
+    load4(p.q, idx, false, r_q[r]);
+    load4(p.k, idx, false, r_k[r]);
+    load4(p.g, idx, g_f32, r_a[r]);
   }
   if (tid < kChunk) {
     float b = 0.f;
@@ -261,8 +261,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
   }
   {
     const float a_exp = (p.gate == GateForm::kPrecomputed) ? 0.f : __expf(p.A_log[h]);
-    float bias[4] = {0.f, 0.f, 0.f, 0.f};
-    if (p.dt_bias != nullptr) load4(p.dt_bias, int64_t(h) * kHeadDim + 4 * lane, true, bias);
+    float r_bias[4] = {0.f, 0.f, 0.f, 0.f};
+    if (p.dt_bias != nullptr) load4(p.dt_bias, int64_t(h) * kHeadDim + 4 * lane, true, r_bias);
     // One branch on the gate form per thread, not per element.
     auto apply = [&](auto log_decay_of) {
 #pragma unroll
@@ -270,10 +270,11 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
         const bool valid = row_of(warp, r) < rows;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          a[r][e] = valid ? log_decay_of(a[r][e] + bias[e]) : 0.f;
-          if (!valid) q[r][e] = k[r][e] = 0.f;
+          r_a[r][e] = valid ? log_decay_of(r_a[r][e] + r_bias[e]) : 0.f;
+          if (!valid) r_q[r][e] = r_k[r][e] = 0.f;
         }
-        *reinterpret_cast<float4*>(&sm.G[row_of(warp, r)][4 * lane]) = make_float4(a[r][0], a[r][1], a[r][2], a[r][3]);
+        *reinterpret_cast<float4*>(&sm.G[row_of(warp, r)][4 * lane]) =
+            make_float4(r_a[r][0], r_a[r][1], r_a[r][2], r_a[r][3]);
       }
     };
     const float lb = p.lower_bound;
@@ -288,20 +289,20 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
   }
 
   // L2 norms: each row's 128 channels live in one warp.
-  float qscale[4], kscale[4];
+  float r_q_scale[4], r_k_scale[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     float sq = 0.f, sk = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sq += q[r][e] * q[r][e], sk += k[r][e] * k[r][e];
+    for (int e = 0; e < 4; ++e) sq += r_q[r][e] * r_q[r][e], sk += r_k[r][e] * r_k[r][e];
     if (p.l2norm_qk) {
       sq = group_sum<32>(sq), sk = group_sum<32>(sk);
-      qscale[r] = rsqrtf(sq + 1e-6f) * p.scale, kscale[r] = rsqrtf(sk + 1e-6f);
+      r_q_scale[r] = rsqrtf(sq + 1e-6f) * p.scale, r_k_scale[r] = rsqrtf(sk + 1e-6f);
     } else {
-      qscale[r] = p.scale, kscale[r] = 1.f;
+      r_q_scale[r] = p.scale, r_k_scale[r] = 1.f;
     }
 #pragma unroll
-    for (int e = 0; e < 4; ++e) q[r][e] *= qscale[r], k[r][e] *= kscale[r];
+    for (int e = 0; e < 4; ++e) r_q[r][e] *= r_q_scale[r], r_k[r][e] *= r_k_scale[r];
   }
   __syncthreads();
 
@@ -314,20 +315,20 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
 #pragma unroll
     for (int t = 0; t < kChunk; ++t) run += sm.G[t][c], sm.G[t][c] = run;
     wide = sm.G[0][c] - run > kMaxFactorisedSpread;
-    reinterpret_cast<float*>(rec + Rec::kOffGamma)[c] = exp_ftz(run);
+    reinterpret_cast<float*>(g_rec + Rec::kOffGamma)[c] = exp_ftz(run);
   }
   const bool pairwise = __syncthreads_or(wide);
 
-  float G[4][4], first[4], gamma[4];
+  float r_G[4][4], r_G_first[4], r_Gamma[4];
   {
     const float4 f = *reinterpret_cast<const float4*>(&sm.G[0][4 * lane]);
     const float4 l = *reinterpret_cast<const float4*>(&sm.G[kChunk - 1][4 * lane]);
-    first[0] = f.x, first[1] = f.y, first[2] = f.z, first[3] = f.w;
-    gamma[0] = l.x, gamma[1] = l.y, gamma[2] = l.z, gamma[3] = l.w;
+    r_G_first[0] = f.x, r_G_first[1] = f.y, r_G_first[2] = f.z, r_G_first[3] = f.w;
+    r_Gamma[0] = l.x, r_Gamma[1] = l.y, r_Gamma[2] = l.z, r_Gamma[3] = l.w;
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const float4 v = *reinterpret_cast<const float4*>(&sm.G[row_of(warp, r)][4 * lane]);
-      G[r][0] = v.x, G[r][1] = v.y, G[r][2] = v.z, G[r][3] = v.w;
+      r_G[r][0] = v.x, r_G[r][1] = v.y, r_G[r][2] = v.z, r_G[r][3] = v.w;
     }
   }
 
@@ -335,54 +336,55 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
   // Fast path: formed from the mid-shifted gemm operands, x e^{G-mid} e^{mid} etc.
   float r_q_decayed[4][4], r_k_decayed[4][4], r_k_restored[4][4];
   if (!pairwise) {
-    float op_k[4][4], op_b[4][4];
+    float r_k_up[4][4], r_k_down[4][4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float mid = 0.5f * (first[e] + gamma[e]);
-      const float e_mid = exp_ftz(mid), e_gamma_mid = exp_ftz(gamma[e] - mid);
+      const float mid = 0.5f * (r_G_first[e] + r_Gamma[e]);
+      const float e_mid = exp_ftz(mid), e_gamma_mid = exp_ftz(r_Gamma[e] - mid);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const float up = exp_ftz(G[r][e] - mid), down = exp_ftz(mid - G[r][e]);
-        op_k[r][e] = k[r][e] * up;
-        q[r][e] *= up;  // op_q
-        op_b[r][e] = k[r][e] * down;
-        r_q_decayed[r][e] = q[r][e] * e_mid;
-        r_k_decayed[r][e] = op_k[r][e] * e_mid;
-        r_k_restored[r][e] = op_b[r][e] * e_gamma_mid;
+        const float up = exp_ftz(r_G[r][e] - mid), down = exp_ftz(mid - r_G[r][e]);
+        r_k_up[r][e] = r_k[r][e] * up;
+        r_q[r][e] *= up;  // op_q
+        r_k_down[r][e] = r_k[r][e] * down;
+        r_q_decayed[r][e] = r_q[r][e] * e_mid;
+        r_k_decayed[r][e] = r_k_up[r][e] * e_mid;
+        r_k_restored[r][e] = r_k_down[r][e] * e_gamma_mid;
       }
     }
-    store_tk_split(sm.ops[0][0], sm.ops[0][1], op_k, warp, lane);
-    store_tk_split(sm.ops[1][0], sm.ops[1][1], q, warp, lane);
-    store_tk_split(sm.ops[2][0], sm.ops[2][1], op_b, warp, lane);
+    store_tk_split(sm.ops[0][0], sm.ops[0][1], r_k_up, warp, lane);
+    store_tk_split(sm.ops[1][0], sm.ops[1][1], r_q, warp, lane);
+    store_tk_split(sm.ops[2][0], sm.ops[2][1], r_k_down, warp, lane);
   } else {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int t = row_of(warp, r);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const float eg = exp_ftz(G[r][e]);
-        r_q_decayed[r][e] = q[r][e] * eg;
-        r_k_decayed[r][e] = k[r][e] * eg;
-        r_k_restored[r][e] = k[r][e] * exp_ftz(gamma[e] - G[r][e]);
+        const float eg = exp_ftz(r_G[r][e]);
+        r_q_decayed[r][e] = r_q[r][e] * eg;
+        r_k_decayed[r][e] = r_k[r][e] * eg;
+        r_k_restored[r][e] = r_k[r][e] * exp_ftz(r_Gamma[e] - r_G[r][e]);
       }
-      *reinterpret_cast<float4*>(&sm.raw[0][t][4 * lane]) = make_float4(k[r][0], k[r][1], k[r][2], k[r][3]);
-      *reinterpret_cast<float4*>(&sm.raw[1][t][4 * lane]) = make_float4(q[r][0], q[r][1], q[r][2], q[r][3]);
+      *reinterpret_cast<float4*>(&sm.raw[0][t][4 * lane]) = make_float4(r_k[r][0], r_k[r][1], r_k[r][2], r_k[r][3]);
+      *reinterpret_cast<float4*>(&sm.raw[1][t][4 * lane]) = make_float4(r_q[r][0], r_q[r][1], r_q[r][2], r_q[r][3]);
     }
   }
   {
     const auto wo = [](int t, int c) { return Rec::wo_offset(0, t, c); };  // operand `which` adds 256 * which
     const auto kr_at = [](int t, int c) { return kr_offset(t, c); };
-    uint8_t* const wo_tile = rec + Rec::kOffWo;
+    uint8_t* const g_wo_tile = g_rec + Rec::kOffWo;
     // k_decayed and unsplit q_decayed: the bf16 roundings (the hi parts a split stores), or fp16.
-    store_rounded<Split::f16>(wo_tile + Rec::wo_offset(0, 0, 0), r_k_decayed, warp, lane, wo);
+    store_rounded<Split::f16>(g_wo_tile + Rec::wo_offset(0, 0, 0), r_k_decayed, warp, lane, wo);
     if constexpr (Split::q_decayed)
-      store_split(wo_tile + Rec::wo_offset(1, 0, 0), wo_tile + Rec::wo_offset(2, 0, 0), r_q_decayed, warp, lane, wo);
+      store_split(g_wo_tile + Rec::wo_offset(1, 0, 0), g_wo_tile + Rec::wo_offset(2, 0, 0), r_q_decayed, warp, lane,
+                  wo);
     else
-      store_rounded<Split::f16>(wo_tile + Rec::wo_offset(1, 0, 0), r_q_decayed, warp, lane, wo);
+      store_rounded<Split::f16>(g_wo_tile + Rec::wo_offset(1, 0, 0), r_q_decayed, warp, lane, wo);
     if constexpr (Split::factors)
-      store_split(rec + Rec::kOffKRestored, rec + Rec::kOffKRestoredLo, r_k_restored, warp, lane, kr_at);
+      store_split(g_rec + Rec::kOffKRestored, g_rec + Rec::kOffKRestoredLo, r_k_restored, warp, lane, kr_at);
     else
-      store_rounded(rec + Rec::kOffKRestored, r_k_restored, warp, lane, kr_at);
+      store_rounded(g_rec + Rec::kOffKRestored, r_k_restored, warp, lane, kr_at);
   }
   __syncthreads();
 
@@ -399,10 +401,11 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) m[nt][e] = (g + 8 * (e >> 1) >= 8 * nt + 2 * t4 + (e & 1)) ? acc[nt][e] : 0.f;
-      const uint2 a = split_pair(m[0][0], m[0][1]), b = split_pair(m[1][0], m[1][1]);
-      const uint2 c = split_pair(m[0][2], m[0][3]), d = split_pair(m[1][2], m[1][3]);
-      reinterpret_cast<uint4*>(rec + Rec::kOffMqk)[lane] = make_uint4(a.x, b.x, c.x, d.x);
-      if constexpr (Split::factors) reinterpret_cast<uint4*>(rec + Rec::kOffMqkLo)[lane] = make_uint4(a.y, b.y, c.y, d.y);
+      const uint2 pa = split_pair(m[0][0], m[0][1]), pb = split_pair(m[1][0], m[1][1]);
+      const uint2 pc = split_pair(m[0][2], m[0][3]), pd = split_pair(m[1][2], m[1][3]);
+      reinterpret_cast<uint4*>(g_rec + Rec::kOffMqk)[lane] = make_uint4(pa.x, pb.x, pc.x, pd.x);
+      if constexpr (Split::factors)
+        reinterpret_cast<uint4*>(g_rec + Rec::kOffMqkLo)[lane] = make_uint4(pa.y, pb.y, pc.y, pd.y);
       return;
     }
 #pragma unroll
@@ -435,9 +438,9 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     __syncthreads();
     if (warp >= 1) {
       if (warp == 1) {
-        reinterpret_cast<uint4*>(rec + Rec::kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
+        reinterpret_cast<uint4*>(g_rec + Rec::kOffMqk)[lane] = reinterpret_cast<const uint4*>(sm.small[0])[lane];
         if constexpr (Split::factors)
-          reinterpret_cast<uint4*>(rec + Rec::kOffMqkLo)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
+          reinterpret_cast<uint4*>(g_rec + Rec::kOffMqkLo)[lane] = reinterpret_cast<const uint4*>(sm.small[1])[lane];
       }
       return;
     }
@@ -448,26 +451,26 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
   // of (I + L)^-1 cancels catastrophically.
   if (lane < kChunk) {
     const int j = lane;
-    float x[kChunk];
+    float r_x[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
       float acc = (i == j) ? 1.f : 0.f;
 #pragma unroll
-      for (int m = 0; m < i; ++m) acc -= sm.L[i][m] * x[m];
-      x[i] = acc;
+      for (int m = 0; m < i; ++m) acc -= sm.L[i][m] * r_x[m];
+      r_x[i] = acc;
     }
     const float bj = sm.beta[j];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      const float val = x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
+      const float val = r_x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
       store_bf16_at(sm.small[2], frag_index_small(i, j), hi);
       if constexpr (Split::factors) store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
     }
   }
   __syncwarp();
-  reinterpret_cast<uint4*>(rec + Rec::kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
+  reinterpret_cast<uint4*>(g_rec + Rec::kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
   if constexpr (Split::factors)
-    reinterpret_cast<uint4*>(rec + Rec::kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[3])[lane];
+    reinterpret_cast<uint4*>(g_rec + Rec::kOffInvBLo)[lane] = reinterpret_cast<const uint4*>(sm.small[3])[lane];
 }
 
 }  // namespace flashkda::cuda::sm90::prefill
