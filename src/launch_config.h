@@ -23,6 +23,9 @@ struct PrefillLaunch {
                                     // checkpoints inside a segment from its partial transitions (the chain
                                     // kernel); 0 (rule, for now) and -1 = segment lengths that divide
                                     // checkpoint_every (docs/DESIGN.md "Segments")
+  int skip_transitions = 0;  // GPU, segments without checkpoints: 1 = a segment whose preceding chunks provably
+                             // attenuate its incoming state below 2^-30 starts from zero that many chunks early
+                             // instead of computing its transition; 0 (rule, for now) and -1 = never
 };
 
 struct DecodeLaunch {

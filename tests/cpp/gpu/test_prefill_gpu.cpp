@@ -637,6 +637,75 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
   EXPECT_LE(rel_rms(split.second, ref.final_state), 1.5 * rel_rms(serial.second, ref.final_state) + 1e-6);
 }
 
+// Transition skipping (internal::PrefillLaunch::skip_transitions, docs/DESIGN.md "Segments"): a
+// segment whose preceding chunks attenuate any incoming state to 2^-30 starts from zero that many
+// chunks early. Random lower-bound gates (per head anything from strong decay, where segments
+// skip, to little, where they keep the exact transition) and varlen match the reference, and differ
+// from the exact segmented call (some segment skipped); with long-memory channels no segment can
+// skip and the result is the exact call's, bit for bit; a NaN in v reaches every later output of
+// its value column, across skipped segments, as it does in the recurrence.
+TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
+  const internal::PrefillLaunch skip{0, 4, 0, 0, 1}, exact{0, 4, 0, 0, -1};
+  auto run = [&](KdaInputs& in, const internal::PrefillLaunch& launch) {
+    const Errors e = check_against_reference(in, kTolOut, kTolState, launch);
+    return std::make_pair(e, std::make_pair(in.out.bytes, in.final_state.bytes));
+  };
+  {
+    KdaOptions o;
+    o.seqlens = {300, 17, 1024, 77, 2000};
+    o.H = 4;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    in.A_log[0] = in.A_log[1] = -1.0f;  // heads 0, 1: ~-1 per token on every channel (they skip)
+    in.A_log[2] = in.A_log[3] = 1.0f;   // heads 2, 3: some channel near -1e-4 per token (they cannot)
+    const auto [e_exact, bits_exact] = run(in, exact);
+    const auto [e_skip, bits_skip] = run(in, skip);
+    report("skip transitions random varlen out", e_skip.out);
+    report("skip transitions random varlen state", e_skip.state);
+    report("exact transitions random varlen out", e_exact.out);
+    EXPECT_LE(e_skip.out, 1.05 * e_exact.out + 1e-5);
+    EXPECT_LE(e_skip.state, 1.05 * e_exact.state + 1e-5);
+    EXPECT_FALSE(bits_skip == bits_exact) << "no segment took the skipped path";
+  }
+  {
+    KdaOptions o;  // the benchmark's long-memory regime: 8 channels per head with dt_bias = -8
+    o.T = 3000, o.H = 2;
+    o.g_min = -2, o.g_max = 2, o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    for (int64_t h = 0; h < o.H; ++h)
+      for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.0f;
+    const auto [e_exact, bits_exact] = run(in, exact);
+    const auto [e_skip, bits_skip] = run(in, skip);
+    report("skip transitions long memory out", e_skip.out);
+    EXPECT_TRUE(bits_skip == bits_exact) << "a long-memory segment skipped its transition";
+  }
+  {
+    KdaOptions o;  // strong decay everywhere: every segment skips
+    o.T = 2000, o.H = 2;
+    o.A_log_min = 0.5, o.A_log_max = 1, o.dt_bias_min = 4, o.dt_bias_max = 5;
+    o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    const int64_t t0 = 100, c0 = 37, h0 = 1;  // NaN at token 100, head 1, value column 37
+    in.v.set((t0 * o.H + h0) * o.V + c0, std::nan(""));
+    DeviceProblem dev(in, skip);
+    dev.poison();
+    dev.run();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    int64_t missing = 0, spurious = 0;
+    for (int64_t t = 0; t < o.T; ++t)
+      for (int64_t h = 0; h < o.H; ++h)
+        for (int64_t c = 0; c < o.V; ++c) {
+          const bool nan = std::isnan(in.out.get((t * o.H + h) * o.V + c));
+          if (h == h0 && c == c0 && t >= t0) missing += !nan;
+          if (t < t0 || h != h0) spurious += nan;
+        }
+    EXPECT_EQ(missing, 0) << "outputs after the NaN that are not NaN";
+    EXPECT_EQ(spurious, 0) << "NaN outputs before the NaN token or in the other head";
+  }
+}
+
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;

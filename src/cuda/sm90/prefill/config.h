@@ -150,6 +150,9 @@ constexpr int kSegRows = 2 * kHeadDim;               // rows of the augmented S^
 constexpr int kSegStateFloats = kHeadDim * kHeadDim;  // one 128 x 128 fp32 matrix per (segment, head)
 constexpr int kSegOutFloats = kChunk * kSegRows;      // per (chunk, head): [16 tokens][o_zero 128 | w 128]
 constexpr int kSegMinChunks = 16;                     // shortest segment the launcher picks (256 tokens)
+// Transition skipping: the product of per-chunk bounds a warm-up must reach, as a natural log
+// (2^-30: the incoming state's share of the start state below fp32 rounding by 2^6).
+constexpr float kSkipLogBound = -20.79441541679836f;  // ln(2^-30)
 
 // Segments of a sequence of `chunks` chunks cut every seg_chunks chunks (at least one).
 __host__ __device__ inline int64_t segments_of(int64_t chunks, int64_t seg_chunks) {
@@ -202,6 +205,12 @@ struct Params {
   float* seg_b;               // [max_segs][H][V][K] B_s^T: the state after segment s from zero
   float* seg_a;               // [max_segs][H][K][K] A_s^T (row r = A_s e_r): the segment's transition
   float* seg_out;             // [chunk_slots][H][16][256] o_zero | w of the chunks of segments s >= 1
+  // Transition skipping (internal::PrefillLaunch::skip_transitions; null otherwise): K1 writes each
+  // chunk's log-bound on the norm of its state transition, sum_t max_c a_{t,c} + log max(1, |1 - b_t |k_t|^2|);
+  // segmented K2 writes per segment 0 (exact transition) or 1 + its warm-up chunks (skipped), which
+  // the chain (X_{s+1} = B_s) and the combine (nothing to do) read.
+  float* chunk_bound;         // [chunk_slots][H]
+  int32_t* seg_skip;          // [max_segs][H]
   float* seg_ckpt_b;          // [num_checkpoints][H][V][K] or null: with checkpoints inside segments, the
   float* seg_ckpt_a;          // partial B_c^T and A_c^T of segment s up to checkpoint c (s > 0), which the
                               // chain maps to the checkpoint X_s^T A_c^T + B_c^T

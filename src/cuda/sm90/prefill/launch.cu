@@ -110,13 +110,14 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 }
 
 struct Layout {
-  size_t header, records, seg_states, seg_out, seg_ckpt, total;
+  size_t header, records, seg_states, seg_out, seg_ckpt, skip, total;
 };
 
 // The workspace of one call: header, K1 records and, with segments, the per-segment matrices
 // (X_s, B_s^T, A_s^T), the fp32 outputs of the chunks of segments s > 0 and, with checkpoints
 // inside segments, the partial transitions (B_c^T, A_c^T) of each checkpoint.
-Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks, int64_t ckpt_partials = 0) {
+Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks, int64_t ckpt_partials = 0,
+                        bool skip = false) {
   const int64_t slots = max_chunk_slots(total_tokens, N);
   Layout l{};
   l.header = header_bytes(N);
@@ -126,8 +127,10 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
     l.seg_states = 3 * align_up(matrices);
     l.seg_out = align_up(size_t(slots) * size_t(H) * kSegOutFloats * 4);
     l.seg_ckpt = 2 * align_up(size_t(ckpt_partials) * size_t(H) * kSegStateFloats * 4);
+    if (skip)  // chunk bounds, then the segments' skip codes
+      l.skip = align_up(size_t(slots) * size_t(H) * 4) + align_up(size_t(max_segments(slots, N, seg_chunks)) * H * 4);
   }
-  l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt;
+  l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt + l.skip;
   return l;
 }
 
@@ -188,6 +191,12 @@ int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLa
   return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision, p.checkpoint_every, launch);
 }
 
+// Whether segments may skip their transition (internal::PrefillLaunch::skip_transitions; not with
+// checkpoints, which the skipped walk does not write).
+bool skips_transitions(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return launch.skip_transitions > 0 && p.checkpoint_every == 0;
+}
+
 // Checkpoints whose partial transitions the workspace holds (checkpoints inside segments).
 int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
@@ -195,7 +204,7 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
-                          checkpoint_partials(p, launch))
+                          checkpoint_partials(p, launch), skips_transitions(p, launch))
       .total;
 }
 
@@ -256,7 +265,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
   kp.seg_chunks = prefill_segment_chunks(p, launch);
-  const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch));
+  const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),
+                                    skips_transitions(p, launch));
   kp.records = ws + l.header;
   if (kp.seg_chunks > 0) {
     kp.max_segs = max_segments(kp.chunk_slots, N, kp.seg_chunks);
@@ -267,6 +277,11 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     if (l.seg_ckpt > 0) {
       kp.seg_ckpt_b = reinterpret_cast<float*>(ws + l.header + l.records + l.seg_states + l.seg_out);
       kp.seg_ckpt_a = kp.seg_ckpt_b + l.seg_ckpt / 2 / sizeof(float);
+    }
+    if (l.skip > 0) {
+      uint8_t* skip = ws + l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt;
+      kp.chunk_bound = reinterpret_cast<float*>(skip);
+      kp.seg_skip = reinterpret_cast<int32_t*>(skip + align_up(size_t(kp.chunk_slots) * size_t(p.H) * 4));
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);

@@ -113,6 +113,7 @@ struct PrepareSmem {
   };
   float L[kChunk][kChunk + 1];
   float beta[kChunk];
+  float bound[kPrepThreads / 32];  // transition skipping: each warp's share of the chunk's log-bound
   alignas(16) uint8_t small[4][kSmallTileBytes];  // Mqk, Mqk_lo (pairwise path), inv_b, inv_b_lo staging
 };
 
@@ -305,6 +306,26 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     for (int e = 0; e < 4; ++e) r_q[r][e] *= r_q_scale[r], r_k[r][e] *= r_k_scale[r];
   }
   __syncthreads();
+  if (p.chunk_bound != nullptr) {
+    // Transition skipping (config.h Params::chunk_bound): the norm of a token's transition
+    // (I - b k k^T) diag(e^a) is at most max_c e^{a_c} max(1, |1 - b |k|^2|); this warp's rows'
+    // logs, summed (rows past the end: a = k = 0, i.e. 0).
+    float part = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      float mx = fmaxf(fmaxf(r_a[r][0], r_a[r][1]), fmaxf(r_a[r][2], r_a[r][3]));
+      float kk = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) kk += r_k[r][e] * r_k[r][e];
+#pragma unroll
+      for (int x = 16; x >= 1; x >>= 1) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+        kk += __shfl_xor_sync(0xffffffffu, kk, x);
+      }
+      part += mx + __logf(fmaxf(1.f, fabsf(1.f - sm.beta[row_of(warp, r)] * kk)));
+    }
+    if (lane == 0) sm.bound[warp] = part;
+  }
 
   // Column scan: thread c forms G[t][c] = a_0 + ... + a_t in place, writes exp(Gamma_c) and
   // flags a spread the factorised form cannot hold.
@@ -318,6 +339,8 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     reinterpret_cast<float*>(g_rec + Rec::kOffGamma)[c] = exp_ftz(run);
   }
   const bool pairwise = __syncthreads_or(wide);
+  if (p.chunk_bound != nullptr && tid == 0)
+    p.chunk_bound[slot * H + h] = sm.bound[0] + sm.bound[1] + sm.bound[2] + sm.bound[3];
 
   float r_G[4][4], r_G_first[4], r_Gamma[4];
   {

@@ -315,6 +315,37 @@ __device__ __forceinline__ void identity_rows(float (&S)[64], int r, int t4) {
     for (int e = 0; e < 4; ++e) S[4 * j + e] = (r + 8 * (e >> 1) == 8 * j + 2 * t4 + (e & 1)) ? 1.f : 0.f;
 }
 
+// Transition skipping (config.h Params::chunk_bound): the number W of chunks before `start` (at most
+// p.seg_chunks, within the sequence) whose bounds' product first falls to 2^-30 (kSkipLogBound), or
+// -1 if none does. Warp 0 scans back 32 chunks at a time; every thread of the CTA gets the result,
+// and every CTA of a segment the same one (the same bounds, the same arithmetic).
+__device__ inline int64_t skip_warmup(const Params& p, int64_t seq_chunk_begin, int64_t start, int h) {
+  __shared__ int64_t s_warm;
+  if (threadIdx.x < 32) {
+    const int lane = threadIdx.x;
+    const int64_t avail = min(p.seg_chunks, start - seq_chunk_begin);
+    float carry = 0.f;
+    int64_t found = -1;
+    for (int64_t base = 0; base < avail && found < 0; base += 32) {
+      float b = base + lane < avail ? p.chunk_bound[(start - 1 - base - lane) * p.H + h] : INFINITY;
+      if (b != b) b = INFINITY;  // a NaN bound bounds nothing
+      float cum = b;
+#pragma unroll
+      for (int x = 1; x < 32; x <<= 1) {
+        const float y = __shfl_up_sync(0xffffffffu, cum, x);
+        if (lane >= x) cum += y;
+      }
+      cum += carry;
+      const unsigned hit = __ballot_sync(0xffffffffu, cum <= kSkipLogBound);
+      if (hit != 0) found = base + __ffs(hit);  // chunks start - found .. start - 1
+      carry = __shfl_sync(0xffffffffu, cum, 31);
+    }
+    if (lane == 0) s_warm = found;
+  }
+  __syncthreads();
+  return s_warm;
+}
+
 // kSeg = false: grid (N * H, 8 / kWarps), one CTA walks a whole sequence for kWarps * 16 value rows.
 // kSeg = true (config.h "Segments"): grid (max_segs * H, 4), one warpgroup per CTA; blockIdx.y 0-1
 // are the value rows, 2-3 the transition rows (A^T) of a segment. Segment 0 runs from the initial
@@ -340,13 +371,28 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   int h, row_base;         // row_base: first of this CTA's rows of S^T (of the augmented 256 with kSeg)
   SeqChunks sc;            // the chunks this CTA walks
   SegmentRef seg{0, 0, 1, 0};
+  int64_t warm = 0;        // transition skipping: chunks walked before the segment's own, outputs unwritten
   if constexpr (kSeg) {
     h = int(blockIdx.x % p.H);
     if (!locate_segment(p, blockIdx.x / p.H, seg)) return;
     if (seg.s == 0 && !p.transitions_only && blockIdx.y >= 2) return;  // a known start state: no transition
     n = seg.n;
     row_base = int(blockIdx.y) * Smem::kVCols;
-    sc = segment_chunks(p, seq_chunks(p, n), seg.s);
+    const SeqChunks whole = seq_chunks(p, n);
+    sc = segment_chunks(p, whole, seg.s);
+    if (p.seg_skip != nullptr && seg.s > 0 && !p.transitions_only) {
+      // Transition skipping: where the W chunks before the segment attenuate any incoming state to
+      // 2^-30 of its norm, the value rows start from zero W chunks early and write final outputs,
+      // the transition rows have nothing to do, the chain takes X_{s+1} = B_s and the combine skips
+      // the segment; otherwise the exact transition (seg_skip 0).
+      const int64_t w = skip_warmup(p, whole.chunk_begin, sc.chunk_begin, h);
+      if (blockIdx.y == 0 && threadIdx.x == 0) p.seg_skip[(seg.first + seg.s) * p.H + h] = w > 0 ? int32_t(1 + w) : 0;
+      if (w > 0) {
+        if (blockIdx.y >= 2) return;
+        warm = w;
+        sc.chunk_begin -= w, sc.bos -= w * kChunk;
+      }
+    }
   } else {
     n = blockIdx.x / p.H;
     h = int(blockIdx.x % p.H);
@@ -537,7 +583,9 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       cute::warpgroup_commit_batch();
     }
 
-    if (kSeg && !first_segment) {
+    if (j < warm) {
+      // A skipped segment's warm-up: the state only.
+    } else if (kSeg && !first_segment && warm == 0) {
       // Segments s > 0: O^T of all 16 tokens in fp32 (o_zero on value rows, w on transition
       // rows), staged as [t][16 rows] in this warp's tile, then 16-byte stores into seg_out.
 #pragma unroll

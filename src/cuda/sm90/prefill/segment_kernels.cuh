@@ -35,6 +35,14 @@ struct CombineSmem {
   __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
 };
 
+// Fills value columns v0 .. v0 + kChainRows of the outputs of tokens [r0, r1) of head h with NaN (a
+// skipped segment after a non-finite state); out of line, off the chain's path.
+__device__ __noinline__ void poison_rows(const Params& p, int64_t r0, int64_t r1, int h, int v0) {
+  const __nv_bfloat16 nan = __float2bfloat16(__int_as_float(0x7fc00000));
+  for (int64_t i = threadIdx.x; i < (r1 - r0) * kChainRows; i += blockDim.x)
+    static_cast<__nv_bfloat16*>(p.out)[((r0 + i / kChainRows) * p.H + h) * kHeadDim + v0 + i % kChainRows] = nan;
+}
+
 __device__ __forceinline__ int64_t segment_matrix(const Params& p, int64_t gseg, int h) {
   return (gseg * p.H + h) * int64_t(kSegStateFloats);
 }
@@ -115,7 +123,21 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
       }
     }
     if (last && p.final_state == nullptr && !final_checkpoint) break;
-    affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h));
+    if (p.seg_skip != nullptr && p.seg_skip[(first + s) * p.H + h] != 0) {
+      // A skipped segment (config.h Params::seg_skip): X_{s+1} = B_s, which owes nothing to X_s;
+      // but a non-finite X_s (NaN in an earlier input) stays in what follows, as the recurrence
+      // keeps it: NaN in X_{s+1} and in the segment's outputs (K2 wrote them; the combine skips it).
+      bool finite = true;
+#pragma unroll
+      for (int i = 0; i < kChainRows / 2; ++i) finite = finite && isfinite(sm.x[r0 + i][c]);
+      const bool poisoned = __syncthreads_or(!finite);
+      if (poisoned) poison_rows(p, sc.bos + s * seg_tokens, last ? sc.eos : sc.bos + (s + 1) * seg_tokens, h, v0);
+      const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
+#pragma unroll
+      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = poisoned ? __int_as_float(0x7fc00000) : b[(r0 + i) * kHeadDim + c];
+    } else {
+      affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h));
+    }
     __syncthreads();  // every thread has read sm.x for this step
 #pragma unroll
     for (int i = 0; i < kChainRows / 2; ++i) {
@@ -144,6 +166,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const SeqChunks sc = segment_chunks(p, seq_chunks(p, seg.n), seg.s);
   const int64_t j0 = (tile % tiles) * kCombineChunks;
   if (sc.chunk_begin + j0 >= sc.chunk_end) return;
+  if (p.seg_skip != nullptr && p.seg_skip[(seg.first + seg.s) * p.H + h] != 0) return;  // skipped: K2 wrote them
 
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]).
   {
