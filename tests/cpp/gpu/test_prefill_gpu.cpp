@@ -686,7 +686,9 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     o.A_log_min = 0.5, o.A_log_max = 1, o.dt_bias_min = 4, o.dt_bias_max = 5;
     o.final_state = StateKind::kF32;
     KdaInputs in(o);
-    const int64_t t0 = 100, c0 = 37, h0 = 1;  // NaN at token 100, head 1, value column 37
+    // NaN at token 96 (a chunk's first: the chunk's products carry a NaN to its earlier tokens too),
+    // head 1, value column 37
+    const int64_t t0 = 96, c0 = 37, h0 = 1;
     in.v.set((t0 * o.H + h0) * o.V + c0, std::nan(""));
     DeviceProblem dev(in, skip);
     dev.poison();

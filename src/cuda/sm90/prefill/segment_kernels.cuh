@@ -122,16 +122,20 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
         store_checkpoint(ck, acc, 1);
       }
     }
-    if (last && p.final_state == nullptr && !final_checkpoint) break;
-    if (p.seg_skip != nullptr && p.seg_skip[(first + s) * p.H + h] != 0) {
-      // A skipped segment (config.h Params::seg_skip): X_{s+1} = B_s, which owes nothing to X_s;
-      // but a non-finite X_s (NaN in an earlier input) stays in what follows, as the recurrence
-      // keeps it: NaN in X_{s+1} and in the segment's outputs (K2 wrote them; the combine skips it).
+    // A skipped segment (config.h Params::seg_skip): X_{s+1} = B_s, which owes nothing to X_s; but
+    // a non-finite X_s (NaN in an earlier input) stays in what follows, as the recurrence keeps it:
+    // NaN in X_{s+1} and in the segment's outputs (K2 wrote them; the combine skips the segment).
+    const bool skipped = p.seg_skip != nullptr && p.seg_skip[(first + s) * p.H + h] != 0;
+    bool poisoned = false;
+    if (skipped) {
       bool finite = true;
 #pragma unroll
       for (int i = 0; i < kChainRows / 2; ++i) finite = finite && isfinite(sm.x[r0 + i][c]);
-      const bool poisoned = __syncthreads_or(!finite);
+      poisoned = __syncthreads_or(!finite);
       if (poisoned) poison_rows(p, sc.bos + s * seg_tokens, last ? sc.eos : sc.bos + (s + 1) * seg_tokens, h, v0);
+    }
+    if (last && p.final_state == nullptr && !final_checkpoint) break;
+    if (skipped) {
       const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
 #pragma unroll
       for (int i = 0; i < kChainRows / 2; ++i) acc[i] = poisoned ? __int_as_float(0x7fc00000) : b[(r0 + i) * kHeadDim + c];
