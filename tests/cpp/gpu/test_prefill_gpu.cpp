@@ -169,6 +169,19 @@ KdaOptions repeated_key_options(Precision precision) {
   return o;
 }
 
+// The benchmark's long-memory regime (bench_prefill.py): random lower-bound gates, 8 of every
+// head's 128 channels at dt_bias = -8 (near-zero decay); T = 3000, H = 2, fp32 states.
+KdaInputs long_memory_inputs() {
+  KdaOptions o;
+  o.T = 3000, o.H = 2;
+  o.g_min = -2, o.g_max = 2, o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  for (int64_t h = 0; h < o.H; ++h)
+    for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.0f;
+  return in;
+}
+
 void make_repeated_key(KdaInputs& in) {
   const KdaOptions& o = in.opt;
   for (int64_t t = 1; t < o.T; ++t)
@@ -244,13 +257,7 @@ TEST_F(PrefillGpu, SplitStatePolicyMatchesReference) {
       report(tag + " varlen state", e.state);
     }
     {
-      KdaOptions o;  // the benchmark's long-memory regime: 8 channels per head with dt_bias = -8
-      o.T = 3000, o.H = 2;
-      o.g_min = -2, o.g_max = 2, o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1;
-      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-      KdaInputs in(o);
-      for (int64_t h = 0; h < o.H; ++h)
-        for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.0f;
+      KdaInputs in = long_memory_inputs();
       const Errors e = check_against_reference(in, kTolOut, kTolState, launch);
       report(tag + " long memory out", e.out);
       report(tag + " long memory state", e.state);
@@ -668,13 +675,7 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     EXPECT_FALSE(bits_skip == bits_exact) << "no segment took the skipped path";
   }
   {
-    KdaOptions o;  // the benchmark's long-memory regime: 8 channels per head with dt_bias = -8
-    o.T = 3000, o.H = 2;
-    o.g_min = -2, o.g_max = 2, o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    for (int64_t h = 0; h < o.H; ++h)
-      for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.0f;
+    KdaInputs in = long_memory_inputs();
     const auto [e_exact, bits_exact] = run(in, exact);
     const auto [e_skip, bits_skip] = run(in, skip);
     report("skip transitions long memory out", e_skip.out);
