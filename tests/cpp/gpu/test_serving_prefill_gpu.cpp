@@ -78,6 +78,17 @@ struct PoolCase {
     cudaMemcpy(pool.bytes.data(), d_pool, pool.bytes.size(), cudaMemcpyDeviceToHost);
   }
 
+  // The same problem on the host for the fp64 reference: the pool is `ref_pool` (a host copy of
+  // pool_before), read and written through `host_slots` (slots, or a copy with past-pool slots
+  // made padding, which the reference refuses).
+  PrefillParams host_params(HostTensor& ref_pool, const std::vector<int32_t>& host_slots) {
+    PrefillParams host = in.params();
+    host.state_pool = ref_pool.data(), host.state_pool_dtype = pool.dtype, host.pool_size = P;
+    host.state_indices = host_slots.data();
+    host.has_initial_state = reinterpret_cast<const bool*>(has_init.data());
+    return host;
+  }
+
   void reset_pool() {
     pool = pool_before;
     cudaMemcpy(d_pool, pool.bytes.data(), pool.bytes.size(), cudaMemcpyHostToDevice);
@@ -135,14 +146,10 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
       if (!c.slot_named(s)) EXPECT_TRUE(same_bytes(pool_after, s * kState, c.pool_before, s * kState, kState)) << "slot " << s;
 
     std::vector<double> ref_out(c.in.out.count), ref_state(size_t(c.in.N * kState));
-    PrefillParams host = c.in.params();
     std::vector<int32_t> host_slots = c.slots;
     for (int32_t& s : host_slots) s = s < c.P ? s : -1;  // the reference refuses a slot past the pool
     HostTensor ref_pool = c.pool_before;
-    host.state_pool = ref_pool.data(), host.state_pool_dtype = c.pool.dtype, host.pool_size = c.P;
-    host.state_indices = host_slots.data();
-    host.has_initial_state = reinterpret_cast<const bool*>(c.has_init.data());
-    reference_forward(host, ref_out.data(), ref_state.data());
+    reference_forward(c.host_params(ref_pool, host_slots), ref_out.data(), ref_state.data());
     const double e_out = rel_rms(out_pool.values(), ref_out);
     const double e_state = rel_rms(states_in_slots(pool_after, c.slots, c.P), ref_state);
     report("gpu pool out rel-RMS", e_out);
@@ -231,11 +238,8 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   // fp64 reference checkpoints, and the same call in segments: segments of 4 chunks (64 tokens)
   // and of 2, both dividing checkpoint_every = 64 tokens (4 chunks); the chain kernel writes them.
   std::vector<double> ref_out(c.in.out.count), ref_ck(size_t(count * kState), std::nan(""));
-  PrefillParams host = c.in.params();
   HostTensor ref_pool = c.pool_before;
-  host.state_pool = ref_pool.data(), host.state_pool_dtype = dtype, host.pool_size = c.P;
-  host.state_indices = c.slots.data();
-  host.has_initial_state = reinterpret_cast<const bool*>(c.has_init.data());
+  PrefillParams host = c.host_params(ref_pool, c.slots);
   host.checkpoint_every = 64, host.num_checkpoints = count;
   reference_forward(host, ref_out.data(), nullptr, ref_ck.data());
   const double tol = dtype == DType::kBF16 ? 6e-3 : 1e-4;
