@@ -147,6 +147,21 @@ __device__ __forceinline__ void acc_fragments(const float (&c0)[4], const float 
   }
 }
 
+// acc += A B for a 16x16 record operand B (inv_b or Mqk, in fragment order: lane's 16-byte unit at
+// b + 16 lane) on per-warp mma.sync; kSplit: A and B split into bf16 hi + lo, adding lo * B and
+// A * B_lo (B_lo at b_lo).
+template <bool kSplit>
+__device__ __forceinline__ void record_mma_n16(float (&acc)[2][4], const uint32_t (&a_hi)[4], const uint32_t (&a_lo)[4],
+                                               const uint8_t* b, const uint8_t* b_lo, int lane) {
+  const uint4 r_b = lds128(b + lane * 16);
+  mma_bf16_n16(acc[0], acc[1], a_hi, r_b);
+  if constexpr (kSplit) {
+    const uint4 r_b_lo = lds128(b_lo + lane * 16);
+    mma_bf16_n16(acc[0], acc[1], a_lo, r_b);
+    mma_bf16_n16(acc[0], acc[1], a_hi, r_b_lo);
+  }
+}
+
 // ---- wgmma (docs/notes/wgmma.md): A from registers, B from shared memory, fp32 accumulate ----
 namespace gmma = cute::SM90::GMMA;
 using WgmmaN16 = cute::SM90::GMMA::MMA_64x16x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::K>;
@@ -525,15 +540,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     uint32_t r_u_hi[4], r_u_lo[4];
     acc_fragments<kSplitF>(r_u[0], r_u[1], r_u_hi, r_u_lo);
     float r_U[2][4] = {};
-    {
-      const uint4 r_inv_b = lds128(s_rec + Rec::kOffInvB + lane * 16);
-      mma_bf16_n16(r_U[0], r_U[1], r_u_hi, r_inv_b);
-      if constexpr (kSplitF) {
-        const uint4 r_inv_b_lo = lds128(s_rec + Rec::kOffInvBLo + lane * 16);
-        mma_bf16_n16(r_U[0], r_U[1], r_u_lo, r_inv_b);
-        mma_bf16_n16(r_U[0], r_U[1], r_u_hi, r_inv_b_lo);
-      }
-    }
+    record_mma_n16<kSplitF>(r_U, r_u_hi, r_u_lo, s_rec + Rec::kOffInvB, s_rec + Rec::kOffInvBLo, lane);
     uint32_t r_U_hi[4], r_U_lo[4];
     acc_fragments<kSplitF>(r_U[0], r_U[1], r_U_hi, r_U_lo);
 
@@ -551,15 +558,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       }
 
     // O^T += U^T Mqk^T.
-    {
-      const uint4 r_Mqk = lds128(s_rec + Rec::kOffMqk + lane * 16);
-      mma_bf16_n16(r_O[0], r_O[1], r_U_hi, r_Mqk);
-      if constexpr (kSplitF) {
-        const uint4 r_Mqk_lo = lds128(s_rec + Rec::kOffMqkLo + lane * 16);
-        mma_bf16_n16(r_O[0], r_O[1], r_U_lo, r_Mqk);
-        mma_bf16_n16(r_O[0], r_O[1], r_U_hi, r_Mqk_lo);
-      }
-    }
+    record_mma_n16<kSplitF>(r_O, r_U_hi, r_U_lo, s_rec + Rec::kOffMqk, s_rec + Rec::kOffMqkLo, lane);
 
     // S^T = S^T diag(e^Gamma) + U^T Kr: the decay in registers, then the update on the tensor
     // cores while this warp writes its output.
