@@ -19,10 +19,10 @@ struct PrefillLaunch {
   int f16_operands = 0;        // GPU: 0 = rule (the precise mode runs S, k_decayed and q_decayed in fp16 where q
                                // and k are L2-normalised, docs/DESIGN.md "Precision as an option"); 1 = that
                                // fp16 policy for every mode; -1 = never (the bf16 split of S)
-  int checkpoints_in_segments = 0;  // GPU, with checkpoints and segments: 1 = segments of any length, the
-                                    // checkpoints inside a segment from its partial transitions (the chain
-                                    // kernel); 0 (rule, for now) and -1 = segment lengths that divide
-                                    // checkpoint_every (docs/DESIGN.md "Segments")
+  int checkpoints_in_segments = 0;  // GPU, with checkpoints and segments: 0 (rule) and 1 = segments of any
+                                    // length, the checkpoints inside a segment from its partial transitions
+                                    // (the chain kernel); -1 = segment lengths that divide checkpoint_every
+                                    // (the former rule; docs/DESIGN.md "Segments")
   int skip_transitions = 0;  // GPU, segments without checkpoints: 1 = a segment whose preceding chunks provably
                              // attenuate its incoming state below 2^-30 starts from zero that many chunks early
                              // instead of computing its transition; 0 (rule, for now) and -1 = never

@@ -238,17 +238,19 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   // fp64 reference checkpoints, and the same call in segments: segments of 4 chunks (64 tokens)
   // and of 2, both dividing checkpoint_every = 64 tokens (4 chunks); the chain kernel writes them.
   std::vector<double> ref_out(c.in.out.count), ref_ck(size_t(count * kState), std::nan(""));
+  std::vector<double> ref_state(size_t(c.in.N * kState));
   HostTensor ref_pool = c.pool_before;
   PrefillParams host = c.host_params(ref_pool, c.slots);
   host.checkpoint_every = 64, host.num_checkpoints = count;
-  reference_forward(host, ref_out.data(), nullptr, ref_ck.data());
+  reference_forward(host, ref_out.data(), ref_state.data(), ref_ck.data());
   const double tol = dtype == DType::kBF16 ? 6e-3 : 1e-4;
   const double e = rel_rms(dense.values(), ref_ck);
   report("gpu checkpoints serial rel-RMS", e);
   EXPECT_LT(e, tol);
   // Then segments of 3 and 5 chunks with the checkpoints inside segments from their partial
-  // transitions (internal::PrefillLaunch::checkpoints_in_segments).
-  const internal::PrefillLaunch seg_launches[] = {{0, 4}, {0, 2}, {0, 3, 0, 1}, {0, 5, 0, 1}};
+  // transitions (the rule; internal::PrefillLaunch::checkpoints_in_segments), and of 4 and 2 with
+  // the former rule's lengths that divide checkpoint_every (checkpoints_in_segments = -1).
+  const internal::PrefillLaunch seg_launches[] = {{0, 4, 0, -1}, {0, 2, 0, -1}, {0, 3}, {0, 5, 0, 1}, {0, 4}};
   for (const internal::PrefillLaunch& launch : seg_launches) {
     const int64_t seg = launch.segment_chunks;
     ASSERT_EQ(internal::chosen_segment_chunks(p, launch), seg);
@@ -263,15 +265,16 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
     EXPECT_TRUE(seg_dense.guard_intact());
     EXPECT_EQ(count_nonfinite(seg_dense.values()), 0);
     const double es = rel_rms(seg_dense.values(), ref_ck);
-    report("gpu checkpoints segments" + std::to_string(seg) + (launch.checkpoints_in_segments > 0 ? " inside" : "") +
+    report("gpu checkpoints segments" + std::to_string(seg) + (launch.checkpoints_in_segments >= 0 ? " inside" : "") +
                " rel-RMS",
            es);
     EXPECT_LT(es, tol);
     EXPECT_LT(rel_rms(c.in.out.values(), ref_out), 6e-3);
-    EXPECT_LT(rel_rms(c.pool.values(), ref_pool.values()), tol);
+    EXPECT_LT(rel_rms(states_in_slots(c.pool, c.slots, c.P), ref_state), tol);  // final states in their slots
   }
-  // A segment length that does not divide checkpoint_every is rounded down to one that does.
-  EXPECT_EQ(internal::chosen_segment_chunks(p, internal::PrefillLaunch{0, 3}), 2);
+  // Under the former rule a segment length that does not divide checkpoint_every is rounded down
+  // to one that does.
+  EXPECT_EQ(internal::chosen_segment_chunks(p, internal::PrefillLaunch{0, 3, 0, -1}), 2);
 }
 
 // The pool path with checkpoints into pool slots, captured in a CUDA graph and replayed: the

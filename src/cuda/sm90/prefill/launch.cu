@@ -78,13 +78,13 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // lose ~2% in the fast mode, whose chunks are cheaper: the rule asks for 3 segments per sequence
 // on average in the fast mode and 2 in the others.
 //
-// With checkpoints the segment length must divide checkpoint_every (in chunks), so that every
-// checkpoint is a segment start or a sequence end, which the chain kernel has: the length is
-// rounded down to the largest such divisor (forced lengths too), and the rule's length to one of at
-// least kSegMinChunks chunks or no segments. Unless the checkpoints inside segments come from
-// their partial transitions (internal::PrefillLaunch::checkpoints_in_segments = 1, ckpt_in_segments):
-// then any length serves.
-bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.checkpoints_in_segments > 0; }
+// With checkpoints, the checkpoints inside a segment come from its partial transitions (the rule,
+// ckpt_in_segments), so any segment length serves. internal::PrefillLaunch::checkpoints_in_segments
+// = -1 keeps the former rule instead: the segment length divides checkpoint_every (in chunks), so
+// that every checkpoint is a segment start or a sequence end, which the chain kernel has; the
+// length is rounded down to the largest such divisor (forced lengths too), and the rule's length to
+// one of at least kSegMinChunks chunks or no segments.
+bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.checkpoints_in_segments >= 0; }
 
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precision precision,
                               int64_t checkpoint_every, const internal::PrefillLaunch& launch) {
