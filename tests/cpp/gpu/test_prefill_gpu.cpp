@@ -652,7 +652,8 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
 // skip and the result is the exact call's, bit for bit; a NaN in v reaches every later output of
 // its value column, across skipped segments, as it does in the recurrence.
 TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
-  const internal::PrefillLaunch skip{0, 4, 0, 0, 1}, exact{0, 4, 0, 0, -1};
+  // Segments of 8 chunks: a warm-up of up to 2 (a quarter, kSkipWarmupDivisor).
+  const internal::PrefillLaunch skip{0, 8, 0, 0, 1}, exact{0, 8, 0, 0, -1};
   auto run = [&](KdaInputs& in, const internal::PrefillLaunch& launch) {
     const Errors e = check_against_reference(in, kTolOut, kTolState, launch);
     return std::make_pair(e, std::make_pair(in.out.bytes, in.final_state.bytes));

@@ -153,6 +153,11 @@ constexpr int kSegMinChunks = 16;                     // shortest segment the la
 // Transition skipping: the product of per-chunk bounds a warm-up must reach, as a natural log
 // (2^-30: the incoming state's share of the start state below fp32 rounding by 2^6).
 constexpr float kSkipLogBound = -20.79441541679836f;  // ln(2^-30)
+// The longest warm-up a segment may take, as a share of the segment length (seg_chunks / 4): a
+// skipped segment walks its warm-up too, so a long one lengthens the call's critical path where
+// the exact transition runs beside it (run 37: long-memory heads that reached the bound only after
+// ~3000 of 4096 chunks made T=131072 H=32 1.38x longer).
+constexpr int kSkipWarmupDivisor = 4;
 
 // Segments of a sequence of `chunks` chunks cut every seg_chunks chunks (at least one).
 __host__ __device__ inline int64_t segments_of(int64_t chunks, int64_t seg_chunks) {

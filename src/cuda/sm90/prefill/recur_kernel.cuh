@@ -331,14 +331,15 @@ __device__ __forceinline__ void identity_rows(float (&S)[64], int r, int t4) {
 }
 
 // Transition skipping (config.h Params::chunk_bound): the number W of chunks before `start` (at most
-// p.seg_chunks, within the sequence) whose bounds' product first falls to 2^-30 (kSkipLogBound), or
+// a quarter of p.seg_chunks, kSkipWarmupDivisor, within the sequence) whose bounds' product first
+// falls to 2^-30 (kSkipLogBound), or
 // -1 if none does. Warp 0 scans back 32 chunks at a time; every thread of the CTA gets the result,
 // and every CTA of a segment the same one (the same bounds, the same arithmetic).
 __device__ inline int64_t skip_warmup(const Params& p, int64_t seq_chunk_begin, int64_t start, int h) {
   __shared__ int64_t s_warm;
   if (threadIdx.x < 32) {
     const int lane = threadIdx.x;
-    const int64_t avail = min(p.seg_chunks, start - seq_chunk_begin);
+    const int64_t avail = min(p.seg_chunks / kSkipWarmupDivisor, start - seq_chunk_begin);
     float carry = 0.f;
     int64_t found = -1;
     for (int64_t base = 0; base < avail && found < 0; base += 32) {
