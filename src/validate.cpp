@@ -246,9 +246,9 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
                      "precision must be Precision::kPrecise, kBalanced or kFast, got ", int(p.precision));
   if (backend == Backend::kCuda) {
     // The indices and lengths live on the GPU: slots outside [0, P) are padding there (as in
-    // decode), a slot named twice is the caller's error (undefined, not detected), and with
-    // cu_seqlens a num_checkpoints other than the lengths give fills the outputs with NaN (K0);
-    // without cu_seqlens the host counts them.
+    // decode); a live slot named twice, and with cu_seqlens a num_checkpoints other than the
+    // lengths give, make K0 refuse the call (NaN outputs, the pool untouched); without cu_seqlens
+    // the host counts the checkpoints.
     if (p.cu_seqlens == nullptr) check_checkpoint_count(p);
     // K1's grid has one CTA per (chunk slot, head): at most one partial chunk per sequence.
     const int64_t chunk_slots = (p.B * p.T + kChunk - 1) / kChunk + num_sequences(p);

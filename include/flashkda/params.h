@@ -38,7 +38,9 @@ struct PrefillParams {
   // has_initial_state[n] is false) and its final state is written back into that slot; no other
   // slot is written. A negative slot marks padding: nothing is read or written for the sequence
   // and its output rows are zero. On the GPU the indices stay on the device: a slot outside [0, P)
-  // is padding there too (as in decode), and a slot named twice is undefined (not detected).
+  // is padding there too (as in decode), and a live slot named twice (across state_indices and
+  // checkpoint_slots) fills out and the dense checkpoints with NaN and leaves the pool unchanged;
+  // the CPU backend throws instead, naming both positions.
   void* state_pool = nullptr;               // [P, H, V, K] state_pool_dtype (kF32 or kBF16), or null
   DType state_pool_dtype = DType::kF32;
   int64_t pool_size = 0;                    // P

@@ -163,7 +163,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
       sequence, checkpoint_count(lengths, checkpoint_every) of them in sequence order, into
       checkpoints [C, H, K, V] (state layout; written in place, zeros for padding) or into the pool
       slots checkpoint_slots [C] (negative: not written). On the GPU a slot outside [0, P) is padding
-      and a slot named twice is undefined (the indices stay on the device).
+      and a live slot named twice gives NaN outputs and leaves the pool unchanged (the indices stay
+      on the device, so nothing is raised; on the CPU it raises ValueError naming both positions).
 
     The positional order is fla 0.6.0's; A_log, dt_bias and precision are keywords. fla options
     without effect here (disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs, chunk_size) are

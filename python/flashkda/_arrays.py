@@ -121,6 +121,18 @@ class NumpyOps:
         return np.argmax(mask)
 
     @staticmethod
+    def first_equal(x):
+        """For each entry of a 1-d integer array, the index of the first entry equal to it (int32)."""
+        order = np.argsort(x, kind="stable")
+        s = x[order]
+        start = np.ones(s.shape[0], bool)
+        start[1:] = s[1:] != s[:-1]
+        run = np.maximum.accumulate(np.where(start, np.arange(s.shape[0]), 0))
+        first = np.empty_like(order)
+        first[order] = order[run]
+        return first.astype(np.int32)
+
+    @staticmethod
     def seq_of_token(cu, total, like):
         """Sequence index of every token position of packed sequences."""
         return np.searchsorted(np.asarray(cu)[1:], np.arange(total), side="right")
@@ -249,6 +261,19 @@ class TorchOps:
     @staticmethod
     def first_true(mask):
         return mask.to(_torch().int32).argmax()
+
+    @staticmethod
+    def first_equal(x):
+        torch = _torch()
+        order = torch.sort(x, stable=True).indices
+        s = x[order]
+        start = torch.ones_like(s, dtype=torch.bool)
+        start[1:] = s[1:] != s[:-1]
+        pos = torch.arange(s.shape[0], device=x.device)
+        run = torch.cummax(torch.where(start, pos, torch.zeros_like(pos)), 0).values
+        first = torch.empty_like(order)
+        first[order] = order[run]
+        return first.to(torch.int32)
 
     @staticmethod
     def seq_of_token(cu, total, like):

@@ -416,15 +416,17 @@ def _slot_indices(ops, x, q, N, name="ssm_state_indices"):
     return ops.contiguous(idx)
 
 
-def _gather_slots(ops, q, pool, idx, state_v_first):
+def _gather_slots(ops, q, pool, idx, state_v_first, keep_repeats=False):
     """The named slots of a user pool ([P, H, ., .], any layout) as a contiguous [n, H, V, K] pool,
-    with indices into it; padding entries stay negative. Copies n = idx.size slots, not the pool."""
+    with indices into it; padding entries stay negative. Copies n = idx.size slots, not the pool.
+    keep_repeats: entries naming one slot get one index (its first entry's), so that the kernels
+    see the repeat (and refuse the call, leaving the copy and hence the pool as they were)."""
     flat = idx.reshape(-1)
     n = flat.shape[0]
     rows = ops.where(flat >= 0, flat, 0)
     sub = ops.take_rows(pool, rows)
     sub = ops.contiguous(sub) if state_v_first else ops.swap_last2(sub)
-    local = ops.where(flat >= 0, ops.arange_i32(n, q), -1)
+    local = ops.where(flat >= 0, ops.first_equal(flat) if keep_repeats else ops.arange_i32(n, q), -1)
     return sub, ops.astype(local, I32).reshape(tuple(idx.shape))
 
 
@@ -671,7 +673,7 @@ def _serving_prefill(ops, q, k, v, g, beta, out, pre, cu, N, H, K, V, state_v_fi
             from . import _C
 
             _C._check_pool_slots(ops.to_ext(idx), None if ck_slots is None else ops.to_ext(ck_slots), pool.shape[0])
-        native_pool, local = _gather_slots(ops, q, pool, named, state_v_first)
+        native_pool, local = _gather_slots(ops, q, pool, named, state_v_first, keep_repeats=ops.is_cuda(q))
         native_idx = local[:N]
         native_ck_slots = None if ck_slots is None else ops.contiguous(local[N:])
         gathered = named

@@ -193,6 +193,15 @@ def test_int64_slots_are_validated_before_narrowing(rng, fw):
     np.testing.assert_array_equal(fw.np(o)[1], 0)  # far negative: padding, as in int32
 
 
+def test_first_equal_maps_each_entry_to_the_first_equal_one(rng, fw):
+    """The helper behind the GPU's gathered pools (another layout than [P, H, V, K]): entries naming
+    one slot get one local index, so the kernels see the repeat and refuse the call."""
+    x = rng.integers(-3, 6, size=40).astype(np.int32)
+    want = np.array([int(np.flatnonzero(x == v)[0]) for v in x], np.int32)
+    np.testing.assert_array_equal(fw.np(fw.ops.first_equal(fw(x))), want)
+    assert fw.np(fw.ops.first_equal(fw(np.zeros(0, np.int32)))).shape == (0,)
+
+
 def test_duplicate_live_slots_are_refused_naming_both(rng, fw):
     p = make_problem(rng, B=3, T=1, H=H, K=K, V=V, gate="precomputed")
     pool = fw(np.zeros((4, H, V, K), np.float32))

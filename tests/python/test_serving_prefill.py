@@ -285,6 +285,44 @@ def test_gpu_pool_prefill_matches_gathered_states(rng, v_first):
         assert torch.equal(pool[s], before[s])
 
 
+@pytest.mark.skipif(_gpu_reason() is not None, reason=str(_gpu_reason()))
+@pytest.mark.parametrize("v_first", [True, False])
+def test_gpu_live_slot_named_twice_gives_nan_and_leaves_the_pool(rng, v_first):
+    """The GPU cannot raise without a host synchronisation: a live slot named twice (two sequences,
+    or a sequence and a checkpoint) fills the outputs with NaN and writes nothing to the pool, in
+    the kernels' layout and through the gathered copy of another layout alike."""
+    import torch
+
+    p = make_problem(rng, H=H, K=128, V=128, gate="lower_bound", lengths=[200, 64, 130], dtype=BF16)
+    P = 6
+    pool = torch.randn((P, H, 128, 128), device="cuda") * 0.1
+    before = pool.clone()
+    t = {n: to_torch(p[n], "cuda") for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens")}
+    args = [t[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(cu_seqlens=t["cu_seqlens"], use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              use_gate_in_kernel=True, A_log=t["A_log"], dt_bias=t["dt_bias"], lower_bound=p["lower_bound"],
+              state_v_first=v_first)
+    twice = torch.tensor([4, 1, 4], dtype=torch.int32, device="cuda")
+    o, _ = flashkda.chunk_kda(*args, state_pool=pool, state_indices=twice, **kw)
+    torch.cuda.synchronize()
+    assert torch.isnan(o.float()).all()
+    assert torch.equal(pool, before)
+    count = flashkda.checkpoint_count([200, 64, 130], 64)
+    ck_slots = torch.full((count,), -1, dtype=torch.int32, device="cuda")
+    ck_slots[count - 1] = 3  # sequence 2's slot
+    o, _ = flashkda.chunk_kda(*args, state_pool=pool, state_indices=torch.tensor([4, 1, 3], dtype=torch.int32,
+                                                                                  device="cuda"),
+                              checkpoint_every=64, checkpoint_slots=ck_slots, **kw)
+    torch.cuda.synchronize()
+    assert torch.isnan(o.float()).all()
+    assert torch.equal(pool, before)
+    # padding may repeat: negative, and past the pool
+    o, _ = flashkda.chunk_kda(*args, state_pool=pool, state_indices=torch.tensor([-1, P, 2], dtype=torch.int32,
+                                                                                  device="cuda"), **kw)
+    torch.cuda.synchronize()
+    assert not torch.isnan(o.float()).any()
+
+
 CK_SLOTS = [1, -1, 2, 4, 6, 8]
 
 

@@ -355,5 +355,69 @@ TEST(ServingPrefillGpuErrors, WrongCheckpointCountPoisonsOutputs) {
   }
 }
 
+// A live slot named twice (two sequences, or a sequence and a checkpoint) is refused on the GPU
+// as the CPU backend refuses it, without a host synchronisation: K0 finds it, out and the dense
+// checkpoints come back NaN and the pool keeps its bytes; serial, segmented and with checkpoints
+// inside segments, with cu_seqlens and without. Padding slots (negative, or >= P) may repeat.
+TEST(ServingPrefillGpuErrors, DuplicateLiveSlotsPoisonOutputsAndLeaveThePool) {
+  if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible";
+  PoolCase c({200, 64, 130}, DType::kF32, 6, -1, -1);
+  auto set_slots = [&](std::vector<int32_t> slots) {
+    c.slots = slots;
+    cudaMemcpy(c.d_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice);
+  };
+  auto expect_refused = [&](const PrefillParams& p, internal::PrefillLaunch launch, const char* what) {
+    c.reset_pool();
+    c.dev.poison();
+    c.run(p, launch);
+    const std::vector<double> out = c.in.out.values();
+    EXPECT_EQ(count_nonfinite(out), int64_t(out.size())) << what << ": outputs not all NaN";
+    EXPECT_TRUE(same_bytes(c.pool, 0, c.pool_before, 0, c.P * kState)) << what << ": the pool was written";
+  };
+  const std::vector<int32_t> distinct = {4, 1, 3};
+  const internal::PrefillLaunch launches[] = {{}, kSerial, {0, 2}};
+  set_slots({4, 1, 4});
+  for (const internal::PrefillLaunch& launch : launches) expect_refused(c.params(), launch, "sequences 0 and 2 in slot 4");
+
+  // A checkpoint into a sequence's slot.
+  set_slots(distinct);
+  PrefillParams p = c.params();
+  p.checkpoint_every = 64, p.num_checkpoints = 3 + 1 + 2;
+  std::vector<int32_t> ck_slots(6, -1);
+  ck_slots[0] = 0, ck_slots[4] = 3;  // slot 3 is sequence 2's
+  p.checkpoint_slots = static_cast<const int32_t*>(c.dev.upload(ck_slots.data(), ck_slots.size() * 4));
+  for (const internal::PrefillLaunch& launch : {internal::PrefillLaunch{}, internal::PrefillLaunch{0, 3, 0, 1}})
+    expect_refused(p, launch, "checkpoint 4 in sequence 2's slot");
+
+  // Padding repeated is not a conflict: the call runs (finite outputs, zeros for padding).
+  set_slots({-1, 6, -1});  // -1: padding; 6 = P: past the pool, padding too
+  c.reset_pool();
+  c.dev.poison();
+  c.run(c.params(), {});
+  EXPECT_EQ(count_nonfinite(c.in.out.values()), 0);
+  EXPECT_TRUE(same_bytes(c.pool, 0, c.pool_before, 0, c.P * kState)) << "padding wrote the pool";
+
+  // Without cu_seqlens (B sequences of T tokens) K0 runs for the check alone.
+  KdaOptions o;
+  o.B = 2, o.T = 130, o.H = kH;
+  KdaInputs in(o);
+  DeviceProblem dev(in);
+  HostTensor pool = random_pool(DType::kF32, 4, 7), pool_after = pool;
+  void* d_pool = dev.upload(pool.bytes.data(), pool.bytes.size());
+  const std::vector<int32_t> twice = {2, 2};
+  PrefillParams q = dev.params();
+  q.initial_state = q.final_state = nullptr;
+  q.state_pool = d_pool, q.state_pool_dtype = DType::kF32, q.pool_size = 4;
+  q.state_indices = static_cast<const int32_t*>(dev.upload(twice.data(), 8));
+  DeviceBuffer ws(internal::workspace_size(q, {}));
+  dev.poison();
+  internal::forward(q, {}, ws.ptr, ws.bytes);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  cudaMemcpy(pool_after.bytes.data(), d_pool, pool.bytes.size(), cudaMemcpyDeviceToHost);
+  EXPECT_EQ(count_nonfinite(in.out.values()), int64_t(in.out.count)) << "B x T: outputs not all NaN";
+  EXPECT_TRUE(same_bytes(pool_after, 0, pool, 0, 4 * kState)) << "B x T: the pool was written";
+}
+
 }  // namespace
 }  // namespace flashkda::test

@@ -198,7 +198,7 @@ struct Params {
   bool beta_is_logit;
   float scale;
   int32_t* chunk_start;       // workspace header: [N+1]
-  int32_t* error_flag;        // workspace header: 1 when cu_seqlens is invalid
+  int32_t* error_flag;        // workspace header (K0): 1 when cu_seqlens is invalid or a live slot is named twice
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
 
@@ -229,6 +229,7 @@ struct Params {
   const int32_t* state_indices;     // [N] or null (dense [N][H][V][K] states)
   const bool* has_initial_state;    // [N] or null
   int64_t pool_size;                // P
+  uint32_t* slot_bits;              // workspace [ceil(P / 32)] with state_indices: K0's duplicate-slot check
   // Checkpoints: the state after every checkpoint_every tokens of each sequence, numbered sequence
   // by sequence (ckpt_start), into a dense [C][H][V][K] tensor or into pool slots.
   int64_t checkpoint_every;         // tokens, a multiple of 64; 0 = none

@@ -16,7 +16,7 @@ namespace flashkda::cuda::sm90::prefill {
 
 template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream) {
-  if (p.cu_seqlens != nullptr) {
+  if (p.cu_seqlens != nullptr || p.state_indices != nullptr) {  // K0: what the host cannot check
     chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
     FLASHKDA_CHECK_LAUNCH();
   }
@@ -110,14 +110,15 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 }
 
 struct Layout {
-  size_t header, records, seg_states, seg_out, seg_ckpt, skip, total;
+  size_t header, records, seg_states, seg_out, seg_ckpt, skip, slot_bits, total;
 };
 
 // The workspace of one call: header, K1 records and, with segments, the per-segment matrices
 // (X_s, B_s^T, A_s^T), the fp32 outputs of the chunks of segments s > 0 and, with checkpoints
-// inside segments, the partial transitions (B_c^T, A_c^T) of each checkpoint.
+// inside segments, the partial transitions (B_c^T, A_c^T) of each checkpoint; last, with a state
+// pool of pool_size slots, one bit per slot for K0's check that no live slot is named twice.
 Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks, int64_t ckpt_partials = 0,
-                        bool skip = false) {
+                        bool skip = false, int64_t pool_size = 0) {
   const int64_t slots = max_chunk_slots(total_tokens, N);
   Layout l{};
   l.header = header_bytes(N);
@@ -130,7 +131,8 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
     if (skip)  // chunk bounds, then the segments' skip codes
       l.skip = align_up(size_t(slots) * size_t(H) * 4) + align_up(size_t(max_segments(slots, N, seg_chunks)) * H * 4);
   }
-  l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt + l.skip;
+  l.slot_bits = align_up(size_t((pool_size + 31) / 32) * 4);
+  l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt + l.skip + l.slot_bits;
   return l;
 }
 
@@ -197,6 +199,9 @@ bool skips_transitions(const PrefillParams& p, const internal::PrefillLaunch& la
   return launch.skip_transitions > 0 && p.checkpoint_every == 0;
 }
 
+// Slots of the state pool, whose bitmap the workspace holds (0 without a pool).
+int64_t pool_slots(const PrefillParams& p) { return p.state_pool != nullptr ? p.pool_size : 0; }
+
 // Checkpoints whose partial transitions the workspace holds (checkpoints inside segments).
 int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
@@ -204,7 +209,7 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
-                          checkpoint_partials(p, launch), skips_transitions(p, launch))
+                          checkpoint_partials(p, launch), skips_transitions(p, launch), pool_slots(p))
       .total;
 }
 
@@ -266,8 +271,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   Params kp = kernel_params(p, ws);
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),
-                                    skips_transitions(p, launch));
+                                    skips_transitions(p, launch), pool_slots(p));
   kp.records = ws + l.header;
+  if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.total - l.slot_bits);
   if (kp.seg_chunks > 0) {
     kp.max_segs = max_segments(kp.chunk_slots, N, kp.seg_chunks);
     float* states = reinterpret_cast<float*>(ws + l.header + l.records);

@@ -1,11 +1,15 @@
 // K0 (varlen chunk scan) and K1 (token-parallel prepare) of the sm90 prefill.
 //
-// K0: grid = 1, block = 1024. Validates cu_seqlens (starts at 0, non-decreasing, ends at the
-//     token count) and writes chunk_start[n] = sum_{m<n} ceil(len_m / 16) and, with segments,
+// K0: grid = 1, block = 1024; runs with cu_seqlens or a state pool (what lives on the GPU and the
+//     host cannot check). Validates cu_seqlens (starts at 0, non-decreasing, ends at the token
+//     count) and writes chunk_start[n] = sum_{m<n} ceil(len_m / 16) and, with segments,
 //     seg_start[n] = sum_{m<n} segments_of(chunks_m), with checkpoints ckpt_start[n] = sum_{m<n}
 //     floor(len_m / checkpoint_every). On invalid input it raises error_flag and writes zero
 //     chunks, so K1/K2 do no work and K2 fills the outputs with NaN; a checkpoint total other than
-//     num_checkpoints raises it too (K2 then fills the outputs with NaN).
+//     num_checkpoints raises it too (K2 then fills the outputs with NaN). With a pool it raises it
+//     when a live slot (in [0, P)) is named twice across state_indices and checkpoint_slots (the
+//     CPU backend's rule, detail::check_pool_slots): K2 then fills the outputs and dense
+//     checkpoints with NaN and no kernel writes the pool.
 // K1: grid = chunk_slots * H, block = 128.
 //     One CTA builds, for one 16-token chunk of one head: q_decayed, k_decayed, k_restored,
 //     Mqk, inv_b = (I + L)^-1 diag(b) and exp(G_C), in the record layout of config.h.
@@ -24,6 +28,25 @@ namespace flashkda::cuda::sm90::prefill {
 // ---- K0 ----------------------------------------------------------------------------------------
 constexpr int kScanThreads = 1024;
 
+// Raises error_flag when a live slot is named twice: one bit per pool slot (Params::slot_bits),
+// set by atomicOr; a thread that finds its bit already set saw the second use. Every thread of the
+// CTA must call it.
+__device__ inline void check_distinct_slots(const Params& p) {
+  const int64_t words = (p.pool_size + 31) / 32;
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) p.slot_bits[i] = 0u;
+  __syncthreads();
+  int twice = 0;
+  auto mark = [&](int64_t slot) {
+    if (slot < 0 || slot >= p.pool_size) return;  // padding (or a checkpoint not written)
+    const uint32_t bit = 1u << (slot & 31);
+    if (atomicOr(&p.slot_bits[slot >> 5], bit) & bit) twice = 1;
+  };
+  for (int64_t n = threadIdx.x; n < p.num_seqs; n += blockDim.x) mark(p.state_indices[n]);
+  if (p.checkpoint_slots != nullptr)
+    for (int64_t c = threadIdx.x; c < p.num_checkpoints; c += blockDim.x) mark(p.checkpoint_slots[c]);
+  if (__syncthreads_or(twice) && threadIdx.x == 0) *p.error_flag = 1;
+}
+
 __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_constant__ Params p) {
   using Reduce = cub::BlockReduce<int, kScanThreads>;
   using Scan = cub::BlockScan<int, kScanThreads>;
@@ -33,6 +56,12 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   } tmp;
   __shared__ int carry, seg_carry, ckpt_carry;
 
+  if (p.cu_seqlens == nullptr) {  // a pool without cu_seqlens: the slot check only
+    if (threadIdx.x == 0) *p.error_flag = 0;
+    __syncthreads();
+    check_distinct_slots(p);
+    return;
+  }
   const int64_t N = p.num_seqs;
   int bad = 0;
   for (int64_t i = threadIdx.x; i <= N; i += kScanThreads) {
@@ -74,6 +103,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   }
   // The caller's num_checkpoints must be what the lengths give (the host cannot read them).
   if (threadIdx.x == 0 && p.checkpoint_every > 0 && ckpt_carry != p.num_checkpoints) *p.error_flag = 1;
+  if (p.state_indices != nullptr) check_distinct_slots(p);
 }
 
 // ---- K1 ----------------------------------------------------------------------------------------

@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
-  if (p.cu_seqlens != nullptr && *p.error_flag != 0) {
+  if (call_refused(p)) {
     poison_outputs(p);
     return;
   }

@@ -61,7 +61,7 @@ __device__ __forceinline__ void sequence_segments(const Params& p, int64_t n, in
 __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   ChainSmem& sm = *reinterpret_cast<ChainSmem*>(smem_raw);
-  if (p.cu_seqlens != nullptr && *p.error_flag != 0) return;  // K2 filled the outputs with NaN
+  if (call_refused(p)) return;  // K2 filled the outputs with NaN
   const int64_t n = blockIdx.x / p.H;
   const int h = int(blockIdx.x % p.H);
   int64_t first, count;
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
                                                                              int64_t tiles) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   CombineSmem& sm = *reinterpret_cast<CombineSmem*>(smem_raw);
-  if (p.cu_seqlens != nullptr && *p.error_flag != 0) return;
+  if (call_refused(p)) return;
   const int h = int(blockIdx.x % p.H);
   const int64_t tile = blockIdx.x / p.H;
   SegmentRef seg;
