@@ -389,13 +389,19 @@ TEST(ServingPrefillGpuErrors, DuplicateLiveSlotsPoisonOutputsAndLeaveThePool) {
   for (const internal::PrefillLaunch& launch : {internal::PrefillLaunch{}, internal::PrefillLaunch{0, 3, 0, 1}})
     expect_refused(p, launch, "checkpoint 4 in sequence 2's slot");
 
-  // Padding repeated is not a conflict: the call runs (finite outputs, zeros for padding).
-  set_slots({-1, 6, -1});  // -1: padding; 6 = P: past the pool, padding too
-  c.reset_pool();
-  c.dev.poison();
-  c.run(c.params(), {});
-  EXPECT_EQ(count_nonfinite(c.in.out.values()), 0);
-  EXPECT_TRUE(same_bytes(c.pool, 0, c.pool_before, 0, c.P * kState)) << "padding wrote the pool";
+  // Padding repeated is not a conflict: the call runs (finite outputs; only the live slot 2 is
+  // written). -1: padding; 6 = P: past the pool, padding too.
+  for (const std::vector<int32_t>& padding : {std::vector<int32_t>{-1, -1, 2}, std::vector<int32_t>{6, 6, 2}}) {
+    set_slots(padding);
+    c.reset_pool();
+    c.dev.poison();
+    c.run(c.params(), {});
+    EXPECT_EQ(count_nonfinite(c.in.out.values()), 0) << "slots " << padding[0] << ", " << padding[1] << ", 2";
+    EXPECT_TRUE(same_bytes(c.pool, 0, c.pool_before, 0, 2 * kState) &&
+                same_bytes(c.pool, 3 * kState, c.pool_before, 3 * kState, (c.P - 3) * kState))
+        << "padding wrote the pool";
+    EXPECT_FALSE(same_bytes(c.pool, 2 * kState, c.pool_before, 2 * kState, kState)) << "slot 2 not written";
+  }
 
   // Without cu_seqlens (B sequences of T tokens) K0 runs for the check alone.
   KdaOptions o;
