@@ -136,6 +136,18 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
   return l;
 }
 
+// Hands out consecutive regions of a workspace, each as long as its Layout field says, so that the
+// order of the regions is written once (the order of the take calls).
+struct Carver {
+  uint8_t* at;
+  template <class T = uint8_t>
+  T* take(size_t bytes) {
+    T* region = reinterpret_cast<T*>(at);
+    at += bytes;
+    return region;
+  }
+};
+
 template <class Split>
 void launch_segmented(const Params& kp, cudaStream_t stream) {
   launch_prepare<Split>(kp, stream);
@@ -272,20 +284,24 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),
                                     skips_transitions(p, launch), pool_slots(p));
-  kp.records = ws + l.header;
-  if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.total - l.slot_bits);
+  Carver regions{ws + l.header};  // the header: kernel_params
+  kp.records = regions.take(l.records);
+  float* states = regions.take<float>(l.seg_states);
+  float* seg_out = regions.take<float>(l.seg_out);
+  float* ckpt_partials = regions.take<float>(l.seg_ckpt);
+  uint8_t* skip = regions.take(l.skip);
+  uint32_t* slot_bits = regions.take<uint32_t>(l.slot_bits);
+  if (l.slot_bits > 0) kp.slot_bits = slot_bits;
   if (kp.seg_chunks > 0) {
     kp.max_segs = max_segments(kp.chunk_slots, N, kp.seg_chunks);
-    float* states = reinterpret_cast<float*>(ws + l.header + l.records);
     const size_t matrices = l.seg_states / 3 / sizeof(float);
     kp.seg_x = states, kp.seg_b = states + matrices, kp.seg_a = states + 2 * matrices;
-    kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records + l.seg_states);
+    kp.seg_out = seg_out;
     if (l.seg_ckpt > 0) {
-      kp.seg_ckpt_b = reinterpret_cast<float*>(ws + l.header + l.records + l.seg_states + l.seg_out);
-      kp.seg_ckpt_a = kp.seg_ckpt_b + l.seg_ckpt / 2 / sizeof(float);
+      kp.seg_ckpt_b = ckpt_partials;
+      kp.seg_ckpt_a = ckpt_partials + l.seg_ckpt / 2 / sizeof(float);
     }
     if (l.skip > 0) {
-      uint8_t* skip = ws + l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt;
       kp.chunk_bound = reinterpret_cast<float*>(skip);
       kp.seg_skip = reinterpret_cast<int32_t*>(skip + align_up(size_t(kp.chunk_slots) * size_t(p.H) * 4));
     }
@@ -320,8 +336,9 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   kp.max_segs = N;
   kp.transitions_only = true;
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks);
-  kp.records = ws + l.header;
-  kp.seg_out = reinterpret_cast<float*>(ws + l.header + l.records);
+  Carver regions{ws + l.header};  // records, then seg_out: no segment matrices (seg_a, seg_b are the caller's)
+  kp.records = regions.take(l.records);
+  kp.seg_out = regions.take<float>(l.seg_out);
   kp.seg_a = transition, kp.seg_b = zero_start;
   with_split(kp, p.precision, 0, [&](auto split) {
     launch_prepare<decltype(split)>(kp, stream);
