@@ -72,6 +72,18 @@ if want gpu-tests && ! want test; then  # the GPU test binaries only (test runs 
   gpu_binaries
 fi
 
+# compute-sanitizer on one test binary: the summary into sanitize.log, a failure's tail to the console.
+san_log="$OUT/sanitize.log"
+if want pending || want sanitize; then : > "$san_log"; fi
+sanitize() {  # name, tool, command...
+  local name=$1 tool=$2 tmp=/tmp/sanitize_$1_$2.log
+  shift 2
+  compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$tmp" 2>&1
+  local rc=$?
+  { echo "=== $name $tool (exit $rc)"; grep -E "SUMMARY|PASSED|FAILED|tests ran" "$tmp"; [ $rc -ne 0 ] && tail -40 "$tmp"; } >> "$san_log"
+  if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
+}
+
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
   pending_tests=(test_prefill_gpu '*SkipTransitions*' test_serving_prefill_gpu '*DuplicateLiveSlots*')
@@ -79,25 +91,13 @@ if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on th
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | head -60
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-    compute-sanitizer --tool memcheck --error-exitcode 9 "$t" --gtest_filter="$f" > /tmp/pending_memcheck.log 2>&1 ||
-      { status=1; tail -20 /tmp/pending_memcheck.log; }
-    grep -E "ERROR SUMMARY" /tmp/pending_memcheck.log | tee -a "$OUT/sanitize.log"
+    sanitize "pending_${pending_tests[i]}" memcheck "$t" --gtest_filter="$f"
   done
 fi
 
 if want sanitize; then
   step compute-sanitizer
   san=(--gtest_filter='*VarlenWithEmptySequencesInt32*:*SegmentsSmall*:GateFormsAndFlags')
-  san_log="$OUT/sanitize.log"
-  : > "$san_log"
-  sanitize() {  # name, tool, command...
-    local name=$1 tool=$2 tmp=/tmp/sanitize_$1_$2.log
-    shift 2
-    compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$tmp" 2>&1
-    local rc=$?
-    { echo "=== $name $tool (exit $rc)"; grep -E "SUMMARY|PASSED|FAILED|tests ran" "$tmp"; [ $rc -ne 0 ] && tail -40 "$tmp"; } >> "$san_log"
-    if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
-  }
   for tool in memcheck racecheck synccheck; do
     sanitize prefill "$tool" build-gpu/tests/cpp/test_prefill_gpu "${san[@]}"
     [ -x build-gpu/tests/cpp/test_decode_gpu ] && sanitize decode "$tool" build-gpu/tests/cpp/test_decode_gpu
