@@ -85,15 +85,15 @@ __device__ __forceinline__ bool locate_chunk(const Params& p, int64_t slot, int6
   return true;
 }
 
-// ---- Serving prefill (config.h Params, docs/SPEC.md §9) ------------------------------------------
-// The state slot of sequence n: n for dense states, its pool slot with state_indices, -1 for
-// padding (a pool slot outside [0, P), as in decode).
 // Whether K0 refused the call (Params::error_flag: invalid cu_seqlens, a checkpoint count other
 // than the lengths give, a live slot named twice); K0 runs with cu_seqlens or a pool.
 __device__ __forceinline__ bool call_refused(const Params& p) {
   return (p.cu_seqlens != nullptr || p.state_indices != nullptr) && *p.error_flag != 0;
 }
 
+// ---- Serving prefill (config.h Params, docs/SPEC.md §9) ------------------------------------------
+// The state slot of sequence n: n for dense states, its pool slot with state_indices, -1 for
+// padding (a pool slot outside [0, P), as in decode).
 __device__ __forceinline__ int64_t state_slot(const Params& p, int64_t n) {
   if (p.state_indices == nullptr) return n;
   const int64_t slot = p.state_indices[n];
