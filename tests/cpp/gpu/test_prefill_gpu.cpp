@@ -644,16 +644,18 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
   EXPECT_LE(rel_rms(split.second, ref.final_state), 1.5 * rel_rms(serial.second, ref.final_state) + 1e-6);
 }
 
-// Transition skipping (internal::PrefillLaunch::skip_transitions, docs/DESIGN.md "Segments"): a
-// segment whose preceding chunks attenuate any incoming state to 2^-30 starts from zero that many
-// chunks early. Random lower-bound gates (per head anything from strong decay, where segments
-// skip, to little, where they keep the exact transition) and varlen match the reference, and differ
-// from the exact segmented call (some segment skipped); with long-memory channels no segment can
-// skip and the result is the exact call's, bit for bit; a NaN in v reaches every later output of
-// its value column, across skipped segments, as it does in the recurrence.
+// Transition skipping (internal::PrefillLaunch::skip_transitions, docs/DESIGN.md "Segments", runs):
+// segments cut into pieces, and a piece whose preceding chunks attenuate any incoming state to 2^-30
+// starts from zero that many chunks early. Random lower-bound gates (per head anything from strong
+// decay, where pieces skip, to little, where the segments keep their exact run and transition) and
+// varlen (one-segment sequences too) match the reference, and differ from the exact segmented call
+// (some piece skipped); with long-memory channels no piece can skip and the result is the exact
+// call's, bit for bit; a NaN in v reaches every later output of its value column and the final
+// state's row, across skipping runs that start after it, as it does in the recurrence.
 TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
-  // Segments of 8 chunks: a warm-up of up to 2 (a quarter, kSkipWarmupDivisor).
-  const internal::PrefillLaunch skip{0, 8, 0, 0, 1}, exact{0, 8, 0, 0, -1};
+  // Segments of 32 chunks in pieces of 8: a warm-up of up to 2 (a quarter, kSkipWarmupDivisor).
+  internal::PrefillLaunch skip{0, 32, 0, 0, 1}, exact{0, 32, 0, 0, -1};
+  skip.skip_run_chunks = 8;
   auto run = [&](KdaInputs& in, const internal::PrefillLaunch& launch) {
     const Errors e = check_against_reference(in, kTolOut, kTolState, launch);
     return std::make_pair(e, std::make_pair(in.out.bytes, in.final_state.bytes));
@@ -673,24 +675,30 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     report("exact transitions random varlen out", e_exact.out);
     EXPECT_LE(e_skip.out, 1.05 * e_exact.out + 1e-5);
     EXPECT_LE(e_skip.state, 1.05 * e_exact.state + 1e-5);
-    EXPECT_FALSE(bits_skip == bits_exact) << "no segment took the skipped path";
+    EXPECT_FALSE(bits_skip == bits_exact) << "no piece took the skipped path";
   }
   {
     KdaInputs in = long_memory_inputs();
     const auto [e_exact, bits_exact] = run(in, exact);
     const auto [e_skip, bits_skip] = run(in, skip);
     report("skip transitions long memory out", e_skip.out);
-    EXPECT_TRUE(bits_skip == bits_exact) << "a long-memory segment skipped its transition";
+    EXPECT_TRUE(bits_skip == bits_exact) << "a long-memory piece skipped its transition";
   }
-  {
-    KdaOptions o;  // strong decay everywhere: every segment skips
-    o.T = 2000, o.H = 2;
+  // Strong decay everywhere: every piece but a sequence's first skips. T = 2000 is four segments, 500
+  // one (the chain's one-segment path). The NaN at the first token of a chunk (the chunk's products
+  // carry a NaN to its earlier tokens too), head 1, value column 37: chunk 6 ends the first segment's
+  // exact run (the next piece's warm-up of one chunk does not see it), chunk 2 likewise in the
+  // one-segment sequence, chunk 40 lies inside the second segment's second piece, a skipping run.
+  struct NanCase {
+    int64_t T, t0;
+  };
+  for (const NanCase nc : {NanCase{2000, 96}, NanCase{2000, 640}, NanCase{500, 32}}) {
+    KdaOptions o;
+    o.T = nc.T, o.H = 2;
     o.A_log_min = 0.5, o.A_log_max = 1, o.dt_bias_min = 4, o.dt_bias_max = 5;
     o.final_state = StateKind::kF32;
     KdaInputs in(o);
-    // NaN at token 96 (a chunk's first: the chunk's products carry a NaN to its earlier tokens too),
-    // head 1, value column 37
-    const int64_t t0 = 96, c0 = 37, h0 = 1;
+    const int64_t t0 = nc.t0, c0 = 37, h0 = 1;
     in.v.set((t0 * o.H + h0) * o.V + c0, std::nan(""));
     DeviceProblem dev(in, skip);
     dev.poison();
@@ -705,8 +713,18 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
           if (h == h0 && c == c0 && t >= t0) missing += !nan;
           if (t < t0 || h != h0) spurious += nan;
         }
-    EXPECT_EQ(missing, 0) << "outputs after the NaN that are not NaN";
-    EXPECT_EQ(spurious, 0) << "NaN outputs before the NaN token or in the other head";
+    EXPECT_EQ(missing, 0) << "T=" << nc.T << " NaN at " << t0 << ": outputs after the NaN that are not NaN";
+    EXPECT_EQ(spurious, 0) << "T=" << nc.T << " NaN at " << t0 << ": NaN outputs before it or in the other head";
+    int64_t state_missing = 0, state_spurious = 0;
+    for (int64_t h = 0; h < o.H; ++h)
+      for (int64_t v = 0; v < o.V; ++v)
+        for (int64_t k = 0; k < o.K; ++k) {
+          const bool nan = !std::isfinite(in.final_state.get(((h * o.V) + v) * o.K + k));
+          if (h == h0 && v == c0) state_missing += !nan;
+          else state_spurious += nan;
+        }
+    EXPECT_EQ(state_missing, 0) << "T=" << nc.T << " NaN at " << t0 << ": the final state's row is finite";
+    EXPECT_EQ(state_spurious, 0) << "T=" << nc.T << " NaN at " << t0 << ": NaN in other rows of the final state";
   }
 }
 

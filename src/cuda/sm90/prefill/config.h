@@ -150,18 +150,32 @@ constexpr int kSegRows = 2 * kHeadDim;               // rows of the augmented S^
 constexpr int kSegStateFloats = kHeadDim * kHeadDim;  // one 128 x 128 fp32 matrix per (segment, head)
 constexpr int kSegOutFloats = kChunk * kSegRows;      // per (chunk, head): [16 tokens][o_zero 128 | w 128]
 constexpr int kSegMinChunks = 16;                     // shortest segment the launcher picks (256 tokens)
-// Transition skipping: the product of per-chunk bounds a warm-up must reach, as a natural log
-// (2^-30: the incoming state's share of the start state below fp32 rounding by 2^6).
+// Transition skipping (docs/DESIGN.md "Segments", runs): each segment is cut again into pieces of
+// run_chunks chunks. A piece boundary is skippable when the bounds of the chunks before it fall to
+// 2^-30 within a warm-up of at most run_chunks / 4 chunks (the incoming state's share of the state
+// there below fp32 rounding by 2^6); the start of a segment s > 0 may skip only where the segment
+// has two pieces or more (with one, its exact run and transition run side by side, each as long as
+// a skipping run without its warm-up). A run walks from the segment start or a skippable boundary
+// to the next of either: the segment's first run is exact (from the initial state in segment 0,
+// from zero with o_zero, w and the transition rows elsewhere), every other one starts from zero at
+// its warm-up and writes final outputs. So only the exact run needs X_s, and where it ends inside
+// the segment nothing after it does: the chain takes X_{s+1} = the last run's end state.
 constexpr float kSkipLogBound = -20.79441541679836f;  // ln(2^-30)
-// The longest warm-up a segment may take, as a share of the segment length (seg_chunks / 4): a
-// skipped segment walks its warm-up too, so a long one lengthens the call's critical path where
-// the exact transition runs beside it (run 37: long-memory heads that reached the bound only after
-// ~3000 of 4096 chunks made T=131072 H=32 1.38x longer).
-constexpr int kSkipWarmupDivisor = 4;
+constexpr int kSkipWarmupDivisor = 4;  // the longest warm-up: run_chunks / 4 (run 37: uncapped, a slow
+                                       // decay's warm-up of ~3000 chunks made T=131072 H=32 1.38x longer)
+constexpr int kMaxRunWarmup = 32;      // warm-up chunks one thread scans (run_chunks <= 128)
+constexpr int kMaxPieces = 256;        // pieces per segment (the launcher lengthens run_chunks to fit)
+constexpr int kPlanWords = kMaxPieces / 32;  // a segment's skippable pieces, one bit each
+constexpr int kTaintBytes = kSegRows;  // per run: one byte per row of the augmented S^T, 1 = not finite
 
 // Segments of a sequence of `chunks` chunks cut every seg_chunks chunks (at least one).
 __host__ __device__ inline int64_t segments_of(int64_t chunks, int64_t seg_chunks) {
   return chunks <= seg_chunks ? 1 : (chunks + seg_chunks - 1) / seg_chunks;
+}
+// Pieces of a segment of `chunks` chunks cut every run_chunks chunks (at least one, as for an empty
+// sequence; transition skipping).
+__host__ __device__ inline int64_t pieces_of(int64_t chunks, int64_t run_chunks) {
+  return chunks <= run_chunks ? 1 : (chunks + run_chunks - 1) / run_chunks;
 }
 // Upper bound on the segments of all sequences: sum max(1, ceil(C_n / L)) <= slots / L + N.
 inline int64_t max_segments(int64_t chunk_slots, int64_t num_seqs, int64_t seg_chunks) {
@@ -210,12 +224,19 @@ struct Params {
   float* seg_b;               // [max_segs][H][V][K] B_s^T: the state after segment s from zero
   float* seg_a;               // [max_segs][H][K][K] A_s^T (row r = A_s e_r): the segment's transition
   float* seg_out;             // [chunk_slots][H][16][256] o_zero | w of the chunks of segments s >= 1
-  // Transition skipping (internal::PrefillLaunch::skip_transitions; null otherwise): K1 writes each
-  // chunk's log-bound on the norm of its state transition, sum_t max_c a_{t,c} + log max(1, |1 - b_t |k_t|^2|);
-  // segmented K2 writes per segment 0 (exact transition) or 1 + its warm-up chunks (skipped), which
-  // the chain (X_{s+1} = B_s) and the combine (nothing to do) read.
+  // Transition skipping (internal::PrefillLaunch::skip_transitions; null otherwise, the runs above
+  // kSkipLogBound): K1 writes each chunk's log-bound on the norm of its state transition,
+  // sum_t max_c a_{t,c} + log max(1, |1 - b_t |k_t|^2|); the segmented K2 writes per segment the
+  // chunks its exact run covers (the segment's length: the exact transition; fewer: the chain takes
+  // X_{s+1} = the last run's end state, the combine stops there), its skippable pieces, and for each
+  // run that ends inside the segment which rows of its end state are not finite (a NaN the recurrence
+  // would carry on, which the chain writes into every later output of those rows).
+  int64_t run_chunks;         // chunks per piece (0: no runs)
+  int64_t max_pieces;         // pieces of the longest segment
   float* chunk_bound;         // [chunk_slots][H]
-  int32_t* seg_skip;          // [max_segs][H]
+  int32_t* seg_exact;         // [max_segs][H]
+  uint32_t* seg_plan;         // [max_segs][H][kPlanWords]: bit i = piece i starts a skipping run
+  uint8_t* seg_taint;         // [max_segs][H][max_pieces][kTaintBytes]: by the run starting at piece i
   float* seg_ckpt_b;          // [num_checkpoints][H][V][K] or null: with checkpoints inside segments, the
   float* seg_ckpt_a;          // partial B_c^T and A_c^T of segment s up to checkpoint c (s > 0), which the
                               // chain maps to the checkpoint X_s^T A_c^T + B_c^T

@@ -109,16 +109,35 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
 }
 
+// Transition skipping (config.h "Transition skipping"): pieces of run_chunks chunks. Where every
+// boundary skips, each piece is one run of two warpgroups (value rows), so the rule fills the GPU's
+// 2 * #SMs warpgroup slots with pieces of chunks * H / #SMs chunks, kept within [32, 96]: the
+// lengths the sweep of run 37 found best with every segment skipping (48 at T=8192 H=12, 96 from
+// T=32768 up; 24 and 32 pay their warm-up too often, and longer pieces leave a tail). Forced lengths
+// (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
+// segment at most and rounded up to a multiple of kCombineChunks; 0: no transition skipping.
+int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, bool skip,
+                          const internal::PrefillLaunch& launch) {
+  if (!skip || seg_chunks <= 0) return 0;
+  const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
+  int64_t run = launch.skip_run_chunks > 0
+                    ? launch.skip_run_chunks
+                    : std::clamp<int64_t>((chunks * H + sm_count() - 1) / sm_count(), 32, 96);
+  run = std::max(run, (seg_chunks + kMaxPieces - 1) / kMaxPieces);
+  return (run + kCombineChunks - 1) / kCombineChunks * kCombineChunks;  // the combine's tiles end with the exact run
+}
+
 struct Layout {
   size_t header, records, seg_states, seg_out, seg_ckpt, skip, slot_bits, total;
 };
 
 // The workspace of one call: header, K1 records and, with segments, the per-segment matrices
-// (X_s, B_s^T, A_s^T), the fp32 outputs of the chunks of segments s > 0 and, with checkpoints
-// inside segments, the partial transitions (B_c^T, A_c^T) of each checkpoint; last, with a state
-// pool of pool_size slots, one bit per slot for K0's check that no live slot is named twice.
+// (X_s, B_s^T, A_s^T), the fp32 outputs of the chunks of segments s > 0, with checkpoints inside
+// segments the partial transitions (B_c^T, A_c^T) of each checkpoint, and with transition skipping
+// (pieces of run_chunks) the chunk bounds and each segment's runs; last, with a state pool of
+// pool_size slots, one bit per slot for K0's check that no live slot is named twice.
 Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks, int64_t ckpt_partials = 0,
-                        bool skip = false, int64_t pool_size = 0) {
+                        int64_t run_chunks = 0, int64_t pool_size = 0) {
   const int64_t slots = max_chunk_slots(total_tokens, N);
   Layout l{};
   l.header = header_bytes(N);
@@ -128,8 +147,11 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
     l.seg_states = 3 * align_up(matrices);
     l.seg_out = align_up(size_t(slots) * size_t(H) * kSegOutFloats * 4);
     l.seg_ckpt = 2 * align_up(size_t(ckpt_partials) * size_t(H) * kSegStateFloats * 4);
-    if (skip)  // chunk bounds, then the segments' skip codes
-      l.skip = align_up(size_t(slots) * size_t(H) * 4) + align_up(size_t(max_segments(slots, N, seg_chunks)) * H * 4);
+    if (run_chunks > 0) {  // chunk bounds, then per segment its exact run, its plan and its runs' taint records
+      const size_t segs = size_t(max_segments(slots, N, seg_chunks)) * size_t(H);
+      l.skip = align_up(size_t(slots) * size_t(H) * 4) + align_up(segs * 4) + align_up(segs * kPlanWords * 4) +
+               align_up(segs * size_t(pieces_of(seg_chunks, run_chunks)) * kTaintBytes);
+    }
   }
   l.slot_bits = align_up(size_t((pool_size + 31) / 32) * 4);
   l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt + l.skip + l.slot_bits;
@@ -211,6 +233,11 @@ bool skips_transitions(const PrefillParams& p, const internal::PrefillLaunch& la
   return launch.skip_transitions > 0 && p.checkpoint_every == 0;
 }
 
+// Chunks per piece of transition skipping (0: none).
+int64_t prefill_run_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return choose_run_chunks(p.B * p.T, p.H, prefill_segment_chunks(p, launch), skips_transitions(p, launch), launch);
+}
+
 // Slots of the state pool, whose bitmap the workspace holds (0 without a pool).
 int64_t pool_slots(const PrefillParams& p) { return p.state_pool != nullptr ? p.pool_size : 0; }
 
@@ -221,7 +248,7 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
-                          checkpoint_partials(p, launch), skips_transitions(p, launch), pool_slots(p))
+                          checkpoint_partials(p, launch), prefill_run_chunks(p, launch), pool_slots(p))
       .total;
 }
 
@@ -282,8 +309,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
   kp.seg_chunks = prefill_segment_chunks(p, launch);
+  const int64_t run_chunks = prefill_run_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),
-                                    skips_transitions(p, launch), pool_slots(p));
+                                    run_chunks, pool_slots(p));
   Carver regions{ws + l.header};  // the header: kernel_params
   kp.records = regions.take(l.records);
   float* states = regions.take<float>(l.seg_states);
@@ -301,9 +329,15 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       kp.seg_ckpt_b = ckpt_partials;
       kp.seg_ckpt_a = ckpt_partials + l.seg_ckpt / 2 / sizeof(float);
     }
-    if (l.skip > 0) {
-      kp.chunk_bound = reinterpret_cast<float*>(skip);
-      kp.seg_skip = reinterpret_cast<int32_t*>(skip + align_up(size_t(kp.chunk_slots) * size_t(p.H) * 4));
+    if (run_chunks > 0) {
+      const size_t segs = size_t(kp.max_segs) * size_t(p.H);
+      kp.run_chunks = run_chunks;
+      kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
+      Carver runs{skip};
+      kp.chunk_bound = runs.take<float>(align_up(size_t(kp.chunk_slots) * size_t(p.H) * 4));
+      kp.seg_exact = runs.take<int32_t>(align_up(segs * 4));
+      kp.seg_plan = runs.take<uint32_t>(align_up(segs * kPlanWords * 4));
+      kp.seg_taint = runs.take(align_up(segs * size_t(kp.max_pieces) * kTaintBytes));
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);

@@ -330,43 +330,53 @@ __device__ __forceinline__ void identity_rows(float (&S)[64], int r, int t4) {
     for (int e = 0; e < 4; ++e) S[4 * j + e] = (r + 8 * (e >> 1) == 8 * j + 2 * t4 + (e & 1)) ? 1.f : 0.f;
 }
 
-// Transition skipping (config.h Params::chunk_bound): the number W of chunks before `start` (at most
-// a quarter of p.seg_chunks, kSkipWarmupDivisor, within the sequence) whose bounds' product first
-// falls to 2^-30 (kSkipLogBound), or
-// -1 if none does. Warp 0 scans back 32 chunks at a time; every thread of the CTA gets the result,
-// and every CTA of a segment the same one (the same bounds, the same arithmetic).
-__device__ inline int64_t skip_warmup(const Params& p, int64_t seq_chunk_begin, int64_t start, int h) {
-  __shared__ int64_t s_warm;
-  if (threadIdx.x < 32) {
-    const int lane = threadIdx.x;
-    const int64_t avail = min(p.seg_chunks / kSkipWarmupDivisor, start - seq_chunk_begin);
-    float carry = 0.f;
-    int64_t found = -1;
-    for (int64_t base = 0; base < avail && found < 0; base += 32) {
-      float b = base + lane < avail ? p.chunk_bound[(start - 1 - base - lane) * p.H + h] : INFINITY;
-      if (b != b) b = INFINITY;  // a NaN bound bounds nothing
-      float cum = b;
+// Transition skipping (config.h "Transition skipping"): the runs of segment `seg` (chunks
+// `sc` of the sequence `whole`), for every CTA of the segment the same, from the same bounds and
+// the same arithmetic. Returns the segment's piece count and leaves in warm[i] the warm-up of the
+// run starting at piece i (chunks before it whose bounds' product first falls to 2^-30, at most
+// run_chunks / 4 and within the sequence), 0 where piece i starts no run of its own. CTA-collective:
+// a thread per piece, all its bound loads in flight at once.
+__device__ inline int plan_runs(const Params& p, const SeqChunks& whole, const SeqChunks& sc, bool first_segment,
+                                int h, uint8_t (&warm)[kMaxPieces]) {
+  const int64_t len = sc.chunk_end - sc.chunk_begin;
+  const int pieces = int(pieces_of(len, p.run_chunks));
+  const int64_t cap = min(p.run_chunks / kSkipWarmupDivisor, int64_t(kMaxRunWarmup));
+  for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
+    const int64_t b = sc.chunk_begin + i * p.run_chunks;  // the piece's first chunk
+    const bool may_skip = i > 0 || (!first_segment && pieces >= 2);
+    const int avail = may_skip ? int(min(cap, b - whole.chunk_begin)) : 0;
+    float bound[kMaxRunWarmup];
 #pragma unroll
-      for (int x = 1; x < 32; x <<= 1) {
-        const float y = __shfl_up_sync(0xffffffffu, cum, x);
-        if (lane >= x) cum += y;
-      }
-      cum += carry;
-      const unsigned hit = __ballot_sync(0xffffffffu, cum <= kSkipLogBound);
-      if (hit != 0) found = base + __ffs(hit);  // chunks start - found .. start - 1
-      carry = __shfl_sync(0xffffffffu, cum, 31);
+    for (int w = 0; w < kMaxRunWarmup; ++w) bound[w] = w < avail ? p.chunk_bound[(b - 1 - w) * p.H + h] : INFINITY;
+    float cum = 0.f;
+    int found = 0;
+#pragma unroll
+    for (int w = 0; w < kMaxRunWarmup; ++w) {
+      cum += bound[w] == bound[w] ? bound[w] : INFINITY;  // a NaN bound bounds nothing
+      if (found == 0 && cum <= kSkipLogBound) found = w + 1;
     }
-    if (lane == 0) s_warm = found;
+    warm[i] = uint8_t(found);
   }
   __syncthreads();
-  return s_warm;
+  return pieces;
+}
+
+// The piece after `i` that starts a run, or `pieces`.
+__device__ __forceinline__ int next_run(const uint8_t (&warm)[kMaxPieces], int i, int pieces) {
+  int j = i + 1;
+  while (j < pieces && warm[j] == 0) ++j;
+  return j;
 }
 
 // kSeg = false: grid (N * H, 8 / kWarps), one CTA walks a whole sequence for kWarps * 16 value rows.
-// kSeg = true (config.h "Segments"): grid (max_segs * H, 4), one warpgroup per CTA; blockIdx.y 0-1
-// are the value rows, 2-3 the transition rows (A^T) of a segment. Segment 0 runs from the initial
-// state and writes its outputs; segments s > 0 run from zero (transition rows: the identity, with
-// zero values) and write fp32 o_zero and w for the combine kernel, and B_s^T and A_s^T.
+// kSeg = true (config.h "Segments"): grid (max_segs * H, 4 + 2 * (max_pieces - 1)), one warpgroup per
+// CTA; blockIdx.y 0-1 are the value rows, 2-3 the transition rows (A^T) of a segment, and with
+// transition skipping 4 + 2 (i - 1) + half the value rows of piece i >= 1 (config.h "Transition
+// skipping"). Segment 0 runs from the initial state and writes its outputs; segments s > 0 run from
+// zero (transition rows: the identity, with zero values) and write fp32 o_zero and w for the
+// combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
+// final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
+// are not finite (Params::seg_taint).
 template <int kWarps, class Split, bool kSeg>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
   using Smem = RecurSmem<kWarps, Split, kSeg>;
@@ -387,27 +397,47 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   int h, row_base;         // row_base: first of this CTA's rows of S^T (of the augmented 256 with kSeg)
   SeqChunks sc;            // the chunks this CTA walks
   SegmentRef seg{0, 0, 1, 0};
-  int64_t warm = 0;        // transition skipping: chunks walked before the segment's own, outputs unwritten
+  int64_t warm = 0;        // transition skipping: chunks walked before the run's own, outputs unwritten
+  int run_start = 0;       // transition skipping: the run's first piece (its taint record)
+  bool run_to_end = true;  // whether the walk ends at the segment's end (else: a taint record, no state)
   if constexpr (kSeg) {
     h = int(blockIdx.x % p.H);
     if (!locate_segment(p, blockIdx.x / p.H, seg)) return;
-    if (seg.s == 0 && !p.transitions_only && blockIdx.y >= 2) return;  // a known start state: no transition
+    const int piece = blockIdx.y < 4 ? 0 : 1 + (int(blockIdx.y) - 4) / 2;
+    const bool transition = blockIdx.y == 2 || blockIdx.y == 3;
+    if (seg.s == 0 && !p.transitions_only && transition) return;  // a known start state: no transition
     n = seg.n;
-    row_base = int(blockIdx.y) * Smem::kVCols;
+    row_base = blockIdx.y < 4 ? int(blockIdx.y) * Smem::kVCols : Smem::kVCols * (blockIdx.y % 2);
     const SeqChunks whole = seq_chunks(p, n);
     sc = segment_chunks(p, whole, seg.s);
-    if (p.seg_skip != nullptr && seg.s > 0 && !p.transitions_only) {
-      // Transition skipping: where the W chunks before the segment attenuate any incoming state to
-      // 2^-30 of its norm, the value rows start from zero W chunks early and write final outputs,
-      // the transition rows have nothing to do, the chain takes X_{s+1} = B_s and the combine skips
-      // the segment; otherwise the exact transition (seg_skip 0).
-      const int64_t w = skip_warmup(p, whole.chunk_begin, sc.chunk_begin, h);
-      if (blockIdx.y == 0 && threadIdx.x == 0) p.seg_skip[(seg.first + seg.s) * p.H + h] = w > 0 ? int32_t(1 + w) : 0;
-      if (w > 0) {
-        if (blockIdx.y >= 2) return;
-        warm = w;
-        sc.chunk_begin -= w, sc.bos -= w * kChunk;
+    if (p.seg_exact != nullptr && !p.transitions_only && state_slot(p, n) < 0) {
+      if (piece > 0) return;  // padding: piece 0 writes the zero outputs (below)
+    } else if (p.seg_exact != nullptr && !p.transitions_only) {
+      __shared__ uint8_t s_warm[kMaxPieces];
+      const int pieces = plan_runs(p, whole, sc, seg.s == 0, h, s_warm);
+      if (piece >= pieces) return;
+      const int exact_end = s_warm[0] > 0 ? 0 : next_run(s_warm, 0, pieces);  // pieces of the exact run
+      const int64_t len = sc.chunk_end - sc.chunk_begin, F = p.run_chunks;
+      const int64_t seg_id = (seg.first + seg.s) * p.H + h;
+      if (blockIdx.y == 0 && threadIdx.x < kPlanWords) {
+        uint32_t bits = 0;
+        for (int b = 0; b < 32; ++b) bits |= uint32_t(32 * threadIdx.x + b < pieces && s_warm[32 * threadIdx.x + b] > 0) << b;
+        p.seg_plan[seg_id * kPlanWords + threadIdx.x] = bits;
+        if (threadIdx.x == 0) p.seg_exact[seg_id] = int32_t(min(int64_t(exact_end) * F, len));
       }
+      int first, last;  // pieces [first, last) of this CTA's run
+      if (transition) {
+        if (exact_end == 0) return;  // the segment's start skips: no transition
+        first = 0, last = exact_end;
+      } else {
+        if (piece > 0 && s_warm[piece] == 0) return;  // inside another run
+        first = piece, last = next_run(s_warm, piece, pieces);
+        warm = s_warm[piece];
+      }
+      run_start = first, run_to_end = last == pieces;
+      const int64_t j0 = first * F - warm, j1 = min(last * F, len);
+      sc.bos += j0 * kChunk, sc.eos = min(sc.eos, sc.bos + (j1 - j0) * kChunk);
+      sc.chunk_end = sc.chunk_begin + j1, sc.chunk_begin += j0;
     }
   } else {
     n = blockIdx.x / p.H;
@@ -443,7 +473,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 
   // S^T tile, flat: S[4j + e] = state(v = v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1)).
   float r_S[64];
-  if (first_segment)
+  if (first_segment && warm == 0)
     load_state_rows(r_S, p.initial_state, reads_initial_state(p, n) ? p.initial_state_type : ElemType::kNone,
                     state_base, v_row, t4);
   else if (transition_rows) identity_rows(r_S, v_row - kHeadDim, t4);
@@ -650,7 +680,19 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   }
   cp_async_wait_all();
 
-  if (seg.count == 1 && first_segment) {  // the whole sequence: its final state
+  if (!run_to_end) {  // a run that ends inside its segment: which of its rows are not finite
+    bool bad[2] = {false, false};
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) bad[e >> 1] = bad[e >> 1] || !isfinite(r_S[4 * j + e]);
+    uint8_t* taint = p.seg_taint + (((seg.first + seg.s) * p.H + h) * p.max_pieces + run_start) * kTaintBytes;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const bool row_bad = __any_sync(0xfu << (lane & 28), bad[half]);
+      if (t4 == 0) taint[v_row + 8 * half] = row_bad;
+    }
+  } else if (seg.count == 1 && first_segment) {  // the whole sequence: its final state
     if (p.final_state != nullptr) store_state_rows(r_S, p.final_state, p.final_state_type, state_base, v_row, t4, rs.inv);
   } else if (first_segment) {  // X_1, the start state of segment 1
     store_state_rows(r_S, p.seg_x, ElemType::kF32, (seg.first + 1) * p.H * int64_t(kSegStateFloats) + head_offset,

@@ -27,7 +27,10 @@ void launch_recur_segmented(const Params& p, cudaStream_t stream) {
   constexpr int smem = sizeof(RecurSmem<4, Split, true>);
   auto kernel = recur_kernel<4, Split, true>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned(ctas), kSegRows / 64);
+  // Value and transition rows of each segment; with transition skipping, the value rows of every
+  // further piece (recur_kernel).
+  const unsigned pieces = unsigned(p.run_chunks > 0 ? p.max_pieces : 1);
+  const dim3 grid(unsigned(ctas), kSegRows / 64 + 2 * (pieces - 1));
   kernel<<<grid, 4 * 32, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
 }

@@ -35,12 +35,12 @@ struct CombineSmem {
   __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
 };
 
-// Fills value columns v0 .. v0 + kChainRows of the outputs of tokens [r0, r1) of head h with NaN (a
-// skipped segment after a non-finite state); out of line, off the chain's path.
-__device__ __noinline__ void poison_rows(const Params& p, int64_t r0, int64_t r1, int h, int v0) {
+// Fills value column v of the outputs of tokens [r0, r1) of head h with NaN (a non-finite state that
+// a skipping run did not see).
+__device__ __forceinline__ void poison_column(const Params& p, int64_t r0, int64_t r1, int h, int v) {
   const __nv_bfloat16 nan = __float2bfloat16(__int_as_float(0x7fc00000));
-  for (int64_t i = threadIdx.x; i < (r1 - r0) * kChainRows; i += blockDim.x)
-    static_cast<__nv_bfloat16*>(p.out)[((r0 + i / kChainRows) * p.H + h) * kHeadDim + v0 + i % kChainRows] = nan;
+  for (int64_t r = r0 + threadIdx.x; r < r1; r += blockDim.x)
+    static_cast<__nv_bfloat16*>(p.out)[(r * p.H + h) * kHeadDim + v] = nan;
 }
 
 __device__ __forceinline__ int64_t segment_matrix(const Params& p, int64_t gseg, int h) {
@@ -66,7 +66,8 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   const int h = int(blockIdx.x % p.H);
   int64_t first, count;
   sequence_segments(p, n, first, count);
-  if (count <= 1) return;  // K2 wrote the final state (and the checkpoints)
+  const bool runs = p.seg_exact != nullptr;  // transition skipping (config.h "Transition skipping")
+  if (count <= 1 && !runs) return;  // K2 wrote the final state (and the checkpoints)
   const int64_t slot = state_slot(p, n);
   if (slot < 0) return;  // padding: K2 wrote the zero outputs
   // Checkpoint of the state after `tokens` tokens of the sequence, or -1.
@@ -79,6 +80,64 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   const int v0 = blockIdx.y * kChainRows;          // this CTA's rows of X^T
   const int c = tid % kHeadDim, r0 = (tid / kHeadDim) * (kChainRows / 2);  // this thread: rows r0.. r0+3, column c
   constexpr int kQuads = kHeadDim * kHeadDim / 4;
+  const int64_t state_base = state_offset(p, slot, h);
+  const int64_t seg_tokens = p.seg_chunks * kChunk;
+
+  // Transition skipping: the first chunk of segment s (from its start) after which the recurrence's
+  // state row v0 + r is not finite, for this CTA's rows (INT64_MAX: none), where a skipping run
+  // would not carry it: the end of a run that ends inside the segment with the row not finite, or,
+  // where the exact run ends inside the segment (or the segment starts skipping), its end if X_s's
+  // row or the transition is not finite. Those rows are NaN in X_{s+1} and in the outputs after it.
+  __shared__ int64_t s_taint[kChainRows];
+  __shared__ bool s_any_taint;
+  auto find_taint = [&](int64_t s) {
+    if (tid == 0) s_any_taint = false;
+    __syncthreads();
+    if (tid < kChainRows) {
+      const int64_t gs = (first + s) * p.H + h;
+      const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+      const int pieces = int(pieces_of(len, p.run_chunks));
+      const int64_t exact = p.seg_exact[gs];
+      const uint32_t* plan = p.seg_plan + gs * kPlanWords;
+      const uint8_t* taint = p.seg_taint + gs * p.max_pieces * kTaintBytes;
+      auto starts_run = [&](int i) { return (plan[i / 32] >> (i % 32)) & 1u; };
+      int64_t t = INT64_MAX;
+      if (s > 0 && exact < len) {
+        bool bad = false;
+        for (int k = 0; k < kHeadDim; ++k) bad = bad || !isfinite(sm.x[tid][k]);
+        for (int r = kHeadDim; r < kSegRows && exact > 0; ++r) bad = bad || taint[r] != 0;
+        if (bad) t = exact;
+      }
+      for (int i = 0; i < pieces;) {  // the runs in order; the last one ends at the segment's end
+        int next = i + 1;
+        while (next < pieces && !starts_run(next)) ++next;
+        if (next == pieces) break;
+        if (taint[int64_t(i) * kTaintBytes + v0 + tid] != 0) {
+          t = min(t, next * p.run_chunks);
+          break;
+        }
+        i = next;
+      }
+      s_taint[tid] = t;
+      if (t != INT64_MAX) s_any_taint = true;
+    }
+    __syncthreads();
+    if (!s_any_taint) return false;
+    const int64_t bos = sc.bos + s * seg_tokens, eos = min(sc.eos, bos + seg_tokens);
+    for (int r = 0; r < kChainRows; ++r)
+      if (s_taint[r] != INT64_MAX) poison_column(p, min(eos, bos + s_taint[r] * kChunk), eos, h, v0 + r);
+    return true;
+  };
+  auto tainted = [&](int i) { return s_taint[r0 + i] != INT64_MAX; };
+
+  if (count <= 1) {  // transition skipping in a one-segment sequence: K2 wrote the final state
+    if (!find_taint(0) || p.final_state == nullptr) return;
+    for (int i = 0; i < kChainRows / 2; ++i)
+      if (tainted(i))
+        store_state_elem(p.final_state, p.final_state_type, state_base + int64_t(v0 + r0 + i) * kHeadDim + c,
+                         __int_as_float(0x7fc00000));
+    return;
+  }
   // Writes this thread's elements (rows r0.., column c) of a state into checkpoint `ckpt`.
   auto store_checkpoint = [&](int64_t ckpt, const float* x, int stride) {
     void* base;
@@ -90,10 +149,12 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   };
   for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
     sm.x[i / kHeadDim][i % kHeadDim] = p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i];
+  if (runs && find_taint(0)) {
+    for (int i = 0; i < kChainRows / 2; ++i)
+      if (tainted(i)) sm.x[r0 + i][c] = __int_as_float(0x7fc00000);
+  }
   __syncthreads();
-  const int64_t seg_tokens = p.seg_chunks * kChunk;
   if (checkpoint_at(seg_tokens) >= 0) store_checkpoint(checkpoint_at(seg_tokens), &sm.x[r0][c], kHeadDim);
-  const int64_t state_base = state_offset(p, slot, h);
   // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices).
   float acc[kChainRows / 2];
   auto affine = [&](const float* a, const float* b) {
@@ -122,26 +183,22 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
         store_checkpoint(ck, acc, 1);
       }
     }
-    // A skipped segment (config.h Params::seg_skip): X_{s+1} = B_s, which owes nothing to X_s; but
-    // a non-finite X_s (NaN in an earlier input) stays in what follows, as the recurrence keeps it:
-    // NaN in X_{s+1} and in the segment's outputs (K2 wrote them; the combine skips the segment).
-    const bool skipped = p.seg_skip != nullptr && p.seg_skip[(first + s) * p.H + h] != 0;
-    bool poisoned = false;
-    if (skipped) {
-      bool finite = true;
-#pragma unroll
-      for (int i = 0; i < kChainRows / 2; ++i) finite = finite && isfinite(sm.x[r0 + i][c]);
-      poisoned = __syncthreads_or(!finite);
-      if (poisoned) poison_rows(p, sc.bos + s * seg_tokens, last ? sc.eos : sc.bos + (s + 1) * seg_tokens, h, v0);
-    }
+    // With transition skipping, a segment whose exact run ends inside it: X_{s+1} = its last run's
+    // end state (B_s), which owes nothing to X_s; the rows a non-finite state reaches are NaN.
+    const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+    const bool skipped = runs && p.seg_exact[(first + s) * p.H + h] < len;
+    const bool any_taint = runs && find_taint(s);  // before X_s is replaced
     if (last && p.final_state == nullptr && !final_checkpoint) break;
     if (skipped) {
       const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
 #pragma unroll
-      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = poisoned ? __int_as_float(0x7fc00000) : b[(r0 + i) * kHeadDim + c];
+      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = b[(r0 + i) * kHeadDim + c];
     } else {
       affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h));
     }
+    if (any_taint)
+#pragma unroll
+      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = tainted(i) ? __int_as_float(0x7fc00000) : acc[i];
     __syncthreads();  // every thread has read sm.x for this step
 #pragma unroll
     for (int i = 0; i < kChainRows / 2; ++i) {
@@ -170,7 +227,9 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const SeqChunks sc = segment_chunks(p, seq_chunks(p, seg.n), seg.s);
   const int64_t j0 = (tile % tiles) * kCombineChunks;
   if (sc.chunk_begin + j0 >= sc.chunk_end) return;
-  if (p.seg_skip != nullptr && p.seg_skip[(seg.first + seg.s) * p.H + h] != 0) return;  // skipped: K2 wrote them
+  // Transition skipping: only the chunks of the segment's exact run need X_s (K2 wrote the others;
+  // the run length is a multiple of the tile's, kCombineChunks).
+  if (p.seg_exact != nullptr && j0 >= p.seg_exact[(seg.first + seg.s) * p.H + h]) return;
 
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]).
   {
