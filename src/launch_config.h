@@ -27,7 +27,8 @@ struct PrefillLaunch {
                              // preceding chunks provably attenuate any incoming state below 2^-30 starts from zero
                              // that many chunks early instead of continuing the exact run (docs/DESIGN.md
                              // "Segments", runs); 0 (rule, for now) and -1 = never
-  int64_t skip_run_chunks = 0;  // with skip_transitions = 1: chunks per piece; 0 = rule
+  int64_t skip_run_chunks = 0;     // with skip_transitions = 1: chunks per piece; 0 = rule
+  int64_t skip_warmup_chunks = 0;  // with skip_transitions = 1: the longest warm-up, chunks; 0 = rule
 };
 
 struct DecodeLaunch {

@@ -653,7 +653,7 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
 // call's, bit for bit; a NaN in v reaches every later output of its value column and the final
 // state's row, across skipping runs that start after it, as it does in the recurrence.
 TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
-  // Segments of 32 chunks in pieces of 8: a warm-up of up to 2 (a quarter, kSkipWarmupDivisor).
+  // Segments of 32 chunks in pieces of 8, warm-ups of up to 8 chunks (the rule: a piece).
   internal::PrefillLaunch skip{0, 32, 0, 0, 1}, exact{0, 32, 0, 0, -1};
   skip.skip_run_chunks = 8;
   auto run = [&](KdaInputs& in, const internal::PrefillLaunch& launch) {

@@ -152,18 +152,16 @@ constexpr int kSegOutFloats = kChunk * kSegRows;      // per (chunk, head): [16 
 constexpr int kSegMinChunks = 16;                     // shortest segment the launcher picks (256 tokens)
 // Transition skipping (docs/DESIGN.md "Segments", runs): each segment is cut again into pieces of
 // run_chunks chunks. A piece boundary is skippable when the bounds of the chunks before it fall to
-// 2^-30 within a warm-up of at most run_chunks / 4 chunks (the incoming state's share of the state
-// there below fp32 rounding by 2^6); the start of a segment s > 0 may skip only where the segment
-// has two pieces or more (with one, its exact run and transition run side by side, each as long as
-// a skipping run without its warm-up). A run walks from the segment start or a skippable boundary
-// to the next of either: the segment's first run is exact (from the initial state in segment 0,
-// from zero with o_zero, w and the transition rows elsewhere), every other one starts from zero at
-// its warm-up and writes final outputs. So only the exact run needs X_s, and where it ends inside
-// the segment nothing after it does: the chain takes X_{s+1} = the last run's end state.
+// 2^-30 within a warm-up of at most run_warmup chunks (the incoming state's share of the state there
+// below fp32 rounding by 2^6); the start of a segment s > 0 may skip only where the segment has two
+// pieces or more (with one, its exact run and transition run side by side, each as long as a
+// skipping run without its warm-up). A run walks from the segment start or a skippable boundary to
+// the next of either: the segment's first run is exact (from the initial state in segment 0, from
+// zero with o_zero, w and the transition rows elsewhere), every other one starts from zero at its
+// warm-up and writes final outputs. So only the exact run needs X_s, and where it ends inside the
+// segment nothing after it does: the chain takes X_{s+1} = the last run's end state.
 constexpr float kSkipLogBound = -20.79441541679836f;  // ln(2^-30)
-constexpr int kSkipWarmupDivisor = 4;  // the longest warm-up: run_chunks / 4 (run 37: uncapped, a slow
-                                       // decay's warm-up of ~3000 chunks made T=131072 H=32 1.38x longer)
-constexpr int kMaxRunWarmup = 32;      // warm-up chunks one thread scans (run_chunks <= 128)
+constexpr int kWarmupBlock = 16;       // bounds one thread loads at once while it scans a warm-up
 constexpr int kMaxPieces = 256;        // pieces per segment (the launcher lengthens run_chunks to fit)
 constexpr int kPlanWords = kMaxPieces / 32;  // a segment's skippable pieces, one bit each
 constexpr int kTaintBytes = kSegRows;  // per run: one byte per row of the augmented S^T, 1 = not finite
@@ -232,6 +230,7 @@ struct Params {
   // run that ends inside the segment which rows of its end state are not finite (a NaN the recurrence
   // would carry on, which the chain writes into every later output of those rows).
   int64_t run_chunks;         // chunks per piece (0: no runs)
+  int64_t run_warmup;         // the longest warm-up, chunks
   int64_t max_pieces;         // pieces of the longest segment
   float* chunk_bound;         // [chunk_slots][H]
   int32_t* seg_exact;         // [max_segs][H]

@@ -332,6 +332,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     if (run_chunks > 0) {
       const size_t segs = size_t(kp.max_segs) * size_t(p.H);
       kp.run_chunks = run_chunks;
+      kp.run_warmup = launch.skip_warmup_chunks > 0 ? launch.skip_warmup_chunks : run_chunks;
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
       Carver runs{skip};
       kp.chunk_bound = runs.take<float>(align_up(size_t(kp.chunk_slots) * size_t(p.H) * 4));

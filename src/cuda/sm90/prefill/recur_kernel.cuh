@@ -334,35 +334,37 @@ __device__ __forceinline__ void identity_rows(float (&S)[64], int r, int t4) {
 // `sc` of the sequence `whole`), for every CTA of the segment the same, from the same bounds and
 // the same arithmetic. Returns the segment's piece count and leaves in warm[i] the warm-up of the
 // run starting at piece i (chunks before it whose bounds' product first falls to 2^-30, at most
-// run_chunks / 4 and within the sequence), 0 where piece i starts no run of its own. CTA-collective:
-// a thread per piece, all its bound loads in flight at once.
+// Params::run_warmup and within the sequence), 0 where piece i starts no run of its own.
+// CTA-collective: a thread per piece, kWarmupBlock bound loads in flight at once.
 __device__ inline int plan_runs(const Params& p, const SeqChunks& whole, const SeqChunks& sc, bool first_segment,
-                                int h, uint8_t (&warm)[kMaxPieces]) {
+                                int h, uint16_t (&warm)[kMaxPieces]) {
   const int64_t len = sc.chunk_end - sc.chunk_begin;
   const int pieces = int(pieces_of(len, p.run_chunks));
-  const int64_t cap = min(p.run_chunks / kSkipWarmupDivisor, int64_t(kMaxRunWarmup));
   for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
     const int64_t b = sc.chunk_begin + i * p.run_chunks;  // the piece's first chunk
     const bool may_skip = i > 0 || (!first_segment && pieces >= 2);
-    const int avail = may_skip ? int(min(cap, b - whole.chunk_begin)) : 0;
-    float bound[kMaxRunWarmup];
-#pragma unroll
-    for (int w = 0; w < kMaxRunWarmup; ++w) bound[w] = w < avail ? p.chunk_bound[(b - 1 - w) * p.H + h] : INFINITY;
+    const int avail = may_skip ? int(min(p.run_warmup, b - whole.chunk_begin)) : 0;
     float cum = 0.f;
     int found = 0;
+    for (int base = 0; base < avail && found == 0; base += kWarmupBlock) {
+      float bound[kWarmupBlock];
 #pragma unroll
-    for (int w = 0; w < kMaxRunWarmup; ++w) {
-      cum += bound[w] == bound[w] ? bound[w] : INFINITY;  // a NaN bound bounds nothing
-      if (found == 0 && cum <= kSkipLogBound) found = w + 1;
+      for (int w = 0; w < kWarmupBlock; ++w)
+        bound[w] = base + w < avail ? p.chunk_bound[(b - 1 - base - w) * p.H + h] : INFINITY;
+#pragma unroll
+      for (int w = 0; w < kWarmupBlock; ++w) {
+        cum += bound[w] == bound[w] ? bound[w] : INFINITY;  // a NaN bound bounds nothing
+        if (found == 0 && cum <= kSkipLogBound) found = base + w + 1;
+      }
     }
-    warm[i] = uint8_t(found);
+    warm[i] = uint16_t(found);
   }
   __syncthreads();
   return pieces;
 }
 
 // The piece after `i` that starts a run, or `pieces`.
-__device__ __forceinline__ int next_run(const uint8_t (&warm)[kMaxPieces], int i, int pieces) {
+__device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int i, int pieces) {
   int j = i + 1;
   while (j < pieces && warm[j] == 0) ++j;
   return j;
@@ -413,7 +415,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     if (p.seg_exact != nullptr && !p.transitions_only && state_slot(p, n) < 0) {
       if (piece > 0) return;  // padding: piece 0 writes the zero outputs (below)
     } else if (p.seg_exact != nullptr && !p.transitions_only) {
-      __shared__ uint8_t s_warm[kMaxPieces];
+      __shared__ uint16_t s_warm[kMaxPieces];
       const int pieces = plan_runs(p, whole, sc, seg.s == 0, h, s_warm);
       if (piece >= pieces) return;
       const int exact_end = s_warm[0] > 0 ? 0 : next_run(s_warm, 0, pieces);  // pieces of the exact run
