@@ -254,7 +254,7 @@ __device__ __forceinline__ void store_state_rows(const float (&S)[64], void* bas
 // row maximum >= 2^-8) and large ones stay 2^12 below fp16's range. A state that still grows past
 // 65504 between two renormalisations (a jump in |v| of 2^12, a huge initial state) turns W^T
 // non-finite: the warp that sees it renormalises and recomputes its W^T and O^T of the chunk in
-// fp32 on the CUDA cores from the fp32 state (f16_products_fp32), so no finite input falls outside
+// fp32 on the CUDA cores from the fp32 state (f16_product_fp32), so no finite input falls outside
 // the guard; only non-finite inputs (non-finite results on every path) take that path each chunk.
 constexpr int kRenormChunks = 16;
 constexpr int kRowScaleMaxExp = 60;  // |log2 m_r| <= 60: row maxima from ~2^-57 to ~2^63 rescaled
@@ -288,36 +288,30 @@ struct RowScale {
   }
 };
 
-// W^T and O^T of one chunk for this thread's rows (v_row, v_row + 8) in fp32 on the CUDA cores:
-// the fp16 policy's fallback when S_st left fp16's range. k_decayed and q_decayed come from the
-// record (fp16, WO operands 0 and 1); Dw and Do receive the wgmma accumulator layout (token
-// 8 nt + 2 t4 + (e & 1), row g + 8 (e >> 1) at [4 nt + e]). Every lane of the warp calls it.
+// W^T (which = 0: k_decayed) or O^T (which = 1: q_decayed) of one chunk for this thread's rows
+// (v_row, v_row + 8) in fp32 on the CUDA cores: the fp16 policy's fallback when S_st left fp16's
+// range. The operand comes from the record (fp16, WO operand `which`); D receives the wgmma
+// accumulator layout (token 8 nt + 2 t4 + (e & 1), row g + 8 (e >> 1) at [4 nt + e]). Every lane of
+// the warp calls it.
 template <class Rec>
-__device__ __forceinline__ void f16_products_fp32(const float (&S)[64], const uint8_t* wo, float (&Dw)[8],
-                                                  float (&Do)[8], int t4) {
+__device__ __forceinline__ void f16_product_fp32(const float (&S)[64], const uint8_t* wo, int which, float (&D)[8],
+                                                 int t4) {
 #pragma unroll 1
   for (int t = 0; t < kChunk; ++t) {  // not unrolled (rare path, registers); the slots by select
-    float w0 = 0.f, w1 = 0.f, o0 = 0.f, o1 = 0.f;
+    float d0 = 0.f, d1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int c = 8 * j + 2 * t4;
-      const float2 kd = __half22float2(*reinterpret_cast<const __half2*>(wo + Rec::wo_offset(0, t, c)));
-      const float2 qd = __half22float2(*reinterpret_cast<const __half2*>(wo + Rec::wo_offset(1, t, c)));
-      w0 = fmaf(S[4 * j], kd.x, fmaf(S[4 * j + 1], kd.y, w0));
-      w1 = fmaf(S[4 * j + 2], kd.x, fmaf(S[4 * j + 3], kd.y, w1));
-      o0 = fmaf(S[4 * j], qd.x, fmaf(S[4 * j + 1], qd.y, o0));
-      o1 = fmaf(S[4 * j + 2], qd.x, fmaf(S[4 * j + 3], qd.y, o1));
+      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(wo + Rec::wo_offset(which, t, c)));
+      d0 = fmaf(S[4 * j], x.x, fmaf(S[4 * j + 1], x.y, d0));
+      d1 = fmaf(S[4 * j + 2], x.x, fmaf(S[4 * j + 3], x.y, d1));
     }
 #pragma unroll
-    for (int x = 1; x <= 2; x <<= 1) {
-      w0 += __shfl_xor_sync(0xffffffffu, w0, x), w1 += __shfl_xor_sync(0xffffffffu, w1, x);
-      o0 += __shfl_xor_sync(0xffffffffu, o0, x), o1 += __shfl_xor_sync(0xffffffffu, o1, x);
-    }
+    for (int x = 1; x <= 2; x <<= 1) d0 += __shfl_xor_sync(0xffffffffu, d0, x), d1 += __shfl_xor_sync(0xffffffffu, d1, x);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {  // slot i holds token 8 (i / 4) + 2 t4 + (i & 1), row g + 8 ((i >> 1) & 1)
       const bool mine = t == 8 * (i >> 2) + 2 * t4 + (i & 1);
-      Dw[i] = mine ? ((i & 2) ? w1 : w0) : Dw[i];
-      Do[i] = mine ? ((i & 2) ? o1 : o0) : Do[i];
+      D[i] = mine ? ((i & 2) ? d1 : d0) : D[i];
     }
   }
 }
@@ -539,18 +533,19 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     cute::warpgroup_commit_batch();
     cute::warpgroup_wait<1>();
     fence_regs(r_W_acc);
+    bool o_fp32 = false;  // the range guard's fallback: O^T too, once the whole warpgroup waits for it
     if constexpr (Split::f16) {
       // Range guard (RowScale): a non-finite W^T means S_st left fp16's range (or an input is not
-      // finite); this warp waits for O^T too and redoes both in fp32 at a new scale.
+      // finite); this warp redoes W^T in fp32 at a new scale now and O^T after the warpgroup's wait
+      // for it below (wgmma.wait_group is warpgroup-aligned: no warp may wait alone).
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum += r_W_acc[i];
       if (__any_sync(0xffffffffu, !(fabsf(sum) <= 3.0e38f))) {
-        cute::warpgroup_wait<0>();
-        fence_regs(r_O_acc);
         rs.renormalise(r_S);
-        f16_products_fp32<Rec>(r_S, s_rec + Rec::kOffWo, r_W_acc, r_O_acc, t4);
-        fence_regs(r_W_acc), fence_regs(r_O_acc);
+        f16_product_fp32<Rec>(r_S, s_rec + Rec::kOffWo, 0, r_W_acc, t4);
+        fence_regs(r_W_acc);
+        o_fp32 = true;
       }
     }
     float r_u[2][4], r_O[2][4];  // r_u: W^T, then u^T = v^T - W^T in place
@@ -580,6 +575,11 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     cute::warpgroup_wait<0>();
     fence_regs(r_O_acc);
     if constexpr (kSplitS) fence_regs(r_O_lo_acc);
+    if constexpr (Split::f16)
+      if (o_fp32) {
+        f16_product_fp32<Rec>(r_S, s_rec + Rec::kOffWo, 1, r_O_acc, t4);
+        fence_regs(r_O_acc);
+      }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
