@@ -23,12 +23,13 @@ struct PrefillLaunch {
                                     // length, the checkpoints inside a segment from its partial transitions
                                     // (the chain kernel); -1 = segment lengths that divide checkpoint_every
                                     // (the former rule; docs/DESIGN.md "Segments")
-  int skip_transitions = 0;  // GPU, segments without checkpoints: 1 = segments cut into pieces, and a piece whose
-                             // preceding chunks provably attenuate any incoming state below 2^-30 starts from zero
-                             // that many chunks early instead of continuing the exact run (docs/DESIGN.md
-                             // "Segments", runs); 0 (rule, for now) and -1 = never
-  int64_t skip_run_chunks = 0;     // with skip_transitions = 1: chunks per piece; 0 = rule
-  int64_t skip_warmup_chunks = 0;  // with skip_transitions = 1: the longest warm-up, chunks; 0 = rule
+  int skip_transitions = 0;  // GPU, with segments: 0 (rule) and 1 = segments cut into pieces, and a
+                             // piece whose preceding chunks provably attenuate any incoming state below 2^-30
+                             // starts from zero that many chunks early instead of continuing the exact run
+                             // (docs/DESIGN.md "Segments", runs; the rule only where a segment has two pieces);
+                             // -1 = never
+  int64_t skip_run_chunks = 0;     // with transition skipping: chunks per piece; 0 = rule
+  int64_t skip_warmup_chunks = 0;  // with transition skipping: the longest warm-up, chunks; 0 = rule (a piece)
 };
 
 struct DecodeLaunch {

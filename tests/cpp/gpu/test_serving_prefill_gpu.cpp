@@ -250,7 +250,11 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   // Then segments of 3 and 5 chunks with the checkpoints inside segments from their partial
   // transitions (the rule; internal::PrefillLaunch::checkpoints_in_segments), and of 4 and 2 with
   // the former rule's lengths that divide checkpoint_every (checkpoints_in_segments = -1).
-  const internal::PrefillLaunch seg_launches[] = {{0, 4, 0, -1}, {0, 2, 0, -1}, {0, 3}, {0, 5, 0, 1}, {0, 4}};
+  // Last, transition skipping (segments of 16 and 20 chunks in pieces of 8, warm-ups of up to 8): the
+  // checkpoints of skipping runs (after their warm-up) and of exact runs that end inside a segment.
+  const internal::PrefillLaunch seg_launches[] = {{0, 4, 0, -1},        {0, 2, 0, -1}, {0, 3}, {0, 5, 0, 1}, {0, 4},
+                                                  {0, 16, 0, 0, 1, 8}, {0, 20, 0, 0, 1, 8}};
+  std::vector<uint8_t> runs_out;  // the outputs of the first launch with transition skipping
   for (const internal::PrefillLaunch& launch : seg_launches) {
     const int64_t seg = launch.segment_chunks;
     ASSERT_EQ(internal::chosen_segment_chunks(p, launch), seg);
@@ -266,11 +270,18 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
     EXPECT_EQ(count_nonfinite(seg_dense.values()), 0);
     const double es = rel_rms(seg_dense.values(), ref_ck);
     report("gpu checkpoints segments" + std::to_string(seg) + (launch.checkpoints_in_segments >= 0 ? " inside" : "") +
-               " rel-RMS",
+               (launch.skip_run_chunks > 0 ? " runs" : "") + " rel-RMS",
            es);
     EXPECT_LT(es, tol);
     EXPECT_LT(rel_rms(c.in.out.values(), ref_out), 6e-3);
     EXPECT_LT(rel_rms(states_in_slots(c.pool, c.slots, c.P), ref_state), tol);  // final states in their slots
+    if (launch.skip_run_chunks > 0 && runs_out.empty()) runs_out = c.in.out.bytes;
+  }
+  {  // some piece skipped: the same segments without skipping give other bits
+    c.reset_pool();
+    c.dev.poison();
+    c.run(p, internal::PrefillLaunch{0, 16, 0, 0, -1});
+    EXPECT_FALSE(c.in.out.bytes == runs_out) << "no piece took the skipped path";
   }
   // Under the former rule a segment length that does not divide checkpoint_every is rounded down
   // to one that does.

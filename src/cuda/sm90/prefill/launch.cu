@@ -109,20 +109,25 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
 }
 
-// Transition skipping (config.h "Transition skipping"): pieces of run_chunks chunks. Where every
-// boundary skips, each piece is one run of two warpgroups (value rows), so the rule fills the GPU's
-// 2 * #SMs warpgroup slots with pieces of chunks * H / #SMs chunks, kept within [32, 96]: the
-// lengths the sweep of run 37 found best with every segment skipping (48 at T=8192 H=12, 96 from
-// T=32768 up; 24 and 32 pay their warm-up too often, and longer pieces leave a tail). Forced lengths
+// Transition skipping (config.h "Transition skipping"): pieces of run_chunks chunks, warm-ups of up
+// to a piece. Where every boundary skips, each piece is one run of two warpgroups (value rows), so
+// the rule fills the GPU's 2 * #SMs warpgroup slots with pieces of chunks * H / #SMs chunks,
+// rounded up to a multiple of 32 within [32, 128], and skips nothing where that piece would be the
+// whole segment. Measured (run 38, DESIGN.md "Segments"): the best or within 1% of the best piece
+// length of the sweep at every few-head shape from T=8192 up but T=131072 (4% behind 192); 16 and
+// 32 pay their warm-up too often, longer pieces leave a tail. Forced lengths
 // (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
 // segment at most and rounded up to a multiple of kCombineChunks; 0: no transition skipping.
 int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, bool skip,
                           const internal::PrefillLaunch& launch) {
   if (!skip || seg_chunks <= 0) return 0;
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
-  int64_t run = launch.skip_run_chunks > 0
-                    ? launch.skip_run_chunks
-                    : std::clamp<int64_t>((chunks * H + sm_count() - 1) / sm_count(), 32, 96);
+  int64_t run = launch.skip_run_chunks;
+  if (run <= 0) {
+    const int64_t fill = (chunks * H + sm_count() - 1) / sm_count();
+    run = std::clamp<int64_t>((fill + 31) / 32 * 32, 32, 128);
+    if (run >= seg_chunks) return 0;  // one piece per segment: nothing to skip
+  }
   run = std::max(run, (seg_chunks + kMaxPieces - 1) / kMaxPieces);
   return (run + kCombineChunks - 1) / kCombineChunks * kCombineChunks;  // the combine's tiles end with the exact run
 }
@@ -227,15 +232,13 @@ int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLa
   return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision, p.checkpoint_every, launch);
 }
 
-// Whether segments may skip their transition (internal::PrefillLaunch::skip_transitions; not with
-// checkpoints, which the skipped walk does not write).
-bool skips_transitions(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return launch.skip_transitions > 0 && p.checkpoint_every == 0;
-}
+// Whether segments may skip their transition (internal::PrefillLaunch::skip_transitions: the rule
+// and 1, not -1).
+bool skips_transitions(const internal::PrefillLaunch& launch) { return launch.skip_transitions >= 0; }
 
 // Chunks per piece of transition skipping (0: none).
 int64_t prefill_run_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return choose_run_chunks(p.B * p.T, p.H, prefill_segment_chunks(p, launch), skips_transitions(p, launch), launch);
+  return choose_run_chunks(p.B * p.T, p.H, prefill_segment_chunks(p, launch), skips_transitions(launch), launch);
 }
 
 // Slots of the state pool, whose bitmap the workspace holds (0 without a pool).

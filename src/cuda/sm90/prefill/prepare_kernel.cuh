@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
   }
 
   // L2 norms: each row's 128 channels live in one warp.
-  float r_q_scale[4], r_k_scale[4];
+  float r_q_scale[4], r_k_scale[4], r_kk[4];  // r_kk: |k|^2 after the norm (transition skipping's bound)
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     float sq = 0.f, sk = 0.f;
@@ -329,8 +329,10 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
     if (p.l2norm_qk) {
       sq = group_sum<32>(sq), sk = group_sum<32>(sk);
       r_q_scale[r] = rsqrtf(sq + 1e-6f) * p.scale, r_k_scale[r] = rsqrtf(sk + 1e-6f);
+      r_kk[r] = sk * r_k_scale[r] * r_k_scale[r];
     } else {
       r_q_scale[r] = p.scale, r_k_scale[r] = 1.f;
+      r_kk[r] = p.chunk_bound != nullptr ? group_sum<32>(sk) : 0.f;
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) r_q[r][e] *= r_q_scale[r], r_k[r][e] *= r_k_scale[r];
@@ -344,15 +346,9 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       float mx = fmaxf(fmaxf(r_a[r][0], r_a[r][1]), fmaxf(r_a[r][2], r_a[r][3]));
-      float kk = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) kk += r_k[r][e] * r_k[r][e];
-#pragma unroll
-      for (int x = 16; x >= 1; x >>= 1) {
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-        kk += __shfl_xor_sync(0xffffffffu, kk, x);
-      }
-      part += mx + __logf(fmaxf(1.f, fabsf(1.f - sm.beta[row_of(warp, r)] * kk)));
+      for (int x = 16; x >= 1; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+      part += mx + __logf(fmaxf(1.f, fabsf(1.f - sm.beta[row_of(warp, r)] * r_kk[r])));
     }
     if (lane == 0) sm.bound[warp] = part;
   }

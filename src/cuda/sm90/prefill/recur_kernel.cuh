@@ -459,9 +459,10 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   // falls, -1 for none (one compare per chunk). A CTA that walks the whole sequence writes them all.
   // With segments, those on segment boundaries come from the chain kernel; with checkpoints inside
   // segments (p.seg_ckpt_b) segment 0 writes its inner ones and segments s > 0 store their partial
-  // transitions B_c^T, A_c^T at theirs, which the chain maps to the checkpoint.
+  // transitions B_c^T, A_c^T at theirs, which the chain maps to the checkpoint. A skipping run writes
+  // those after its warm-up (true states); the chain turns the rows a non-finite state reaches to NaN.
   const int64_t ckpt_period = p.checkpoint_every / kChunk;
-  const int64_t seg_chunk0 = kSeg ? seg.s * p.seg_chunks : 0;  // this walk's first chunk in the sequence
+  const int64_t seg_chunk0 = sc.chunk_begin - seq_chunks(p, n).chunk_begin;  // this walk's first chunk in the sequence
   const bool inner_ckpts = kSeg && p.seg_ckpt_b != nullptr && !p.transitions_only && seg.count > 1;
   int64_t next_ckpt = p.checkpoint_every > 0 && ((seg.count == 1 && first_segment) || inner_ckpts)
                           ? ckpt_period - 1 - seg_chunk0 % ckpt_period
@@ -662,11 +663,13 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
       void* base;
       ElemType type;
       int64_t offset;
-      if (seg.count == 1 && first_segment) {  // the whole sequence
+      if (j < warm) {
+        // A skipping run's warm-up: the checkpoint is the previous run's.
+      } else if (seg.count == 1 && first_segment) {  // the whole sequence
         if (chunk_rows(j) == kChunk && checkpoint_target(p, c, h, base, type, offset))
           store_state_rows(r_S, base, type, offset, v_row, t4, rs.inv);
-      } else if (j + 1 < num_chunks && c < p.num_checkpoints) {  // inside a segment (its end: the chain)
-        if (first_segment) {
+      } else if (!(run_to_end && j + 1 == num_chunks) && c < p.num_checkpoints) {  // inside a segment (its end: the chain)
+        if (first_segment || warm > 0) {
           if (checkpoint_target(p, c, h, base, type, offset)) store_state_rows(r_S, base, type, offset, v_row, t4, rs.inv);
         } else if (transition_rows) {
           store_state_rows(r_S, p.seg_ckpt_a, ElemType::kF32, c * p.H * int64_t(kSegStateFloats) + head_offset,

@@ -91,6 +91,14 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   __shared__ int64_t s_taint[kChainRows];
   __shared__ bool s_any_taint;
   auto find_taint = [&](int64_t s) {
+    {  // nothing to find where the segment is one exact run (every thread loads the same words)
+      const int64_t gs = (first + s) * p.H + h;
+      const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+      uint32_t runs_inside = p.seg_exact[gs] < len;
+#pragma unroll
+      for (int w = 0; w < kPlanWords; ++w) runs_inside |= p.seg_plan[gs * kPlanWords + w];
+      if (runs_inside == 0) return false;
+    }
     if (tid == 0) s_any_taint = false;
     __syncthreads();
     if (tid < kChainRows) {
@@ -129,9 +137,28 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     return true;
   };
   auto tainted = [&](int i) { return s_taint[r0 + i] != INT64_MAX; };
+  // ... and the checkpoints K2 wrote inside segment s after chunk `from` of it (segment 0, skipping
+  // runs) in those rows, where the state before them is not finite: NaN (with_end: also one at the
+  // segment's end, which K2 wrote in a one-segment sequence).
+  auto taint_checkpoints = [&](int64_t s, int64_t from, bool with_end) {
+    if (E == 0) return;
+    const int64_t begin = s * seg_tokens, end = min(sc.eos - sc.bos, begin + seg_tokens);
+    for (int64_t t = (begin / E + 1) * E; t < end || (with_end && t == end); t += E) {
+      const int64_t ck = checkpoint_at(t), pos = (t - begin) / kChunk;
+      void* base;
+      ElemType type;
+      int64_t offset;
+      if (pos <= from || !checkpoint_target(p, ck, h, base, type, offset)) continue;
+      for (int i = 0; i < kChainRows / 2; ++i)
+        if (s_taint[r0 + i] <= pos)
+          store_state_elem(base, type, offset + int64_t(v0 + r0 + i) * kHeadDim + c, __int_as_float(0x7fc00000));
+    }
+  };
 
   if (count <= 1) {  // transition skipping in a one-segment sequence: K2 wrote the final state
-    if (!find_taint(0) || p.final_state == nullptr) return;
+    if (!find_taint(0)) return;
+    taint_checkpoints(0, 0, true);
+    if (p.final_state == nullptr) return;
     for (int i = 0; i < kChainRows / 2; ++i)
       if (tainted(i))
         store_state_elem(p.final_state, p.final_state_type, state_base + int64_t(v0 + r0 + i) * kHeadDim + c,
@@ -150,6 +177,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
     sm.x[i / kHeadDim][i % kHeadDim] = p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i];
   if (runs && find_taint(0)) {
+    taint_checkpoints(0, 0, false);
     for (int i = 0; i < kChainRows / 2; ++i)
       if (tainted(i)) sm.x[r0 + i][c] = __int_as_float(0x7fc00000);
   }
@@ -174,20 +202,22 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   };
   for (int64_t s = 1; s < count; ++s) {
     const bool last = s + 1 == count;
-    if (p.seg_ckpt_b != nullptr && E > 0) {  // checkpoints inside segment s: X_s^T A_c^T + B_c^T
+    // With transition skipping, a segment whose exact run ends inside it: X_{s+1} = its last run's
+    // end state (B_s), which owes nothing to X_s; the rows a non-finite state reaches are NaN.
+    const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+    const int64_t exact = runs ? p.seg_exact[(first + s) * p.H + h] : len;  // chunks of the exact run
+    const bool any_taint = runs && find_taint(s);  // before X_s is replaced
+    if (p.seg_ckpt_b != nullptr && E > 0) {  // checkpoints inside the exact run: X_s^T A_c^T + B_c^T
       const int64_t begin = s * seg_tokens, end = last ? sc.eos - sc.bos : (s + 1) * seg_tokens;
-      for (int64_t t = (begin / E + 1) * E; t < end; t += E) {
+      for (int64_t t = (begin / E + 1) * E; t < end && (t - begin) / kChunk <= exact; t += E) {
         const int64_t ck = checkpoint_at(t);
         if (ck < 0 || ck >= p.num_checkpoints) continue;
         affine(p.seg_ckpt_a + segment_matrix(p, ck, h), p.seg_ckpt_b + segment_matrix(p, ck, h));
         store_checkpoint(ck, acc, 1);
       }
+      if (any_taint) taint_checkpoints(s, exact, false);  // the skipping runs' (K2)
     }
-    // With transition skipping, a segment whose exact run ends inside it: X_{s+1} = its last run's
-    // end state (B_s), which owes nothing to X_s; the rows a non-finite state reaches are NaN.
-    const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
-    const bool skipped = runs && p.seg_exact[(first + s) * p.H + h] < len;
-    const bool any_taint = runs && find_taint(s);  // before X_s is replaced
+    const bool skipped = exact < len;
     if (last && p.final_state == nullptr && !final_checkpoint) break;
     if (skipped) {
       const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
