@@ -165,6 +165,36 @@ def serving_rows(reps):
     return rows
 
 
+def runs_sweep_rows(reps, cases=""):
+    """Transition skipping (docs/DESIGN.md "Segments"): the default call against the same call without
+    skipping and with forced piece lengths F and longest warm-ups w (a multiple of F), one sequence
+    at few heads, both gate regimes (internal launch fields skip_run_chunks, skip_warmup_chunks)."""
+    grid = [(F, w) for F in (32, 48, 64, 96, 128, 192) for w in (0.5, 1, 2)]
+    rows = ["", "Transition skipping: piece length F and longest warm-up w x F (CUDA-graph medians, ms):", "",
+            "| case | gates | default | no skipping | " + " | ".join(f"F={F} w={w:g}" for F, w in grid) + " |",
+            "|---" * (4 + len(grid)) + "|"]
+    print("\n".join(rows), flush=True)
+    wanted = [c for c in cases.split(",") if c]
+    for H, T in ((12, 2048), (12, 8192), (12, 32768), (12, 131072), (16, 65536), (32, 32768), (32, 131072)):
+        name = f"T={T} H={H}"
+        if wanted and not any(w in name for w in wanted):
+            continue
+        for regime in ("random", "long"):
+            x = make_inputs(H, [T], True, regime=regime)
+            launches = [{}, dict(skip_transitions=-1)] + [
+                dict(skip_run_chunks=F, skip_warmup_chunks=int(w * F)) for F, w in grid]
+            times = []
+            for launch in launches:
+                times.append(time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps))
+                flashkda._launch._workspaces.clear()  # each timing's stream keeps its own workspace
+                torch.cuda.empty_cache()
+            rows.append(f"| {name} | {regime} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
+            print(rows[-1], flush=True)
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run_flash_kda(x, with_state):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
@@ -354,7 +384,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--table", choices=("many", "few", "both"), default="both")
+    ap.add_argument("--table", choices=("many", "few", "both", "none"), default="both")
     ap.add_argument("--regime", choices=("random", "long", "both"), default="both")
     ap.add_argument("--cases", default="", help="comma-separated substrings: only cases whose name contains one")
     ap.add_argument("--eager", action="store_true", help="also eager-call medians of the default flashkda call")
@@ -370,6 +400,8 @@ def main():
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
     ap.add_argument("--serving", action="store_true", help="also the serving prefill's cost (pool, checkpoints)")
+    ap.add_argument("--runs-sweep", action="store_true",
+                    help="also transition skipping's piece lengths and warm-ups (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
 
     impls, peers = implementations(args)
@@ -388,7 +420,7 @@ def main():
               + (" eager |" if args.eager else ""))
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     print("\n".join(lines), flush=True)
-    tables = {"many": MANY, "few": FEW, "both": MANY + FEW}[args.table]
+    tables = {"many": MANY, "few": FEW, "both": MANY + FEW, "none": []}[args.table]
     regimes = ("random", "long") if args.regime == "both" else (args.regime,)
     wanted = [c for c in args.cases.split(",") if c]
     for name, H, seqlens, with_state in ([] if args.accuracy_only else tables):
@@ -419,6 +451,8 @@ def main():
             torch.cuda.empty_cache()
     if args.serving:
         lines += serving_rows(args.reps)
+    if args.runs_sweep:
+        lines += runs_sweep_rows(args.reps, args.cases)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

@@ -38,7 +38,7 @@ def read_tables(paths):
                 if name in SKIP:
                     continue
                 try:
-                    data[(cells[0], cells[1])][name] = float(value)
+                    data[(cells[0], cells[1])][name] = float(value.strip("*"))  # bold: the fastest
                 except ValueError:
                     pass
     return data

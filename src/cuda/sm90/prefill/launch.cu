@@ -113,9 +113,9 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 // to a piece. Where every boundary skips, each piece is one run of two warpgroups (value rows), so
 // the rule fills the GPU's 2 * #SMs warpgroup slots with pieces of chunks * H / #SMs chunks,
 // rounded up to a multiple of 32 within [32, 128], and skips nothing where that piece would be the
-// whole segment. Measured (run 38, DESIGN.md "Segments"): the best or within 1% of the best piece
-// length of the sweep at every few-head shape from T=8192 up but T=131072 (4% behind 192); 16 and
-// 32 pay their warm-up too often, longer pieces leave a tail. Forced lengths
+// whole segment. Measured (run 39, BENCHMARKS.md): the best or within 0.5% of the best piece length
+// of the sweep at four of its six few-head shapes, 2-3% behind pieces of 192 at T=131072; shorter
+// pieces pay their warm-up too often, longer ones leave a tail. Forced lengths
 // (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
 // segment at most and rounded up to a multiple of kCombineChunks; 0: no transition skipping.
 int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, bool skip,
