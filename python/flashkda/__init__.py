@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import os
 import warnings
 
@@ -103,22 +104,17 @@ def _not_supported(fn_name, **options):
             raise NotImplementedError(f"{fn_name}: {name}={value!r} is not supported by flashkda")
 
 
-def _torch_arg(q, x, name):
-    """Optional tensor arguments of a torch call: tensors stay, integer lists become tensors."""
-    import torch
-
-    if x is None or isinstance(x, torch.Tensor):
-        return x
-    if name in ("cu_seqlens", "ssm_state_indices", "num_accepted_tokens", "state_indices", "checkpoint_slots",
-                "has_initial_state") and isinstance(x, (list, tuple)):
-        if name == "has_initial_state":
-            return torch.tensor(x, dtype=torch.bool, device=q.device)
-        return torch.tensor(x, dtype=torch.int64 if name == "cu_seqlens" else torch.int32, device=q.device)
-    raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__module__}.{type(x).__name__}")
+_PARAMS: dict = {}
 
 
-def _opt_float(x):
-    return None if x is None else float(x)
+def _args(fn, scope) -> dict:
+    """The arguments of _impl's fn (its parameters after ops) taken by name from the public function's
+    locals: each operation's argument list is written once, in _impl (_torch_ops takes its schema
+    from the same signature)."""
+    names = _PARAMS.get(fn)
+    if names is None:
+        names = _PARAMS[fn] = tuple(inspect.signature(fn).parameters)[1:]
+    return {n: scope[n] for n in names}
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -172,35 +168,17 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     """
     state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
     _not_supported("chunk_kda", allow_neg_eigval=allow_neg_eigval, cp_context=cp_context)
-    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
-                            checkpoint_slots, bool(return_intermediate_states))
-    if _use_op(q) and serving.return_intermediate_states:
+    return_intermediate_states = bool(return_intermediate_states)
+    args = _args(_impl.chunk_kda, locals())
+    if not _use_op(q):
+        return _impl.chunk_kda(ops_for(q), **args)
+    if return_intermediate_states:
         raise NotImplementedError("chunk_kda: return_intermediate_states under torch.compile (its shape depends "
                                   "on the sequence lengths); call it outside the compiled region")
-    if _use_op(q):
-        import torch
-
-        A_log, dt_bias, initial_state, cu_seqlens = (
-            _torch_arg(q, x, n) for x, n in ((A_log, "A_log"), (dt_bias, "dt_bias"),
-                                             (initial_state, "initial_state"), (cu_seqlens, "cu_seqlens")))
-        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
-            _torch_arg(q, x, n)
-        state_pool, state_indices, has_initial_state, checkpoints, checkpoint_slots = (
-            _torch_arg(q, x, n) for x, n in ((state_pool, "state_pool"), (state_indices, "state_indices"),
-                                             (has_initial_state, "has_initial_state"),
-                                             (checkpoints, "checkpoints"), (checkpoint_slots, "checkpoint_slots")))
-        o, ht = torch.ops.flashkda.chunk_kda(
-            q, k, v, g, beta, _opt_float(scale), initial_state, bool(output_final_state),
-            bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel), bool(use_beta_sigmoid_in_kernel),
-            bool(safe_gate), _opt_float(lower_bound), A_log, dt_bias, bool(state_v_first), cu_seqlens,
-            _impl._precision(precision), state_pool, state_indices, has_initial_state, int(checkpoint_every or 0),
-            checkpoints, checkpoint_slots)
-        if state_pool is not None:
-            return o, state_pool
-        return o, (ht if output_final_state else None)
-    return _impl.chunk_kda(ops_for(q), q, k, v, g, beta, scale, initial_state, output_final_state,
-                           use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
-                           lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision, serving)
+    o, ht = _torch_ops.chunk_kda(args)
+    if state_pool is not None:
+        return o, state_pool
+    return o, (ht if output_final_state else None)
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
@@ -218,32 +196,11 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     [C, H, V, K], checkpoint_slots (flashkda's own): the serving prefill of chunk_kda, in place of
     initial_state / final_state; layouts V before K as everywhere in fwd.
     """
-    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
-                            checkpoint_slots)
+    args = _args(_impl.fwd, locals())
     if _use_op(q):
-        import torch
-
-        A_log, dt_bias, initial_state, final_state, cu_seqlens = (
-            _torch_arg(q, x, n) for x, n in ((A_log, "A_log"), (dt_bias, "dt_bias"),
-                                             (initial_state, "initial_state"), (final_state, "final_state"),
-                                             (cu_seqlens, "cu_seqlens")))
-        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (out, "out")):
-            _torch_arg(q, x, n)
-        if A_log is None:
-            raise ValueError("A_log: required ([H] float32)")
-        if scale is None or lower_bound is None:
-            raise ValueError(f"{'scale' if scale is None else 'lower_bound'}: required (a float)")
-        state_pool, state_indices, has_initial_state, checkpoints, checkpoint_slots = (
-            _torch_arg(q, x, n) for x, n in ((state_pool, "state_pool"), (state_indices, "state_indices"),
-                                             (has_initial_state, "has_initial_state"),
-                                             (checkpoints, "checkpoints"), (checkpoint_slots, "checkpoint_slots")))
-        torch.ops.flashkda.fwd(q, k, v, g, beta, float(scale), out, A_log, dt_bias, float(lower_bound),
-                               initial_state, final_state, cu_seqlens, _impl._precision(precision), state_pool,
-                               state_indices, has_initial_state, int(checkpoint_every or 0), checkpoints,
-                               checkpoint_slots)
-        return None
-    _impl.fwd(ops_for(q), q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-              cu_seqlens, precision, serving)
+        _torch_ops.fwd(args)
+    else:
+        _impl.fwd(ops_for(q), **args)
     return None
 
 
@@ -281,26 +238,11 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     _not_supported("fused_recurrent_kda", allow_neg_eigval=allow_neg_eigval)
     if inplace_final_state is None:
         inplace_final_state = ssm_state_indices is not None
-    if _use_op(q):
-        import torch
-
-        named = dict(A_log=A_log, dt_bias=dt_bias, initial_state=initial_state, cu_seqlens=cu_seqlens,
-                     ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens, out=out)
-        named = {n: _torch_arg(q, x, n) for n, x in named.items()}
-        for x, n in ((k, "k"), (v, "v"), (g, "g"), (beta, "beta")):
-            _torch_arg(q, x, n)
-        out = named["out"]
-        if out is None:
-            out = v.new_empty(v.shape, dtype=q.dtype)
-        ht = torch.ops.flashkda.fused_recurrent_kda(
-            q, k, v, g, beta, named["A_log"], named["dt_bias"], _opt_float(scale), named["initial_state"],
-            bool(output_final_state), bool(use_qk_l2norm_in_kernel), bool(use_gate_in_kernel),
-            bool(use_beta_sigmoid_in_kernel), _opt_float(lower_bound), bool(state_v_first), named["cu_seqlens"],
-            named["ssm_state_indices"], named["num_accepted_tokens"], bool(inplace_final_state), out)
-        if inplace_final_state and named["initial_state"] is not None:
-            return out, named["initial_state"]
-        return out, (ht if output_final_state else None)
-    return _impl.fused_recurrent_kda(ops_for(q), q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
-                                     output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                     use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
-                                     ssm_state_indices, num_accepted_tokens, inplace_final_state, out)
+    if not _use_op(q):
+        return _impl.fused_recurrent_kda(ops_for(q), **_args(_impl.fused_recurrent_kda, locals()))
+    if out is None:  # the op writes the caller's buffer in place
+        out = v.new_empty(v.shape, dtype=q.dtype)
+    ht = _torch_ops.fused_recurrent_kda(_args(_impl.fused_recurrent_kda, locals()))
+    if inplace_final_state and initial_state is not None:
+        return out, initial_state
+    return out, (ht if output_final_state else None)

@@ -12,7 +12,9 @@ The torch custom ops (_torch_ops.py) call these same functions.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
+
+Array = object  # in annotations: an array of the call's kind (numpy, or torch: _torch_ops's schemas)
 
 from . import _launch
 from ._arrays import BF16, F32, I32, I64, NumpyOps, TorchOps, is_numpy, is_torch
@@ -261,13 +263,27 @@ def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state
     return out, (None if ht is None else _state_out(TorchOps, ht, state_v_first))
 
 
-def chunk_kda(ops, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
-              safe_gate=False, lower_bound=None, A_log=None, dt_bias=None, state_v_first=False,
-              cu_seqlens=None, precision="precise", serving: Serving = Serving()):
+# The argument lists of chunk_kda, fwd and fused_recurrent_kda below are the one written list of each
+# operation's arguments: the torch custom ops (_torch_ops.py) take their schemas from these
+# signatures (the annotations name the types), and the public functions (__init__.py) call these
+# by keyword.
+
+
+def chunk_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array, scale: Optional[float] = None,
+              initial_state: Optional[Array] = None, output_final_state: bool = False,
+              use_qk_l2norm_in_kernel: bool = False, use_gate_in_kernel: bool = False,
+              use_beta_sigmoid_in_kernel: bool = False, safe_gate: bool = False,
+              lower_bound: Optional[float] = None, A_log: Optional[Array] = None,
+              dt_bias: Optional[Array] = None, state_v_first: bool = False, cu_seqlens: Optional[Array] = None,
+              precision: str = "precise", state_pool: Optional[Array] = None,
+              state_indices: Optional[Array] = None, has_initial_state: Optional[Array] = None,
+              checkpoint_every: int = 0, checkpoints: Optional[Array] = None,
+              checkpoint_slots: Optional[Array] = None, return_intermediate_states: bool = False):
     """Returns (o, final_state), (o, state_pool) with a pool, and fla's h third with
-    serving.return_intermediate_states."""
+    return_intermediate_states."""
     precision = _precision(precision)
+    serving = Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots,
+                      bool(return_intermediate_states))
     if ops is TorchOps and not serving.wanted():
         res = _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                                 use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log,
@@ -328,9 +344,14 @@ def _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initi
     return True
 
 
-def fwd(ops, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,
-        cu_seqlens=None, precision="precise", serving: Serving = Serving()):
+def fwd(ops, q: Array, k: Array, v: Array, g: Array, beta: Array, scale: float, out: Array,
+        A_log: Array, dt_bias: Optional[Array], lower_bound: float, initial_state: Optional[Array] = None,
+        final_state: Optional[Array] = None, cu_seqlens: Optional[Array] = None, precision: str = "precise",
+        state_pool: Optional[Array] = None, state_indices: Optional[Array] = None,
+        has_initial_state: Optional[Array] = None, checkpoint_every: int = 0,
+        checkpoints: Optional[Array] = None, checkpoint_slots: Optional[Array] = None):
     precision = _precision(precision)
+    serving = Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots)
     if (ops is TorchOps and not serving.wanted() and scale is not None and lower_bound is not None and A_log is not None
             and _fwd_direct(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
                             cu_seqlens, precision)):
@@ -454,10 +475,15 @@ def _zero_padding_outputs(ops, out, idx, cu):
     ops.copy_(out, ops.where(mask, out, ops.zeros(tuple(out.shape), ops.dtype_name(out), out)))
 
 
-def fused_recurrent_kda(ops, q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, initial_state=None,
-                        output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
-                        use_beta_sigmoid_in_kernel=False, lower_bound=None, state_v_first=False, cu_seqlens=None,
-                        ssm_state_indices=None, num_accepted_tokens=None, inplace_final_state=False, out=None):
+def fused_recurrent_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array,
+                        A_log: Optional[Array] = None, dt_bias: Optional[Array] = None,
+                        scale: Optional[float] = None, initial_state: Optional[Array] = None,
+                        output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+                        use_gate_in_kernel: bool = False, use_beta_sigmoid_in_kernel: bool = False,
+                        lower_bound: Optional[float] = None, state_v_first: bool = False,
+                        cu_seqlens: Optional[Array] = None, ssm_state_indices: Optional[Array] = None,
+                        num_accepted_tokens: Optional[Array] = None, inplace_final_state: bool = False,
+                        out: Optional[Array] = None):
     """Returns (out, final_state); see flashkda.fused_recurrent_kda for the state semantics."""
     if (ops is TorchOps and inplace_final_state and state_v_first and initial_state is not None
             and ssm_state_indices is not None):

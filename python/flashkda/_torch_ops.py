@@ -2,18 +2,63 @@
 
 Registered with torch.library.custom_op so torch.compile treats each call as one opaque node (the
 fake implementations give it output shapes) and records in-place writes (mutates_args). Imported by
-flashkda/__init__.py only when torch is importable. The real work is _impl's, on torch tensors.
+flashkda/__init__.py only when torch is importable. Each op's schema is the signature of the _impl
+function of the same name (its annotations name the types; "Array" is a tensor here), and the op
+runs that function on torch tensors.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import inspect
+from typing import Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
 
 from . import _impl
 from ._arrays import TorchOps
+
+_TYPES = {"Array": Tensor, "Optional[Array]": Optional[Tensor], "Optional[float]": Optional[float], "bool": bool,
+          "float": float, "int": int, "str": str}
+
+
+def _schema(fn) -> inspect.Signature:
+    """fn's signature without its first parameter (ops), with the annotations as types."""
+    params = list(inspect.signature(fn).parameters.values())[1:]
+    return inspect.Signature([p.replace(annotation=_TYPES[p.annotation]) for p in params])
+
+
+def _normalised(sig: inspect.Signature, args: dict) -> dict:
+    """args as the schema's types: bool(), float() and int() of what the caller passed, integer lists
+    as tensors beside q; a required argument that is None raises ValueError naming it."""
+    q = args["q"]
+    out = {}
+    for name, x in args.items():
+        kind = sig.parameters[name].annotation
+        if x is None and kind in (Tensor, float):
+            raise ValueError(f"{name}: required ({'a tensor' if kind is Tensor else 'a float'})")
+        if kind in (Tensor, Optional[Tensor]):
+            x = _tensor(q, x, name)
+        elif kind is bool:
+            x = bool(x)
+        elif kind is int:
+            x = int(x or 0)
+        elif kind in (float, Optional[float]):
+            x = None if x is None else float(x)
+        out[name] = x
+    return out
+
+
+def _tensor(q: Tensor, x, name: str):
+    """A tensor argument: tensors stay, integer lists (lengths, slots, flags) become tensors beside q."""
+    if x is None or isinstance(x, Tensor):
+        return x
+    if name in ("cu_seqlens", "ssm_state_indices", "num_accepted_tokens", "state_indices", "checkpoint_slots",
+                "has_initial_state") and isinstance(x, (list, tuple)):
+        if name == "has_initial_state":
+            return torch.tensor(x, dtype=torch.bool, device=q.device)
+        return torch.tensor(x, dtype=torch.int64 if name == "cu_seqlens" else torch.int32, device=q.device)
+    raise TypeError(f"{name}: expected a torch tensor like q, got {type(x).__module__}.{type(x).__name__}")
 
 
 def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
@@ -25,76 +70,55 @@ def _no_state(q: Tensor) -> Tensor:
     return q.new_empty((0,), dtype=torch.float32)
 
 
-@torch.library.custom_op("flashkda::chunk_kda", mutates_args=("state_pool", "checkpoints"))
-def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
-              initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-              use_gate_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, safe_gate: bool,
-              lower_bound: Optional[float], A_log: Optional[Tensor], dt_bias: Optional[Tensor],
-              state_v_first: bool, cu_seqlens: Optional[Tensor], precision: str, state_pool: Optional[Tensor],
-              state_indices: Optional[Tensor], has_initial_state: Optional[Tensor], checkpoint_every: int,
-              checkpoints: Optional[Tensor], checkpoint_slots: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """The pool and the checkpoints are written in place; the second output is the final state
-    only when one is created here (output_final_state without a pool), else an empty tensor."""
-    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
-                            checkpoint_slots)
-    o, ht = _impl.chunk_kda(TorchOps, q, k, v, g, beta, scale, initial_state, output_final_state,
-                            use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, safe_gate,
-                            lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision, serving)
-    return o, (_no_state(q) if ht is None or ht is state_pool else ht)
+def _new_state(a: dict) -> Tensor:
+    """The float32 final state a call creates ([N, H, V, K] or fla's [N, H, K, V])."""
+    q, v = a["q"], a["v"]
+    N, H, K, V = _num_seqs(q, a["cu_seqlens"]), q.shape[2], q.shape[3], v.shape[3]
+    return q.new_empty((N, H, V, K) if a["state_v_first"] else (N, H, K, V), dtype=torch.float32)
 
 
-@chunk_kda.register_fake
-def _(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-      use_beta_sigmoid_in_kernel, safe_gate, lower_bound, A_log, dt_bias, state_v_first, cu_seqlens, precision,
-      state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots):
-    o = v.new_empty(v.shape, dtype=q.dtype)
-    if not output_final_state or state_pool is not None:
-        return o, _no_state(q)
-    N, H, K, V = _num_seqs(q, cu_seqlens), q.shape[2], q.shape[3], v.shape[3]
-    return o, q.new_empty((N, H, V, K) if state_v_first else (N, H, K, V), dtype=torch.float32)
+class _Op:
+    """One custom op: the schema of _impl.<name>, a result adapter (what _impl returns -> the op's
+    outputs) and a fake (the bound arguments -> outputs of the right shapes)."""
+
+    def __init__(self, name: str, returns, mutates: Tuple[str, ...], result: Callable, fake: Callable):
+        impl = getattr(_impl, name)
+        self.sig = _schema(impl)
+
+        def op(*args, **kwargs):
+            a = self._bound(args, kwargs)
+            return result(impl(TorchOps, **a), a)
+
+        op.__signature__ = self.sig.replace(return_annotation=returns)
+        op.__name__ = name
+        self.op = torch.library.custom_op(f"flashkda::{name}", mutates_args=mutates)(op)
+        self.op.register_fake(lambda *args, **kwargs: fake(self._bound(args, kwargs)))
+        self.name = name
+
+    def _bound(self, args, kwargs) -> dict:
+        """The op's arguments by name, defaults filled in."""
+        bound = self.sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def __call__(self, args: dict):
+        """Calls torch.ops.flashkda.<name> with args (keywords of _impl.<name>) as the schema's types."""
+        return getattr(torch.ops.flashkda, self.name)(**_normalised(self.sig, args))
 
 
-@torch.library.custom_op("flashkda::fwd", mutates_args=("out", "final_state", "state_pool", "checkpoints"))
-def fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, out: Tensor, A_log: Tensor,
-        dt_bias: Optional[Tensor], lower_bound: float, initial_state: Optional[Tensor],
-        final_state: Optional[Tensor], cu_seqlens: Optional[Tensor], precision: str, state_pool: Optional[Tensor],
-        state_indices: Optional[Tensor], has_initial_state: Optional[Tensor], checkpoint_every: int,
-        checkpoints: Optional[Tensor], checkpoint_slots: Optional[Tensor]) -> None:
-    serving = _impl.Serving(state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints,
-                            checkpoint_slots)
-    _impl.fwd(TorchOps, q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state,
-              cu_seqlens, precision, serving)
+# chunk_kda: the pool and the checkpoints are written in place; the second output is the final state
+# only when one is created here (output_final_state without a pool), else an empty tensor.
+chunk_kda = _Op("chunk_kda", Tuple[Tensor, Tensor], ("state_pool", "checkpoints"),
+                lambda r, a: (r[0], _no_state(a["q"]) if r[1] is None or r[1] is a["state_pool"] else r[1]),
+                lambda a: (a["v"].new_empty(a["v"].shape, dtype=a["q"].dtype),
+                           _new_state(a) if a["output_final_state"] and a["state_pool"] is None else _no_state(a["q"])))
 
+fwd = _Op("fwd", None, ("out", "final_state", "state_pool", "checkpoints"), lambda r, a: None, lambda a: None)
 
-@fwd.register_fake
-def _(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state, final_state, cu_seqlens, precision,
-      state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots):
-    return None
-
-
-@torch.library.custom_op("flashkda::fused_recurrent_kda", mutates_args=("initial_state", "out"))
-def fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_log: Optional[Tensor],
-                        dt_bias: Optional[Tensor], scale: Optional[float], initial_state: Optional[Tensor],
-                        output_final_state: bool, use_qk_l2norm_in_kernel: bool, use_gate_in_kernel: bool,
-                        use_beta_sigmoid_in_kernel: bool, lower_bound: Optional[float], state_v_first: bool,
-                        cu_seqlens: Optional[Tensor], ssm_state_indices: Optional[Tensor],
-                        num_accepted_tokens: Optional[Tensor], inplace_final_state: bool, out: Tensor) -> Tensor:
-    """Writes out (and the pool initial_state when inplace_final_state) in place; returns a new final
-    state only when one is created here (not in place), else an empty tensor."""
-    _, ht = _impl.fused_recurrent_kda(TorchOps, q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
-                                      output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel,
-                                      use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens,
-                                      ssm_state_indices, num_accepted_tokens, inplace_final_state, out)
-    if ht is None or ht is initial_state:
-        return _no_state(q)
-    return ht
-
-
-@fused_recurrent_kda.register_fake
-def _(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-      use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, state_v_first, cu_seqlens, ssm_state_indices,
-      num_accepted_tokens, inplace_final_state, out):
-    if not output_final_state or (inplace_final_state and initial_state is not None):
-        return _no_state(q)
-    N, H, K, V = _num_seqs(q, cu_seqlens), q.shape[2], q.shape[3], v.shape[3]
-    return q.new_empty((N, H, V, K) if state_v_first else (N, H, K, V), dtype=torch.float32)
+# fused_recurrent_kda: writes out (and the pool initial_state when inplace_final_state) in place;
+# returns a new final state only when one is created here (not in place), else an empty tensor.
+fused_recurrent_kda = _Op(
+    "fused_recurrent_kda", Tensor, ("initial_state", "out"),
+    lambda r, a: _no_state(a["q"]) if r[1] is None or r[1] is a["initial_state"] else r[1],
+    lambda a: (_new_state(a) if a["output_final_state"] and not (a["inplace_final_state"] and a["initial_state"] is not None)
+               else _no_state(a["q"])))
