@@ -726,6 +726,36 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     EXPECT_EQ(state_missing, 0) << "T=" << nc.T << " NaN at " << t0 << ": the final state's row is finite";
     EXPECT_EQ(state_spurious, 0) << "T=" << nc.T << " NaN at " << t0 << ": NaN in other rows of the final state";
   }
+  // Decay in one piece only (chunks 8-15, log-decay -1 per token; ~0 elsewhere): the first segment's
+  // exact run (chunks 0-15) holds the NaN of token 0, the skipping run from chunk 16 does not see
+  // it, and the second segment, which cannot skip, is one exact run that the combine finishes
+  // from X_1: its outputs in the NaN's column must be NaN too.
+  {
+    KdaOptions o;
+    o.T = 2048, o.H = 2;
+    o.gate = GateForm::kPrecomputed, o.with_dt_bias = false, o.g_min = -1e-3, o.g_max = 0, o.g_dtype = DType::kF32;
+    o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    for (int64_t t = 128; t < 256; ++t)
+      for (int64_t i = 0; i < o.H * o.K; ++i) in.g.set(t * o.H * o.K + i, -1.0);
+    const int64_t c0 = 37, h0 = 1;
+    in.v.set(h0 * o.V + c0, std::nan(""));
+    DeviceProblem dev(in, skip);
+    dev.poison();
+    dev.run();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    int64_t missing = 0, spurious = 0;
+    for (int64_t t = 0; t < o.T; ++t)
+      for (int64_t h = 0; h < o.H; ++h)
+        for (int64_t c = 0; c < o.V; ++c) {
+          const bool nan = std::isnan(in.out.get((t * o.H + h) * o.V + c));
+          if (h == h0 && c == c0) missing += !nan;
+          else spurious += nan;
+        }
+    EXPECT_EQ(missing, 0) << "decay in one piece: outputs of the NaN's column that are not NaN";
+    EXPECT_EQ(spurious, 0) << "decay in one piece: NaN outputs in other columns";
+  }
 }
 
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {

@@ -335,7 +335,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     if (run_chunks > 0) {
       const size_t segs = size_t(kp.max_segs) * size_t(p.H);
       kp.run_chunks = run_chunks;
-      kp.run_warmup = launch.skip_warmup_chunks > 0 ? launch.skip_warmup_chunks : run_chunks;
+      // A warm-up is at most one segment long (and fits plan_runs' 16-bit counts).
+      kp.run_warmup = std::min<int64_t>(launch.skip_warmup_chunks > 0 ? launch.skip_warmup_chunks : run_chunks,
+                                        std::min<int64_t>(kp.seg_chunks, UINT16_MAX));
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
       Carver runs{skip};
       kp.chunk_bound = runs.take<float>(align_up(size_t(kp.chunk_slots) * size_t(p.H) * 4));

@@ -347,7 +347,7 @@ __device__ inline int plan_runs(const Params& p, const SeqChunks& whole, const S
         bound[w] = base + w < avail ? p.chunk_bound[(b - 1 - base - w) * p.H + h] : INFINITY;
 #pragma unroll
       for (int w = 0; w < kWarmupBlock; ++w) {
-        cum += bound[w] == bound[w] ? bound[w] : INFINITY;  // a NaN bound bounds nothing
+        cum += bound[w] == bound[w] ? bound[w] : INFINITY;  // a NaN bound (K1 drops most NaN inputs) bounds nothing
         if (found == 0 && cum <= kSkipLogBound) found = base + w + 1;
       }
     }
@@ -409,9 +409,9 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     if (p.seg_exact != nullptr && !p.transitions_only && state_slot(p, n) < 0) {
       if (piece > 0) return;  // padding: piece 0 writes the zero outputs (below)
     } else if (p.seg_exact != nullptr && !p.transitions_only) {
+      if (piece >= pieces_of(sc.chunk_end - sc.chunk_begin, p.run_chunks)) return;  // a shorter segment
       __shared__ uint16_t s_warm[kMaxPieces];
       const int pieces = plan_runs(p, whole, sc, seg.s == 0, h, s_warm);
-      if (piece >= pieces) return;
       const int exact_end = s_warm[0] > 0 ? 0 : next_run(s_warm, 0, pieces);  // pieces of the exact run
       const int64_t len = sc.chunk_end - sc.chunk_begin, F = p.run_chunks;
       const int64_t seg_id = (seg.first + seg.s) * p.H + h;

@@ -176,10 +176,13 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   };
   for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
     sm.x[i / kHeadDim][i % kHeadDim] = p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i];
-  if (runs && find_taint(0)) {
+  if (runs && find_taint(0)) {  // X_1's tainted rows NaN here and for the combine of segment 1
     taint_checkpoints(0, 0, false);
     for (int i = 0; i < kChainRows / 2; ++i)
-      if (tainted(i)) sm.x[r0 + i][c] = __int_as_float(0x7fc00000);
+      if (tainted(i)) {
+        sm.x[r0 + i][c] = __int_as_float(0x7fc00000);
+        p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0 + r0 + i) * kHeadDim + c] = __int_as_float(0x7fc00000);
+      }
   }
   __syncthreads();
   if (checkpoint_at(seg_tokens) >= 0) store_checkpoint(checkpoint_at(seg_tokens), &sm.x[r0][c], kHeadDim);
