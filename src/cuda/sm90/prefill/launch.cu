@@ -133,7 +133,9 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
 }
 
 struct Layout {
-  size_t header, records, seg_states, seg_out, seg_ckpt, skip, slot_bits, total;
+  size_t header, records, seg_states, seg_out, seg_ckpt;
+  size_t chunk_bound, seg_exact, seg_plan, seg_taint;  // transition skipping
+  size_t slot_bits, total;
 };
 
 // The workspace of one call: header, K1 records and, with segments, the per-segment matrices
@@ -154,12 +156,15 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
     l.seg_ckpt = 2 * align_up(size_t(ckpt_partials) * size_t(H) * kSegStateFloats * 4);
     if (run_chunks > 0) {  // chunk bounds, then per segment its exact run, its plan and its runs' taint records
       const size_t segs = size_t(max_segments(slots, N, seg_chunks)) * size_t(H);
-      l.skip = align_up(size_t(slots) * size_t(H) * 4) + align_up(segs * 4) + align_up(segs * kPlanWords * 4) +
-               align_up(segs * size_t(pieces_of(seg_chunks, run_chunks)) * kTaintBytes);
+      l.chunk_bound = align_up(size_t(slots) * size_t(H) * 4);
+      l.seg_exact = align_up(segs * 4);
+      l.seg_plan = align_up(segs * kPlanWords * 4);
+      l.seg_taint = align_up(segs * size_t(pieces_of(seg_chunks, run_chunks)) * kTaintBytes);
     }
   }
   l.slot_bits = align_up(size_t((pool_size + 31) / 32) * 4);
-  l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt + l.skip + l.slot_bits;
+  l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt + l.chunk_bound + l.seg_exact + l.seg_plan +
+            l.seg_taint + l.slot_bits;
   return l;
 }
 
@@ -320,7 +325,10 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   float* states = regions.take<float>(l.seg_states);
   float* seg_out = regions.take<float>(l.seg_out);
   float* ckpt_partials = regions.take<float>(l.seg_ckpt);
-  uint8_t* skip = regions.take(l.skip);
+  float* chunk_bound = regions.take<float>(l.chunk_bound);
+  int32_t* seg_exact = regions.take<int32_t>(l.seg_exact);
+  uint32_t* seg_plan = regions.take<uint32_t>(l.seg_plan);
+  uint8_t* seg_taint = regions.take(l.seg_taint);
   uint32_t* slot_bits = regions.take<uint32_t>(l.slot_bits);
   if (l.slot_bits > 0) kp.slot_bits = slot_bits;
   if (kp.seg_chunks > 0) {
@@ -333,17 +341,12 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       kp.seg_ckpt_a = ckpt_partials + l.seg_ckpt / 2 / sizeof(float);
     }
     if (run_chunks > 0) {
-      const size_t segs = size_t(kp.max_segs) * size_t(p.H);
       kp.run_chunks = run_chunks;
       // A warm-up is at most one segment long (and fits plan_runs' 16-bit counts).
       kp.run_warmup = std::min<int64_t>(launch.skip_warmup_chunks > 0 ? launch.skip_warmup_chunks : run_chunks,
                                         std::min<int64_t>(kp.seg_chunks, UINT16_MAX));
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
-      Carver runs{skip};
-      kp.chunk_bound = runs.take<float>(align_up(size_t(kp.chunk_slots) * size_t(p.H) * 4));
-      kp.seg_exact = runs.take<int32_t>(align_up(segs * 4));
-      kp.seg_plan = runs.take<uint32_t>(align_up(segs * kPlanWords * 4));
-      kp.seg_taint = runs.take(align_up(segs * size_t(kp.max_pieces) * kTaintBytes));
+      kp.chunk_bound = chunk_bound, kp.seg_exact = seg_exact, kp.seg_plan = seg_plan, kp.seg_taint = seg_taint;
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);
