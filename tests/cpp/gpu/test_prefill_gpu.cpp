@@ -652,6 +652,32 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
 // (some piece skipped); with long-memory channels no piece can skip and the result is the exact
 // call's, bit for bit; a NaN in v reaches every later output of its value column and the final
 // state's row, across skipping runs that start after it, as it does in the recurrence.
+// NaN outputs of a call with a NaN in v at token t0, head h0, value column c0: `missing`, the
+// outputs of that column from t0 on that are not NaN; `spurious`, NaN outputs before t0 or in the
+// other heads; `other_columns`, NaN outputs of head h0 from t0 on in other columns.
+struct NanOutputs {
+  int64_t missing = 0, spurious = 0, other_columns = 0;
+};
+NanOutputs run_with_nan(KdaInputs& in, const internal::PrefillLaunch& launch, int64_t t0, int64_t h0, int64_t c0) {
+  const KdaOptions& o = in.opt;
+  in.v.set((t0 * o.H + h0) * o.V + c0, std::nan(""));
+  DeviceProblem dev(in, launch);
+  dev.poison();
+  dev.run();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  NanOutputs r;
+  for (int64_t t = 0; t < o.T; ++t)
+    for (int64_t h = 0; h < o.H; ++h)
+      for (int64_t c = 0; c < o.V; ++c) {
+        const bool nan = std::isnan(in.out.get((t * o.H + h) * o.V + c));
+        if (t < t0 || h != h0) r.spurious += nan;
+        else if (c == c0) r.missing += !nan;
+        else r.other_columns += nan;
+      }
+  return r;
+}
+
 TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
   // Segments of 32 chunks in pieces of 8, warm-ups of up to 8 chunks (the rule: a piece).
   internal::PrefillLaunch skip{0, 32, 0, 0, 1}, exact{0, 32, 0, 0, -1};
@@ -699,22 +725,9 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     o.final_state = StateKind::kF32;
     KdaInputs in(o);
     const int64_t t0 = nc.t0, c0 = 37, h0 = 1;
-    in.v.set((t0 * o.H + h0) * o.V + c0, std::nan(""));
-    DeviceProblem dev(in, skip);
-    dev.poison();
-    dev.run();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    dev.download();
-    int64_t missing = 0, spurious = 0;
-    for (int64_t t = 0; t < o.T; ++t)
-      for (int64_t h = 0; h < o.H; ++h)
-        for (int64_t c = 0; c < o.V; ++c) {
-          const bool nan = std::isnan(in.out.get((t * o.H + h) * o.V + c));
-          if (h == h0 && c == c0 && t >= t0) missing += !nan;
-          if (t < t0 || h != h0) spurious += nan;
-        }
-    EXPECT_EQ(missing, 0) << "T=" << nc.T << " NaN at " << t0 << ": outputs after the NaN that are not NaN";
-    EXPECT_EQ(spurious, 0) << "T=" << nc.T << " NaN at " << t0 << ": NaN outputs before it or in the other head";
+    const NanOutputs r = run_with_nan(in, skip, t0, h0, c0);
+    EXPECT_EQ(r.missing, 0) << "T=" << nc.T << " NaN at " << t0 << ": outputs after the NaN that are not NaN";
+    EXPECT_EQ(r.spurious, 0) << "T=" << nc.T << " NaN at " << t0 << ": NaN outputs before it or in the other head";
     int64_t state_missing = 0, state_spurious = 0;
     for (int64_t h = 0; h < o.H; ++h)
       for (int64_t v = 0; v < o.V; ++v)
@@ -738,23 +751,9 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     KdaInputs in(o);
     for (int64_t t = 128; t < 256; ++t)
       for (int64_t i = 0; i < o.H * o.K; ++i) in.g.set(t * o.H * o.K + i, -1.0);
-    const int64_t c0 = 37, h0 = 1;
-    in.v.set(h0 * o.V + c0, std::nan(""));
-    DeviceProblem dev(in, skip);
-    dev.poison();
-    dev.run();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    dev.download();
-    int64_t missing = 0, spurious = 0;
-    for (int64_t t = 0; t < o.T; ++t)
-      for (int64_t h = 0; h < o.H; ++h)
-        for (int64_t c = 0; c < o.V; ++c) {
-          const bool nan = std::isnan(in.out.get((t * o.H + h) * o.V + c));
-          if (h == h0 && c == c0) missing += !nan;
-          else spurious += nan;
-        }
-    EXPECT_EQ(missing, 0) << "decay in one piece: outputs of the NaN's column that are not NaN";
-    EXPECT_EQ(spurious, 0) << "decay in one piece: NaN outputs in other columns";
+    const NanOutputs r = run_with_nan(in, skip, 0, 1, 37);
+    EXPECT_EQ(r.missing, 0) << "decay in one piece: outputs of the NaN's column that are not NaN";
+    EXPECT_EQ(r.spurious + r.other_columns, 0) << "decay in one piece: NaN outputs in other columns";
   }
 }
 
