@@ -195,6 +195,55 @@ def runs_sweep_rows(reps, cases=""):
     return rows
 
 
+def _up8(x):
+    return (x + 7) // 8 * 8
+
+
+def layouts(C, H, sms):
+    """Candidate segment / piece layouts for one sequence of C chunks at H heads on sms SMs, as
+    internal launch fields (docs/DESIGN.md "Segments"): P = sms // H pieces per head fill the 2 * sms
+    warpgroup slots once where every boundary skips (two warpgroups per piece)."""
+    P = max(1, sms // H)
+    F1, F2 = _up8(-(-C // P)), _up8(-(-C // (2 * P)))
+    S_rule = max(1, (2 * sms // H + 2) // 4)  # the exact path's segment count (launch.cu)
+    seg_rule = max(16, -(-C // S_rule))
+    return [("one piece a segment", dict(segment_chunks=F1, skip_run_chunks=F1)),
+            ("two pieces a segment", dict(segment_chunks=2 * F1, skip_run_chunks=F1)),
+            ("one piece, two waves", dict(segment_chunks=F2, skip_run_chunks=F2)),
+            ("rule's segments halved", dict(segment_chunks=seg_rule, skip_run_chunks=_up8(-(-seg_rule // 2))))]
+
+
+def layouts_sweep_rows(reps, cases=""):
+    """Transition skipping's layouts: the default call against the same call without skipping and with
+    the candidate layouts of `layouts` (segments and pieces forced), one sequence at few heads, both
+    gate regimes."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = ((12, 2048), (12, 8192), (12, 32768), (12, 131072), (16, 65536), (32, 32768), (32, 131072))
+    labels = [lab for lab, _ in layouts(512, 12, sms)]
+    rows = ["", "Transition skipping: segment / piece layouts (CUDA-graph medians, ms; segments / pieces in chunks):",
+            "", "| case | gates | default | no skipping | " + " | ".join(labels) + " |", "|---" * (4 + len(labels)) + "|"]
+    print("\n".join(rows), flush=True)
+    wanted = [c for c in cases.split(",") if c]
+    for H, T in shapes:
+        name = f"T={T} H={H}"
+        if wanted and not any(w in name for w in wanted):
+            continue
+        cand = layouts(-(-T // 16), H, sms)
+        for regime in ("random", "long"):
+            x = make_inputs(H, [T], True, regime=regime)
+            times = []
+            for launch in [{}, dict(skip_transitions=-1)] + [l for _, l in cand]:
+                times.append(time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps))
+                flashkda._launch._workspaces.clear()
+                torch.cuda.empty_cache()
+            rows.append(f"| {name} | {regime} | {times[0]:.3f} | {times[1]:.3f} | " + " | ".join(
+                f"{t:.3f} ({l['segment_chunks']}/{l['skip_run_chunks']})" for t, (_, l) in zip(times[2:], cand)) + " |")
+            print(rows[-1], flush=True)
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
 def run_flash_kda(x, with_state):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
@@ -402,6 +451,8 @@ def main():
     ap.add_argument("--serving", action="store_true", help="also the serving prefill's cost (pool, checkpoints)")
     ap.add_argument("--runs-sweep", action="store_true",
                     help="also transition skipping's piece lengths and warm-ups (docs/DESIGN.md 'Segments')")
+    ap.add_argument("--layouts-sweep", action="store_true",
+                    help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
 
     impls, peers = implementations(args)
@@ -453,6 +504,8 @@ def main():
         lines += serving_rows(args.reps)
     if args.runs_sweep:
         lines += runs_sweep_rows(args.reps, args.cases)
+    if args.layouts_sweep:
+        lines += layouts_sweep_rows(args.reps, args.cases)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

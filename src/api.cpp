@@ -51,14 +51,17 @@ size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch) 
   return 0;
 }
 
-int64_t chosen_segment_chunks(const PrefillParams& params, const PrefillLaunch& launch) {
 #ifdef FLASHKDA_WITH_CUDA
+int64_t chosen_segment_chunks(const PrefillParams& params, const PrefillLaunch& launch) {
   return cuda::prefill_segment_chunks(params, launch);
-#else
-  (void)params, (void)launch;
-  return 0;
-#endif
 }
+int64_t chosen_run_chunks(const PrefillParams& params, const PrefillLaunch& launch) {
+  return cuda::prefill_run_chunks(params, launch);
+}
+#else
+int64_t chosen_segment_chunks(const PrefillParams&, const PrefillLaunch&) { return 0; }
+int64_t chosen_run_chunks(const PrefillParams&, const PrefillLaunch&) { return 0; }
+#endif
 
 void forward(const PrefillParams& params, const PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
              Stream stream) {

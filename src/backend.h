@@ -106,6 +106,7 @@ bool available();
 detail::PointerInfo pointer_info(const void* ptr);  // cudaPointerGetAttributes; kHost when it fails
 int current_device();
 int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch);
+int64_t prefill_run_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch);
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch);
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
              Stream stream);

@@ -26,7 +26,7 @@ struct PrefillLaunch {
   int skip_transitions = 0;  // GPU, with segments: 0 (rule) and 1 = segments cut into pieces, and a
                              // piece whose preceding chunks provably attenuate any incoming state below 2^-30
                              // starts from zero that many chunks early instead of continuing the exact run
-                             // (docs/DESIGN.md "Segments", runs; the rule only where a segment has two pieces);
+                             // (docs/DESIGN.md "Segments", runs);
                              // -1 = never
   int64_t skip_run_chunks = 0;     // with transition skipping: chunks per piece; 0 = rule
   int64_t skip_warmup_chunks = 0;  // with transition skipping: the longest warm-up, chunks; 0 = rule (a piece)
@@ -43,6 +43,8 @@ void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream strea
 
 // The segment length the launcher picks for this problem on the current device (0: no split).
 int64_t chosen_segment_chunks(const PrefillParams& params, const PrefillLaunch& launch = {});
+// The piece length of transition skipping the launcher picks (0: no skipping).
+int64_t chosen_run_chunks(const PrefillParams& params, const PrefillLaunch& launch = {});
 
 // The segment transition (docs/DESIGN.md "Segments"): over a sequence the state map is affine,
 // S_out = A S_in + B. For every sequence n and head h of params (taken as one segment each) this

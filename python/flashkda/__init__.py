@@ -104,17 +104,18 @@ def _not_supported(fn_name, **options):
             raise NotImplementedError(f"{fn_name}: {name}={value!r} is not supported by flashkda")
 
 
-_PARAMS: dict = {}
+_PARAMS = {fn: tuple(inspect.signature(fn).parameters)[1:] for fn in (_impl.chunk_kda, _impl.fwd,
+                                                                      _impl.fused_recurrent_kda)}
 
 
-def _args(fn, scope) -> dict:
-    """The arguments of _impl's fn (its parameters after ops) taken by name from the public function's
-    locals: each operation's argument list is written once, in _impl (_torch_ops takes its schema
-    from the same signature)."""
-    names = _PARAMS.get(fn)
-    if names is None:
-        names = _PARAMS[fn] = tuple(inspect.signature(fn).parameters)[1:]
-    return {n: scope[n] for n in names}
+def _args(fn, **values) -> dict:
+    """The arguments of _impl's fn (its parameters after ops) by name, checked against its signature,
+    which is where each operation's argument list is defined (_torch_ops takes the custom op's
+    schema from it): a name missing, extra or out of order raises TypeError at the first call. Passed
+    as keywords rather than taken from locals(), which torch.compile (2.11) cannot trace."""
+    if tuple(values) != _PARAMS[fn]:
+        raise TypeError(f"{fn.__name__}: arguments {tuple(values)} do not match _impl's {_PARAMS[fn]}")
+    return values
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -169,7 +170,14 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
     _not_supported("chunk_kda", allow_neg_eigval=allow_neg_eigval, cp_context=cp_context)
     return_intermediate_states = bool(return_intermediate_states)
-    args = _args(_impl.chunk_kda, locals())
+    args = _args(_impl.chunk_kda, q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                 use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                 safe_gate=safe_gate, lower_bound=lower_bound, A_log=A_log, dt_bias=dt_bias,
+                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, precision=precision, state_pool=state_pool,
+                 state_indices=state_indices, has_initial_state=has_initial_state,
+                 checkpoint_every=checkpoint_every, checkpoints=checkpoints, checkpoint_slots=checkpoint_slots,
+                 return_intermediate_states=return_intermediate_states)
     if not _use_op(q):
         return _impl.chunk_kda(ops_for(q), **args)
     if return_intermediate_states:
@@ -196,7 +204,11 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     [C, H, V, K], checkpoint_slots (flashkda's own): the serving prefill of chunk_kda, in place of
     initial_state / final_state; layouts V before K as everywhere in fwd.
     """
-    args = _args(_impl.fwd, locals())
+    args = _args(_impl.fwd, q=q, k=k, v=v, g=g, beta=beta, scale=scale, out=out, A_log=A_log, dt_bias=dt_bias,
+                 lower_bound=lower_bound, initial_state=initial_state, final_state=final_state,
+                 cu_seqlens=cu_seqlens, precision=precision, state_pool=state_pool, state_indices=state_indices,
+                 has_initial_state=has_initial_state, checkpoint_every=checkpoint_every, checkpoints=checkpoints,
+                 checkpoint_slots=checkpoint_slots)
     if _use_op(q):
         _torch_ops.fwd(args)
     else:
@@ -238,11 +250,18 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     _not_supported("fused_recurrent_kda", allow_neg_eigval=allow_neg_eigval)
     if inplace_final_state is None:
         inplace_final_state = ssm_state_indices is not None
-    if not _use_op(q):
-        return _impl.fused_recurrent_kda(ops_for(q), **_args(_impl.fused_recurrent_kda, locals()))
-    if out is None:  # the op writes the caller's buffer in place
+    use_op = _use_op(q)
+    if use_op and out is None:  # the op writes the caller's buffer in place
         out = v.new_empty(v.shape, dtype=q.dtype)
-    ht = _torch_ops.fused_recurrent_kda(_args(_impl.fused_recurrent_kda, locals()))
+    args = _args(_impl.fused_recurrent_kda, q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias, scale=scale,
+                 initial_state=initial_state, output_final_state=output_final_state,
+                 use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
+                 use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound,
+                 state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
+                 num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state, out=out)
+    if not use_op:
+        return _impl.fused_recurrent_kda(ops_for(q), **args)
+    ht = _torch_ops.fused_recurrent_kda(args)
     if inplace_final_state and initial_state is not None:
         return out, initial_state
     return out, (ht if output_final_state else None)

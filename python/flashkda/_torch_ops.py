@@ -4,7 +4,8 @@ Registered with torch.library.custom_op so torch.compile treats each call as one
 fake implementations give it output shapes) and records in-place writes (mutates_args). Imported by
 flashkda/__init__.py only when torch is importable. Each op's schema is the signature of the _impl
 function of the same name (its annotations name the types; "Array" is a tensor here), and the op
-runs that function on torch tensors.
+runs that function on torch tensors (the registered schema keeps defaults only after the last
+argument written in place: _op_schema).
 """
 
 from __future__ import annotations
@@ -26,6 +27,16 @@ def _schema(fn) -> inspect.Signature:
     """fn's signature without its first parameter (ops), with the annotations as types."""
     params = list(inspect.signature(fn).parameters.values())[1:]
     return inspect.Signature([p.replace(annotation=_TYPES[p.annotation]) for p in params])
+
+
+def _op_schema(sig: inspect.Signature, mutates: Tuple[str, ...]) -> inspect.Signature:
+    """The registered schema: sig with no defaults up to its last mutated argument. The dispatcher
+    drops trailing arguments equal to their defaults before it calls the op, and torch's in-place
+    bookkeeping (2.11) then looks a mutated argument up by a position that is no longer there."""
+    params = list(sig.parameters.values())
+    last = max(i for i, p in enumerate(params) if p.name in mutates)
+    return sig.replace(parameters=[p.replace(default=inspect.Parameter.empty) if i <= last else p
+                                   for i, p in enumerate(params)])
 
 
 def _normalised(sig: inspect.Signature, args: dict) -> dict:
@@ -89,7 +100,7 @@ class _Op:
             a = self._bound(args, kwargs)
             return result(impl(TorchOps, **a), a)
 
-        op.__signature__ = self.sig.replace(return_annotation=returns)
+        op.__signature__ = _op_schema(self.sig, mutates).replace(return_annotation=returns)
         op.__name__ = name
         self.op = torch.library.custom_op(f"flashkda::{name}", mutates_args=mutates)(op)
         self.op.register_fake(lambda *args, **kwargs: fake(self._bound(args, kwargs)))

@@ -644,6 +644,35 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
   EXPECT_LE(rel_rms(split.second, ref.final_state), 1.5 * rel_rms(serial.second, ref.final_state) + 1e-6);
 }
 
+// The transition-skipping rule on this GPU (launch.cu choose_run_chunks): where the exact path's
+// segments have room for two pieces each or more in one wave of the 2 * #SMs warpgroup slots
+// (#SMs / H pieces a head), equal pieces of 32 chunks or more; elsewhere pieces of chunks * H / #SMs
+// rounded up to 32 within [32, 128]. Pinned for the H200's 132 SMs at the few-head shapes.
+TEST_F(PrefillGpu, SkipRuleCutsSegmentsIntoEqualPieces) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  struct Shape {
+    int64_t T, H, seg, run;  // seg, run: the rule's on 132 SMs
+  };
+  for (const Shape s : {Shape{65536, 16, 1024, 512}, Shape{32768, 32, 1024, 512}, Shape{131072, 32, 4096, 2048},
+                        Shape{8192, 12, 86, 64}, Shape{32768, 12, 342, 128}}) {
+    PrefillParams p;  // the shape fields are all the rule reads
+    p.B = 1, p.T = s.T, p.H = s.H;
+    const int64_t seg = internal::chosen_segment_chunks(p), run = internal::chosen_run_chunks(p);
+    ASSERT_GT(seg, 0) << "T=" << s.T << " H=" << s.H;
+    const int64_t chunks = s.T / 16, per_segment = (sms / s.H) / ((chunks + seg - 1) / seg);
+    if (per_segment >= 2 && seg >= 32 * per_segment) {
+      EXPECT_EQ(run, ((seg + per_segment - 1) / per_segment + 7) / 8 * 8) << "T=" << s.T << " H=" << s.H;
+    } else {
+      EXPECT_TRUE(run == 0 || (run % 32 == 0 && run >= 32 && run <= 128)) << "T=" << s.T << " H=" << s.H;
+    }
+    if (sms == 132) {
+      EXPECT_EQ(seg, s.seg) << "T=" << s.T << " H=" << s.H;
+      EXPECT_EQ(run, s.run) << "T=" << s.T << " H=" << s.H;
+    }
+  }
+}
+
 // Transition skipping (internal::PrefillLaunch::skip_transitions, docs/DESIGN.md "Segments", runs):
 // segments cut into pieces, and a piece whose preceding chunks attenuate any incoming state to 2^-30
 // starts from zero that many chunks early. Random lower-bound gates (per head anything from strong
@@ -679,9 +708,13 @@ NanOutputs run_with_nan(KdaInputs& in, const internal::PrefillLaunch& launch, in
 }
 
 TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
-  // Segments of 32 chunks in pieces of 8, warm-ups of up to 8 chunks (the rule: a piece).
+  // Segments of 32 chunks in pieces of 8, warm-ups of up to 8 chunks (the rule: a piece); and
+  // segments of one piece (8 chunks), where a segment s > 0 whose start skips has no exact run and
+  // no transition at all.
   internal::PrefillLaunch skip{0, 32, 0, 0, 1}, exact{0, 32, 0, 0, -1};
   skip.skip_run_chunks = 8;
+  internal::PrefillLaunch skip1{0, 8, 0, 0, 1}, exact1{0, 8, 0, 0, -1};
+  skip1.skip_run_chunks = 8;
   auto run = [&](KdaInputs& in, const internal::PrefillLaunch& launch) {
     const Errors e = check_against_reference(in, kTolOut, kTolState, launch);
     return std::make_pair(e, std::make_pair(in.out.bytes, in.final_state.bytes));
@@ -702,6 +735,13 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     EXPECT_LE(e_skip.out, 1.05 * e_exact.out + 1e-5);
     EXPECT_LE(e_skip.state, 1.05 * e_exact.state + 1e-5);
     EXPECT_FALSE(bits_skip == bits_exact) << "no piece took the skipped path";
+    const auto [e_exact1, bits_exact1] = run(in, exact1);
+    const auto [e_skip1, bits_skip1] = run(in, skip1);
+    report("skip transitions one-piece segments random varlen out", e_skip1.out);
+    report("skip transitions one-piece segments random varlen state", e_skip1.state);
+    EXPECT_LE(e_skip1.out, 1.05 * e_exact1.out + 1e-5);
+    EXPECT_LE(e_skip1.state, 1.05 * e_exact1.state + 1e-5);
+    EXPECT_FALSE(bits_skip1 == bits_exact1) << "no one-piece segment skipped its transition";
   }
   {
     KdaInputs in = long_memory_inputs();
@@ -709,23 +749,29 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     const auto [e_skip, bits_skip] = run(in, skip);
     report("skip transitions long memory out", e_skip.out);
     EXPECT_TRUE(bits_skip == bits_exact) << "a long-memory piece skipped its transition";
+    const auto [e_exact1, bits_exact1] = run(in, exact1);
+    const auto [e_skip1, bits_skip1] = run(in, skip1);
+    EXPECT_TRUE(bits_skip1 == bits_exact1) << "a long-memory one-piece segment skipped its transition";
   }
   // Strong decay everywhere: every piece but a sequence's first skips. T = 2000 is four segments, 500
   // one (the chain's one-segment path). The NaN at the first token of a chunk (the chunk's products
   // carry a NaN to its earlier tokens too), head 1, value column 37: chunk 6 ends the first segment's
   // exact run (the next piece's warm-up of one chunk does not see it), chunk 2 likewise in the
   // one-segment sequence, chunk 40 lies inside the second segment's second piece, a skipping run.
+  // Then the same with one-piece segments (every segment s > 0 one skipping run, no exact run).
   struct NanCase {
     int64_t T, t0;
+    const internal::PrefillLaunch& launch;
   };
-  for (const NanCase nc : {NanCase{2000, 96}, NanCase{2000, 640}, NanCase{500, 32}}) {
+  for (const NanCase nc : {NanCase{2000, 96, skip}, NanCase{2000, 640, skip}, NanCase{500, 32, skip},
+                           NanCase{2000, 96, skip1}, NanCase{2000, 640, skip1}}) {
     KdaOptions o;
     o.T = nc.T, o.H = 2;
     o.A_log_min = 0.5, o.A_log_max = 1, o.dt_bias_min = 4, o.dt_bias_max = 5;
     o.final_state = StateKind::kF32;
     KdaInputs in(o);
     const int64_t t0 = nc.t0, c0 = 37, h0 = 1;
-    const NanOutputs r = run_with_nan(in, skip, t0, h0, c0);
+    const NanOutputs r = run_with_nan(in, nc.launch, t0, h0, c0);
     EXPECT_EQ(r.missing, 0) << "T=" << nc.T << " NaN at " << t0 << ": outputs after the NaN that are not NaN";
     EXPECT_EQ(r.spurious, 0) << "T=" << nc.T << " NaN at " << t0 << ": NaN outputs before it or in the other head";
     int64_t state_missing = 0, state_spurious = 0;

@@ -33,8 +33,15 @@ class ServingPrefillGpu : public ::testing::TestWithParam<DType> {
 
 // A pool problem on the GPU: varlen inputs, P slots of random states (untouched slots keep their
 // bytes), sequence `padding` with slot -1 and sequence `past_pool` with slot P (padding too, as in
-// decode), has_initial_state alternating.
+// decode), has_initial_state alternating. `decaying`: head 0's gates near -1 per token on every
+// channel (A_log = -1), so that transition skipping has pieces to skip whatever the random draw.
 struct PoolCase {
+  static KdaInputs pool_inputs(const std::vector<int64_t>& seqlens, bool decaying) {
+    KdaInputs in(pool_options(seqlens));
+    if (decaying) in.A_log[0] = -1.0f;
+    return in;
+  }
+
   KdaInputs in;
   DeviceProblem dev;
   HostTensor pool, pool_before;
@@ -44,8 +51,8 @@ struct PoolCase {
   void *d_pool, *d_slots, *d_has;
 
   PoolCase(const std::vector<int64_t>& seqlens, DType pool_dtype, int64_t P_, int padding, int past_pool,
-           internal::PrefillLaunch launch = {})
-      : in(pool_options(seqlens)), dev(in, launch), P(P_) {
+           internal::PrefillLaunch launch = {}, bool decaying = false)
+      : in(pool_inputs(seqlens, decaying)), dev(in, launch), P(P_) {
     pool = random_pool(pool_dtype, P, in.seed + 1);
     pool_before = pool;
     std::vector<int32_t> perm(P);
@@ -166,7 +173,8 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
 // inside segments from their partial transitions) they match the fp64 reference.
 TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   const DType dtype = GetParam();
-  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/-1, kSerial);
+  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/-1, kSerial,
+             /*decaying=*/true);
   SCOPED_TRACE(c.in.describe());
   PrefillParams p = c.params();
   p.checkpoint_every = 64;
@@ -277,7 +285,7 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
     EXPECT_LT(rel_rms(states_in_slots(c.pool, c.slots, c.P), ref_state), tol);  // final states in their slots
     if (launch.skip_run_chunks > 0 && runs_out.empty()) runs_out = c.in.out.bytes;
   }
-  {  // some piece skipped: the same segments without skipping give other bits
+  {  // some piece skipped (head 0 decays fast): the same segments without skipping give other bits
     c.reset_pool();
     c.dev.poison();
     c.run(p, internal::PrefillLaunch{0, 16, 0, 0, -1});

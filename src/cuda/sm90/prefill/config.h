@@ -153,9 +153,9 @@ constexpr int kSegMinChunks = 16;                     // shortest segment the la
 // Transition skipping (docs/DESIGN.md "Segments", runs): each segment is cut again into pieces of
 // run_chunks chunks. A piece boundary is skippable when the bounds of the chunks before it fall to
 // 2^-30 within a warm-up of at most run_warmup chunks (the incoming state's share of the state there
-// below fp32 rounding by 2^6); the start of a segment s > 0 may skip only where the segment has two
-// pieces or more (with one, its exact run and transition run side by side, each as long as a
-// skipping run without its warm-up). A run walks from the segment start or a skippable boundary to
+// below fp32 rounding by 2^6); the start of a segment s > 0 may skip too, also where the segment
+// is one piece (then it has no exact run and no transition at all). A run walks from the segment
+// start or a skippable boundary to
 // the next of either: the segment's first run is exact (from the initial state in segment 0, from
 // zero with o_zero, w and the transition rows elsewhere), every other one starts from zero at its
 // warm-up and writes final outputs. So only the exact run needs X_s, and where it ends inside the

@@ -111,11 +111,15 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 
 // Transition skipping (config.h "Transition skipping"): pieces of run_chunks chunks, warm-ups of up
 // to a piece. Where every boundary skips, each piece is one run of two warpgroups (value rows), so
-// the rule fills the GPU's 2 * #SMs warpgroup slots with pieces of chunks * H / #SMs chunks,
-// rounded up to a multiple of 32 within [32, 128], and skips nothing where that piece would be the
-// whole segment. Measured (run 39, BENCHMARKS.md): the best or within 0.5% of the best piece length
-// of the sweep at four of its six few-head shapes, 2-3% behind pieces of 192 at T=131072; shorter
-// pieces pay their warm-up too often, longer ones leave a tail. Forced lengths
+// the GPU's 2 * #SMs warpgroup slots hold #SMs / H pieces per head at once. Where the segments
+// have room for two of those pieces each or more, the rule cuts every segment into that many equal
+// pieces of 32 chunks or more (one wave of equal runs: H = 16 and 32, where the exact path's
+// segments are a quarter and a half of the sequence). Elsewhere (H = 12: six segments, eleven pieces a head) equal pieces would
+// need more slots than there are, or segments longer than the exact path's (measured: 5-6% slower
+// with long memory at H = 12), and the rule takes pieces of chunks * H / #SMs chunks, rounded up to
+// a multiple of 32 within [32, 128], skipping nothing where that piece would be the whole segment.
+// Measured (BENCHMARKS.md, layouts sweep, run 43): equal pieces 4-7% faster than those at H = 16
+// and 32 on random gates, the same with long memory. Forced lengths
 // (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
 // segment at most and rounded up to a multiple of kCombineChunks; 0: no transition skipping.
 int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, bool skip,
@@ -124,9 +128,14 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   int64_t run = launch.skip_run_chunks;
   if (run <= 0) {
-    const int64_t fill = (chunks * H + sm_count() - 1) / sm_count();
-    run = std::clamp<int64_t>((fill + 31) / 32 * 32, 32, 128);
-    if (run >= seg_chunks) return 0;  // one piece per segment: nothing to skip
+    const int64_t per_segment = (sm_count() / H) / ((chunks + seg_chunks - 1) / seg_chunks);
+    if (per_segment >= 2 && seg_chunks >= 32 * per_segment) {
+      run = (seg_chunks + per_segment - 1) / per_segment;
+    } else {
+      const int64_t fill = (chunks * H + sm_count() - 1) / sm_count();
+      run = std::clamp<int64_t>((fill + 31) / 32 * 32, 32, 128);
+      if (run >= seg_chunks) return 0;  // one piece per segment: nothing to skip
+    }
   }
   run = std::max(run, (seg_chunks + kMaxPieces - 1) / kMaxPieces);
   return (run + kCombineChunks - 1) / kCombineChunks * kCombineChunks;  // the combine's tiles end with the exact run

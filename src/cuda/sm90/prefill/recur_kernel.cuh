@@ -336,7 +336,7 @@ __device__ inline int plan_runs(const Params& p, const SeqChunks& whole, const S
   const int pieces = int(pieces_of(len, p.run_chunks));
   for (int i = threadIdx.x; i < pieces; i += blockDim.x) {
     const int64_t b = sc.chunk_begin + i * p.run_chunks;  // the piece's first chunk
-    const bool may_skip = i > 0 || (!first_segment && pieces >= 2);
+    const bool may_skip = i > 0 || !first_segment;
     const int avail = may_skip ? int(min(p.run_warmup, b - whole.chunk_begin)) : 0;
     float cum = 0.f;
     int found = 0;
