@@ -671,6 +671,10 @@ TEST_F(PrefillGpu, SkipRuleCutsSegmentsIntoEqualPieces) {
       EXPECT_EQ(run, s.run) << "T=" << s.T << " H=" << s.H;
     }
   }
+  // No tokens with segments forced (an empty varlen call): no division by its segment count.
+  PrefillParams empty;
+  empty.B = 1, empty.T = 0, empty.H = 4;
+  EXPECT_GE(internal::chosen_run_chunks(empty, internal::PrefillLaunch{0, 8, 0, 0, 1}), 0);
 }
 
 // Transition skipping (internal::PrefillLaunch::skip_transitions, docs/DESIGN.md "Segments", runs):

@@ -128,7 +128,8 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   int64_t run = launch.skip_run_chunks;
   if (run <= 0) {
-    const int64_t per_segment = (sm_count() / H) / ((chunks + seg_chunks - 1) / seg_chunks);
+    const int64_t segments = std::max<int64_t>(1, (chunks + seg_chunks - 1) / seg_chunks);  // 0 tokens: 1
+    const int64_t per_segment = H > 0 ? (sm_count() / H) / segments : 0;
     if (per_segment >= 2 && seg_chunks >= 32 * per_segment) {
       run = (seg_chunks + per_segment - 1) / per_segment;
     } else {
