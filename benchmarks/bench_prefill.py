@@ -492,8 +492,9 @@ def main():
             best_name = next((n for n, _ in peers if times[n] == best), "-")
             floor = floor_bytes(H, sum(seqlens), len(seqlens), with_state) / bw * 1e3
             ours = times["flashkda"]
+            ratio = f"{best / ours:.2f}x" if peer_times else "-"
             row = (f"| {name} | {regime} | " + " | ".join(f"{times[n]:.3f}" for n in names)
-                   + f" | {best_name} | {best / ours:.2f}x | {floor:.3f} | {100 * floor / ours:.0f}% |")
+                   + f" | {best_name} | {ratio} | {floor:.3f} | {100 * floor / ours:.0f}% |")
             if args.eager:
                 row += f" {time_eager_ms(run_flashkda(x, with_state)[0], reps=args.reps):.3f} |"
             lines.append(row)
