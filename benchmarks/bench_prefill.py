@@ -210,7 +210,9 @@ def layouts(C, H, sms):
     return [("one piece a segment", dict(segment_chunks=F1, skip_run_chunks=F1)),
             ("two pieces a segment", dict(segment_chunks=2 * F1, skip_run_chunks=F1)),
             ("one piece, two waves", dict(segment_chunks=F2, skip_run_chunks=F2)),
-            ("rule's segments halved", dict(segment_chunks=seg_rule, skip_run_chunks=_up8(-(-seg_rule // 2))))]
+            ("rule's segments halved", dict(segment_chunks=seg_rule, skip_run_chunks=_up8(-(-seg_rule // 2)))),
+            ("K2 at 3 CTAs an SM, its rules", dict(seg_ctas_per_sm=3)),
+            ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
 def layouts_sweep_rows(reps, cases=""):
@@ -237,7 +239,8 @@ def layouts_sweep_rows(reps, cases=""):
                 flashkda._launch._workspaces.clear()
                 torch.cuda.empty_cache()
             rows.append(f"| {name} | {regime} | {times[0]:.3f} | {times[1]:.3f} | " + " | ".join(
-                f"{t:.3f} ({l['segment_chunks']}/{l['skip_run_chunks']})" for t, (_, l) in zip(times[2:], cand)) + " |")
+                f"{t:.3f}" + (f" ({l['segment_chunks']}/{l['skip_run_chunks']})" if "segment_chunks" in l else "")
+                for t, (_, l) in zip(times[2:], cand)) + " |")
             print(rows[-1], flush=True)
             del x
             torch.cuda.empty_cache()

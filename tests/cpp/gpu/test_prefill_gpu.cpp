@@ -807,6 +807,38 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
   }
 }
 
+// The segmented K2's candidate at three CTAs an SM (internal::PrefillLaunch::seg_ctas_per_sm = 3:
+// 168 registers, two stages) computes what the two-CTA kernel computes, bit for bit, on the same
+// segments and pieces (the same arithmetic in the same order); with its own rules (more segments
+// and pieces) it matches the reference.
+TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
+  KdaOptions o;
+  o.seqlens = {300, 17, 1024, 77, 2000};
+  o.H = 4;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  for (const Precision precision : kModes) {
+    o.precision = precision;
+    KdaInputs in(o);
+    in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
+    auto bits = [&](const internal::PrefillLaunch& launch) {
+      DeviceProblem dev(in, launch);
+      dev.poison();
+      dev.run();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      dev.download();
+      return std::make_pair(in.out.bytes, in.final_state.bytes);
+    };
+    for (const bool skip : {false, true}) {
+      internal::PrefillLaunch two{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, 2};
+      internal::PrefillLaunch three = two;
+      three.seg_ctas_per_sm = 3;
+      EXPECT_TRUE(bits(two) == bits(three)) << precision_name(precision) << (skip ? " skipping" : " exact");
+    }
+    const Errors e = check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, 0, 0, 0, 0, 0, 0, 3});
+    report(std::string("three CTAs an SM, the rule, ") + precision_name(precision) + " out", e.out);
+  }
+}
+
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;

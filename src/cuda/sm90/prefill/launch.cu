@@ -86,6 +86,10 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // one of at least kSegMinChunks chunks or no segments.
 bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.checkpoints_in_segments >= 0; }
 
+// CTAs of the segmented K2 an SM holds, which the segment and piece rules plan for: 2 (the rule),
+// or 3, the candidate of internal::PrefillLaunch::seg_ctas_per_sm (168 registers, two stages).
+int seg_ctas_per_sm(const internal::PrefillLaunch& launch) { return launch.seg_ctas_per_sm == 3 ? 3 : 2; }
+
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precision precision,
                               int64_t checkpoint_every, const internal::PrefillLaunch& launch) {
   const int64_t longest = std::max<int64_t>(1, max_chunk_slots(total_tokens, 1));  // chunks of any sequence
@@ -101,7 +105,7 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
   if (launch.segment_chunks > 0)  // forced; longer than any sequence is one segment each
     return fit_checkpoints(std::min(launch.segment_chunks, longest), 1);
   if (N <= 0 || H <= 0) return 0;
-  const int64_t slots = 2 * int64_t(sm_count());
+  const int64_t slots = seg_ctas_per_sm(launch) * int64_t(sm_count());
   const int64_t segments = (slots / H + 2 * N) / 4;  // total over all sequences
   if (segments < (precision == Precision::kFast ? 3 : 2) * N) return 0;
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
@@ -129,11 +133,12 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
   int64_t run = launch.skip_run_chunks;
   if (run <= 0) {
     const int64_t segments = std::max<int64_t>(1, (chunks + seg_chunks - 1) / seg_chunks);  // 0 tokens: 1
-    const int64_t per_segment = H > 0 ? (sm_count() / H) / segments : 0;
+    const int64_t slots = seg_ctas_per_sm(launch) * int64_t(sm_count());  // warpgroup slots of the GPU
+    const int64_t per_segment = H > 0 ? (slots / (2 * H)) / segments : 0;
     if (per_segment >= 2 && seg_chunks >= 32 * per_segment) {
       run = (seg_chunks + per_segment - 1) / per_segment;
     } else {
-      const int64_t fill = (chunks * H + sm_count() - 1) / sm_count();
+      const int64_t fill = (2 * chunks * H + slots - 1) / slots;
       run = std::clamp<int64_t>((fill + 31) / 32 * 32, 32, 128);
       if (run >= seg_chunks) return 0;  // one piece per segment: nothing to skip
     }
@@ -191,17 +196,18 @@ struct Carver {
 };
 
 template <class Split>
-void launch_segmented(const Params& kp, cudaStream_t stream) {
+void launch_segmented(const Params& kp, int ctas_per_sm, cudaStream_t stream) {
   launch_prepare<Split>(kp, stream);
-  launch_recur_segmented<Split>(kp, stream);
+  if (ctas_per_sm == 3) launch_recur_segmented<Split, 3>(kp, stream);
+  else launch_recur_segmented<Split, 2>(kp, stream);
   launch_segment_chain(kp, stream);
   launch_segment_combine(kp, stream);
 }
 
 // K1 writes the mode's record layout and K2 reads it (config.h RecordLayout).
 template <class Split>
-void launch_mode(int warps, const Params& kp, cudaStream_t stream) {
-  if (kp.seg_chunks > 0) return launch_segmented<Split>(kp, stream);
+void launch_mode(int warps, int seg_ctas, const Params& kp, cudaStream_t stream) {
+  if (kp.seg_chunks > 0) return launch_segmented<Split>(kp, seg_ctas, stream);
   launch_prepare<Split>(kp, stream);
   if (warps == 8) launch_recur<8, Split>(kp, stream);
   else launch_recur<4, Split>(kp, stream);
@@ -366,7 +372,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   }
 
   const int warps = choose_warps(N * p.H, launch);
-  with_split(kp, p.precision, launch.f16_operands, [&](auto split) { launch_mode<decltype(split)>(warps, kp, stream); });
+  const int seg_ctas = seg_ctas_per_sm(launch);
+  with_split(kp, p.precision, launch.f16_operands,
+             [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, kp, stream); });
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {
@@ -395,7 +403,7 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   kp.seg_a = transition, kp.seg_b = zero_start;
   with_split(kp, p.precision, 0, [&](auto split) {
     launch_prepare<decltype(split)>(kp, stream);
-    launch_recur_segmented<decltype(split)>(kp, stream);
+    launch_recur_segmented<decltype(split), 2>(kp, stream);
   });
 }
 

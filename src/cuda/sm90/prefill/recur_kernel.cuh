@@ -31,15 +31,17 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-constexpr int kStages = 3;
-
 // Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v. The
-// segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0.
-template <int kWarps, class Split, bool kSeg = false>
+// segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0. kCtasPerSm:
+// the CTAs an SM is to hold (__launch_bounds__'s minimum): 3, the segmented K2's candidate
+// (internal::PrefillLaunch::seg_ctas_per_sm), fits 168 registers and two stages (55 KB a CTA);
+// otherwise three stages (80 KB at the precise record).
+template <int kWarps, class Split, bool kSeg = false, int kCtasPerSm = 1>
 struct RecurSmem {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
   static_assert(!kSeg || kWarps == 4, "the segmented K2 runs one warpgroup per CTA");
   static constexpr int kVCols = kWarps * 16;
+  static constexpr int kStages = kCtasPerSm >= 3 ? 2 : 3;
   struct alignas(128) Stage {
     alignas(128) uint8_t record[RecordLayout<Split>::kBytes];
     alignas(16) __nv_bfloat16 v[kChunk][kVCols];
@@ -373,9 +375,11 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
 // combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
-template <int kWarps, class Split, bool kSeg>
-__global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  using Smem = RecurSmem<kWarps, Split, kSeg>;
+// The kernels below are this body under two register budgets.
+template <int kWarps, class Split, bool kSeg, int kCtasPerSm>
+__device__ __forceinline__ void recur_body(const Params& p) {
+  using Smem = RecurSmem<kWarps, Split, kSeg, kCtasPerSm>;
+  constexpr int kStages = Smem::kStages;
   using Rec = RecordLayout<Split>;
   constexpr bool kSplitS = Split::state, kSplitQd = Split::q_decayed, kSplitF = Split::factors;
   using WgmmaWO16 = std::conditional_t<Split::f16, WgmmaN16F16, WgmmaN16>;  // W, and O unless q_decayed is split
@@ -709,6 +713,18 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
     store_state_rows(r_S, p.seg_b, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
                      v_row, t4, rs.inv);
   }
+}
+
+template <int kWarps, class Split, bool kSeg>
+__global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
+  recur_body<kWarps, Split, kSeg, 1>(p);
+}
+
+// The segmented K2's candidate at three CTAs an SM (internal::PrefillLaunch::seg_ctas_per_sm = 3):
+// 168 registers a thread, two stages (RecurSmem).
+template <class Split>
+__global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
+  recur_body<4, Split, true, 3>(p);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill

@@ -20,12 +20,17 @@ void launch_recur(const Params& p, cudaStream_t stream) {
   FLASHKDA_CHECK_LAUNCH();
 }
 
-template <class Split>
+// kCtasPerSm: 2, the segmented K2 the launcher runs; 3, its candidate at three CTAs an SM
+// (internal::PrefillLaunch::seg_ctas_per_sm; RecurSmem).
+template <class Split, int kCtasPerSm>
 void launch_recur_segmented(const Params& p, cudaStream_t stream) {
   const int64_t ctas = p.max_segs * p.H;
   if (ctas == 0) return;
-  constexpr int smem = sizeof(RecurSmem<4, Split, true>);
-  auto kernel = recur_kernel<4, Split, true>;
+  constexpr int smem = sizeof(RecurSmem<4, Split, true, kCtasPerSm >= 3 ? 3 : 1>);
+  constexpr auto kernel = [] {  // only the one this instantiation launches is compiled in its unit
+    if constexpr (kCtasPerSm >= 3) return recur_seg3_kernel<Split>;
+    else return recur_kernel<4, Split, true>;
+  }();
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Value and transition rows of each segment; with transition skipping, the value rows of every
   // further piece (recur_kernel).

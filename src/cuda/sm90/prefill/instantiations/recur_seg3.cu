@@ -1,0 +1,9 @@
+// K2 over segments at three CTAs an SM (internal::PrefillLaunch::seg_ctas_per_sm = 3: a candidate,
+// recur_launch.cuh), every precision policy (config.h FLASHKDA_PREFILL_SPLITS).
+#include "cuda/sm90/prefill/recur_launch.cuh"
+
+namespace flashkda::cuda::sm90::prefill {
+#define FLASHKDA_INSTANTIATE(Split) template void launch_recur_segmented<Split, 3>(const Params&, cudaStream_t);
+FLASHKDA_PREFILL_SPLITS(FLASHKDA_INSTANTIATE)
+#undef FLASHKDA_INSTANTIATE
+}  // namespace flashkda::cuda::sm90::prefill
