@@ -202,15 +202,19 @@ def _up8(x):
 def layouts(C, H, sms):
     """Candidate segment / piece layouts for one sequence of C chunks at H heads on sms SMs, as
     internal launch fields (docs/DESIGN.md "Segments"): P = sms // H pieces per head fill the 2 * sms
-    warpgroup slots once where every boundary skips (two warpgroups per piece)."""
+    warpgroup slots of two CTAs an SM once where every boundary skips (two warpgroups per piece);
+    then the rules at two and at three CTAs an SM (the rule takes three from H = 16 up)."""
     P = max(1, sms // H)
     F1, F2 = _up8(-(-C // P)), _up8(-(-C // (2 * P)))
     S_rule = max(1, (2 * sms // H + 2) // 4)  # the exact path's segment count (launch.cu)
     seg_rule = max(16, -(-C // S_rule))
-    return [("one piece a segment", dict(segment_chunks=F1, skip_run_chunks=F1)),
-            ("two pieces a segment", dict(segment_chunks=2 * F1, skip_run_chunks=F1)),
-            ("one piece, two waves", dict(segment_chunks=F2, skip_run_chunks=F2)),
-            ("rule's segments halved", dict(segment_chunks=seg_rule, skip_run_chunks=_up8(-(-seg_rule // 2)))),
+    two = dict(seg_ctas_per_sm=2)  # the layouts above were planned for two CTAs an SM
+    return [("one piece a segment", dict(segment_chunks=F1, skip_run_chunks=F1, **two)),
+            ("two pieces a segment", dict(segment_chunks=2 * F1, skip_run_chunks=F1, **two)),
+            ("one piece, two waves", dict(segment_chunks=F2, skip_run_chunks=F2, **two)),
+            ("rule's segments halved", dict(segment_chunks=seg_rule, skip_run_chunks=_up8(-(-seg_rule // 2)), **two)),
+            ("K2 at 2 CTAs an SM, its rules", dict(two)),
+            ("K2 at 2 CTAs an SM, no skipping", dict(skip_transitions=-1, **two)),
             ("K2 at 3 CTAs an SM, its rules", dict(seg_ctas_per_sm=3)),
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 

@@ -30,9 +30,9 @@ struct PrefillLaunch {
                              // -1 = never
   int64_t skip_run_chunks = 0;     // with transition skipping: chunks per piece; 0 = rule
   int64_t skip_warmup_chunks = 0;  // with transition skipping: the longest warm-up, chunks; 0 = rule (a piece)
-  int seg_ctas_per_sm = 0;  // GPU, with segments: 0 (rule) and 2 = the segmented K2 at two CTAs an SM (up to
-                            // 242 registers, three stages), the segment and piece rules planning for 2 * #SMs
-                            // warpgroups; 3 = a candidate at three (168 registers, two stages, 3 * #SMs)
+  int seg_ctas_per_sm = 0;  // GPU, with segments: the segmented K2 at 2 CTAs an SM (up to 242 registers, three
+                            // stages) or 3 (168 registers, two stages), the segment and piece rules planning for
+                            // that many warpgroups an SM; 0 = rule (3 from H = 16 up, else 2)
 };
 
 struct DecodeLaunch {

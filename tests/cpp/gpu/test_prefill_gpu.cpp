@@ -645,22 +645,24 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
 }
 
 // The transition-skipping rule on this GPU (launch.cu choose_run_chunks): where the exact path's
-// segments have room for two pieces each or more in one wave of the 2 * #SMs warpgroup slots
-// (#SMs / H pieces a head), equal pieces of 32 chunks or more; elsewhere pieces of chunks * H / #SMs
-// rounded up to 32 within [32, 128]. Pinned for the H200's 132 SMs at the few-head shapes.
+// segments have room for two pieces each or more in one wave of the warpgroup slots (seg_ctas_per_sm
+// * #SMs: three CTAs an SM from H = 16 up, else two; slots / 2H pieces a head), equal pieces of 32
+// chunks or more; elsewhere pieces of chunks * 2H / slots rounded up to 32 within [32, 128]. Pinned
+// for the H200's 132 SMs at the few-head shapes.
 TEST_F(PrefillGpu, SkipRuleCutsSegmentsIntoEqualPieces) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   struct Shape {
     int64_t T, H, seg, run;  // seg, run: the rule's on 132 SMs
   };
-  for (const Shape s : {Shape{65536, 16, 1024, 512}, Shape{32768, 32, 1024, 512}, Shape{131072, 32, 4096, 2048},
+  for (const Shape s : {Shape{65536, 16, 683, 344}, Shape{32768, 32, 683, 344}, Shape{131072, 32, 2731, 1368},
                         Shape{8192, 12, 86, 64}, Shape{32768, 12, 342, 128}}) {
     PrefillParams p;  // the shape fields are all the rule reads
     p.B = 1, p.T = s.T, p.H = s.H;
     const int64_t seg = internal::chosen_segment_chunks(p), run = internal::chosen_run_chunks(p);
     ASSERT_GT(seg, 0) << "T=" << s.T << " H=" << s.H;
-    const int64_t chunks = s.T / 16, per_segment = (sms / s.H) / ((chunks + seg - 1) / seg);
+    const int64_t slots = (s.H >= 16 ? 3 : 2) * int64_t(sms);
+    const int64_t chunks = s.T / 16, per_segment = (slots / (2 * s.H)) / ((chunks + seg - 1) / seg);
     if (per_segment >= 2 && seg >= 32 * per_segment) {
       EXPECT_EQ(run, ((seg + per_segment - 1) / per_segment + 7) / 8 * 8) << "T=" << s.T << " H=" << s.H;
     } else {

@@ -67,10 +67,10 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 }
 
 // Segments (config.h): cut sequences so that the segmented K2 fills the GPU's warpgroup slots
-// (two one-warpgroup CTAs per SM) when one CTA pair per (sequence, head) would leave them idle.
-// A sequence of C chunks in S segments costs H * (2 + 4 * (S - 1)) warpgroups (value rows of every
-// segment, transition rows of all but the first); the rule picks the total segment count that
-// fills 2 * #SMs, from the token count (the per-sequence lengths of cu_seqlens live on the GPU),
+// (two or three one-warpgroup CTAs per SM, seg_ctas_per_sm) when one CTA pair per (sequence, head)
+// would leave them idle. A sequence of C chunks in S segments costs H * (2 + 4 * (S - 1)) warpgroups
+// (value rows of every segment, transition rows of all but the first); whether to cut is decided for
+// two CTAs an SM, and the rule picks the total segment count that fills the slots, from the token count (the per-sequence lengths of cu_seqlens live on the GPU),
 // and segments of at least kSegMinChunks chunks (each segment boundary costs a chain step).
 // Measured on the H200 (docs/BENCHMARKS.md): a segmented chunk takes ~2.0 us against the serial
 // kernel's ~1.2 us (two warpgroups per SM), and the combine adds ~1.25 KB of traffic per token
@@ -86,9 +86,16 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // one of at least kSegMinChunks chunks or no segments.
 bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.checkpoints_in_segments >= 0; }
 
-// CTAs of the segmented K2 an SM holds, which the segment and piece rules plan for: 2 (the rule),
-// or 3, the candidate of internal::PrefillLaunch::seg_ctas_per_sm (168 registers, two stages).
-int seg_ctas_per_sm(const internal::PrefillLaunch& launch) { return launch.seg_ctas_per_sm == 3 ? 3 : 2; }
+// CTAs of the segmented K2 an SM holds, which the segment and piece rules plan for
+// (internal::PrefillLaunch::seg_ctas_per_sm): 2 (up to 242 registers, three stages) or 3 (168
+// registers, two stages). The rule takes 3 from H = 16 up: measured (run 46, BENCHMARKS.md) 3.6-4.3%
+// faster with long memory and 4-5% on random gates at H = 16 and 32, but 2.6-6% slower with long
+// memory at H = 12, where its eight segments (against six) add more transition work than they
+// shorten the walk.
+int seg_ctas_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
+  if (launch.seg_ctas_per_sm == 2 || launch.seg_ctas_per_sm == 3) return launch.seg_ctas_per_sm;
+  return H >= 16 ? 3 : 2;
+}
 
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precision precision,
                               int64_t checkpoint_every, const internal::PrefillLaunch& launch) {
@@ -105,9 +112,11 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
   if (launch.segment_chunks > 0)  // forced; longer than any sequence is one segment each
     return fit_checkpoints(std::min(launch.segment_chunks, longest), 1);
   if (N <= 0 || H <= 0) return 0;
-  const int64_t slots = seg_ctas_per_sm(launch) * int64_t(sm_count());
-  const int64_t segments = (slots / H + 2 * N) / 4;  // total over all sequences
-  if (segments < (precision == Precision::kFast ? 3 : 2) * N) return 0;
+  // Whether to cut at all is decided for two CTAs an SM (as before the three-CTA kernel); how
+  // many segments, for the CTAs an SM the call runs.
+  const int64_t sms = sm_count();
+  if ((2 * sms / H + 2 * N) / 4 < (precision == Precision::kFast ? 3 : 2) * N) return 0;
+  const int64_t segments = (seg_ctas_per_sm(launch, H) * sms / H + 2 * N) / 4;  // total over all sequences
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
@@ -115,13 +124,14 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 
 // Transition skipping (config.h "Transition skipping"): pieces of run_chunks chunks, warm-ups of up
 // to a piece. Where every boundary skips, each piece is one run of two warpgroups (value rows), so
-// the GPU's 2 * #SMs warpgroup slots hold #SMs / H pieces per head at once. Where the segments
+// the GPU's warpgroup slots (seg_ctas_per_sm * #SMs) hold slots / 2H pieces per head at once (#SMs / H
+// at two CTAs an SM). Where the segments
 // have room for two of those pieces each or more, the rule cuts every segment into that many equal
 // pieces of 32 chunks or more (one wave of equal runs: H = 16 and 32, where the exact path's
 // segments are a quarter and a half of the sequence). Elsewhere (H = 12: six segments, eleven pieces a head) equal pieces would
 // need more slots than there are, or segments longer than the exact path's (measured: 5-6% slower
-// with long memory at H = 12), and the rule takes pieces of chunks * H / #SMs chunks, rounded up to
-// a multiple of 32 within [32, 128], skipping nothing where that piece would be the whole segment.
+// with long memory at H = 12), and the rule takes pieces of chunks * 2H / slots chunks, rounded up
+// to a multiple of 32 within [32, 128], skipping nothing where that piece would be the whole segment.
 // Measured (BENCHMARKS.md, layouts sweep, run 43): equal pieces 4-7% faster than those at H = 16
 // and 32 on random gates, the same with long memory. Forced lengths
 // (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
@@ -133,7 +143,7 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
   int64_t run = launch.skip_run_chunks;
   if (run <= 0) {
     const int64_t segments = std::max<int64_t>(1, (chunks + seg_chunks - 1) / seg_chunks);  // 0 tokens: 1
-    const int64_t slots = seg_ctas_per_sm(launch) * int64_t(sm_count());  // warpgroup slots of the GPU
+    const int64_t slots = seg_ctas_per_sm(launch, H) * int64_t(sm_count());  // warpgroup slots of the GPU
     const int64_t per_segment = H > 0 ? (slots / (2 * H)) / segments : 0;
     if (per_segment >= 2 && seg_chunks >= 32 * per_segment) {
       run = (seg_chunks + per_segment - 1) / per_segment;
@@ -372,7 +382,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   }
 
   const int warps = choose_warps(N * p.H, launch);
-  const int seg_ctas = seg_ctas_per_sm(launch);
+  const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,
              [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, kp, stream); });
 }

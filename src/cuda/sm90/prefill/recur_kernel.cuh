@@ -33,7 +33,7 @@ namespace flashkda::cuda::sm90::prefill {
 
 // Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v. The
 // segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0. kCtasPerSm:
-// the CTAs an SM is to hold (__launch_bounds__'s minimum): 3, the segmented K2's candidate
+// the CTAs an SM is to hold (__launch_bounds__'s minimum): 3, the segmented K2 from H = 16 up
 // (internal::PrefillLaunch::seg_ctas_per_sm), fits 168 registers and two stages (55 KB a CTA);
 // otherwise three stages (80 KB at the precise record).
 template <int kWarps, class Split, bool kSeg = false, int kCtasPerSm = 1>
@@ -720,8 +720,8 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   recur_body<kWarps, Split, kSeg, 1>(p);
 }
 
-// The segmented K2's candidate at three CTAs an SM (internal::PrefillLaunch::seg_ctas_per_sm = 3):
-// 168 registers a thread, two stages (RecurSmem).
+// The segmented K2 at three CTAs an SM (launch.cu seg_ctas_per_sm: the rule from H = 16 up): 168
+// registers a thread, two stages (RecurSmem).
 template <class Split>
 __global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
   recur_body<4, Split, true, 3>(p);

@@ -20,8 +20,7 @@ void launch_recur(const Params& p, cudaStream_t stream) {
   FLASHKDA_CHECK_LAUNCH();
 }
 
-// kCtasPerSm: 2, the segmented K2 the launcher runs; 3, its candidate at three CTAs an SM
-// (internal::PrefillLaunch::seg_ctas_per_sm; RecurSmem).
+// kCtasPerSm: the segmented K2 at 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm; RecurSmem).
 template <class Split, int kCtasPerSm>
 void launch_recur_segmented(const Params& p, cudaStream_t stream) {
   const int64_t ctas = p.max_segs * p.H;

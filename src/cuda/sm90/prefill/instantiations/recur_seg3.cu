@@ -1,5 +1,5 @@
-// K2 over segments at three CTAs an SM (internal::PrefillLaunch::seg_ctas_per_sm = 3: a candidate,
-// recur_launch.cuh), every precision policy (config.h FLASHKDA_PREFILL_SPLITS).
+// K2 over segments at three CTAs an SM (launch.cu seg_ctas_per_sm: from H = 16 up), every precision
+// policy (config.h FLASHKDA_PREFILL_SPLITS).
 #include "cuda/sm90/prefill/recur_launch.cuh"
 
 namespace flashkda::cuda::sm90::prefill {
