@@ -70,8 +70,9 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // (two or three one-warpgroup CTAs per SM, seg_ctas_per_sm) when one CTA pair per (sequence, head)
 // would leave them idle. A sequence of C chunks in S segments costs H * (2 + 4 * (S - 1)) warpgroups
 // (value rows of every segment, transition rows of all but the first); whether to cut is decided for
-// two CTAs an SM, and the rule picks the total segment count that fills the slots, from the token count (the per-sequence lengths of cu_seqlens live on the GPU),
-// and segments of at least kSegMinChunks chunks (each segment boundary costs a chain step).
+// two CTAs an SM, and the rule picks the total segment count that fills the slots, from the token
+// count (the per-sequence lengths of cu_seqlens live on the GPU), and segments of at least
+// kSegMinChunks chunks (each segment boundary costs a chain step).
 // Measured on the H200 (docs/BENCHMARKS.md): a segmented chunk takes ~2.0 us against the serial
 // kernel's ~1.2 us (two warpgroups per SM), and the combine adds ~1.25 KB of traffic per token
 // and head, so two segments per sequence gain only 6-7% in the precise mode (T=32768, H=32) and
@@ -124,16 +125,15 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 
 // Transition skipping (config.h "Transition skipping"): pieces of run_chunks chunks, warm-ups of up
 // to a piece. Where every boundary skips, each piece is one run of two warpgroups (value rows), so
-// the GPU's warpgroup slots (seg_ctas_per_sm * #SMs) hold slots / 2H pieces per head at once (#SMs / H
-// at two CTAs an SM). Where the segments
-// have room for two of those pieces each or more, the rule cuts every segment into that many equal
-// pieces of 32 chunks or more (one wave of equal runs: H = 16 and 32, where the exact path's
-// segments are a quarter and a half of the sequence). Elsewhere (H = 12: six segments, eleven pieces a head) equal pieces would
-// need more slots than there are, or segments longer than the exact path's (measured: 5-6% slower
-// with long memory at H = 12), and the rule takes pieces of chunks * 2H / slots chunks, rounded up
-// to a multiple of 32 within [32, 128], skipping nothing where that piece would be the whole segment.
-// Measured (BENCHMARKS.md, layouts sweep, run 43): equal pieces 4-7% faster than those at H = 16
-// and 32 on random gates, the same with long memory. Forced lengths
+// the GPU's warpgroup slots (seg_ctas_per_sm * #SMs) hold slots / 2H pieces per head at once. Where
+// the segments have room for two of those pieces each or more, the rule cuts every segment into
+// that many equal pieces of 32 chunks or more: one wave of equal runs (H = 16 and 32, two pieces a
+// segment at two or three CTAs an SM). Elsewhere (H = 12: six segments, eleven pieces a head) equal
+// pieces would need more slots than there are, or segments longer than the exact path's (measured:
+// 5-6% slower with long memory at H = 12), and the rule takes pieces of chunks * 2H / slots chunks,
+// rounded up to a multiple of 32 within [32, 128], skipping nothing where that piece would be the
+// whole segment. Measured (BENCHMARKS.md, layouts sweep, run 43, two CTAs an SM): equal pieces
+// 3-7% faster than those at H = 16 and 32 on random gates, within 2% with long memory. Forced lengths
 // (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
 // segment at most and rounded up to a multiple of kCombineChunks; 0: no transition skipping.
 int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, bool skip,
