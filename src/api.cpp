@@ -119,6 +119,8 @@ void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int3
   detail::check_pool_slots(state_indices, num_seqs, checkpoint_slots, num_checkpoints, pool_size);
 }
 
+void check_decode_slots(const DecodeParams& params) { detail::validate_decode_indices(params); }
+
 size_t segment_transition_workspace_size(const PrefillParams& params_in) {
   const PrefillParams params = without_out(params_in);
   const Backend backend = backend_of(params.q);

@@ -37,6 +37,8 @@ void load_initial_state(const PrefillParams& p, int64_t n, int64_t h, T* dst);
 // backend decides which checks can read memory (cu_seqlens on the host) and which dtypes apply.
 void validate_prefill(const PrefillParams& p, Backend backend);
 void validate_decode(const DecodeParams& p, Backend backend);
+// The host part of validate_decode: cu_seqlens, state_indices and num_accepted_tokens (host memory).
+void validate_decode_indices(const DecodeParams& p);
 void validate_preprocess(const Preprocess& pre);  // gate form, lower_bound, A_log, scale
 
 // One pool slot a call reads or writes, with the index array element that names it

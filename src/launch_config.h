@@ -68,4 +68,10 @@ void segment_transition(const PrefillParams& params, float* transition, float* z
 void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int32_t* checkpoint_slots,
                       int64_t num_checkpoints, int64_t pool_size);
 
+// The decode slot rule on host memory (what decode checks on the CPU backend): params' state_indices
+// [num_seqs, indices_stride], num_accepted_tokens, cu_seqlens with T, and pool_size are read (the
+// rest is not); every slot < pool_size, num_accepted_tokens in [1, indices_stride], no live slot used
+// by two sequences. Throws flashkda::Error naming the position(s). For the same callers as above.
+void check_decode_slots(const DecodeParams& params);
+
 }  // namespace flashkda::internal

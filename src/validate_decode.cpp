@@ -146,6 +146,10 @@ void validate_decode(const DecodeParams& p, Backend backend) {
                     "decode: ");
     return;
   }
+  validate_decode_indices(p);
+}
+
+void validate_decode_indices(const DecodeParams& p) {
   if (p.cu_seqlens != nullptr) {
     const int64_t t_max = check_cu_seqlens(p);
     if (p.num_accepted_tokens != nullptr) {

@@ -451,16 +451,18 @@ def _gather_slots(ops, q, pool, idx, state_v_first, keep_repeats=False):
     return sub, ops.astype(local, I32).reshape(tuple(idx.shape))
 
 
-def _scatter_slots(ops, pool, idx, sub, state_v_first):
+def _scatter_slots(ops, pool, idx, sub, state_v_first, local=None):
     """Writes the live rows of sub back to their slots of the user pool; padding entries write
     nothing. Each padding row is sent to the first live entry's slot with that entry's values, so
     every slot receives one value however the rows are ordered (with no live entry, slot 0 its own
-    unchanged copy)."""
+    unchanged copy). local: the gathered indices (_gather_slots with keep_repeats), whose row of
+    sub each entry takes, so that entries naming one slot all write the row the kernel wrote."""
     flat = idx.reshape(-1)
     live = flat >= 0
     first = ops.first_true(live)
     target = ops.where(live, flat, ops.where(flat[first] >= 0, flat[first], 0))
-    source = ops.where(live, ops.arange_i32(flat.shape[0], sub), first)
+    rows = ops.arange_i32(flat.shape[0], sub) if local is None else local.reshape(-1)
+    source = ops.where(live, rows, ops.where(flat[first] >= 0, rows[first], first))
     values = ops.take_rows(sub, source)
     ops.put_rows_(pool, target, values if state_v_first else ops.swap_last2(values))
 
@@ -556,7 +558,16 @@ def fused_recurrent_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array
             if state_v_first and ops.is_contiguous(user_pool):
                 pool = user_pool
             else:
-                pool, idx = _gather_slots(ops, q, user_pool, idx, state_v_first)
+                P = _shape(user_pool)[0]
+                if ops.is_cuda(q):  # the kernel's rule, without reading the slots: outside [0, P) is padding
+                    idx = ops.where(idx < P, idx, -1)
+                else:  # the C++ rule on the caller's slots: the gathered copy's indices no longer show it
+                    from . import _C
+
+                    _C._check_decode_slots(ops.to_ext(idx), None if acc is None else ops.to_ext(acc),
+                                           None if cu is None else ops.to_ext(cu), T, P)
+                user_idx = idx
+                pool, idx = _gather_slots(ops, q, user_pool, idx, state_v_first, keep_repeats=True)
                 gathered = True
     else:
         if idx is not None:
@@ -590,7 +601,7 @@ def fused_recurrent_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array
         ops.copy_(out, out_c)
     if user_pool is not None:
         if gathered:
-            _scatter_slots(ops, user_pool, user_idx, pool, state_v_first)
+            _scatter_slots(ops, user_pool, user_idx, pool, state_v_first, local=idx)
         return out, user_pool
     if output_final_state:
         return out, _state_out(ops, pool, state_v_first)

@@ -436,6 +436,36 @@ void check_pool_slots(const InArray& state_indices, OptIn checkpoint_slots, int6
                              ck ? static_cast<const int32_t*>(ck->data) : nullptr, ck ? ck->dim(0) : 0, pool_size);
 }
 
+// internal::check_decode_slots on host arrays: state_indices [N] or [N, S] int32, num_accepted_tokens
+// [N] int32, cu_seqlens [N + 1] int32/int64, T the tokens (per sequence, or in all with cu_seqlens).
+void check_decode_slots(const InArray& state_indices, OptIn num_accepted_tokens, OptIn cu_seqlens, int64_t T,
+                        int64_t pool_size) {
+  auto host = [](const char* name, const InArray& a) {
+    View v = view_in(name, a, false);
+    FLASHKDA_CHECK_ARG(!v.on_cuda(), name, ": must be host memory here");
+    return v;
+  };
+  const View idx = host("state_indices", state_indices);
+  expect_dtype(idx, DType::kI32);
+  FLASHKDA_CHECK_ARG(idx.shape.size() == 1 || idx.shape.size() == 2, "state_indices: expected [N] or [N, S]");
+  DecodeParams p;
+  p.state_indices = static_cast<const int32_t*>(idx.data);
+  p.num_seqs = idx.dim(0);
+  p.indices_stride = idx.shape.size() == 2 ? idx.dim(1) : 1;
+  p.T = T, p.pool_size = pool_size;
+  if (num_accepted_tokens) {
+    const View acc = host("num_accepted_tokens", *num_accepted_tokens);
+    expect_dtype(acc, DType::kI32);
+    p.num_accepted_tokens = static_cast<const int32_t*>(acc.data);
+  }
+  if (cu_seqlens) {
+    const View cu = host("cu_seqlens", *cu_seqlens);
+    FLASHKDA_CHECK_ARG(cu.dtype == DType::kI32 || cu.dtype == DType::kI64, "cu_seqlens: expected int32 or int64");
+    p.cu_seqlens = cu.data, p.cu_seqlens_dtype = cu.dtype;
+  }
+  internal::check_decode_slots(p);
+}
+
 size_t workspace_size(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
                       const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
                       bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
@@ -606,6 +636,9 @@ NB_MODULE(_C, m) {
         "configuration (tests, benchmarks; 0 = the "
         "launcher's rule).");
 
+  m.def("_check_decode_slots", &py::check_decode_slots, arg("state_indices"),
+        arg("num_accepted_tokens").none() = nb::none(), arg("cu_seqlens").none() = nb::none(), arg("T"),
+        arg("pool_size"), "internal: decode's slot rule on host int32 indices (docs/SPEC.md §5).");
   m.def("_check_pool_slots", &py::check_pool_slots, arg("state_indices"), arg("checkpoint_slots").none() = nb::none(),
         arg("pool_size"), "internal: the serving prefill's slot rule on host int32 indices (docs/SPEC.md §9).");
   m.def("workspace_size", &py::workspace_size, arg("q"), arg("k"), arg("v"), arg("g"), arg("beta"), arg("out"),

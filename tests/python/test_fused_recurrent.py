@@ -160,7 +160,28 @@ def test_argument_errors(rng):
         call(p, out=np.empty((2, 1, H, V + 1), np.float32))
 
 
-def test_slot_out_of_range_is_a_value_error(rng, decode_ready):
+@pytest.mark.parametrize("state_v_first", [True, False])
+def test_slot_out_of_range_is_a_value_error(rng, decode_ready, state_v_first):
     p = make_problem(rng, B=2, T=1, H=H, K=K, V=V)
-    with pytest.raises(ValueError, match="state_indices"):
-        call(p, initial_state=random_pool(rng, 3), state_v_first=True, ssm_state_indices=np.array([0, 3], np.int32))
+    pool = random_pool(rng, 3)
+    pool = pool if state_v_first else np.ascontiguousarray(np.swapaxes(pool, -1, -2))
+    with pytest.raises(ValueError, match=r"state_indices\[1, 0\]=3 must be < pool_size=3"):
+        call(p, initial_state=pool, state_v_first=state_v_first, ssm_state_indices=np.array([0, 3], np.int32))
+
+
+@pytest.mark.parametrize("state_v_first", [True, False])
+def test_speculative_slot_repeated_within_a_sequence(rng, decode_ready, state_v_first):
+    # one sequence stores the states after tokens 0 and 1 into one slot: the later one stays, in
+    # either pool layout (the [K, V] pool through its gathered named slots)
+    N, T, P = 2, 3, 8
+    p = make_problem(rng, B=N, T=T, H=H, K=K, V=V, gate="lower_bound")
+    pool_vk = random_pool(rng, P)
+    idx = np.array([[5, 5, 6], [1, 2, 3]], np.int32)
+    acc = np.array([1, 1], np.int32)
+    ref_o, ref_pool = decode_ref(p, pool_vk, idx, acc)
+    pool = pool_vk.copy() if state_v_first else np.ascontiguousarray(np.swapaxes(pool_vk, -1, -2))
+    o, _ = call(p, initial_state=pool, ssm_state_indices=idx, num_accepted_tokens=acc, state_v_first=state_v_first)
+    got = pool if state_v_first else np.swapaxes(pool, -1, -2)
+    assert rel_rms(o, ref_o) <= 1e-5
+    assert rel_rms(got[[1, 2, 3, 5, 6]], ref_pool[[1, 2, 3, 5, 6]]) <= 1e-5
+    np.testing.assert_array_equal(got[[0, 4, 7]], pool_vk[[0, 4, 7]])
