@@ -20,8 +20,10 @@
 # profile.log.
 #
 # Optional inputs, carried next to the repo and never committed: .deps/cutlass (CUTLASS headers
-# from the nvidia-cutlass wheel), .whl/*.whl (peer wheels, e.g. fla), .peers/setup.sh (a local
-# hook that builds other peers). Missing peers are reported and skipped.
+# from the nvidia-cutlass wheel), .deps/googletest (GoogleTest sources, built when the machine has
+# none), .whl/*.whl (peer wheels, e.g. fla), .peers/setup.sh (a local hook that builds other
+# peers). Missing peers are reported and skipped. scripts/gpu_detached.sh runs this script detached
+# from the device call and polls it, for pipelines longer than one call.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -46,6 +48,13 @@ fi
 
 if want build; then
   step build
+  # The GPU machines have no GoogleTest: build it from sources carried in .deps/googletest (a copy of
+  # Debian's /usr/src/googletest) when none is installed.
+  if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ] && [ -d .deps/googletest ]; then
+    { cmake -S .deps/googletest -B /tmp/gtest-build -G Ninja -DCMAKE_INSTALL_PREFIX=/usr/local -DBUILD_GMOCK=OFF &&
+      cmake --build /tmp/gtest-build -j "$JOBS" && cmake --install /tmp/gtest-build; } >> "$OUT/build.log" 2>&1 ||
+      echo "GoogleTest from .deps/googletest failed to build (build.log)"
+  fi
   cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
   grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20

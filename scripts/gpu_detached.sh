@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Runs scripts/gpu_check.sh detached from the device call (setsid: it survives the call while the
+# machine stays warm), waits up to WAIT seconds for it to finish, and copies its logs (at most 7
+# files: the device tool returns 8) to $OUT. Call it again with the same steps to keep waiting:
+# the pipeline is started once per machine. The machine is given back ~30 s after a call returns,
+# so issue the next poll at once.
+#
+#   scripts/gpu_detached.sh WAIT [gpu_check steps...]     e.g. scripts/gpu_detached.sh 560 build test sanitize python
+set -uo pipefail
+cd "$(dirname "$0")/.."
+wait_s=${1:-560}
+shift || true
+dir=/tmp/gpu-detached
+mkdir -p "$dir/out"
+if [ ! -f "$dir/started" ]; then
+  touch "$dir/started"
+  OUT="$dir/out" setsid nohup bash scripts/gpu_check.sh "$@" > "$dir/console.log" 2>&1 < /dev/null &
+  echo "started: scripts/gpu_check.sh $*"
+fi
+end=$((SECONDS + wait_s))
+while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$dir/console.log" 2>/dev/null; do sleep 5; done
+mkdir -p "${OUT:-gpu-out}"
+cp "$dir/console.log" "${OUT:-gpu-out}/"
+ls -t "$dir/out" | head -7 | while read -r f; do cp "$dir/out/$f" "${OUT:-gpu-out}/"; done
+tail -40 "$dir/console.log"
+grep -q "^=== done" "$dir/console.log" && echo "PIPELINE FINISHED" || echo "still running: call again"
