@@ -176,6 +176,31 @@ def test_fused_recurrent_speculative(rng, bf16):
     assert np.array_equal(to_numpy(pool)[[5, 9, 10, 11]], pool_vk[[5, 9, 10, 11]])
 
 
+def test_fused_recurrent_kv_pool_gathered_slots(rng, bf16):
+    # fla's [K, V] pool goes through a gathered copy of its named slots: a slot >= P is padding there
+    # as in the kernel (output zero, nothing written), and a speculative slot named twice by one
+    # sequence keeps the later state
+    N, T, P = 3, 3, 9
+    p, t, pool_vk = decode_problem(rng, bf16, N, T, P)
+    idx = np.array([[5, 5, 6], [P + 3, 1, 2], [7, 8, 0]], np.int32)
+    acc = np.array([1, 1, 2], np.int32)
+    ref_idx = idx.copy()
+    ref_idx[1, 0] = -1  # what the kernel makes of a start slot >= P
+    ref_o, ref_pool = kda_decode(p["q"], p["k"], p["v"], p["g"], p["beta"], pool_vk, ref_idx, acc, l2norm=True,
+                                 beta_logit=True, **p.ref_kwargs())
+    pool = to_torch(np.ascontiguousarray(np.swapaxes(pool_vk, -1, -2)), "cuda")
+    o, _ = flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=pool,
+                                        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                        ssm_state_indices=to_torch(idx, "cuda"),
+                                        num_accepted_tokens=to_torch(acc, "cuda"), **gate_kwargs(p, t))
+    got = np.swapaxes(to_numpy(pool), -1, -2)
+    assert rel_rms(to_numpy(o), ref_o) <= TOL_O
+    assert np.all(to_numpy(o)[1] == 0), "the padding entry's outputs"
+    written = [0, 5, 6, 7, 8]
+    assert rel_rms(got[written], ref_pool[written]) <= TOL_H
+    assert np.array_equal(got[[1, 2, 3, 4]], pool_vk[[1, 2, 3, 4]])
+
+
 # ---- CUDA graphs --------------------------------------------------------------------------------
 
 
