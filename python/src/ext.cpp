@@ -419,14 +419,20 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
   internal::forward(r.p, launch, ws, ws_bytes, reinterpret_cast<Stream>(stream));
 }
 
+// An index array the slot checks below read on the host.
+View host_view(const char* name, const InArray& a) {
+  View v = view_in(name, a, false);
+  FLASHKDA_CHECK_ARG(!v.on_cuda(), name, ": must be host memory here");
+  return v;
+}
+
 // internal::check_pool_slots on host int32 index arrays (the Python path that hands forward a
 // gathered copy of the named slots).
 void check_pool_slots(const InArray& state_indices, OptIn checkpoint_slots, int64_t pool_size) {
   auto host_indices = [](const char* name, const InArray& a) {
-    View v = view_in(name, a, false);
+    View v = host_view(name, a);
     expect_dtype(v, DType::kI32);
     expect_rank(v, 1, "[n]");
-    FLASHKDA_CHECK_ARG(!v.on_cuda(), name, ": must be host memory here");
     return v;
   };
   const View idx = host_indices("state_indices", state_indices);
@@ -440,12 +446,7 @@ void check_pool_slots(const InArray& state_indices, OptIn checkpoint_slots, int6
 // [N] int32, cu_seqlens [N + 1] int32/int64, T the tokens (per sequence, or in all with cu_seqlens).
 void check_decode_slots(const InArray& state_indices, OptIn num_accepted_tokens, OptIn cu_seqlens, int64_t T,
                         int64_t pool_size) {
-  auto host = [](const char* name, const InArray& a) {
-    View v = view_in(name, a, false);
-    FLASHKDA_CHECK_ARG(!v.on_cuda(), name, ": must be host memory here");
-    return v;
-  };
-  const View idx = host("state_indices", state_indices);
+  const View idx = host_view("state_indices", state_indices);
   expect_dtype(idx, DType::kI32);
   FLASHKDA_CHECK_ARG(idx.shape.size() == 1 || idx.shape.size() == 2, "state_indices: expected [N] or [N, S]");
   DecodeParams p;
@@ -454,12 +455,12 @@ void check_decode_slots(const InArray& state_indices, OptIn num_accepted_tokens,
   p.indices_stride = idx.shape.size() == 2 ? idx.dim(1) : 1;
   p.T = T, p.pool_size = pool_size;
   if (num_accepted_tokens) {
-    const View acc = host("num_accepted_tokens", *num_accepted_tokens);
+    const View acc = host_view("num_accepted_tokens", *num_accepted_tokens);
     expect_dtype(acc, DType::kI32);
     p.num_accepted_tokens = static_cast<const int32_t*>(acc.data);
   }
   if (cu_seqlens) {
-    const View cu = host("cu_seqlens", *cu_seqlens);
+    const View cu = host_view("cu_seqlens", *cu_seqlens);
     FLASHKDA_CHECK_ARG(cu.dtype == DType::kI32 || cu.dtype == DType::kI64, "cu_seqlens: expected int32 or int64");
     p.cu_seqlens = cu.data, p.cu_seqlens_dtype = cu.dtype;
   }

@@ -155,10 +155,9 @@ constexpr int kSegMinChunks = 16;                     // shortest segment the la
 // 2^-30 within a warm-up of at most run_warmup chunks (the incoming state's share of the state there
 // below fp32 rounding by 2^6); the start of a segment s > 0 may skip too, also where the segment
 // is one piece (then it has no exact run and no transition at all). A run walks from the segment
-// start or a skippable boundary to
-// the next of either: the segment's first run is exact (from the initial state in segment 0, from
-// zero with o_zero, w and the transition rows elsewhere), every other one starts from zero at its
-// warm-up and writes final outputs. So only the exact run needs X_s, and where it ends inside the
+// start or a skippable boundary to the next of either: the segment's first run is exact (from the
+// initial state in segment 0, from zero with o_zero, w and the transition rows elsewhere), every
+// other one starts from zero at its warm-up and writes final outputs. So only the exact run needs X_s, and where it ends inside the
 // segment nothing after it does: the chain takes X_{s+1} = the last run's end state.
 constexpr float kSkipLogBound = -20.79441541679836f;  // ln(2^-30)
 constexpr int kWarmupBlock = 16;       // bounds one thread loads at once while it scans a warm-up

@@ -116,8 +116,9 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
   // Whether to cut at all is decided for two CTAs an SM (as before the three-CTA kernel); how
   // many segments, for the CTAs an SM the call runs.
   const int64_t sms = sm_count();
-  if ((2 * sms / H + 2 * N) / 4 < (precision == Precision::kFast ? 3 : 2) * N) return 0;
-  const int64_t segments = (seg_ctas_per_sm(launch, H) * sms / H + 2 * N) / 4;  // total over all sequences
+  auto filling = [&](int64_t ctas_per_sm) { return (ctas_per_sm * sms / H + 2 * N) / 4; };  // over all sequences
+  if (filling(2) < (precision == Precision::kFast ? 3 : 2) * N) return 0;
+  const int64_t segments = filling(seg_ctas_per_sm(launch, H));
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;

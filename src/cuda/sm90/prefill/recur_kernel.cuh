@@ -32,16 +32,15 @@
 namespace flashkda::cuda::sm90::prefill {
 
 // Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v. The
-// segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0. kCtasPerSm:
-// the CTAs an SM is to hold (__launch_bounds__'s minimum): 3, the segmented K2 from H = 16 up
-// (internal::PrefillLaunch::seg_ctas_per_sm), fits 168 registers and two stages (55 KB a CTA);
-// otherwise three stages (80 KB at the precise record).
-template <int kWarps, class Split, bool kSeg = false, int kCtasPerSm = 1>
+// segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0. kStagesT stages:
+// three (80 KB at the precise record), or two (55 KB a CTA) for the segmented K2 at three CTAs an
+// SM (recur_seg3_kernel).
+template <int kWarps, class Split, bool kSeg = false, int kStagesT = 3>
 struct RecurSmem {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
   static_assert(!kSeg || kWarps == 4, "the segmented K2 runs one warpgroup per CTA");
   static constexpr int kVCols = kWarps * 16;
-  static constexpr int kStages = kCtasPerSm >= 3 ? 2 : 3;
+  static constexpr int kStages = kStagesT;
   struct alignas(128) Stage {
     alignas(128) uint8_t record[RecordLayout<Split>::kBytes];
     alignas(16) __nv_bfloat16 v[kChunk][kVCols];
@@ -376,9 +375,9 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
 // The kernels below are this body under two register budgets.
-template <int kWarps, class Split, bool kSeg, int kCtasPerSm>
+template <int kWarps, class Split, bool kSeg, int kStagesT>
 __device__ __forceinline__ void recur_body(const Params& p) {
-  using Smem = RecurSmem<kWarps, Split, kSeg, kCtasPerSm>;
+  using Smem = RecurSmem<kWarps, Split, kSeg, kStagesT>;
   constexpr int kStages = Smem::kStages;
   using Rec = RecordLayout<Split>;
   constexpr bool kSplitS = Split::state, kSplitQd = Split::q_decayed, kSplitF = Split::factors;
@@ -717,14 +716,15 @@ __device__ __forceinline__ void recur_body(const Params& p) {
 
 template <int kWarps, class Split, bool kSeg>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  recur_body<kWarps, Split, kSeg, 1>(p);
+  recur_body<kWarps, Split, kSeg, 3>(p);
 }
 
 // The segmented K2 at three CTAs an SM (launch.cu seg_ctas_per_sm: the rule from H = 16 up): 168
-// registers a thread, two stages (RecurSmem).
+// registers a thread, two stages.
+constexpr int kSeg3Stages = 2;
 template <class Split>
 __global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
-  recur_body<4, Split, true, 3>(p);
+  recur_body<4, Split, true, kSeg3Stages>(p);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill

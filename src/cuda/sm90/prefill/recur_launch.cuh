@@ -25,7 +25,7 @@ template <class Split, int kCtasPerSm>
 void launch_recur_segmented(const Params& p, cudaStream_t stream) {
   const int64_t ctas = p.max_segs * p.H;
   if (ctas == 0) return;
-  constexpr int smem = sizeof(RecurSmem<4, Split, true, kCtasPerSm >= 3 ? 3 : 1>);
+  constexpr int smem = sizeof(RecurSmem<4, Split, true, kCtasPerSm >= 3 ? kSeg3Stages : 3>);
   constexpr auto kernel = [] {  // only the one this instantiation launches is compiled in its unit
     if constexpr (kCtasPerSm >= 3) return recur_seg3_kernel<Split>;
     else return recur_kernel<4, Split, true>;
