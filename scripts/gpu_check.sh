@@ -150,13 +150,15 @@ if want profile; then
   step profile
   python3 benchmarks/profile_prefill.py 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
   if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
-    for c in 1; do  # T=8192 H=96, fp32 state, first call of K1 and K2
-      ncu --clock-control none -k regex:"prepare_kernel|recur_kernel" -c 2 --section SpeedOfLight \
+    # PROFILE_NCU_CASES: bench_prefill cases as TABLE:INDEX (default MANY:1, T=8192 H=96), fp32
+    # state, the first call's K1 and K2 kernels (the segmented and three-CTA ones included).
+    for c in ${PROFILE_NCU_CASES:-MANY:1}; do
+      ncu --clock-control none -k regex:"prepare_kernel|recur_kernel|recur_seg3_kernel" -c 3 --section SpeedOfLight \
         --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
         --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
         python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
-from bench_prefill import MANY, make_inputs, run_flashkda
-_, H, lens, st = MANY[$c]; fn = run_flashkda(make_inputs(H, lens, st), st)[0]; fn(); torch.cuda.synchronize()" \
+import bench_prefill as b
+_, H, lens, st = getattr(b, '${c%%:*}')[${c##*:}]; fn = b.run_flashkda(b.make_inputs(H, lens, st), st)[0]; fn(); torch.cuda.synchronize()" \
         >> "$OUT/profile.log" 2>&1 || echo "ncu case $c failed (see profile.log)"
     done
   fi
