@@ -7,6 +7,7 @@ Same inputs as bench_prefill.py.
 --quick: the per-kernel table only. --host-only: the host-time table only.
 """
 import os
+import re
 import statistics
 import sys
 import time
@@ -21,6 +22,13 @@ from bench_prefill import FEW, MANY, make_inputs, run_flashkda, time_eager_ms  #
 CASES = [MANY[1], MANY[3], FEW[1], FEW[3], FEW[7]]  # H=96 one seq, H=96 8x1024, H=12 T=8192 / 131072, H=32 T=32768
 
 
+def kernel_name(name):
+    """A kernel's name without namespaces and argument list, its template arguments kept (K1 and K2
+    of one policy end alike)."""
+    base = name.split("(")[0].replace("void ", "")
+    return re.sub(r"[A-Za-z_]\w*::", "", base).replace("SplitPolicy", "P")
+
+
 def kernel_times(fn, reps=10):
     fn()
     torch.cuda.synchronize()
@@ -31,7 +39,7 @@ def kernel_times(fn, reps=10):
     acc = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            acc[e.name.split("(")[0][-40:]] += e.device_time / reps / 1e3  # ms
+            acc[kernel_name(e.name)] += e.device_time / reps / 1e3  # ms
     return acc
 
 
@@ -89,7 +97,10 @@ def main():
     for name, H, seqlens, state in CASES:
         x = make_inputs(H, seqlens, state)
         for precision in ("precise", "balanced", "fast"):
-            for label, launch in (("default", {}), ("serial", dict(segment_chunks=-1))):
+            launches = [("default", {}), ("serial", dict(segment_chunks=-1))]
+            if precision != "balanced":  # K1 inside the recurrence (not built for the bf16-split policies)
+                launches.append(("fused", dict(fused=1, v_splits=1, segment_chunks=-1)))
+            for label, launch in launches:
                 fn = run_flashkda(x, state, precision, launch)[0]
                 times = kernel_times(fn)
                 for kname, ms in sorted(times.items(), key=lambda kv: -kv[1]):

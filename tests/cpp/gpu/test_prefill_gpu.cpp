@@ -841,6 +841,77 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
   }
 }
 
+// The fused recurrence (internal::PrefillLaunch::fused: K1's work in a producer warpgroup of the
+// recurrence kernel, the records in shared memory) computes what K1 + K2 compute, bit for bit:
+// the same record arithmetic and the same recurrence, on odd and empty lengths, every state
+// combination, every gate form (log-decays of -1000: the pairwise path of a chunk's factors), the
+// fast mode and the precise mode's fp16 policy (the bf16-split policies are not fused and run the
+// two kernels); and it matches the fp64 reference.
+TEST_F(PrefillGpu, FusedRecurrenceMatchesTheTwoKernels) {
+  const internal::PrefillLaunch two{1, -1};  // two warpgroups a CTA, no segments
+  internal::PrefillLaunch fused = two;
+  fused.fused = 1;
+  auto bits = [](KdaInputs& in, const internal::PrefillLaunch& launch) {
+    DeviceProblem dev(in, launch);
+    dev.poison();
+    dev.run();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    dev.download();
+    return std::make_pair(in.out.bytes, in.final_state.bytes);
+  };
+  struct Case {
+    GateForm gate;
+    double g_min, g_max;
+    bool l2norm;
+  };
+  const Case gates[] = {{GateForm::kLowerBound, -3, 3, true},
+                        {GateForm::kSoftplus, -8, 8, true},
+                        {GateForm::kPrecomputed, -1000, 0, true},
+                        {GateForm::kPrecomputed, -0.05, 0, false}};
+  const StateKind kinds[] = {StateKind::kNone, StateKind::kF32, StateKind::kBF16};
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+    for (const Case& c : gates) {
+      for (const StateKind init : kinds) {
+        KdaOptions o;
+        o.seqlens = {0, 300, 17, 1, 1024, 77, 0, 16, 33};
+        o.H = 3;
+        o.precision = precision;
+        o.gate = c.gate, o.g_min = c.g_min, o.g_max = c.g_max, o.l2norm = c.l2norm;
+        if (c.gate == GateForm::kPrecomputed) o.with_dt_bias = false, o.g_dtype = DType::kF32;
+        o.initial_state = init, o.final_state = init == StateKind::kBF16 ? StateKind::kBF16 : StateKind::kF32;
+        KdaInputs in(o);
+        EXPECT_TRUE(bits(in, two) == bits(in, fused))
+            << precision_name(precision) << " " << gate_form_name(c.gate) << " " << in.describe();
+      }
+    }
+    KdaOptions o;
+    o.B = 2, o.T = 1000, o.H = 2;  // fixed length, no cu_seqlens (no K0)
+    o.precision = precision;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    EXPECT_TRUE(bits(in, two) == bits(in, fused)) << precision_name(precision) << " " << in.describe();
+    const Errors e = check_against_reference(in, kTolOut, kTolState, fused);
+    report(std::string("fused ") + precision_name(precision) + " out", e.out);
+    report(std::string("fused ") + precision_name(precision) + " state", e.state);
+  }
+}
+
+// A small fused call for the sanitizers (scripts/gpu_check.sh sanitize): the producer's and the
+// consumers' named barriers, the stage ring and the producer's scratch.
+TEST_F(PrefillGpu, FusedRecurrenceSmallForSanitizers) {
+  internal::PrefillLaunch fused{1, -1};
+  fused.fused = 1;
+  for (const Precision precision : {Precision::kPrecise, Precision::kFast}) {
+    KdaOptions o;
+    o.seqlens = {0, 17, 100, 33};
+    o.H = 2;
+    o.precision = precision;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    check_against_reference(in, kTolOut, kTolState, fused);
+  }
+}
+
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;
