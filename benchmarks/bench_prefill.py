@@ -366,12 +366,6 @@ def implementations(args):
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
         impls.append(("flashkda no skipping",
                       lambda x, s: run_flashkda(x, s, launch=dict(skip_transitions=-1))))
-        # K1 inside the recurrence kernel (docs/DESIGN.md "The fused recurrence"): unsegmented, two
-        # warpgroups a CTA, so beside the serial column it runs the same walk
-        impls.append(("flashkda fused",
-                      lambda x, s: run_flashkda(x, s, launch=dict(fused=1, v_splits=1, segment_chunks=-1))))
-        impls.append(("flashkda fast fused",
-                      lambda x, s: run_flashkda(x, s, "fast", launch=dict(fused=1, v_splits=1, segment_chunks=-1))))
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -457,8 +451,7 @@ def main():
     ap.add_argument("--candidates", action="store_true",
                     help="also the internal variants: the precise mode with the bf16 split of the state in place of "
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
-                         "transition skipping (docs/DESIGN.md 'Segments', runs), and the fused recurrence "
-                         "(docs/DESIGN.md 'The fused recurrence')")
+                         "transition skipping (docs/DESIGN.md 'Segments', runs)")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

@@ -97,10 +97,7 @@ def main():
     for name, H, seqlens, state in CASES:
         x = make_inputs(H, seqlens, state)
         for precision in ("precise", "balanced", "fast"):
-            launches = [("default", {}), ("serial", dict(segment_chunks=-1))]
-            if precision != "balanced":  # K1 inside the recurrence (not built for the bf16-split policies)
-                launches.append(("fused", dict(fused=1, v_splits=1, segment_chunks=-1)))
-            for label, launch in launches:
+            for label, launch in (("default", {}), ("serial", dict(segment_chunks=-1))):
                 fn = run_flashkda(x, state, precision, launch)[0]
                 times = kernel_times(fn)
                 for kname, ms in sorted(times.items(), key=lambda kv: -kv[1]):

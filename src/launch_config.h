@@ -33,10 +33,6 @@ struct PrefillLaunch {
   int seg_ctas_per_sm = 0;  // GPU, with segments: the segmented K2 at 2 CTAs an SM (up to 242 registers, three
                             // stages) or 3 (168 registers, two stages), the segment and piece rules planning for
                             // that many warpgroups an SM; 0 = rule (3 from H = 16 up, else 2)
-  int fused = 0;  // GPU, unsegmented calls of two warpgroups a CTA, the fast mode and the precise mode's fp16
-                 // policy: 1 = K1's work inside the recurrence kernel (a producer warpgroup beside the two
-                 // consumers, no records in the workspace; docs/DESIGN.md "The fused recurrence"); 0 = rule
-                 // (separate K1 and K2); -1 = never
 };
 
 struct DecodeLaunch {

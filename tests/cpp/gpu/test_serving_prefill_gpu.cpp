@@ -12,7 +12,6 @@
 #include <cstring>
 #include <numeric>
 #include <random>
-#include <tuple>
 #include <vector>
 
 #include "device_problem.h"
@@ -165,38 +164,6 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
     EXPECT_LT(e_out, 6e-3);
     EXPECT_LT(e_state, GetParam() == DType::kBF16 ? 6e-3 : 1e-4);
   }
-}
-
-// The fused recurrence (internal::PrefillLaunch::fused) through a pool with padding and a slot past
-// the pool, dense checkpoints and checkpoints into pool slots: the outputs, the pool and the
-// checkpoints are the two kernels' bytes.
-TEST_P(ServingPrefillGpu, FusedRecurrenceMatchesTheTwoKernels) {
-  const DType dtype = GetParam();
-  const internal::PrefillLaunch two{1, -1};  // two warpgroups a CTA, no segments
-  internal::PrefillLaunch fused = two;
-  fused.fused = 1;
-  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/2);
-  SCOPED_TRACE(c.in.describe());
-  const int64_t count = 3 + 1 + 0 + 2 + 0 + 4 + 16;
-  std::vector<int32_t> ck_slots(size_t(count), -1);
-  for (int64_t s = 0, i = 0; s < c.P && i < count; ++s)
-    if (!c.slot_named(s)) ck_slots[size_t(i)] = int32_t(s), i += 3;
-  void* d_ck_slots = c.dev.upload(ck_slots.data(), ck_slots.size() * 4);
-  auto run = [&](const internal::PrefillLaunch& launch, bool into_slots) {
-    c.reset_pool();
-    HostTensor dense(dtype, count * kState);
-    void* d_dense = c.dev.upload(dense.bytes.data(), dense.bytes.size());
-    PrefillParams p = c.params();
-    p.checkpoint_every = 64, p.num_checkpoints = count;
-    if (into_slots) p.checkpoint_slots = static_cast<const int32_t*>(d_ck_slots);
-    else p.checkpoints = d_dense, p.checkpoint_dtype = dtype;
-    c.dev.poison();
-    c.run(p, launch);
-    cudaMemcpy(dense.bytes.data(), d_dense, dense.bytes.size(), cudaMemcpyDeviceToHost);
-    return std::make_tuple(c.in.out.bytes, c.pool.bytes, dense.bytes);
-  };
-  for (const bool into_slots : {false, true})
-    EXPECT_TRUE(run(two, into_slots) == run(fused, into_slots)) << (into_slots ? "checkpoints in slots" : "dense checkpoints");
 }
 
 // Checkpoints, serial: each equals the final state of the same GPU prefill cut at its position, bit

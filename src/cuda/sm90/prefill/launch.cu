@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 
 #include "backend.h"
 #include "cuda/check.h"
@@ -15,16 +14,12 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-void launch_chunk_scan(const Params& p, cudaStream_t stream) {
+template <class Split>
+void launch_prepare(const Params& p, cudaStream_t stream) {
   if (p.cu_seqlens != nullptr || p.state_indices != nullptr) {  // K0: what the host cannot check
     chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
     FLASHKDA_CHECK_LAUNCH();
   }
-}
-
-template <class Split>
-void launch_prepare(const Params& p, cudaStream_t stream) {
-  launch_chunk_scan(p, stream);
   const int64_t blocks = p.chunk_slots * p.H;
   if (blocks == 0) return;
   constexpr int smem = sizeof(PrepareSmem);
@@ -220,26 +215,10 @@ void launch_segmented(const Params& kp, int ctas_per_sm, cudaStream_t stream) {
   launch_segment_combine(kp, stream);
 }
 
-// The policies the fused recurrence is built for (instantiations/recur_fused.cu: consumers within
-// its 168 registers).
-template <class Split>
-constexpr bool kFusable = std::is_same_v<Split, F16Split> || std::is_same_v<Split, FastSplit>;
-
-// Whether the call runs K1 inside K2 (recur_fused_kernel): never with segments or one warpgroup a
-// CTA, and only for the fusable policies; internal::PrefillLaunch::fused 1 asks for it where it
-// can run, -1 never, 0 the rule (not fused).
-bool fuses(const internal::PrefillLaunch& launch) { return launch.fused > 0; }
-
 // K1 writes the mode's record layout and K2 reads it (config.h RecordLayout).
 template <class Split>
-void launch_mode(int warps, int seg_ctas, bool fused, const Params& kp, cudaStream_t stream) {
+void launch_mode(int warps, int seg_ctas, const Params& kp, cudaStream_t stream) {
   if (kp.seg_chunks > 0) return launch_segmented<Split>(kp, seg_ctas, stream);
-  if constexpr (kFusable<Split>) {
-    if (fused && warps == 8) {
-      launch_chunk_scan(kp, stream);
-      return launch_recur_fused<Split>(kp, stream);
-    }
-  }
   launch_prepare<Split>(kp, stream);
   if (warps == 8) launch_recur<8, Split>(kp, stream);
   else launch_recur<4, Split>(kp, stream);
@@ -406,7 +385,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int warps = choose_warps(N * p.H, launch);
   const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,
-             [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, fuses(launch), kp, stream); });
+             [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, kp, stream); });
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {

@@ -11,13 +11,9 @@ namespace flashkda::cuda::sm90::prefill {
 // Split: the mode's precision policy (config.h SplitPolicy).
 template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) + K1 (the mode's record)
-void launch_chunk_scan(const Params& p, cudaStream_t stream);  // K0 where the call needs it
 
 template <int kWarps, class Split>
 void launch_recur(const Params& p, cudaStream_t stream);  // K2, grid (N*H, 8 / kWarps)
-
-template <class Split>  // K2 with K1 fused in (recur_fused_kernel), grid (N*H): FastSplit and F16Split
-void launch_recur_fused(const Params& p, cudaStream_t stream);
 
 template <class Split, int kCtasPerSm>  // 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm)
 void launch_recur_segmented(const Params& p, cudaStream_t stream);  // K2 over segments, grid (max_segs*H, 4 + ...)

@@ -1,8 +1,8 @@
 // K1's work on one chunk (prepare_chunk): q_decayed, k_decayed, k_restored, Mqk,
 // inv_b = (I + L)^-1 diag(b) and exp(G_C) of one 16-token chunk of one head, in the record layout
 // of config.h, by 128 threads. Run by K1 (prepare_kernel.cuh: one chunk a CTA, the record into the
-// workspace) and by the fused recurrence's producer warpgroup (recur_kernel.cuh: the record into a
-// shared-memory stage).
+// workspace); a function of its own so that a kernel fusing K1 into the recurrence can run it on a
+// shared-memory stage (docs/DESIGN.md "K1 inside the recurrence").
 #pragma once
 
 #include "cuda/common/kda_math.cuh"
@@ -155,34 +155,18 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
   }
 }
 
-// The barriers of one chunk's preparation among its 128 threads: the whole CTA in K1
-// (CtaSync), or the producer warpgroup of the fused recurrence (ProducerSync: a named barrier,
-// and one more barrier before a chunk writes the scratch tiles the previous chunk may still read).
+// The barriers of one chunk's preparation among its 128 threads: the whole CTA in K1. A kernel that
+// runs prepare_chunk in a warpgroup of its own passes a named-barrier policy instead, and one that
+// prepares chunk after chunk also needs a barrier before a chunk writes the scratch tiles the
+// previous one may still read (docs/DESIGN.md "K1 inside the recurrence", measured at 4a576c9).
 struct CtaSync {
-  static constexpr bool kReusesScratch = false;
   __device__ __forceinline__ static void sync() { __syncthreads(); }
   __device__ __forceinline__ static bool sync_or(bool x) { return __syncthreads_or(x); }
 };
-template <int kBarrier>
-struct ProducerSync {
-  static constexpr bool kReusesScratch = true;
-  __device__ __forceinline__ static void sync() {
-    asm volatile("bar.sync %0, %1;" ::"n"(kBarrier), "n"(kPrepThreads) : "memory");
-  }
-  __device__ __forceinline__ static bool sync_or(bool x) {
-    uint32_t r;
-    asm volatile(
-        "{ .reg .pred p, q;\n setp.ne.u32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.u32 %0, 1, 0, q; }"
-        : "=r"(r)
-        : "r"(uint32_t(x)), "n"(kBarrier), "n"(kPrepThreads)
-        : "memory");
-    return r != 0;
-  }
-};
 
 // One chunk of one head (rows tokens from row0; slot = its chunk index, for chunk_bound) into the
-// record at g_rec, by 128 threads (tid 0..127) with scratch sm: K1's body, and the fused
-// recurrence's producer (g_rec in shared memory there). Split: the mode's precision policy, i.e.
+// record at g_rec (global or shared memory), by 128 threads (tid 0..127) with scratch sm: K1's
+// body. Split: the mode's precision policy, i.e.
 // which bf16 remainders its record holds (config.h SplitPolicy, RecordLayout).
 template <class Split, class Sync>
 __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, uint8_t* g_rec, int h, int64_t slot,
@@ -203,7 +187,6 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
     load4(p.k, idx, false, r_k[r]);
     load4(p.g, idx, g_f32, r_a[r]);
   }
-  if constexpr (Sync::kReusesScratch) Sync::sync();  // the previous chunk is done with the scratch
   if (tid < kChunk) {
     float b = 0.f;
     if (tid < rows) {

@@ -28,7 +28,6 @@
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
-#include "cuda/sm90/prefill/prepare_chunk.cuh"
 
 namespace flashkda::cuda::sm90::prefill {
 
@@ -196,55 +195,6 @@ __device__ __forceinline__ void fence_regs(T (&d)[N]) {
 // Orders this thread's completed cp.async writes to shared memory before the async proxy
 // (wgmma) reads them; followed by a CTA barrier.
 __device__ __forceinline__ void fence_proxy_async_smem() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// Named barriers of the fused recurrence (recur_fused_kernel): stage s is full (the producer
-// arrives, the consumers wait) on kFullBarrier + s and empty (the consumers arrive, the producer
-// waits) on kEmptyBarrier + s; the producer warpgroup's own barrier is kPrepBarrier (ProducerSync).
-constexpr int kFullBarrier = 1, kEmptyBarrier = 4, kPrepBarrier = 7;
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_arrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
-// The fused recurrence's producer (the last warpgroup of recur_fused_kernel): for each chunk of
-// the CTA's walk, once the consumers have released its stage, v by cp.async and the record by
-// prepare_chunk (K1's work, into the stage instead of the workspace), then the stage is full. The
-// record is what K1 writes for that chunk, bit for bit.
-// Byte offset of the fused recurrence's producer scratch (PrepareSmem) after the stages.
-template <class Smem>
-constexpr int fused_scratch_offset() { return (int(sizeof(Smem)) + 127) / 128 * 128; }
-template <class Smem>
-constexpr int fused_smem_bytes() { return fused_scratch_offset<Smem>() + int(sizeof(PrepareSmem)); }
-
-template <class Smem, class Split>
-__device__ __forceinline__ void produce_records(const Params& p, Smem& sm, PrepareSmem& prep, const SeqChunks& sc,
-                                                int h, int v_base) {
-  constexpr int kStages = Smem::kStages, kConsumers = Smem::kVCols * 2, kAll = kConsumers + kPrepThreads;
-  constexpr int kVChunksPerRow = Smem::kVCols / 8;
-  const int tid = int(threadIdx.x) - kConsumers;
-  const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
-  for (int64_t j = 0; j < num_chunks; ++j) {
-    const int s = int(j % kStages);
-    if (j >= kStages) named_sync(kEmptyBarrier + s, kAll);
-    typename Smem::Stage& st = sm.stage[s];
-    const int64_t row0 = sc.bos + j * kChunk;
-    const int rows = int(sc.eos - row0 < kChunk ? sc.eos - row0 : kChunk);
-    for (int i = tid; i < kChunk * kVChunksPerRow; i += kPrepThreads) {
-      const int t = i / kVChunksPerRow, part = i % kVChunksPerRow;
-      const bool valid = t < rows;
-      const __nv_bfloat16* src = static_cast<const __nv_bfloat16*>(p.v) +
-                                 ((row0 + (valid ? t : 0)) * p.H + h) * kHeadDim + v_base + part * 8;
-      cp_async_16_zfill(&st.v[t][part * 8], src, valid);
-    }
-    cp_async_commit();
-    prepare_chunk<Split, ProducerSync<kPrepBarrier>>(p, prep, st.record, h, sc.chunk_begin + j, row0, rows, tid);
-    cp_async_wait_all();
-    fence_proxy_async_smem();
-    named_arrive(kFullBarrier + s, kAll);
-  }
-}
 
 // This thread's rows of S^T (flat: S[4j + e] = row v_row + 8 * (e >> 1), channel 8j + 2 * t4 + (e & 1))
 // from a [rows][128] matrix of `type` at `base` (row v_row of it at base + v_row * 128), or zeros
@@ -425,10 +375,9 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
 // The kernels below are this body under two register budgets.
-template <int kWarps, class Split, bool kSeg, int kStagesT, bool kFused = false>
+template <int kWarps, class Split, bool kSeg, int kStagesT>
 __device__ __forceinline__ void recur_body(const Params& p) {
   using Smem = RecurSmem<kWarps, Split, kSeg, kStagesT>;
-  static_assert(!kFused || (kWarps == 8 && !kSeg), "the fused recurrence: two consumer warpgroups, no segments");
   constexpr int kStages = Smem::kStages;
   using Rec = RecordLayout<Split>;
   constexpr bool kSplitS = Split::state, kSplitQd = Split::q_decayed, kSplitF = Split::factors;
@@ -508,13 +457,6 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     }
     return;
   }
-  if constexpr (kFused) {
-    if (threadIdx.x >= kWarps * 32) {  // the producer warpgroup (its scratch after the stages)
-      produce_records<Smem, Split>(p, sm, *reinterpret_cast<PrepareSmem*>(smem_raw + fused_scratch_offset<Smem>()),
-                                   sc, h, v_base);
-      return;
-    }
-  }
   const int64_t state_base = state_offset(p, slot, h);
   // Checkpoints at chunk ends: next_ckpt is the chunk (of this CTA's walk) after which the next one
   // falls, -1 for none (one compare per chunk). A CTA that walks the whole sequence writes them all.
@@ -543,7 +485,6 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (kFused) break;  // the producer fills the stages
     if (s < num_chunks)
       load_stage<Smem, Split>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base,
                                  !transition_rows);
@@ -551,12 +492,10 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   }
 
   for (int64_t j = 0; j < num_chunks; ++j) {
-    if constexpr (kFused) {
-      named_sync(kFullBarrier + int(j % kStages), kWarps * 32 + kPrepThreads);
-    } else {
-      cp_async_wait_group<kStages - 2>();
-      fence_proxy_async_smem();
-      __syncthreads();
+    cp_async_wait_group<kStages - 2>();
+    fence_proxy_async_smem();
+    __syncthreads();
+    {
       const int64_t jn = j + kStages - 1;
       if (jn < num_chunks)
         load_stage<Smem, Split>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
@@ -721,9 +660,6 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     // lets a cp.async overwrite this stage.
     cute::warpgroup_wait<0>();
     fence_regs(r_S);
-    // The fused recurrence: this stage is free for chunk j + kStages (the producer waits only for those).
-    if constexpr (kFused)
-      if (j + kStages < num_chunks) named_arrive(kEmptyBarrier + int(j % kStages), kWarps * 32 + kPrepThreads);
     if (j == next_ckpt) {
       next_ckpt += ckpt_period;
       const int64_t c = first_checkpoint(p, n) + (seg_chunk0 + j + 1) / ckpt_period - 1;
@@ -789,15 +725,6 @@ constexpr int kSeg3Stages = 2;
 template <class Split>
 __global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
   recur_body<4, Split, true, kSeg3Stages>(p);
-}
-
-// The fused recurrence (internal::PrefillLaunch::fused; docs/DESIGN.md "The fused recurrence"):
-// K2's two consumer warpgroups (all 128 value rows of one sequence and head) and a third
-// warpgroup that prepares each chunk's record into the stage (K1's work) instead of K1 writing it
-// to the workspace and K2 reading it back. grid = (N * H), block = 384, one CTA an SM.
-template <class Split>
-__global__ void __launch_bounds__(384, 1) recur_fused_kernel(const __grid_constant__ Params p) {
-  recur_body<8, Split, false, 3, true>(p);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill

@@ -1,4 +1,4 @@
-// Definitions of launch_recur<kWarps, Split>, launch_recur_fused<Split> and launch_recur_segmented<Split>, included by the
+// Definitions of launch_recur<kWarps, Split> and launch_recur_segmented<Split>, included by the
 // instantiation units.
 #pragma once
 
@@ -17,17 +17,6 @@ void launch_recur(const Params& p, cudaStream_t stream) {
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const dim3 grid(unsigned(work), 8 / kWarps);
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
-  FLASHKDA_CHECK_LAUNCH();
-}
-
-template <class Split>
-void launch_recur_fused(const Params& p, cudaStream_t stream) {
-  const int64_t work = p.num_seqs * p.H;
-  if (work == 0) return;
-  constexpr int smem = fused_smem_bytes<RecurSmem<8, Split>>();
-  auto kernel = recur_fused_kernel<Split>;
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<unsigned(work), 384, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
 }
 
