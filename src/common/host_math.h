@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/gate.h"
 #include "flashkda/types.h"
 
 // Forced inlining for helpers that hot loops call: each ISA entry point of the CPU engine (AVX2,
@@ -44,19 +45,23 @@ inline T softplus(T x) {
   return x > T(20) ? x : std::log1p(std::exp(x));
 }
 
-// The log-decay a <= 0 of each gate form (docs/SPEC.md §2) for one head, the host's one
-// definition (the reference, the CPU backend, CPU decode): the per-channel constants of the head
-// are taken once, so hot loops skip the Preprocess branches.
-//   lower bound: a = lower_bound / (1 + e^{-a_scale (g + bias[c])})  (lower_bound * sigmoid(.);
-//                e^{-x} overflowing to +inf for x << 0 gives a = -0, the limit)
-//   softplus:    a = -a_scale * softplus(g + bias[c])
-//   precomputed: a = g
+// The host's elementary functions for gate.h: std::exp, true division, softplus above.
+template <typename T>
+struct StdMath {
+  static T exp(T x) { return std::exp(x); }
+  static T quot(T a, T b) { return a / b; }
+  static T softplus(T x) { return host::softplus(x); }
+};
+
+// The log-decay of one head (gate.h; the reference, the CPU backend, CPU decode): the per-channel
+// constants of the head are taken once, so hot loops skip the Preprocess branches. e^{-x}
+// overflowing to +inf for x << 0 gives the lower-bound form a = -0, its limit.
 template <typename T>
 struct HeadGate {
   GateForm form = GateForm::kPrecomputed;
   T lower_bound = T(0);
   T a_scale = T(0);
-  const float* bias = nullptr;  // [K] slice of dt_bias, or null
+  const float* bias = nullptr;  // [K] slice of dt_bias, or null (always for precomputed gates: a = g)
 
   HeadGate(const Preprocess& pre, int64_t h, int64_t K) : form(pre.gate), lower_bound(T(pre.lower_bound)) {
     if (form == GateForm::kPrecomputed) return;
@@ -66,26 +71,24 @@ struct HeadGate {
 
   T operator()(int64_t c, T g) const {
     if (form == GateForm::kPrecomputed) return g;
-    const T x = g + (bias != nullptr ? T(bias[c]) : T(0));
-    if (form == GateForm::kLowerBound) return lower_bound / (T(1) + std::exp(-(a_scale * x)));
-    return -a_scale * softplus(x);
+    return gate::log_decay<StdMath<T>>(form, lower_bound, a_scale, g + (bias != nullptr ? T(bias[c]) : T(0)));
   }
 
-  // a[c] <- the log-decay of g[c] for c < K (a may be g), with exp the caller's e^x: the lower-bound
-  // form as one loop that vectorises with a vectorisable exp (the CPU engine's).
-  template <typename Exp>
-  FLASHKDA_HOST_INLINE void row(const T* g, T* a, int64_t K, Exp exp) const {
+  // a[c] <- the log-decay of g[c] for c < K (a may be g), the lower-bound form with M's exp and
+  // quotient (the CPU engine's vectorisable ones) as one loop that vectorises, the others as above.
+  template <class M>
+  FLASHKDA_HOST_INLINE void row(const T* g, T* a, int64_t K) const {
     if (form != GateForm::kLowerBound) {
       for (int64_t c = 0; c < K; ++c) a[c] = (*this)(c, g[c]);
       return;
     }
     if (bias == nullptr) {
 #pragma omp simd
-      for (int64_t c = 0; c < K; ++c) a[c] = lower_bound / (T(1) + exp(-(a_scale * g[c])));
+      for (int64_t c = 0; c < K; ++c) a[c] = gate::lower_bound<M>(lower_bound, a_scale, g[c]);
       return;
     }
 #pragma omp simd
-    for (int64_t c = 0; c < K; ++c) a[c] = lower_bound / (T(1) + exp(-(a_scale * (g[c] + T(bias[c])))));
+    for (int64_t c = 0; c < K; ++c) a[c] = gate::lower_bound<M>(lower_bound, a_scale, g[c] + T(bias[c]));
   }
 };
 

@@ -21,10 +21,8 @@
 // The engine's helpers are forced inline so each ISA entry point gets its own vectorised copy.
 #if defined(__GNUC__)
 #define FLASHKDA_INLINE inline __attribute__((always_inline))
-#define FLASHKDA_INLINE_LAMBDA __attribute__((always_inline))
 #else
 #define FLASHKDA_INLINE inline
-#define FLASHKDA_INLINE_LAMBDA
 #endif
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -92,6 +90,14 @@ FLASHKDA_INLINE float engine_exp(float x) {
   return __builtin_bit_cast(float, out);
 }
 
+// The engine's elementary functions for the lower-bound gate (gate.h via host::HeadGate::row):
+// the vectorisable exp above and true division.
+template <typename T>
+struct EngineMath {
+  FLASHKDA_INLINE static T exp(T x) { return engine_exp(x); }
+  FLASHKDA_INLINE static T quot(T a, T b) { return a / b; }
+};
+
 // Per-thread scratch for one 16-token chunk of one head. Channel arrays have stride Kp and value
 // arrays stride Vp (K and V rounded up to kLane); the padding holds zeros that never change the
 // result. Rows of a partial chunk past its end are zeroed (k_decayed, q_decayed, k_restored, b).
@@ -147,7 +153,7 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
       host::l2_normalize(qi, K);
       host::l2_normalize(ki, K);
     }
-    gate.row(ai, ai, K, [](T x) FLASHKDA_INLINE_LAMBDA { return engine_exp(x); });
+    gate.template row<EngineMath<T>>(ai, ai, K);
     s.b[i] = host::beta_activation(p.pre, host::load<T>(p.beta, p.beta_dtype, row));
   }
 }

@@ -34,10 +34,9 @@ TEST(HostMath, GateFormsFollowSpec) {
   const double g = 0.7;
   const double x = g + double(dt_bias[3 + 2]);
   pre.gate = GateForm::kLowerBound;
-  const auto exp = [](double y) { return std::exp(y); };
   double row[3] = {g, g, g};
   EXPECT_NEAR(HeadGate<double>(pre, 1, 3)(2, g), -4.0 / (1.0 + std::exp(-std::exp(-1.0) * x)), 1e-14);
-  HeadGate<double>(pre, 1, 3).row(row, row, 3, exp);
+  HeadGate<double>(pre, 1, 3).row<StdMath<double>>(row, row, 3);
   EXPECT_EQ(row[2], HeadGate<double>(pre, 1, 3)(2, g));  // the row form is the same formula
   EXPECT_EQ(HeadGate<double>(pre, 1, 3)(2, -1e6), 0.0);   // e^{-x} overflows: the limit, not NaN
   pre.gate = GateForm::kSoftplus;
@@ -46,6 +45,20 @@ TEST(HostMath, GateFormsFollowSpec) {
   EXPECT_NEAR(HeadGate<double>(pre, 0, 3)(1, g), -std::exp(0.5) * std::log1p(std::exp(g)), 1e-14);
   pre.gate = GateForm::kPrecomputed;
   EXPECT_EQ(HeadGate<double>(pre, 0, 3)(0, -123.0), -123.0);
+  pre.dt_bias = dt_bias;  // not added to a precomputed log-decay
+  EXPECT_EQ(HeadGate<double>(pre, 1, 3)(2, -123.0), -123.0);
+}
+
+// The one definition of the gate forms (common/gate.h) with the host's functions is the spec's
+// formula, and log_decay dispatches on the form.
+TEST(HostMath, GateDefinitionsDispatchOnTheForm) {
+  using M = StdMath<double>;
+  const double lb = -4.0, a_scale = 0.8, x = 0.3;
+  EXPECT_EQ(gate::lower_bound<M>(lb, a_scale, x), lb / (1.0 + std::exp(-(a_scale * x))));
+  EXPECT_EQ(gate::softplus<M>(a_scale, x), -a_scale * std::log1p(std::exp(x)));
+  EXPECT_EQ(gate::log_decay<M>(GateForm::kLowerBound, lb, a_scale, x), gate::lower_bound<M>(lb, a_scale, x));
+  EXPECT_EQ(gate::log_decay<M>(GateForm::kSoftplus, lb, a_scale, x), gate::softplus<M>(a_scale, x));
+  EXPECT_EQ(gate::log_decay<M>(GateForm::kPrecomputed, lb, a_scale, x), x);
 }
 
 TEST(HostMath, L2NormAndBeta) {

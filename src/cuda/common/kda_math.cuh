@@ -1,8 +1,10 @@
-// Device-side KDA preprocessing (docs/SPEC.md §2): sigmoid, softplus, the three gate forms.
+// Device-side KDA preprocessing (docs/SPEC.md §2): sigmoid, softplus, decode's math for the gate forms
+// (common/gate.h).
 #pragma once
 
 #include <cuda_bf16.h>
 
+#include "common/gate.h"
 #include "flashkda/types.h"
 
 namespace flashkda::cuda {
@@ -12,12 +14,13 @@ __device__ __forceinline__ float sigmoidf_(float x) { return 1.0f / (1.0f + __ex
 // softplus(x) = log(1 + e^x), exact to fp32 rounding for large x (no overflow).
 __device__ __forceinline__ float softplusf_(float x) { return x > 20.0f ? x : log1pf(__expf(x)); }
 
-// Log-decay a <= 0 of one channel for each gate form (docs/SPEC.md §2; types.h GateForm).
-__device__ __forceinline__ float log_decay(GateForm form, float g, float a_exp, float bias, float lower_bound) {
-  if (form == GateForm::kLowerBound) return lower_bound * sigmoidf_(a_exp * (g + bias));
-  if (form == GateForm::kSoftplus) return -a_exp * softplusf_(g + bias);
-  return g;
-}
+// Decode's elementary functions for gate.h (the log-decay of the three gate forms): __expf, the
+// reciprocal of the sigmoid above (lower_bound * sigmoid), softplusf_.
+struct DecodeMath {
+  __device__ __forceinline__ static float exp(float x) { return __expf(x); }
+  __device__ __forceinline__ static float quot(float a, float b) { return a * (1.0f / b); }
+  __device__ __forceinline__ static float softplus(float x) { return softplusf_(x); }
+};
 
 __device__ __forceinline__ float load_bf16(const void* p, long long i) {
   return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);

@@ -1,5 +1,6 @@
 // Device side of the fused preprocessing of docs/SPEC.md §2 in fp32, per head and per warp: the gate
-// constants of a head (on top of kda_math.cuh's log_decay), beta activation, warp-wide L2 norm.
+// constants of a head (the log-decay of common/gate.h with kda_math.cuh's DecodeMath), beta activation,
+// warp-wide L2 norm.
 #pragma once
 
 #include "cuda/common/kda_math.cuh"
@@ -8,8 +9,7 @@
 
 namespace flashkda::cuda {
 
-// The gate constants of one head: a = lower_bound * sigmoid(a_scale * (g + bias)),
-// a = -a_scale * softplus(g + bias), or a = g (precomputed).
+// The gate constants of one head (common/gate.h).
 struct HeadGate {
   GateForm form;
   float lower_bound;
@@ -26,9 +26,12 @@ struct HeadGate {
     return gate;
   }
 
-  // Log-decay a of one channel from the raw gate g and its dt_bias (0 when absent).
+  // Log-decay a of one channel from the raw gate g and its dt_bias (0 when absent; a = g for
+  // precomputed gates).
   __device__ __forceinline__ float log_decay(float g, float bias) const {
-    return ::flashkda::cuda::log_decay(form, g, a_scale, bias, lower_bound);
+    if (form == GateForm::kLowerBound) return gate::lower_bound<DecodeMath>(lower_bound, a_scale, g + bias);
+    if (form == GateForm::kSoftplus) return gate::softplus<DecodeMath>(a_scale, g + bias);
+    return g;
   }
 };
 

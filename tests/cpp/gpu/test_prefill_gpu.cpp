@@ -122,6 +122,9 @@ TEST_F(PrefillGpu, GateFormsAndFlags) {
       {GateForm::kPrecomputed, -0.05, 0, 0, DType::kF32, true, true, false},
       {GateForm::kPrecomputed, -2, 0, 0, DType::kBF16, false, false, true},
       {GateForm::kLowerBound, -3, 3, 1, DType::kBF16, false, true, true},
+      // a dt_bias passed with precomputed gates is not added (a = g, docs/SPEC.md §2), as on the
+      // CPU and in decode (K1 added it before the gate forms were written once, common/gate.h)
+      {GateForm::kPrecomputed, -2, 0, 3, DType::kF32, true, true, false},
   };
   // Both precision modes: the fast one is a public option too (scripts/sim_rounding.py puts it
   // at ~3.3e-3 on these gates).

@@ -65,6 +65,14 @@ __device__ __forceinline__ float fast_rcp(float x) {
   return y;
 }
 
+// K1's elementary functions for gate.h: ex2.approx, rcp.approx and a softplus that cannot overflow,
+// softplus(x) = max(x, 0) + log(1 + e^{-|x|}) (absolute error ~1e-7).
+struct PrepareMath {
+  __device__ __forceinline__ static float exp(float x) { return exp_ftz(x); }
+  __device__ __forceinline__ static float quot(float a, float b) { return a * fast_rcp(b); }
+  __device__ __forceinline__ static float softplus(float x) { return fmaxf(x, 0.f) + __logf(1.f + exp_ftz(-fabsf(x))); }
+};
+
 // x = hi + lo in bf16 for a pair of floats; returns the packed hi and lo words.
 __device__ __forceinline__ uint2 split_pair(float a, float b) {
   uint2 r;
@@ -199,14 +207,14 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
     const float a_exp = (p.gate == GateForm::kPrecomputed) ? 0.f : __expf(p.A_log[h]);
     float r_bias[4] = {0.f, 0.f, 0.f, 0.f};
     if (p.dt_bias != nullptr) load4(p.dt_bias, int64_t(h) * kHeadDim + 4 * lane, true, r_bias);
-    // One branch on the gate form per thread, not per element.
+    // One branch on the gate form per thread, not per element (common/gate.h with PrepareMath).
     auto apply = [&](auto log_decay_of) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const bool valid = row_of(warp, r) < rows;
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          r_a[r][e] = valid ? log_decay_of(r_a[r][e] + r_bias[e]) : 0.f;
+          r_a[r][e] = valid ? log_decay_of(r_a[r][e], r_bias[e]) : 0.f;
           if (!valid) r_q[r][e] = r_k[r][e] = 0.f;
         }
         *reinterpret_cast<float4*>(&sm.G[row_of(warp, r)][4 * lane]) =
@@ -215,12 +223,11 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
     };
     const float lb = p.lower_bound;
     if (p.gate == GateForm::kLowerBound) {
-      apply([&](float x) { return lb * fast_rcp(1.f + exp_ftz(-a_exp * x)); });
+      apply([&](float g, float bias) { return gate::lower_bound<PrepareMath>(lb, a_exp, g + bias); });
     } else if (p.gate == GateForm::kSoftplus) {
-      // softplus(x) = max(x, 0) + log(1 + e^{-|x|}): no overflow; absolute error ~1e-7.
-      apply([&](float x) { return -a_exp * (fmaxf(x, 0.f) + __logf(1.f + exp_ftz(-fabsf(x)))); });
+      apply([&](float g, float bias) { return gate::softplus<PrepareMath>(a_exp, g + bias); });
     } else {
-      apply([&](float x) { return x; });  // precomputed log-decay (dt_bias is null)
+      apply([&](float g, float) { return g; });  // a precomputed log-decay: a = g, a dt_bias not added
     }
   }
 
