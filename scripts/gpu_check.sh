@@ -61,10 +61,11 @@ if want build; then
 fi
 
 # Every GPU test binary once, directly (its measured errors and a failure's details go to
-# ctest.log; the summary lines to the console).
+# ctest.log; the summary lines to the console). The console filters end in sed, never head: head
+# exits after its lines, and the SIGPIPE back up the pipe killed a binary mid-run (device run 50).
 gpu_binaries() {
   for t in build-gpu/tests/cpp/test_*gpu; do
-    [ -x "$t" ] && { "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | head -60
+    [ -x "$t" ] && { "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | sed -n 1,60p
                      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
   done
 }
@@ -98,7 +99,7 @@ if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on th
   pending_tests=(test_prefill_gpu '*SkipTransitions*' test_serving_prefill_gpu '*CheckpointsEqualTruncatedPrefill*')
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
-    "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | head -60
+    "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
     for tool in memcheck racecheck synccheck; do sanitize "pending_${pending_tests[i]}" $tool "$t" --gtest_filter="$f"; done
   done
@@ -136,7 +137,7 @@ export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want pending; then
   step pending-bench
   python3 benchmarks/bench_prefill.py --table none --serving --no-accuracy --reps 10 --out "$OUT/bench_pending.md" \
-    2>&1 | tee -a "$OUT/bench_prefill.log" | grep -E "^\| " | head -40 || status=1
+    2>&1 | tee -a "$OUT/bench_prefill.log" | grep -E "^\| " | sed -n 1,40p || status=1
 fi
 if want bench; then
   step bench
