@@ -62,7 +62,7 @@ fi
 
 # Every GPU test binary once, directly (its measured errors and a failure's details go to
 # ctest.log; the summary lines to the console). The console filters end in sed, never head: head
-# exits after its lines, and the SIGPIPE back up the pipe killed a binary mid-run (device run 50).
+# exits after its lines, and the SIGPIPE back up the pipe could cut a binary's log mid-run.
 gpu_binaries() {
   for t in build-gpu/tests/cpp/test_*gpu; do
     [ -x "$t" ] && { "$t" --gtest_brief=1 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|FAILED|PASSED|SKIPPED" | sed -n 1,60p

@@ -120,7 +120,7 @@ TYPED_TEST(PrefillRecordLayout, PartsTileTheRecordAligned) {
   EXPECT_LE(Rec::kBytes, kMaxRecordBytes);  // the workspace is sized for the larger record
 }
 
-// The precise record keeps the layout that the GPU runs up to device run 18 validated.
+// The precise record's offsets, pinned: the layout the GPU suites validate (a layout change moves this test with it).
 TEST(PrefillRecordLayoutKr, PreciseRecordUnchanged) {
   EXPECT_EQ(PreciseRecord::kOffKRestored, 12288);
   EXPECT_EQ(PreciseRecord::kOffKRestoredLo, 16384);

@@ -89,8 +89,8 @@ bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.che
 
 // CTAs of the segmented K2 an SM holds, which the segment and piece rules plan for
 // (internal::PrefillLaunch::seg_ctas_per_sm): 2 (up to 242 registers, three stages) or 3 (168
-// registers, two stages). The rule takes 3 from H = 16 up: measured (run 46, BENCHMARKS.md) 3.6-4.3%
-// faster with long memory and 4-5% on random gates at H = 16 and 32, but 2.6-6% slower with long
+// registers, two stages). The rule takes 3 from H = 16 up: measured (BENCHMARKS.md, three CTAs an
+// SM) 3.6-4.3% faster with long memory and 4-5% on random gates at H = 16 and 32, but 2.6-6% slower with long
 // memory at H = 12, where its eight segments (against six) add more transition work than they
 // shorten the walk.
 int seg_ctas_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
@@ -133,7 +133,7 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
 // pieces would need more slots than there are, or segments longer than the exact path's (measured:
 // 5-6% slower with long memory at H = 12), and the rule takes pieces of chunks * 2H / slots chunks,
 // rounded up to a multiple of 32 within [32, 128], skipping nothing where that piece would be the
-// whole segment. Measured (BENCHMARKS.md, layouts sweep, run 43, two CTAs an SM): equal pieces
+// whole segment. Measured (BENCHMARKS.md, layouts sweep, two CTAs an SM): equal pieces
 // 3-7% faster than those at H = 16 and 32 on random gates, within 2% with long memory. Forced lengths
 // (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
 // segment at most and rounded up to a multiple of kCombineChunks; 0: no transition skipping.
