@@ -174,8 +174,8 @@ struct CtaSync {
 
 // One chunk of one head (rows tokens from row0; slot = its chunk index, for chunk_bound) into the
 // record at g_rec (global or shared memory), by 128 threads (tid 0..127) with scratch sm: K1's
-// body. Split: the mode's precision policy, i.e.
-// which bf16 remainders its record holds (config.h SplitPolicy, RecordLayout).
+// body. Split: the mode's precision policy, i.e. which bf16 remainders its record holds (config.h
+// SplitPolicy, RecordLayout).
 template <class Split, class Sync>
 __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, uint8_t* g_rec, int h, int64_t slot,
                                               int64_t row0, int rows, int tid) {
