@@ -366,6 +366,10 @@ def implementations(args):
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
         impls.append(("flashkda no skipping",
                       lambda x, s: run_flashkda(x, s, launch=dict(skip_transitions=-1))))
+        # the segmented K2 with both V halves of a piece in one CTA (each record read once; DESIGN.md
+        # "Segments", Next)
+        impls.append(("flashkda one CTA a piece",
+                      lambda x, s: run_flashkda(x, s, launch=dict(seg_ctas_per_sm=1))))
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -451,7 +455,8 @@ def main():
     ap.add_argument("--candidates", action="store_true",
                     help="also the internal variants: the precise mode with the bf16 split of the state in place of "
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
-                         "transition skipping (docs/DESIGN.md 'Segments', runs)")
+                         "transition skipping (docs/DESIGN.md 'Segments', runs), and the segmented K2 with both V "
+                         "halves of a piece in one CTA")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

@@ -844,6 +844,50 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
   }
 }
 
+// The segmented K2's candidate with both V halves of a piece in one CTA of two warpgroups
+// (internal::PrefillLaunch::seg_ctas_per_sm = 1, recur_seg_wide_kernel: each record read once)
+// computes what the two-CTA kernel computes, bit for bit, on the same segments and pieces (it plans
+// for the same two warpgroups an SM), with checkpoints inside segments too; under its own rules it
+// matches the reference.
+TEST_F(PrefillGpu, SegmentedK2WithBothHalvesInOneCta) {
+  KdaOptions o;
+  o.seqlens = {300, 17, 1024, 0, 77, 2000};
+  o.H = 4;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  for (const Precision precision : kModes) {
+    o.precision = precision;
+    KdaInputs in(o);
+    in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
+    auto bits = [&](const internal::PrefillLaunch& launch) {
+      DeviceProblem dev(in, launch);
+      dev.poison();
+      dev.run();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      dev.download();
+      return std::make_pair(in.out.bytes, in.final_state.bytes);
+    };
+    for (const bool skip : {false, true}) {
+      internal::PrefillLaunch two{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, 2};
+      internal::PrefillLaunch wide = two;
+      wide.seg_ctas_per_sm = 1;
+      EXPECT_TRUE(bits(two) == bits(wide)) << precision_name(precision) << (skip ? " skipping" : " exact");
+    }
+    const Errors e = check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, 0, 0, 0, 0, 0, 0, 1});
+    report(std::string("both halves in one CTA, the rule, ") + precision_name(precision) + " out", e.out);
+  }
+}
+
+// A small call of that candidate for the sanitizers (scripts/gpu_check.sh sanitize).
+TEST_F(PrefillGpu, SegmentsSmallWideForSanitizers) {
+  KdaOptions o;
+  o.seqlens = {0, 100, 17, 300};
+  o.H = 2;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  in.A_log[0] = -1.0f;
+  check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, 16, 0, 0, 1, 8, 0, 1});
+}
+
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;
