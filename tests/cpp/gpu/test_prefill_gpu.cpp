@@ -812,13 +812,12 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
   }
 }
 
-// The segmented K2's candidate at three CTAs an SM (internal::PrefillLaunch::seg_ctas_per_sm = 3:
-// 168 registers, two stages) computes what the two-CTA kernel computes, bit for bit, on the same
-// segments and pieces (the same arithmetic in the same order); with its own rules (more segments
-// and pieces) it matches the reference.
-TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
+// A variant of the segmented K2 (internal::PrefillLaunch::seg_ctas_per_sm) computes what the
+// two-CTA kernel computes, bit for bit, on the same segments and pieces (the same arithmetic in the
+// same order), exact and skipping, every mode; with its own rules it matches the reference.
+void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int64_t>& seqlens, const std::string& name) {
   KdaOptions o;
-  o.seqlens = {300, 17, 1024, 77, 2000};
+  o.seqlens = seqlens;
   o.H = 4;
   o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
   for (const Precision precision : kModes) {
@@ -835,46 +834,26 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
     };
     for (const bool skip : {false, true}) {
       internal::PrefillLaunch two{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, 2};
-      internal::PrefillLaunch three = two;
-      three.seg_ctas_per_sm = 3;
-      EXPECT_TRUE(bits(two) == bits(three)) << precision_name(precision) << (skip ? " skipping" : " exact");
+      internal::PrefillLaunch variant = two;
+      variant.seg_ctas_per_sm = ctas_per_sm;
+      EXPECT_TRUE(bits(two) == bits(variant)) << name << " " << precision_name(precision) << (skip ? " skipping" : " exact");
     }
-    const Errors e = check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, 0, 0, 0, 0, 0, 0, 3});
-    report(std::string("three CTAs an SM, the rule, ") + precision_name(precision) + " out", e.out);
+    internal::PrefillLaunch rule{};
+    rule.seg_ctas_per_sm = ctas_per_sm;
+    const Errors e = check_against_reference(in, kTolOut, kTolState, rule);
+    report(name + ", the rule, " + precision_name(precision) + " out", e.out);
   }
 }
 
-// The segmented K2's candidate with both V halves of a piece in one CTA of two warpgroups
-// (internal::PrefillLaunch::seg_ctas_per_sm = 1, recur_seg_wide_kernel: each record read once)
-// computes what the two-CTA kernel computes, bit for bit, on the same segments and pieces (it plans
-// for the same two warpgroups an SM), with checkpoints inside segments too; under its own rules it
-// matches the reference.
+// The three-CTA kernel (168 registers, two stages) plans more segments and pieces under its rules.
+TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
+  expect_segmented_k2_variant_matches(3, {300, 17, 1024, 77, 2000}, "three CTAs an SM");
+}
+
+// The candidate with both V halves of a piece in one CTA of two warpgroups (recur_seg_wide_kernel:
+// each record read once) plans like two CTAs an SM.
 TEST_F(PrefillGpu, SegmentedK2WithBothHalvesInOneCta) {
-  KdaOptions o;
-  o.seqlens = {300, 17, 1024, 0, 77, 2000};
-  o.H = 4;
-  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-  for (const Precision precision : kModes) {
-    o.precision = precision;
-    KdaInputs in(o);
-    in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
-    auto bits = [&](const internal::PrefillLaunch& launch) {
-      DeviceProblem dev(in, launch);
-      dev.poison();
-      dev.run();
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      dev.download();
-      return std::make_pair(in.out.bytes, in.final_state.bytes);
-    };
-    for (const bool skip : {false, true}) {
-      internal::PrefillLaunch two{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, 2};
-      internal::PrefillLaunch wide = two;
-      wide.seg_ctas_per_sm = 1;
-      EXPECT_TRUE(bits(two) == bits(wide)) << precision_name(precision) << (skip ? " skipping" : " exact");
-    }
-    const Errors e = check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, 0, 0, 0, 0, 0, 0, 1});
-    report(std::string("both halves in one CTA, the rule, ") + precision_name(precision) + " out", e.out);
-  }
+  expect_segmented_k2_variant_matches(1, {300, 17, 1024, 0, 77, 2000}, "both halves in one CTA");
 }
 
 // A small call of that candidate for the sanitizers (scripts/gpu_check.sh sanitize).
