@@ -30,12 +30,12 @@ namespace flashkda::cuda::sm90::decode {
 
 // Kernel arguments: DecodeParams with dtypes resolved and the scale computed on the host.
 struct DecodeArgs {
-  const uint16_t* q;     // [tokens, H, K] bf16
-  const uint16_t* k;     // [tokens, H, K] bf16
-  const uint16_t* v;     // [tokens, H, V] bf16
+  const void* q;         // [tokens, H, K] bf16
+  const void* k;         // [tokens, H, K] bf16
+  const void* v;         // [tokens, H, V] bf16
   const void* g;         // [tokens, H, K] bf16 or fp32 (g_is_f32)
   const void* beta;      // [tokens, H]    bf16 or fp32 (beta_is_f32)
-  uint16_t* out;         // [tokens, H, V] bf16
+  void* out;             // [tokens, H, V] bf16
   void* state_pool;      // [P, H, V, K]   StateT
   const int32_t* state_indices;        // [N, indices_stride]
   const int32_t* num_accepted_tokens;  // [N] or null (null: not speculative)
@@ -149,15 +149,16 @@ __device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, const C
     const int64_t row = (bos + t0 + t) * a.H + c.h;  // token-head row of q, k, g, v
     StagedToken& st = staged[t];
     if (r < kQChunks) {
-      cp_async_16(&st.q[r], reinterpret_cast<const uint4*>(a.q + row * kHeadDimK) + r);
+      cp_async_16(&st.q[r], reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + row * kHeadDimK) + r);
     } else if ((r -= kQChunks) < kQChunks) {
-      cp_async_16(&st.k[r], reinterpret_cast<const uint4*>(a.k + row * kHeadDimK) + r);
+      cp_async_16(&st.k[r], reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.k) + row * kHeadDimK) + r);
     } else if ((r -= kQChunks) < g_chunks) {
       const char* g_row = static_cast<const char*>(a.g) + row * kHeadDimK * (a.g_is_f32 ? 4 : 2);
       cp_async_16(&st.g[r], reinterpret_cast<const uint4*>(g_row) + r);
     } else {
       r -= g_chunks;
-      cp_async_16(&st.v[r], reinterpret_cast<const uint4*>(a.v + row * kHeadDimV + c.cta_row0) + r);
+      cp_async_16(&st.v[r],
+                  reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.v) + row * kHeadDimV + c.cta_row0) + r);
     }
   }
 }
@@ -389,7 +390,8 @@ __device__ __forceinline__ float4 load_bias(const DecodeArgs& a, const Coord& c)
 template <class TileT>
 __device__ __forceinline__ void write_zero_outputs(const DecodeArgs& a, const Coord& c, const Span& sp) {
   for (int64_t tok = sp.bos; tok < sp.bos + sp.len; ++tok) {
-    if (threadIdx.x < TileT::kRowsPerCta) a.out[(tok * a.H + c.h) * kHeadDimV + c.cta_row0 + threadIdx.x] = 0;
+    if (threadIdx.x < TileT::kRowsPerCta)
+      static_cast<uint16_t*>(a.out)[(tok * a.H + c.h) * kHeadDimV + c.cta_row0 + threadIdx.x] = 0;
   }
 }
 
@@ -417,7 +419,7 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
       recur_token<StateT>(c, scalars, scratch, state, o);
 
       if (c.col == 0) {
-        uint16_t* out_row = a.out + ((sp.bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
+        uint16_t* out_row = static_cast<uint16_t*>(a.out) + ((sp.bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
 #pragma unroll
         for (int i = 0; i < kRows; ++i) out_row[i * kRowsPerPass] = float_to_bf16_bits(o[i]);
       }

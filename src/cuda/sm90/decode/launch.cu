@@ -20,12 +20,7 @@ namespace {
 
 sm90::decode::DecodeArgs make_args(const DecodeParams& p) {
   sm90::decode::DecodeArgs a{};
-  a.q = static_cast<const uint16_t*>(p.q);
-  a.k = static_cast<const uint16_t*>(p.k);
-  a.v = static_cast<const uint16_t*>(p.v);
-  a.g = p.g;
-  a.beta = p.beta;
-  a.out = static_cast<uint16_t*>(p.out);
+  a.q = p.q, a.k = p.k, a.v = p.v, a.g = p.g, a.beta = p.beta, a.out = p.out;
   a.state_pool = p.state_pool;
   a.state_indices = p.state_indices;
   a.num_accepted_tokens = p.num_accepted_tokens;
