@@ -2,7 +2,8 @@
 //   lower bound: a = lower_bound / (1 + e^{-a_scale x})   (lower_bound * sigmoid(a_scale x))
 //   softplus:    a = -a_scale * softplus(x)
 //   precomputed: a = x
-// with x = g + dt_bias[c] (the raw gate; dt_bias 0 where absent) and a_scale = e^{A_log[h]}.
+// with x = g + dt_bias[c] (the raw gate; dt_bias 0 where absent) and a_scale = e^{A_log[h]}; for
+// precomputed gates x is the log-decay g itself (no dt_bias is added to it).
 // Each backend passes its elementary functions as a policy M, so that every one keeps its own
 // arithmetic (and its bits):
 //   M::exp(y)        e^y
