@@ -605,6 +605,9 @@ TEST_F(PrefillGpu, SegmentsVarlenWithEmptySequences) {
 // Small enough for compute-sanitizer (scripts/gpu_check.sh sanitize): every kernel of the
 // segmented path, varlen with an empty sequence, both precisions.
 TEST_F(PrefillGpu, SegmentsSmallForSanitizers) {
+  // segments of 2 chunks; and the candidate K2 with both V halves of a piece in one CTA
+  // (seg_ctas_per_sm = 1), segments of 16 in pieces of 8, head 0 decaying fast so pieces skip
+  const internal::PrefillLaunch wide{0, 16, 0, 0, 1, 8, 0, 1};
   for (const Precision precision : kModes) {
     KdaOptions o;
     o.seqlens = {0, 100, 17, 300};
@@ -612,7 +615,9 @@ TEST_F(PrefillGpu, SegmentsSmallForSanitizers) {
     o.precision = precision;
     o.initial_state = StateKind::kF32, o.final_state = StateKind::kBF16;
     KdaInputs in(o);
-    check_against_reference(in, kTolOut, kTolState, segments(2));
+    in.A_log[0] = -1.0f;
+    for (const internal::PrefillLaunch& launch : {segments(2), wide})
+      check_against_reference(in, kTolOut, kTolState, launch);
   }
 }
 
@@ -815,7 +820,8 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
 // A variant of the segmented K2 (internal::PrefillLaunch::seg_ctas_per_sm) computes what the
 // two-CTA kernel computes, bit for bit, on the same segments and pieces (the same arithmetic in the
 // same order), exact and skipping, every mode; with its own rules it matches the reference.
-void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int64_t>& seqlens, const std::string& name) {
+void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int64_t>& seqlens,
+                                         const std::string& name) {
   KdaOptions o;
   o.seqlens = seqlens;
   o.H = 4;
@@ -836,7 +842,8 @@ void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int6
       internal::PrefillLaunch two{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, 2};
       internal::PrefillLaunch variant = two;
       variant.seg_ctas_per_sm = ctas_per_sm;
-      EXPECT_TRUE(bits(two) == bits(variant)) << name << " " << precision_name(precision) << (skip ? " skipping" : " exact");
+      EXPECT_TRUE(bits(two) == bits(variant))
+          << name << " " << precision_name(precision) << (skip ? " skipping" : " exact");
     }
     internal::PrefillLaunch rule{};
     rule.seg_ctas_per_sm = ctas_per_sm;
@@ -854,17 +861,6 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
 // each record read once) plans like two CTAs an SM.
 TEST_F(PrefillGpu, SegmentedK2WithBothHalvesInOneCta) {
   expect_segmented_k2_variant_matches(1, {300, 17, 1024, 0, 77, 2000}, "both halves in one CTA");
-}
-
-// A small call of that candidate for the sanitizers (scripts/gpu_check.sh sanitize).
-TEST_F(PrefillGpu, SegmentsSmallWideForSanitizers) {
-  KdaOptions o;
-  o.seqlens = {0, 100, 17, 300};
-  o.H = 2;
-  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-  KdaInputs in(o);
-  in.A_log[0] = -1.0f;
-  check_against_reference(in, kTolOut, kTolState, internal::PrefillLaunch{0, 16, 0, 0, 1, 8, 0, 1});
 }
 
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {

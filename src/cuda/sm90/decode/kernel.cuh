@@ -149,9 +149,11 @@ __device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, const C
     const int64_t row = (bos + t0 + t) * a.H + c.h;  // token-head row of q, k, g, v
     StagedToken& st = staged[t];
     if (r < kQChunks) {
-      cp_async_16(&st.q[r], reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + row * kHeadDimK) + r);
+      cp_async_16(&st.q[r],
+                  reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.q) + row * kHeadDimK) + r);
     } else if ((r -= kQChunks) < kQChunks) {
-      cp_async_16(&st.k[r], reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.k) + row * kHeadDimK) + r);
+      cp_async_16(&st.k[r],
+                  reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.k) + row * kHeadDimK) + r);
     } else if ((r -= kQChunks) < g_chunks) {
       const char* g_row = static_cast<const char*>(a.g) + row * kHeadDimK * (a.g_is_f32 ? 4 : 2);
       cp_async_16(&st.g[r], reinterpret_cast<const uint4*>(g_row) + r);
@@ -419,7 +421,8 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
       recur_token<StateT>(c, scalars, scratch, state, o);
 
       if (c.col == 0) {
-        uint16_t* out_row = static_cast<uint16_t*>(a.out) + ((sp.bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
+        uint16_t* out_row =
+            static_cast<uint16_t*>(a.out) + ((sp.bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
 #pragma unroll
         for (int i = 0; i < kRows; ++i) out_row[i * kRowsPerPass] = float_to_bf16_bits(o[i]);
       }

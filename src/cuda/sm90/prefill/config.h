@@ -157,8 +157,9 @@ constexpr int kSegMinChunks = 16;                     // shortest segment the la
 // is one piece (then it has no exact run and no transition at all). A run walks from the segment
 // start or a skippable boundary to the next of either: the segment's first run is exact (from the
 // initial state in segment 0, from zero with o_zero, w and the transition rows elsewhere), every
-// other one starts from zero at its warm-up and writes final outputs. So only the exact run needs X_s, and where it ends inside the
-// segment nothing after it does: the chain takes X_{s+1} = the last run's end state.
+// other one starts from zero at its warm-up and writes final outputs. So only the exact run needs
+// X_s, and where it ends inside the segment nothing after it does: the chain takes X_{s+1} = the
+// last run's end state.
 constexpr float kSkipLogBound = -20.79441541679836f;  // ln(2^-30)
 constexpr int kWarmupBlock = 16;       // bounds one thread loads at once while it scans a warm-up
 constexpr int kMaxPieces = 256;        // pieces per segment (the launcher lengthens run_chunks to fit)

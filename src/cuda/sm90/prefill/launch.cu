@@ -87,20 +87,20 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // one of at least kSegMinChunks chunks or no segments.
 bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.checkpoints_in_segments >= 0; }
 
-// CTAs of the segmented K2 an SM holds, which the segment and piece rules plan for
-// (internal::PrefillLaunch::seg_ctas_per_sm): 2 (up to 242 registers, three stages) or 3 (168
-// registers, two stages). The rule takes 3 from H = 16 up: measured (BENCHMARKS.md, three CTAs an
-// SM) 3.6-4.3% faster with long memory and 4-5% on random gates at H = 16 and 32, but 2.6-6% slower with long
+// CTAs of the segmented K2 an SM holds (internal::PrefillLaunch::seg_ctas_per_sm): 2 (up to 242
+// registers, three stages) or 3 (168 registers, two stages) of one warpgroup, or 1 of two (a
+// candidate, recur_seg_wide_kernel: both V halves of a piece in one CTA, so each record is read
+// once). The rule takes 3 from H = 16 up: measured (BENCHMARKS.md, three CTAs an SM) 3.6-4.3%
+// faster with long memory and 4-5% on random gates at H = 16 and 32, but 2.6-6% slower with long
 // memory at H = 12, where its eight segments (against six) add more transition work than they
 // shorten the walk.
-// 1 (internal::PrefillLaunch::seg_ctas_per_sm = 1, a candidate) is recur_seg_wide_kernel: both V
-// halves of a piece in one CTA of two warpgroups, one CTA an SM, so each record is read once.
 int seg_ctas_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
   if (launch.seg_ctas_per_sm >= 1 && launch.seg_ctas_per_sm <= 3) return launch.seg_ctas_per_sm;
   return H >= 16 ? 3 : 2;
 }
 
-// The warpgroups an SM holds, which the segment and piece rules plan for: two, or three at three CTAs an SM.
+// The warpgroups an SM holds, which the segment and piece rules plan for: three at three CTAs an
+// SM, else two.
 int seg_warpgroups_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
   return seg_ctas_per_sm(launch, H) == 3 ? 3 : 2;
 }
@@ -120,10 +120,12 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
   if (launch.segment_chunks > 0)  // forced; longer than any sequence is one segment each
     return fit_checkpoints(std::min(launch.segment_chunks, longest), 1);
   if (N <= 0 || H <= 0) return 0;
-  // Whether to cut at all is decided for two CTAs an SM (as before the three-CTA kernel); how
-  // many segments, for the CTAs an SM the call runs.
+  // Whether to cut at all is decided for two warpgroups an SM (as before the three-CTA kernel);
+  // how many segments, for the warpgroups an SM the call runs.
   const int64_t sms = sm_count();
-  auto filling = [&](int64_t ctas_per_sm) { return (ctas_per_sm * sms / H + 2 * N) / 4; };  // over all sequences
+  auto filling = [&](int64_t warpgroups_per_sm) {  // segments over all sequences
+    return (warpgroups_per_sm * sms / H + 2 * N) / 4;
+  };
   if (filling(2) < (precision == Precision::kFast ? 3 : 2) * N) return 0;
   const int64_t segments = filling(seg_warpgroups_per_sm(launch, H));
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;

@@ -370,12 +370,13 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
 // and with transition skipping 4 + 2 (i - 1) + half the value rows of piece i >= 1 (config.h
 // "Transition skipping"). kWarps = 8 (recur_seg_wide_kernel): grid (max_segs * H, 2 + max_pieces - 1),
 // both halves in one CTA of two warpgroups, so each record is read once: blockIdx.y 0 the value
-// rows, 1 the transition rows, 2 + (i - 1) the value rows of piece i >= 1. Segment 0 runs from the initial state and writes its outputs; segments s > 0 run from
-// zero (transition rows: the identity, with zero values) and write fp32 o_zero and w for the
-// combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
-// final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
-// are not finite (Params::seg_taint).
-// The kernels below are this body under two register budgets.
+// rows, 1 the transition rows, 2 + (i - 1) the value rows of piece i >= 1. Segment 0 runs from the
+// initial state and writes its outputs; segments s > 0 run from zero (transition rows: the
+// identity, with zero values) and write fp32 o_zero and w for the combine kernel, and B_s^T and
+// A_s^T. A skipping run starts from zero at its warm-up and writes final outputs; a run that ends
+// inside its segment writes, instead of a state, which of its rows are not finite
+// (Params::seg_taint).
+// The kernels below are this body under their launch bounds and stage counts.
 template <int kWarps, class Split, bool kSeg, int kStagesT>
 __device__ __forceinline__ void recur_body(const Params& p) {
   using Smem = RecurSmem<kWarps, Split, kSeg, kStagesT>;
@@ -724,7 +725,7 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 }
 
 // The segmented K2 with both V halves of a piece in one CTA of two warpgroups, one CTA an SM
-// (internal::PrefillLaunch::seg_wide: a candidate): each chunk record is read once per piece
+// (internal::PrefillLaunch::seg_ctas_per_sm = 1: a candidate): each chunk record is read once per piece
 // instead of once per half.
 template <class Split>
 __global__ void __launch_bounds__(256, 1) recur_seg_wide_kernel(const __grid_constant__ Params p) {
