@@ -75,9 +75,10 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // kSegMinChunks chunks (each segment boundary costs a chain step).
 // Measured on the H200 (docs/BENCHMARKS.md): a segmented chunk takes ~2.0 us against the serial
 // kernel's ~1.2 us (two warpgroups per SM), and the combine adds ~1.25 KB of traffic per token
-// and head, so two segments per sequence gain only 6-7% in the precise mode (T=32768, H=32) and
-// lose ~2% in the fast mode, whose chunks are cheaper: the rule asks for 3 segments per sequence
-// on average in the fast mode and 2 in the others.
+// and head; the rule cuts where the slots hold 2 segments per sequence on average or more, in every
+// mode. (Before transition skipping, two segments per sequence lost ~2% in the fast mode, whose
+// chunks are cheaper, and the fast mode asked for 3; with skipping its serial walk is the slower one,
+// BENCHMARKS.md "fast".)
 //
 // With checkpoints, the checkpoints inside a segment come from its partial transitions (the rule,
 // ckpt_in_segments), so any segment length serves. internal::PrefillLaunch::checkpoints_in_segments
@@ -105,7 +106,7 @@ int seg_warpgroups_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
   return seg_ctas_per_sm(launch, H) == 3 ? 3 : 2;
 }
 
-int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precision precision,
+int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
                               int64_t checkpoint_every, const internal::PrefillLaunch& launch) {
   const int64_t longest = std::max<int64_t>(1, max_chunk_slots(total_tokens, 1));  // chunks of any sequence
   auto fit_checkpoints = [&](int64_t seg_chunks, int64_t shortest) -> int64_t {
@@ -126,7 +127,7 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens, Precis
   auto filling = [&](int64_t warpgroups_per_sm) {  // segments over all sequences
     return (warpgroups_per_sm * sms / H + 2 * N) / 4;
   };
-  if (filling(2) < (precision == Precision::kFast ? 3 : 2) * N) return 0;
+  if (filling(2) < 2 * N) return 0;
   const int64_t segments = filling(seg_warpgroups_per_sm(launch, H));
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
@@ -271,7 +272,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws);
 }  // namespace
 
 int64_t prefill_segment_chunks(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.precision, p.checkpoint_every, launch);
+  return choose_segment_chunks(detail::num_sequences(p), p.H, p.B * p.T, p.checkpoint_every, launch);
 }
 
 // Whether segments may skip their transition (internal::PrefillLaunch::skip_transitions: the rule
