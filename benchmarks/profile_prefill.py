@@ -97,10 +97,7 @@ def main():
     for name, H, seqlens, state in CASES:
         x = make_inputs(H, seqlens, state)
         for precision in ("precise", "balanced", "fast"):
-            launches = [("default", {}), ("serial", dict(segment_chunks=-1))]
-            if precision == "precise" and H <= 32:  # the segmented K2 with both V halves in one CTA (a candidate)
-                launches.append(("one CTA a piece", dict(seg_ctas_per_sm=1)))
-            for label, launch in launches:
+            for label, launch in (("default", {}), ("serial", dict(segment_chunks=-1))):
                 fn = run_flashkda(x, state, precision, launch)[0]
                 times = kernel_times(fn)
                 for kname, ms in sorted(times.items(), key=lambda kv: -kv[1]):

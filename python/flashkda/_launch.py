@@ -1,9 +1,10 @@
 """Calls into flashkda._C for arrays that the wrappers have already checked and laid out.
 
-On CUDA tensors the work goes on torch's current stream with a workspace cached per (device,
-stream) and grown when a call needs more; nothing here synchronises the host, so the calls can be
-captured in a CUDA graph (during capture a call allocates its own workspace from the graph's pool
-instead of touching the cache).
+On CUDA tensors the work goes on torch's current stream with a workspace from torch's caching
+allocator, taken for the call on that stream and given back when it returns (so it is reused by the
+next call on the stream, without a cudaMalloc, and held by no stream that is gone); nothing here
+synchronises the host, so the calls can be captured in a CUDA graph (during capture the workspace
+comes from the graph's pool).
 """
 
 from __future__ import annotations
@@ -38,26 +39,14 @@ class Preprocess(NamedTuple):
         )
 
 
-# (device index, stream handle) -> uint8 tensor; grown, never shrunk.
-_workspaces: dict = {}
-
 # The internal launch configuration (flashkda._internal.launch): empty = the launchers' own rules.
 _config: dict = {}
 
 
-def _workspace(torch, device, stream: int, nbytes: int):
-    if torch.cuda.is_current_stream_capturing():
-        # A captured graph owns its own buffer: the caching allocator keeps it for the graph, and
-        # replays never race with eager calls that use the cache.
-        return torch.empty(nbytes, dtype=torch.uint8, device=device)
-    key = (device.index, stream)
-    ws = _workspaces.get(key)
-    if ws is None or ws.numel() < nbytes:
-        grown = max(nbytes, 0 if ws is None else ws.numel() * 5 // 4)
-        grown = (grown + (1 << 20) - 1) & ~((1 << 20) - 1)  # whole MiB
-        ws = torch.empty(grown, dtype=torch.uint8, device=device)
-        _workspaces[key] = ws
-    return ws
+def _workspace(torch, device, nbytes: int):
+    # torch's allocator ties the block to the current stream (the call's); once freed it serves only
+    # later allocations on that stream, which run after this call's kernels.
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _cuda_call(q, fn):
@@ -83,7 +72,7 @@ def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, fin
     kw.update(_config.get("prefill", {}))
     if ops is TorchOps and q.is_cuda:
         def run(stream, torch):
-            _C.forward(*args, workspace_alloc=lambda nbytes: _workspace(torch, q.device, stream, nbytes),
+            _C.forward(*args, workspace_alloc=lambda nbytes: _workspace(torch, q.device, nbytes),
                        stream=stream, **kw)
 
         _cuda_call(q, run)

@@ -15,7 +15,7 @@ void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) 
 template <int kWarps, class Split>
 void launch_recur(const Params& p, cudaStream_t stream);  // K2, grid (N*H, 8 / kWarps)
 
-template <class Split, int kCtasPerSm>  // 2 or 3 CTAs an SM, or 1 of two warpgroups (launch.cu seg_ctas_per_sm)
+template <class Split, int kCtasPerSm>  // 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm)
 void launch_recur_segmented(const Params& p, cudaStream_t stream);  // K2 over segments, grid (max_segs*H, 4 + ...)
 void launch_segment_chain(const Params& p, cudaStream_t stream);     // segment start states, final state
 void launch_segment_combine(const Params& p, cudaStream_t stream);   // outputs of segments s > 0

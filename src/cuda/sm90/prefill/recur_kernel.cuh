@@ -38,6 +38,7 @@ namespace flashkda::cuda::sm90::prefill {
 template <int kWarps, class Split, bool kSeg = false, int kStagesT = 3>
 struct RecurSmem {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
+  static_assert(!kSeg || kWarps == 4, "the segmented K2 runs one warpgroup per CTA");
   static constexpr int kVCols = kWarps * 16;
   static constexpr int kStages = kStagesT;
   struct alignas(128) Stage {
@@ -365,17 +366,14 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
 }
 
 // kSeg = false: grid (N * H, 8 / kWarps), one CTA walks a whole sequence for kWarps * 16 value rows.
-// kSeg = true (config.h "Segments"), kWarps = 4: grid (max_segs * H, 4 + 2 * (max_pieces - 1)), one
-// warpgroup per CTA; blockIdx.y 0-1 are the value rows, 2-3 the transition rows (A^T) of a segment,
-// and with transition skipping 4 + 2 (i - 1) + half the value rows of piece i >= 1 (config.h
-// "Transition skipping"). kWarps = 8 (recur_seg_wide_kernel): grid (max_segs * H, 2 + max_pieces - 1),
-// both halves in one CTA of two warpgroups, so each record is read once: blockIdx.y 0 the value
-// rows, 1 the transition rows, 2 + (i - 1) the value rows of piece i >= 1. Segment 0 runs from the
-// initial state and writes its outputs; segments s > 0 run from zero (transition rows: the
-// identity, with zero values) and write fp32 o_zero and w for the combine kernel, and B_s^T and
-// A_s^T. A skipping run starts from zero at its warm-up and writes final outputs; a run that ends
-// inside its segment writes, instead of a state, which of its rows are not finite
-// (Params::seg_taint).
+// kSeg = true (config.h "Segments"): grid (max_segs * H, 4 + 2 * (max_pieces - 1)), one warpgroup per
+// CTA; blockIdx.y 0-1 are the value rows, 2-3 the transition rows (A^T) of a segment, and with
+// transition skipping 4 + 2 (i - 1) + half the value rows of piece i >= 1 (config.h "Transition
+// skipping"). Segment 0 runs from the initial state and writes its outputs; segments s > 0 run from
+// zero (transition rows: the identity, with zero values) and write fp32 o_zero and w for the
+// combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
+// final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
+// are not finite (Params::seg_taint).
 // The kernels below are this body under their launch bounds and stage counts.
 template <int kWarps, class Split, bool kSeg, int kStagesT>
 __device__ __forceinline__ void recur_body(const Params& p) {
@@ -404,14 +402,11 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   if constexpr (kSeg) {
     h = int(blockIdx.x % p.H);
     if (!locate_segment(p, blockIdx.x / p.H, seg)) return;
-    constexpr bool kHalves = kWarps == 4;  // two CTAs a piece's rows (else one)
-    const int piece = kHalves ? (blockIdx.y < 4 ? 0 : 1 + (int(blockIdx.y) - 4) / 2)
-                              : (blockIdx.y < 2 ? 0 : int(blockIdx.y) - 1);
-    const bool transition = kHalves ? blockIdx.y == 2 || blockIdx.y == 3 : blockIdx.y == 1;
+    const int piece = blockIdx.y < 4 ? 0 : 1 + (int(blockIdx.y) - 4) / 2;
+    const bool transition = blockIdx.y == 2 || blockIdx.y == 3;
     if (seg.s == 0 && !p.transitions_only && transition) return;  // a known start state: no transition
     n = seg.n;
-    row_base = kHalves ? (blockIdx.y < 4 ? int(blockIdx.y) * Smem::kVCols : Smem::kVCols * (blockIdx.y % 2))
-                       : (blockIdx.y == 1 ? kHeadDim : 0);
+    row_base = blockIdx.y < 4 ? int(blockIdx.y) * Smem::kVCols : Smem::kVCols * (blockIdx.y % 2);
     const SeqChunks whole = seq_chunks(p, n);
     sc = segment_chunks(p, whole, seg.s);
     if (p.seg_exact != nullptr && !p.transitions_only && state_slot(p, n) < 0) {
@@ -722,14 +717,6 @@ __device__ __forceinline__ void recur_body(const Params& p) {
 template <int kWarps, class Split, bool kSeg>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
   recur_body<kWarps, Split, kSeg, 3>(p);
-}
-
-// The segmented K2 with both V halves of a piece in one CTA of two warpgroups, one CTA an SM
-// (internal::PrefillLaunch::seg_ctas_per_sm = 1: a candidate): each chunk record is read once per piece
-// instead of once per half.
-template <class Split>
-__global__ void __launch_bounds__(256, 1) recur_seg_wide_kernel(const __grid_constant__ Params p) {
-  recur_body<8, Split, true, 3>(p);
 }
 
 // The segmented K2 at three CTAs an SM (launch.cu seg_ctas_per_sm: the rule from H = 16 up): 168

@@ -20,26 +20,22 @@ void launch_recur(const Params& p, cudaStream_t stream) {
   FLASHKDA_CHECK_LAUNCH();
 }
 
-// kCtasPerSm: the segmented K2 at 2 or 3 CTAs an SM of one warpgroup, or 1 of two (both V halves
-// of a piece: recur_seg_wide_kernel) (launch.cu seg_ctas_per_sm; RecurSmem).
+// kCtasPerSm: the segmented K2 at 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm; RecurSmem).
 template <class Split, int kCtasPerSm>
 void launch_recur_segmented(const Params& p, cudaStream_t stream) {
   const int64_t ctas = p.max_segs * p.H;
   if (ctas == 0) return;
-  constexpr int kWarps = kCtasPerSm == 1 ? 8 : 4;
-  constexpr int smem = sizeof(RecurSmem<kWarps, Split, true, kCtasPerSm >= 3 ? kSeg3Stages : 3>);
+  constexpr int smem = sizeof(RecurSmem<4, Split, true, kCtasPerSm >= 3 ? kSeg3Stages : 3>);
   constexpr auto kernel = [] {  // only the one this instantiation launches is compiled in its unit
     if constexpr (kCtasPerSm >= 3) return recur_seg3_kernel<Split>;
-    else if constexpr (kCtasPerSm == 1) return recur_seg_wide_kernel<Split>;
     else return recur_kernel<4, Split, true>;
   }();
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Value and transition rows of each segment; with transition skipping, the value rows of every
   // further piece (recur_kernel).
-  constexpr unsigned kPerPiece = unsigned(kHeadDim / (kWarps * 16));  // CTAs of one piece's rows
   const unsigned pieces = unsigned(p.run_chunks > 0 ? p.max_pieces : 1);
-  const dim3 grid(unsigned(ctas), 2 * kPerPiece + kPerPiece * (pieces - 1));
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
+  const dim3 grid(unsigned(ctas), kSegRows / 64 + 2 * (pieces - 1));
+  kernel<<<grid, 4 * 32, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
 }
 
