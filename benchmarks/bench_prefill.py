@@ -366,10 +366,6 @@ def implementations(args):
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
         impls.append(("flashkda no skipping",
                       lambda x, s: run_flashkda(x, s, launch=dict(skip_transitions=-1))))
-        # the segmented K2 with both V halves of a piece in one CTA (each record read once; DESIGN.md
-        # "Segments", Next)
-        impls.append(("flashkda one CTA a piece",
-                      lambda x, s: run_flashkda(x, s, launch=dict(seg_ctas_per_sm=1))))
         # the fast mode's serial walk, which its segment rule took where the slots hold fewer than 3
         # segments a sequence (before transition skipping; DESIGN.md "Segments")
         impls.append(("flashkda fast serial",
@@ -459,8 +455,7 @@ def main():
     ap.add_argument("--candidates", action="store_true",
                     help="also the internal variants: the precise mode with the bf16 split of the state in place of "
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
-                         "transition skipping (docs/DESIGN.md 'Segments', runs), the segmented K2 with both V "
-                         "halves of a piece in one CTA, and the fast mode without segments")
+                         "transition skipping (docs/DESIGN.md 'Segments', runs), and the fast mode without segments")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

@@ -32,9 +32,7 @@ struct PrefillLaunch {
   int64_t skip_warmup_chunks = 0;  // with transition skipping: the longest warm-up, chunks; 0 = rule (a piece)
   int seg_ctas_per_sm = 0;  // GPU, with segments: the segmented K2 at 2 CTAs an SM (up to 242 registers, three
                             // stages) or 3 (168 registers, two stages), the segment and piece rules planning for
-                            // that many warpgroups an SM; 1 = a candidate: both V halves of a piece in one CTA of
-                            // two warpgroups, one an SM (each record read once; planned as 2); 0 = rule (3 from
-                            // H = 16 up, else 2)
+                            // that many warpgroups an SM; 0 = rule (3 from H = 16 up, else 2)
 };
 
 struct DecodeLaunch {

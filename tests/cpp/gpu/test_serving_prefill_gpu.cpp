@@ -260,12 +260,8 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   // the former rule's lengths that divide checkpoint_every (checkpoints_in_segments = -1).
   // Last, transition skipping (segments of 16 and 20 chunks in pieces of 8, warm-ups of up to 8): the
   // checkpoints of skipping runs (after their warm-up) and of exact runs that end inside a segment.
-  // Then two of those with the candidate segmented K2 that keeps both V halves in one CTA
-  // (seg_ctas_per_sm = 1).
-  const internal::PrefillLaunch seg_launches[] = {{0, 4, 0, -1},        {0, 2, 0, -1},        {0, 3},
-                                                  {0, 5, 0, 1},         {0, 4},               {0, 16, 0, 0, 1, 8},
-                                                  {0, 20, 0, 0, 1, 8},  {0, 5, 0, 1, 0, 0, 0, 1},
-                                                  {0, 16, 0, 0, 1, 8, 0, 1}};
+  const internal::PrefillLaunch seg_launches[] = {{0, 4, 0, -1},        {0, 2, 0, -1}, {0, 3}, {0, 5, 0, 1}, {0, 4},
+                                                  {0, 16, 0, 0, 1, 8}, {0, 20, 0, 0, 1, 8}};
   std::vector<uint8_t> runs_out;  // the outputs of the first launch with transition skipping
   for (const internal::PrefillLaunch& launch : seg_launches) {
     const int64_t seg = launch.segment_chunks;
@@ -282,8 +278,7 @@ TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
     EXPECT_EQ(count_nonfinite(seg_dense.values()), 0);
     const double es = rel_rms(seg_dense.values(), ref_ck);
     report("gpu checkpoints segments" + std::to_string(seg) + (launch.checkpoints_in_segments >= 0 ? " inside" : "") +
-               (launch.skip_run_chunks > 0 ? " runs" : "") + (launch.seg_ctas_per_sm == 1 ? " one CTA" : "") +
-               " rel-RMS",
+               (launch.skip_run_chunks > 0 ? " runs" : "") + " rel-RMS",
            es);
     EXPECT_LT(es, tol);
     EXPECT_LT(rel_rms(c.in.out.values(), ref_out), 6e-3);

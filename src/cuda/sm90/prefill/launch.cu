@@ -88,22 +88,14 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // one of at least kSegMinChunks chunks or no segments.
 bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.checkpoints_in_segments >= 0; }
 
-// CTAs of the segmented K2 an SM holds (internal::PrefillLaunch::seg_ctas_per_sm): 2 (up to 242
-// registers, three stages) or 3 (168 registers, two stages) of one warpgroup, or 1 of two (a
-// candidate, recur_seg_wide_kernel: both V halves of a piece in one CTA, so each record is read
-// once). The rule takes 3 from H = 16 up: measured (BENCHMARKS.md, three CTAs an SM) 3.6-4.3%
-// faster with long memory and 4-5% on random gates at H = 16 and 32, but 2.6-6% slower with long
-// memory at H = 12, where its eight segments (against six) add more transition work than they
-// shorten the walk.
+// CTAs of the segmented K2 an SM holds, one warpgroup each (internal::PrefillLaunch::seg_ctas_per_sm):
+// 2 (up to 242 registers, three stages) or 3 (168 registers, two stages). The rule takes 3 from
+// H = 16 up: measured (BENCHMARKS.md, three CTAs an SM) 3.6-4.3% faster with long memory and 4-5%
+// on random gates at H = 16 and 32, but 2.6-6% slower with long memory at H = 12, where its eight
+// segments (against six) add more transition work than they shorten the walk.
 int seg_ctas_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
-  if (launch.seg_ctas_per_sm >= 1 && launch.seg_ctas_per_sm <= 3) return launch.seg_ctas_per_sm;
+  if (launch.seg_ctas_per_sm == 2 || launch.seg_ctas_per_sm == 3) return launch.seg_ctas_per_sm;
   return H >= 16 ? 3 : 2;
-}
-
-// The warpgroups an SM holds, which the segment and piece rules plan for: three at three CTAs an
-// SM, else two.
-int seg_warpgroups_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
-  return seg_ctas_per_sm(launch, H) == 3 ? 3 : 2;
 }
 
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
@@ -128,7 +120,7 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
     return (warpgroups_per_sm * sms / H + 2 * N) / 4;
   };
   if (filling(2) < 2 * N) return 0;
-  const int64_t segments = filling(seg_warpgroups_per_sm(launch, H));
+  const int64_t segments = filling(seg_ctas_per_sm(launch, H));
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
@@ -154,7 +146,7 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
   int64_t run = launch.skip_run_chunks;
   if (run <= 0) {
     const int64_t segments = std::max<int64_t>(1, (chunks + seg_chunks - 1) / seg_chunks);  // 0 tokens: 1
-    const int64_t slots = seg_warpgroups_per_sm(launch, H) * int64_t(sm_count());  // warpgroup slots of the GPU
+    const int64_t slots = seg_ctas_per_sm(launch, H) * int64_t(sm_count());  // warpgroup slots of the GPU
     const int64_t per_segment = H > 0 ? (slots / (2 * H)) / segments : 0;
     if (per_segment >= 2 && seg_chunks >= 32 * per_segment) {
       run = (seg_chunks + per_segment - 1) / per_segment;
@@ -220,7 +212,6 @@ template <class Split>
 void launch_segmented(const Params& kp, int ctas_per_sm, cudaStream_t stream) {
   launch_prepare<Split>(kp, stream);
   if (ctas_per_sm == 3) launch_recur_segmented<Split, 3>(kp, stream);
-  else if (ctas_per_sm == 1) launch_recur_segmented<Split, 1>(kp, stream);
   else launch_recur_segmented<Split, 2>(kp, stream);
   launch_segment_chain(kp, stream);
   launch_segment_combine(kp, stream);
