@@ -149,7 +149,7 @@ if want decode; then
 fi
 if want profile; then
   step profile
-  python3 benchmarks/profile_prefill.py 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
+  python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
   if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
     # PROFILE_NCU_CASES: bench_prefill cases as TABLE:INDEX (default MANY:1, T=8192 H=96), fp32
     # state, the first call's K1 and K2 kernels (the segmented and three-CTA ones included).
