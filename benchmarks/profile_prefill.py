@@ -2,11 +2,9 @@
 both precision modes and with and without segments, plus the host time of one eager call.
 Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick | --host-only | --k1-prefetch]
+    python benchmarks/profile_prefill.py [--quick | --host-only]
 
---quick: the per-kernel table only. --host-only: the host-time table only. --k1-prefetch: K1's time
-with the L2 prefetch candidate at a few distances (internal::PrefillLaunch::k1_prefetch), both
-precise and fast, every case of CASES plus T=131072 H=32.
+--quick: the per-kernel table only. --host-only: the host-time table only.
 """
 import os
 import re
@@ -89,29 +87,7 @@ def host_overhead():
         torch.cuda.empty_cache()
 
 
-def k1_prefetch_table():
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    distances = [0, 2 * sms, 6 * sms, 12 * sms, 24 * sms]  # CTAs ahead; K1 holds 6 CTAs an SM
-    print("| case | precision | " + " | ".join(f"K1, {d} CTAs ahead" for d in distances) + " | call, "
-          + " | call, ".join(str(d) for d in distances) + " |")
-    print("|---|---|" + "---|" * (2 * len(distances)))
-    for name, H, seqlens, state in CASES + [FEW[8]]:
-        x = make_inputs(H, seqlens, state)
-        for precision in ("precise", "fast"):
-            k1, calls = [], []
-            for d in distances:
-                times = kernel_times(run_flashkda(x, state, precision, dict(k1_prefetch=d))[0])
-                k1.append(sum(ms for k, ms in times.items() if k.startswith("prepare_kernel")))
-                calls.append(sum(times.values()))
-            print(f"| {name} | {precision} | " + " | ".join(f"{t:.3f}" for t in k1) + " | "
-                  + " | ".join(f"{t:.3f}" for t in calls) + " |", flush=True)
-        del x
-        torch.cuda.empty_cache()
-
-
 def main():
-    if "--k1-prefetch" in sys.argv[1:]:
-        return k1_prefetch_table()
     if "--quick" not in sys.argv[1:]:
         host_overhead()
     if "--host-only" in sys.argv[1:]:

@@ -9,7 +9,8 @@
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, memcheck on
 #   them, and a flashkda-only benchmark of the internal variants and the serving costs);
-#   decode = the decode benchmark; profile = per-kernel times and ncu of K1/K2; ab =
+#   decode = the decode benchmark; profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
 #   a local peer hook installs peers under /tmp/peers, which is put on PYTHONPATH when present.

@@ -33,9 +33,6 @@ struct PrefillLaunch {
   int seg_ctas_per_sm = 0;  // GPU, with segments: the segmented K2 at 2 CTAs an SM (up to 242 registers, three
                             // stages) or 3 (168 registers, two stages), the segment and piece rules planning for
                             // that many warpgroups an SM; 0 = rule (3 from H = 16 up, else 2)
-  int64_t k1_prefetch = 0;  // GPU, a candidate: each K1 CTA prefetches into L2 the q, k and g rows of the CTA
-                            // this many CTAs after it (rounded up to whole chunks of its head), so that K1's
-                            // loads find L2 instead of DRAM (docs/DESIGN.md "Profile"); 0 and -1 = none
 };
 
 struct DecodeLaunch {

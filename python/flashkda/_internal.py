@@ -7,7 +7,7 @@
 Not public API: the defaults are the launchers' own rules, which is what every call without this
 context runs; nothing is read from the environment. See src/launch_config.h for the meaning of
 each field (prefill: v_splits, segment_chunks, f16_operands, checkpoints_in_segments, skip_transitions,
-skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm, k1_prefetch, k1_prefetch; decode: persistent).
+skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm; decode: persistent).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from . import _launch
 _PREFILL = {"v_splits": "_v_splits", "segment_chunks": "_segment_chunks", "f16_operands": "_f16_operands",
             "checkpoints_in_segments": "_ckpt_in_segments", "skip_transitions": "_skip_transitions",
             "skip_run_chunks": "_skip_run_chunks", "skip_warmup_chunks": "_skip_warmup_chunks",
-            "seg_ctas_per_sm": "_seg_ctas_per_sm", "k1_prefetch": "_k1_prefetch"}
+            "seg_ctas_per_sm": "_seg_ctas_per_sm"}
 _DECODE = {"persistent": "_persistent"}
 
 

@@ -852,41 +852,6 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
   expect_segmented_k2_variant_matches(3, {300, 17, 1024, 77, 2000}, "three CTAs an SM");
 }
 
-// K1's L2 prefetch (internal::PrefillLaunch::k1_prefetch, a candidate) changes no result: bit for bit
-// the default launch's, every mode, bf16 and fp32 gates, varlen with partial and empty sequences (the
-// prefetched rows a few tokens off), with and without segments, and a distance past the last chunk.
-TEST_F(PrefillGpu, K1PrefetchLeavesResultsBitIdentical) {
-  for (const DType g_dtype : {DType::kBF16, DType::kF32})
-    for (const Precision precision : kModes) {
-      KdaOptions o;
-      o.seqlens = {300, 17, 1024, 0, 77, 2000};
-      o.H = 3;
-      o.precision = precision;
-      o.g_dtype = g_dtype;
-      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-      KdaInputs in(o);
-      auto bits = [&](const internal::PrefillLaunch& launch) {
-        DeviceProblem dev(in, launch);
-        dev.poison();
-        dev.run();
-        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        dev.download();
-        return std::make_pair(in.out.bytes, in.final_state.bytes);
-      };
-      for (const int64_t segment_chunks : {int64_t(-1), int64_t(0)}) {
-        internal::PrefillLaunch plain{};
-        plain.segment_chunks = segment_chunks;
-        const auto expected = bits(plain);
-        for (const int64_t ahead : {int64_t(1), int64_t(100), int64_t(1) << 20}) {
-          internal::PrefillLaunch prefetch = plain;
-          prefetch.k1_prefetch = ahead;
-          EXPECT_TRUE(bits(prefetch) == expected) << precision_name(precision) << " g " << dtype_name(g_dtype)
-                                                  << " segments " << segment_chunks << " ahead " << ahead;
-        }
-      }
-    }
-}
-
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;

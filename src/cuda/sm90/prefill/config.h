@@ -213,7 +213,6 @@ struct Params {
   int32_t* error_flag;        // workspace header (K0): 1 when cu_seqlens is invalid or a live slot is named twice
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
-  int64_t prefetch_slots;     // K1: prefetch into L2 the rows of the chunk this many slots later (0: none)
 
   // Segments (all zero / null when sequences are not split).
   int64_t seg_chunks;         // chunks per segment L; 0 = one CTA walks the whole sequence

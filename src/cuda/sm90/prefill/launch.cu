@@ -384,7 +384,6 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
                    " CTAs exceed the GPU grid limit");
   }
 
-  if (launch.k1_prefetch > 0) kp.prefetch_slots = (launch.k1_prefetch + p.H - 1) / p.H;
   const int warps = choose_warps(N * p.H, launch);
   const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,

@@ -105,21 +105,6 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   if (p.state_indices != nullptr) check_distinct_slots(p);
 }
 
-// K1's L2 prefetch (internal::PrefillLaunch::k1_prefetch, a candidate): threads 0..47 each ask
-// L2 for one row (token row0 + t, head h) of q, k or g, the rows of the CTA prefetch_slots * H
-// blocks later if its chunk starts there (exact where every chunk is full; elsewhere a few rows
-// off, which only wastes some bandwidth). Rows past the last token are not asked for.
-__device__ __forceinline__ void prefetch_later_chunk(const Params& p, int h, int64_t row0) {
-  if (threadIdx.x >= 3 * kChunk) return;
-  const int which = int(threadIdx.x) / kChunk;
-  const int64_t row = row0 + int(threadIdx.x) % kChunk;
-  if (row >= p.total_tokens) return;
-  const int bytes = kHeadDim * (which == 2 && p.g_type == ElemType::kF32 ? 4 : 2);
-  const void* base = which == 0 ? p.q : which == 1 ? p.k : p.g;
-  const char* addr = static_cast<const char*>(base) + (row * p.H + h) * bytes;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(addr), "r"(bytes) : "memory");
-}
-
 // K1: grid = chunk_slots * H, block = 128, one chunk of one head a CTA.
 // Six CTAs per SM (24 warps): 80 registers, no local memory; 6 x 36 KB of shared memory fits the
 // SM's 228 KB. Measured against five CTAs (96 registers) on the H200: K1 1.5-2.5% shorter.
@@ -131,7 +116,6 @@ __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_c
   int64_t row0;
   int rows;
   if (!locate_chunk(p, slot, row0, rows)) return;
-  if (p.prefetch_slots > 0) prefetch_later_chunk(p, h, row0 + p.prefetch_slots * kChunk);
   prepare_chunk<Split, CtaSync>(p, *reinterpret_cast<PrepareSmem*>(smem_raw),
                                 p.records + (slot * p.H + h) * RecordLayout<Split>::kBytes, h, slot, row0, rows,
                                 int(threadIdx.x));
