@@ -13,6 +13,9 @@ bandwidth = state bytes read + written / time; "% copy" relates it to the device
 bandwidth (read + write) measured in the same run.
 
     FLA_FLASH_KDA=0 python benchmarks/bench_decode.py --out decode.md
+
+--slot-check adds our decode with the shared-slot check (a candidate, internal::DecodeLaunch::check_slots)
+and its time against the default's.
 """
 import argparse
 import datetime
@@ -73,6 +76,12 @@ def call_ours(c):
          use_beta_sigmoid_in_kernel=True, lower_bound=LOWER_BOUND, state_v_first=True,
          ssm_state_indices=c["indices"], num_accepted_tokens=c["accepted"], inplace_final_state=True,
          out=c["out"])
+
+
+def call_ours_checked(c):
+    from flashkda import _internal
+    with _internal.launch(check_slots=1):
+        call_ours(c)
 
 
 def call_fla(c):
@@ -163,6 +172,7 @@ def main():
     ap.add_argument("--no-check", action="store_true",
                     help="skip the ours-vs-fla agreement check (always skipped for pools over 4 GiB)")
     ap.add_argument("--out", default=None, help="write the markdown report here")
+    ap.add_argument("--slot-check", action="store_true", help="also ours with the shared-slot check (a candidate)")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -179,8 +189,9 @@ def main():
         "(indices [N, T], num_accepted_tokens = 1).",
         "",
         "| H | state | N | T | ours µs (eager) | fla µs (eager) | fla / ours | ours TB/s | ours % copy "
-        "| fla TB/s | out rel diff | state rel diff |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| fla TB/s | out rel diff | state rel diff |" + (" ours with the slot check µs | its time / ours |"
+                                                         if args.slot_check else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.slot_check else ""),
     ]
     print("\n".join(lines), flush=True)
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
@@ -204,6 +215,9 @@ def main():
                            f"| {t_fla * 1e6:.1f} ({e_fla * 1e6:.1f}) | {t_fla / t_ours:.2f}× "
                            f"| {bw_ours / 1e12:.2f} | {100 * bw_ours / copy_bw:.0f}% | {bw_fla / 1e12:.2f} "
                            f"| {diff_out:.1e} | {diff_state:.1e} |")
+                    if args.slot_check and ours:
+                        t_chk = time_graph(lambda: call_ours_checked(case), args.inner, args.outer)
+                        row += f" {t_chk * 1e6:.1f} | {t_chk / t_ours:.3f} |"
                     lines.append(row)
                     print(row, flush=True)
                     del case

@@ -37,6 +37,9 @@ struct PrefillLaunch {
 
 struct DecodeLaunch {
   int persistent = -1;  // -1 = rule; 0 = the one-CTA-per-item kernels; 1 = the persistent kernel
+  int check_slots = 0;  // GPU, a candidate: 1 = every CTA scans the call's other sequences for a live slot
+                        // that its sequence also reads or writes, and on one writes NaN outputs and stores
+                        // nothing (both sequences of the shared slot); 0 = no check (docs/DESIGN.md)
 };
 
 size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch);

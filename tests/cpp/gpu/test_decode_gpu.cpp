@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -324,6 +325,101 @@ TEST_P(DecodeGpu, RepeatRunsAreBitIdentical) {
   dev.download();
   EXPECT_EQ(prob.in.out.bytes, out1);
   EXPECT_EQ(prob.pool.bytes, pool1);
+}
+
+// The slot check (internal::DecodeLaunch::check_slots, a candidate): out and pool after one call
+// with and without it, on the same problem.
+struct CheckedAndUnchecked {
+  std::vector<unsigned char> out_off, pool_off, out_on, pool_on;
+};
+CheckedAndUnchecked run_with_and_without_slot_check(DecodeProblem& prob) {
+  CheckedAndUnchecked r;
+  DeviceDecode dev(prob);
+  for (const int check : {0, 1}) {
+    dev.reset();
+    g_launch.check_slots = check;
+    run_decode(dev.params());
+    dev.download();
+    (check ? r.out_on : r.out_off) = prob.in.out.bytes;
+    (check ? r.pool_on : r.pool_off) = prob.pool.bytes;
+  }
+  g_launch.check_slots = 0;
+  return r;
+}
+
+// With no slot shared, the check changes nothing, bit for bit: plain and speculative calls, padding
+// (negative indices repeat), out-of-range slots and accepted counts, empty sequences, and an empty
+// sequence naming a live sequence's slot (it touches nothing).
+TEST_P(DecodeGpu, SlotCheckChangesNoValidCall) {
+  std::vector<DecodeOptions> cases(5);
+  cases[0].N = 5, cases[0].T = 3, cases[0].H = 3;
+  cases[1].N = 7, cases[1].H = 2, cases[1].state_dtype = DType::kBF16, cases[1].padding = {0, 3, 5};
+  cases[2].N = 4, cases[2].T = 3, cases[2].H = 2, cases[2].speculative = true, cases[2].indices_stride = 4;
+  cases[2].accepted = {1, 2, 3, 4}, cases[2].skipped_stores = {{0, 1}, {2, 2}};
+  cases[3].N = 5, cases[3].T = 3, cases[3].H = 2, cases[3].speculative = true, cases[3].indices_stride = 3;
+  cases[3].accepted = {1, 2, 3, 1, 2};
+  cases[4].H = 2, cases[4].seqlens = {2, 0, 3, 0, 1}, cases[4].padding = {4};
+  for (size_t i = 0; i < cases.size(); ++i) {
+    DecodeProblem prob(cases[i]);
+    if (i == 3) {  // OutOfRangeIndicesAreSkipped's indices
+      prob.indices[0 * 3 + 0] = int32_t(prob.P + 7);
+      prob.accepted[1] = 0, prob.accepted[2] = 4;
+      prob.indices[3 * 3 + 2] = int32_t(prob.P);
+    }
+    if (i == 4) prob.indices[1] = prob.indices[0];  // sequence 1 is empty
+    const CheckedAndUnchecked r = run_with_and_without_slot_check(prob);
+    EXPECT_EQ(r.out_on, r.out_off) << "case " << i;
+    EXPECT_EQ(r.pool_on, r.pool_off) << "case " << i;
+    EXPECT_EQ(count_nonfinite(prob.in.out.values()), 0) << "case " << i;
+  }
+}
+
+// Two sequences that read or write one live slot (a race without the check): with it, both write
+// NaN outputs and store nothing (every slot either names unchanged), and every other sequence's
+// outputs and slots are what the unchecked call gives them. Plain (two start slots) and
+// speculative (one sequence's store slot is another's start slot), both state dtypes.
+TEST_P(DecodeGpu, SlotCheckPoisonsSequencesThatShareASlot) {
+  for (const bool speculative : {false, true})
+    for (const DType state : {DType::kF32, DType::kBF16}) {
+      DecodeOptions o;
+      o.N = 6, o.T = 3, o.H = 2, o.state_dtype = state;
+      if (speculative) o.speculative = true, o.indices_stride = 3, o.accepted = {1, 2, 3, 1, 2, 3};
+      DecodeProblem prob(o);
+      const int64_t stride = o.indices_stride;
+      // The two sequences that share a slot: speculative, a (accepted 1: its start slot is entry 0)
+      // stores into b's start slot after its last token.
+      const int64_t a = speculative ? 0 : 1, b = 4;
+      std::vector<int32_t> touched;  // every slot a or b names
+      if (speculative) {
+        prob.indices[a * stride + 2] = prob.start_slot(b);
+      } else {
+        touched.push_back(prob.indices[b * stride]);  // b's own slot, now unnamed
+        prob.indices[b * stride] = prob.indices[a * stride];
+      }
+      for (const int64_t n : {a, b})
+        for (int64_t t = 0; t < stride; ++t)
+          if (prob.indices[n * stride + t] >= 0) touched.push_back(prob.indices[n * stride + t]);
+      const CheckedAndUnchecked r = run_with_and_without_slot_check(prob);
+      const size_t row = size_t(o.H) * o.V * 2, slot = size_t(prob.slice) * dtype_size(state);
+      for (int64_t n = 0; n < prob.N; ++n) {
+        const size_t lo = size_t(prob.bos[n]) * row, hi = size_t(prob.bos[n] + prob.len[n]) * row;
+        const std::vector<unsigned char> on(r.out_on.begin() + lo, r.out_on.begin() + hi);
+        const std::vector<unsigned char> off(r.out_off.begin() + lo, r.out_off.begin() + hi);
+        if (n == a || n == b) {
+          for (size_t i = 0; i + 1 < on.size(); i += 2)
+            ASSERT_EQ(on[i] | (on[i + 1] << 8), 0x7fc0) << "sequence " << n << " output not NaN";
+        } else {
+          EXPECT_EQ(on, off) << "sequence " << n;
+        }
+      }
+      for (int64_t s = 0; s < prob.P; ++s) {
+        const bool shared = std::find(touched.begin(), touched.end(), int32_t(s)) != touched.end();
+        const auto& expected = shared ? prob.pool_before.bytes : r.pool_off;
+        EXPECT_TRUE(std::equal(r.pool_on.begin() + s * slot, r.pool_on.begin() + (s + 1) * slot,
+                               expected.begin() + s * slot))
+            << "slot " << s << (shared ? " (named by the sharing sequences) written" : " differs");
+      }
+    }
 }
 
 // run_decode() is capturable: no host sync, no allocation. The replayed graph writes exactly what the

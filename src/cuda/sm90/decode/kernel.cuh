@@ -50,6 +50,7 @@ struct DecodeArgs {
   bool beta_is_f32;
   float scale;
   Preprocess pre;
+  int64_t num_seqs;  // N (read by the slot check only: shares_a_slot)
 };
 
 // How one thread holds its 16 columns of a state row: kChunks 16-byte vectors of kVec elements;
@@ -389,12 +390,48 @@ __device__ __forceinline__ float4 load_bias(const DecodeArgs& a, const Coord& c)
   return __ldg(reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
 }
 
+// The CTA's rows of every output of the sequence set to `bits` (bf16): zero for padding, NaN
+// where the sequence shares a slot (shares_a_slot).
 template <class TileT>
-__device__ __forceinline__ void write_zero_outputs(const DecodeArgs& a, const Coord& c, const Span& sp) {
+__device__ __forceinline__ void fill_outputs(const DecodeArgs& a, const Coord& c, const Span& sp, uint16_t bits = 0) {
   for (int64_t tok = sp.bos; tok < sp.bos + sp.len; ++tok) {
     if (threadIdx.x < TileT::kRowsPerCta)
-      static_cast<uint16_t*>(a.out)[(tok * a.H + c.h) * kHeadDimV + c.cta_row0 + threadIdx.x] = 0;
+      static_cast<uint16_t*>(a.out)[(tok * a.H + c.h) * kHeadDimV + c.cta_row0 + threadIdx.x] = bits;
   }
+}
+constexpr uint16_t kBf16NaN = 0x7fc0;
+
+// The slots a sequence (span sp, a live start slot) reads or writes: u = 0 its start slot,
+// u = 1 + t (speculative) the store slot of token t, or -1 (none: negative or >= P).
+__device__ __forceinline__ int slot_uses(const DecodeArgs& a, const Span& sp) {
+  if (sp.len <= 0 || sp.slot < 0) return 0;
+  return a.num_accepted_tokens != nullptr ? 1 + int(sp.len < a.indices_stride ? int64_t(sp.len) : a.indices_stride) : 1;
+}
+__device__ __forceinline__ int32_t slot_use(const DecodeArgs& a, int64_t n, const Span& sp, int u) {
+  if (u == 0) return sp.slot;
+  const int32_t s = __ldg(a.state_indices + n * a.indices_stride + (u - 1));
+  return s >= 0 && s < a.pool_size ? s : -1;
+}
+
+// A candidate (internal::DecodeLaunch::check_slots; docs/DESIGN.md "Serving prefill"): whether a
+// slot that sequence n (span sp) reads or writes is also read or written by another sequence of
+// the call, the race that the CPU backend refuses by name. This thread's share of the scan, over
+// the sequences m = threadIdx.x, + kThreads, ...; the CTA's answer is the OR of its threads'. The
+// relation is symmetric, so both sequences of a shared slot see it.
+__device__ __forceinline__ bool shares_a_slot(const DecodeArgs& a, int64_t n, const Span& sp) {
+  const int own = slot_uses(a, sp);
+  for (int64_t m = threadIdx.x; m < a.num_seqs; m += kThreads) {
+    if (m == n) continue;
+    const Span other = span_of(a, m);
+    const int uses = slot_uses(a, other);
+    for (int i = 0; i < uses; ++i) {
+      const int32_t s = slot_use(a, m, other, i);
+      if (s < 0) continue;
+      for (int j = 0; j < own; ++j)
+        if (slot_use(a, n, sp, j) == s) return true;
+    }
+  }
+  return false;
 }
 
 // Runs every token of one item on the state in registers: outputs, speculative stores, the final
@@ -433,8 +470,9 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
   if (!speculative) store_state<StateT>(a, c, sp.slot, state);
 }
 
-// One CTA per work item (grid = N * H * kCtasPerHead).
-template <typename StateT, class TileT>
+// One CTA per work item (grid = N * H * kCtasPerHead). kCheckSlots: the slot check (a candidate,
+// internal::DecodeLaunch::check_slots), compiled only into the kernels that run it.
+template <typename StateT, class TileT, bool kCheckSlots = false>
 __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(const DecodeArgs a) {
   constexpr int kRows = TileT::kRowsPerThread;
   __shared__ WarpScratch scratch[kWarps];
@@ -444,7 +482,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(
   const Span sp = span_of(a, c.n);
   if (sp.len <= 0) return;  // empty sequence: nothing to read or write
   if (sp.slot < 0) {
-    write_zero_outputs<TileT>(a, c, sp);
+    fill_outputs<TileT>(a, c, sp);
     return;
   }
 
@@ -453,6 +491,12 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(
   load_state<StateT>(a, c, sp.slot, state);
   const HeadGate gate = HeadGate::make(a.pre, c.h);
   const float4 bias = load_bias(a, c);
+  // The slot check (a candidate) scans while the state loads are in flight; on a shared slot
+  // nothing is stored and the outputs are NaN.
+  if (kCheckSlots && __syncthreads_or(shares_a_slot(a, c.n, sp))) {
+    fill_outputs<TileT>(a, c, sp, kBf16NaN);
+    return;
+  }
 
   run_tokens<StateT, TileT, false>(a, c, sp, gate, bias, staged, scratch[c.warp], state);
 }
@@ -514,7 +558,7 @@ __device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const C
   return words;
 }
 
-template <typename StateT, class TileT>
+template <typename StateT, class TileT, bool kCheckSlots = false>
 __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persistent_kernel(const DecodeArgs a,
                                                                                            int64_t items) {
   constexpr int kRows = TileT::kRowsPerThread;
@@ -554,11 +598,17 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     else cp_async_commit();
     const Span sp3 = span_at(x + 3 * step);
     cp_async_wait_group<kStages - 1>();  // this thread's copies of item i have landed
-    __syncthreads();                      // and everyone's
+    bool shared = false;  // the slot check (a candidate): on a shared slot NaN outputs, no store
+    if constexpr (kCheckSlots) {
+      shared = __syncthreads_or(sp0.len > 0 && sp0.slot >= 0 && shares_a_slot(a, coord_of<TileT>(a, x).n, sp0));
+    } else {
+      __syncthreads();  // and everyone's
+    }
 
     const Coord c = coord_of<TileT>(a, x);
-    if (sp0.len > 0 && sp0.slot < 0) write_zero_outputs<TileT>(a, c, sp0);
-    if (sp0.len > 0 && sp0.slot >= 0) {
+    if (sp0.len > 0 && sp0.slot < 0) fill_outputs<TileT>(a, c, sp0);
+    if (shared) fill_outputs<TileT>(a, c, sp0, kBf16NaN);
+    if (sp0.len > 0 && sp0.slot >= 0 && !shared) {
       const StateT* rows = state0 + b * Layout::kStateElems;
       float state[kRows][kKPerLane];
 #pragma unroll

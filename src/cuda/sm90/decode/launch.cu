@@ -28,6 +28,7 @@ sm90::decode::DecodeArgs make_args(const DecodeParams& p) {
   a.indices_stride = p.indices_stride;
   a.pool_size = p.pool_size;
   a.tokens_per_seq = p.T;
+  a.num_seqs = p.num_seqs;
   // Stage capacity: every token of a valid sequence (1..16; with cu_seqlens no sequence is longer
   // than the total T). Sized on the host so T = 1 decode uses ~1 KB of shared memory, not 17 KB.
   a.stage_tokens = static_cast<int32_t>(std::clamp<int64_t>(p.T, 1, sm90::decode::kMaxTokens));
@@ -40,7 +41,7 @@ sm90::decode::DecodeArgs make_args(const DecodeParams& p) {
   return a;
 }
 
-template <typename StateT, class TileT>
+template <typename StateT, class TileT, bool kCheck>
 void launch(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
   using namespace sm90::decode;
   const int64_t ctas = num_heads * TileT::kCtasPerHead;
@@ -48,34 +49,34 @@ void launch(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_
                  num_heads, " exceeds the GPU grid limit");
   static_assert(kMaxTokens * sizeof(StagedToken) <= 48 * 1024, "dynamic smem above 48 KB needs an opt-in");
   const size_t smem = size_t(args.stage_tokens) * sizeof(StagedToken);
-  decode_kernel<StateT, TileT><<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(args);
+  decode_kernel<StateT, TileT, kCheck><<<static_cast<unsigned>(ctas), kThreads, smem, stream>>>(args);
   FLASHKDA_CHECK_LAUNCH();
 }
 
 // CTAs of the persistent kernel resident per SM for a stage capacity (1..16): queried once per
 // capacity and cached (not a stream operation, so it is allowed under graph capture).
-template <typename StateT, class TileT>
+template <typename StateT, class TileT, bool kCheck>
 int persistent_ctas_per_sm(int stage_tokens, size_t smem) {
   static std::atomic<int> cache[sm90::decode::kMaxTokens + 1] = {};
   int n = cache[stage_tokens].load(std::memory_order_relaxed);
   if (n == 0) {
     FLASHKDA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, sm90::decode::decode_persistent_kernel<StateT, TileT>, sm90::decode::kThreads, smem));
+        &n, sm90::decode::decode_persistent_kernel<StateT, TileT, kCheck>, sm90::decode::kThreads, smem));
     n = std::max(n, 1);
     cache[stage_tokens].store(n, std::memory_order_relaxed);
   }
   return n;
 }
 
-template <typename StateT, class TileT>
+template <typename StateT, class TileT, bool kCheck>
 void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
   using namespace sm90::decode;
   const int64_t items = num_heads * TileT::kCtasPerHead;
   const size_t smem = PersistentLayout<TileT, StateT>::bytes(args.stage_tokens);
-  auto kernel = decode_persistent_kernel<StateT, TileT>;
+  auto kernel = decode_persistent_kernel<StateT, TileT, kCheck>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int64_t grid =
-      std::min<int64_t>(items, int64_t(sm_count()) * persistent_ctas_per_sm<StateT, TileT>(args.stage_tokens, smem));
+      std::min<int64_t>(items, int64_t(sm_count()) * persistent_ctas_per_sm<StateT, TileT, kCheck>(args.stage_tokens, smem));
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args, items);
   FLASHKDA_CHECK_LAUNCH();
 }
@@ -87,19 +88,28 @@ bool use_persistent(bool bf16_state, int64_t num_heads, const internal::DecodeLa
   return bf16_state && num_heads >= sm90::decode::kPersistentMinHeads;
 }
 
-template <typename StateT>
-void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, const internal::DecodeLaunch& config,
-                 cudaStream_t stream) {
+template <typename StateT, bool kCheck>
+void launch_tile_as(const sm90::decode::DecodeArgs& args, int64_t num_heads, const internal::DecodeLaunch& config,
+                    cudaStream_t stream) {
   using namespace sm90::decode;
   const bool large = num_heads >= kLargeTileMinHeads;
   if (use_persistent(sizeof(StateT) == 2, num_heads, config)) {
-    if (large) launch_persistent<StateT, PersistentLargeTile>(args, num_heads, stream);
-    else launch_persistent<StateT, SmallTile>(args, num_heads, stream);
+    if (large) launch_persistent<StateT, PersistentLargeTile, kCheck>(args, num_heads, stream);
+    else launch_persistent<StateT, SmallTile, kCheck>(args, num_heads, stream);
   } else if (large) {
-    launch<StateT, LargeTile>(args, num_heads, stream);
+    launch<StateT, LargeTile, kCheck>(args, num_heads, stream);
   } else {
-    launch<StateT, SmallTile>(args, num_heads, stream);
+    launch<StateT, SmallTile, kCheck>(args, num_heads, stream);
   }
+}
+
+// internal::DecodeLaunch::check_slots = 1 (a candidate) runs the kernels with the slot check
+// (kernel.cuh shares_a_slot), the others without it.
+template <typename StateT>
+void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, const internal::DecodeLaunch& config,
+                 cudaStream_t stream) {
+  if (config.check_slots == 1) launch_tile_as<StateT, true>(args, num_heads, config, stream);
+  else launch_tile_as<StateT, false>(args, num_heads, config, stream);
 }
 
 }  // namespace
