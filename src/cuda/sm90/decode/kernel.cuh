@@ -405,7 +405,8 @@ constexpr uint16_t kBf16NaN = 0x7fc0;
 // u = 1 + t (speculative) the store slot of token t, or -1 (none: negative or >= P).
 __device__ __forceinline__ int slot_uses(const DecodeArgs& a, const Span& sp) {
   if (sp.len <= 0 || sp.slot < 0) return 0;
-  return a.num_accepted_tokens != nullptr ? 1 + int(sp.len < a.indices_stride ? int64_t(sp.len) : a.indices_stride) : 1;
+  if (a.num_accepted_tokens == nullptr) return 1;
+  return 1 + int(sp.len < a.indices_stride ? int64_t(sp.len) : a.indices_stride);
 }
 __device__ __forceinline__ int32_t slot_use(const DecodeArgs& a, int64_t n, const Span& sp, int u) {
   if (u == 0) return sp.slot;

@@ -76,7 +76,8 @@ void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, 
   auto kernel = decode_persistent_kernel<StateT, TileT, kCheck>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
   const int64_t grid =
-      std::min<int64_t>(items, int64_t(sm_count()) * persistent_ctas_per_sm<StateT, TileT, kCheck>(args.stage_tokens, smem));
+      std::min<int64_t>(items, int64_t(sm_count()) *
+                                   persistent_ctas_per_sm<StateT, TileT, kCheck>(args.stage_tokens, smem));
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args, items);
   FLASHKDA_CHECK_LAUNCH();
 }
