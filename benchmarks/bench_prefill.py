@@ -310,7 +310,7 @@ def time_graph_ms(fn, reps=20):
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
-        fn()  # a warm-up on the capture stream (workspace caches are per stream)
+        fn()  # a warm-up on the capture stream
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             fn()
