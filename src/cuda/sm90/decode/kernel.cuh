@@ -438,7 +438,9 @@ __device__ __forceinline__ bool shares_a_slot(const DecodeArgs& a, int64_t n, co
 // Runs every token of one item on the state in registers: outputs, speculative stores, the final
 // store. Tokens stage in groups of the stage capacity (one group unless the input is invalid:
 // more than 16 tokens); kFirstGroupStaged: the caller has staged the first group already.
-template <typename StateT, class TileT, bool kFirstGroupStaged>
+// kCheckSlots (with !kFirstGroupStaged): the slot check (a candidate) scans while the first group
+// and the state are in flight, and on a shared slot the outputs are NaN and nothing is stored.
+template <typename StateT, class TileT, bool kFirstGroupStaged, bool kCheckSlots = false>
 __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, const Span& sp, const HeadGate& gate,
                                            const float4& bias, StagedToken* staged, WarpScratch& scratch,
                                            float (&state)[TileT::kRowsPerThread][kKPerLane]) {
@@ -449,8 +451,17 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
     if (!kFirstGroupStaged || t0 > 0) {
       if (t0 > 0) __syncthreads();  // every warp has read the previous group
       stage_tokens<TileT>(a, c, sp.bos, t0, count, staged);
-      cp_async_wait_all();
-      __syncthreads();
+      if (kCheckSlots && t0 == 0) {
+        const bool shared = shares_a_slot(a, c.n, sp);
+        cp_async_wait_all();
+        if (__syncthreads_or(shared)) {
+          fill_outputs<TileT>(a, c, sp, kBf16NaN);
+          return;
+        }
+      } else {
+        cp_async_wait_all();
+        __syncthreads();
+      }
     }
     for (int t = 0; t < count; ++t) {
       const StagedToken& raw = staged[t];
@@ -492,14 +503,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(
   load_state<StateT>(a, c, sp.slot, state);
   const HeadGate gate = HeadGate::make(a.pre, c.h);
   const float4 bias = load_bias(a, c);
-  // The slot check (a candidate) scans while the state loads are in flight; on a shared slot
-  // nothing is stored and the outputs are NaN.
-  if (kCheckSlots && __syncthreads_or(shares_a_slot(a, c.n, sp))) {
-    fill_outputs<TileT>(a, c, sp, kBf16NaN);
-    return;
-  }
-
-  run_tokens<StateT, TileT, false>(a, c, sp, gate, bias, staged, scratch[c.warp], state);
+  run_tokens<StateT, TileT, false, kCheckSlots>(a, c, sp, gate, bias, staged, scratch[c.warp], state);
 }
 
 // Persistent variant: grid = a few CTAs per SM, each looping over items x = blockIdx.x, +gridDim.x,
