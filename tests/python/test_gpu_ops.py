@@ -11,7 +11,6 @@ from kda_reference import kda_decode, kda_forward, rel_rms
 torch = pytest.importorskip("torch", reason="no CUDA GPU (torch is not installed)")
 
 import flashkda  # noqa: E402
-from flashkda import _launch  # noqa: E402
 
 if not (torch.cuda.is_available() and flashkda.cuda_available()):
     pytest.skip("no CUDA GPU (needs torch.cuda and a flashkda build with the CUDA backend on a Hopper GPU; "
