@@ -871,6 +871,47 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
   expect_segmented_k2_variant_matches(3, {300, 17, 1024, 77, 2000}, "three CTAs an SM");
 }
 
+// The bulk record stream (internal::PrefillLaunch::record_copy, a candidate: one bulk copy per
+// record, or halves multicast within a cluster of the two CTAs that walk the same chunks) feeds
+// the same arithmetic: the same bits as the cp.async stream on the same launch, for the two CTAs a
+// head of the serial walk and the segmented K2 at two and three CTAs an SM, exact and skipping,
+// every mode.
+TEST_F(PrefillGpu, RecordCopyVariantsGiveTheSameBits) {
+  KdaOptions o;
+  o.seqlens = {300, 17, 1024, 77, 2000, 5};
+  o.H = 4;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  for (const Precision precision : kModes) {
+    o.precision = precision;
+    KdaInputs in(o);
+    in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
+    auto bits = [&](const internal::PrefillLaunch& launch) {
+      DeviceProblem dev(in, launch);
+      dev.poison();
+      dev.run();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      dev.download();
+      return std::make_pair(in.out.bytes, in.final_state.bytes);
+    };
+    internal::PrefillLaunch serial{};
+    serial.v_splits = 2, serial.segment_chunks = -1;
+    std::vector<std::pair<std::string, internal::PrefillLaunch>> launches{{"two CTAs a head", serial}};
+    for (const int ctas : {2, 3})
+      for (const bool skip : {false, true})
+        launches.emplace_back(std::to_string(ctas) + " CTAs an SM" + (skip ? " skipping" : " exact"),
+                              internal::PrefillLaunch{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, ctas});
+    for (const auto& [name, launch] : launches) {
+      const auto expected = bits(launch);
+      for (const int copy : {1, 2}) {
+        internal::PrefillLaunch variant = launch;
+        variant.record_copy = copy;
+        EXPECT_TRUE(bits(variant) == expected)
+            << name << " record_copy=" << copy << " " << precision_name(precision);
+      }
+    }
+  }
+}
+
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;

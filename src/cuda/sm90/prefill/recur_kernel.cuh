@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "cuda/common/async_copy.cuh"
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 
@@ -35,8 +36,16 @@ namespace flashkda::cuda::sm90::prefill {
 // segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0. kStagesT stages:
 // three (80 KB at the precise record), or two (55 KB a CTA) for the segmented K2 at three CTAs an
 // SM (recur_seg3_kernel).
-template <int kWarps, class Split, bool kSeg = false, int kStagesT = 3>
-struct RecurSmem {
+// kBulk (a candidate: internal::PrefillLaunch::record_copy): per stage, `full` completes when the
+// stage's record has landed and `empty` when both CTAs of a multicast pair have read it.
+template <int kStages>
+struct RecordBarriers {
+  uint64_t full[kStages], empty[kStages];
+};
+struct NoBarriers {};
+
+template <int kWarps, class Split, bool kSeg = false, int kStagesT = 3, bool kBulk = false>
+struct RecurSmem : std::conditional_t<kBulk, RecordBarriers<kStagesT>, NoBarriers> {
   static_assert(kWarps == 4 || kWarps == 8, "K2 runs whole warpgroups");
   static_assert(!kSeg || kWarps == 4, "the segmented K2 runs one warpgroup per CTA");
   static constexpr int kVCols = kWarps * 16;
@@ -52,18 +61,13 @@ struct RecurSmem {
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
-// Copies chunk `slot`'s record and (unless !with_v: the transition rows' values are zero) v into
-// a stage.
-template <class Smem, class Split>
-__device__ __forceinline__ void load_stage(typename Smem::Stage& st, const Params& p, int64_t slot, int h,
-                                           int64_t row0, int rows, int v_base, bool with_v = true) {
+// This CTA's value columns of the chunk's v (rows past the sequence end zero) into a stage, by
+// cp.async.
+template <class Smem>
+__device__ __forceinline__ void load_v(typename Smem::Stage& st, const Params& p, int h, int64_t row0, int rows,
+                                       int v_base) {
   constexpr int kThreads = Smem::kVCols * 2;
-  constexpr int kRecordBytes = RecordLayout<Split>::kBytes;
-  constexpr int kRecordChunks = kRecordBytes / 16;
   constexpr int kVChunksPerRow = Smem::kVCols / 8;
-  const uint8_t* rec = p.records + (slot * p.H + h) * kRecordBytes;
-  for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i);
-  if (!with_v) return;
   for (int i = threadIdx.x; i < kChunk * kVChunksPerRow; i += kThreads) {
     const int t = i / kVChunksPerRow, part = i % kVChunksPerRow;
     const bool valid = t < rows;
@@ -71,6 +75,59 @@ __device__ __forceinline__ void load_stage(typename Smem::Stage& st, const Param
                                ((row0 + (valid ? t : 0)) * p.H + h) * kHeadDim + v_base + part * 8;
     cp_async_16_zfill(&st.v[t][part * 8], src, valid);
   }
+}
+
+// Copies chunk `slot`'s record and (unless !with_v: the transition rows' values are zero) v into
+// a stage, by cp.async from every thread.
+template <class Smem, class Split>
+__device__ __forceinline__ void load_stage(typename Smem::Stage& st, const Params& p, int64_t slot, int h,
+                                           int64_t row0, int rows, int v_base, bool with_v = true) {
+  constexpr int kThreads = Smem::kVCols * 2;
+  constexpr int kRecordBytes = RecordLayout<Split>::kBytes;
+  constexpr int kRecordChunks = kRecordBytes / 16;
+  const uint8_t* rec = p.records + (slot * p.H + h) * kRecordBytes;
+  for (int i = threadIdx.x; i < kRecordChunks; i += kThreads) cp_async_16(st.record + 16 * i, rec + 16 * i);
+  if (with_v) load_v<Smem>(st, p, h, row0, rows, v_base);
+}
+
+// ---- The bulk record stream (a candidate: internal::PrefillLaunch::record_copy, RecordBarriers) ----
+// Thread 0 copies each chunk's record with one bulk copy completing on the stage's full barrier.
+// In a pair (a cluster of the two CTAs that walk the same chunks for two halves of the rows, grid
+// rows 2i and 2i + 1) each CTA copies half of the record into both CTAs' stages (multicast), so
+// the record is read from L2 once for the pair; a stage is refilled only after both CTAs have read
+// it (its empty barrier: one arrival from each CTA).
+template <int kStages, class Smem>
+__device__ __forceinline__ void init_record_barriers(Smem& sm, bool pair) {
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) mbarrier_init(&sm.full[s], 1), mbarrier_init(&sm.empty[s], 2);
+    fence_mbarrier_init();
+  }
+  if (pair) cluster_sync();  // the partner's barriers exist before anything is copied into it
+  else __syncthreads();
+}
+
+// Chunk jc of the walk (workspace slot `slot`) into `record`, its stage.
+template <class Split, int kStages, class Smem>
+__device__ __forceinline__ void issue_record(Smem& sm, uint8_t* record, const Params& p, int64_t slot, int h,
+                                             int64_t jc, bool pair) {
+  constexpr uint32_t kBytes = RecordLayout<Split>::kBytes, kHalf = kBytes / 2;
+  static_assert(kHalf % 16 == 0, "bulk copies move multiples of 16 bytes");
+  const uint8_t* rec = p.records + (slot * p.H + h) * int64_t(kBytes);
+  uint64_t* full = &sm.full[jc % kStages];
+  mbarrier_arrive_expect_tx(full, kBytes);  // both halves land here
+  if (!pair) return bulk_copy(record, rec, kBytes, full);
+  if (jc >= kStages) mbarrier_wait(&sm.empty[jc % kStages], uint32_t(jc / kStages - 1) & 1);
+  const uint32_t off = cluster_rank() * kHalf;
+  bulk_copy_multicast(record + off, rec + off, kHalf, full, 0x3);
+}
+
+// This CTA has read the stage that chunk jn is to take: one arrival on its empty barrier in each CTA
+// of the pair.
+template <int kStages, class Smem>
+__device__ __forceinline__ void release_stage(Smem& sm, int64_t jn) {
+  mbarrier_arrive_cluster(&sm.empty[jn % kStages], 0);
+  mbarrier_arrive_cluster(&sm.empty[jn % kStages], 1);
 }
 
 // Fills out, final_state and dense checkpoints with NaN (invalid cu_seqlens, or a checkpoint count
@@ -375,9 +432,9 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
 // The kernels below are this body under their launch bounds and stage counts.
-template <int kWarps, class Split, bool kSeg, int kStagesT>
+template <int kWarps, class Split, bool kSeg, int kStagesT, bool kBulk>
 __device__ __forceinline__ void recur_body(const Params& p) {
-  using Smem = RecurSmem<kWarps, Split, kSeg, kStagesT>;
+  using Smem = RecurSmem<kWarps, Split, kSeg, kStagesT, kBulk>;
   constexpr int kStages = Smem::kStages;
   using Rec = RecordLayout<Split>;
   constexpr bool kSplitS = Split::state, kSplitQd = Split::q_decayed, kSplitF = Split::factors;
@@ -483,25 +540,40 @@ __device__ __forceinline__ void recur_body(const Params& p) {
 
   const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
+  // Chunk jc of the walk into its stage: the record by every thread's cp.async, or with kBulk by
+  // thread 0's bulk copy (a pair: each CTA half of it, to both; issue_record), v by cp.async.
+  [[maybe_unused]] const bool pair = kBulk && cluster_size() == 2;
+  if constexpr (kBulk) init_record_barriers<kStages>(sm, pair);
+  auto fetch = [&](int64_t jc) {
+    if constexpr (kBulk) {
+      typename Smem::Stage& st = sm.stage[jc % kStages];
+      if (threadIdx.x == 0) issue_record<Split, kStages>(sm, st.record, p, sc.chunk_begin + jc, h, jc, pair);
+      if (!transition_rows) load_v<Smem>(st, p, h, sc.bos + jc * kChunk, chunk_rows(jc), v_base);
+    } else {
+      load_stage<Smem, Split>(sm.stage[jc % kStages], p, sc.chunk_begin + jc, h, sc.bos + jc * kChunk,
+                              chunk_rows(jc), v_base, !transition_rows);
+    }
+  };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_chunks)
-      load_stage<Smem, Split>(sm.stage[s], p, sc.chunk_begin + s, h, sc.bos + s * kChunk, chunk_rows(s), v_base,
-                                 !transition_rows);
+    if (s < num_chunks) fetch(s);
     cp_async_commit();
   }
 
   for (int64_t j = 0; j < num_chunks; ++j) {
     cp_async_wait_group<kStages - 2>();
-    fence_proxy_async_smem();
+    if constexpr (!kBulk) fence_proxy_async_smem();
     __syncthreads();
     {
       const int64_t jn = j + kStages - 1;
-      if (jn < num_chunks)
-        load_stage<Smem, Split>(sm.stage[jn % kStages], p, sc.chunk_begin + jn, h, sc.bos + jn * kChunk,
-                                   chunk_rows(jn), v_base, !transition_rows);
+      // The stage chunk jn takes held chunk j - 1, which this CTA has now read: with a pair, tell
+      // both CTAs (the partner's half lands in this CTA's stage too).
+      if constexpr (kBulk)
+        if (pair && threadIdx.x == 0 && jn < num_chunks && j > 0) release_stage<kStages>(sm, jn);
+      if (jn < num_chunks) fetch(jn);
       cp_async_commit();
     }
+    if constexpr (kBulk) mbarrier_wait(&sm.full[j % kStages], uint32_t(j / kStages) & 1);
     const typename Smem::Stage& s_stage = sm.stage[j % kStages];
     const uint8_t* s_rec = s_stage.record;
 
@@ -687,6 +759,7 @@ __device__ __forceinline__ void recur_body(const Params& p) {
       if (j % kRenormChunks == 0) rs.renormalise(r_S);
   }
   cp_async_wait_all();
+  if (kBulk && pair) cluster_sync();  // the partner's last arrivals and copies here have completed
 
   if (!run_to_end) {  // a run that ends inside its segment: which of its rows are not finite
     bool bad[2] = {false, false};
@@ -714,17 +787,17 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   }
 }
 
-template <int kWarps, class Split, bool kSeg>
+template <int kWarps, class Split, bool kSeg, bool kBulk = false>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
-  recur_body<kWarps, Split, kSeg, 3>(p);
+  recur_body<kWarps, Split, kSeg, 3, kBulk>(p);
 }
 
 // The segmented K2 at three CTAs an SM (launch.cu seg_ctas_per_sm: the rule from H = 16 up): 168
 // registers a thread, two stages.
 constexpr int kSeg3Stages = 2;
-template <class Split>
+template <class Split, bool kBulk = false>
 __global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
-  recur_body<4, Split, true, kSeg3Stages>(p);
+  recur_body<4, Split, true, kSeg3Stages, kBulk>(p);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill

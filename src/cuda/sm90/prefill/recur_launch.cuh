@@ -8,35 +8,65 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
+// record_copy (internal::PrefillLaunch::record_copy, a candidate): 2 launches clusters of the
+// grid's row pairs (1, 2, 1), whose CTAs walk the same chunks, so that the bulk kernel multicasts
+// each record to both.
+template <class Kernel>
+void launch_k2(Kernel kernel, dim3 grid, int smem, int record_copy, const Params& p, cudaStream_t stream) {
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  if (record_copy != 2) {
+    kernel<<<grid, 4 * 32, smem, stream>>>(p);
+    FLASHKDA_CHECK_LAUNCH();
+    return;
+  }
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid, config.blockDim = dim3(4 * 32), config.dynamicSmemBytes = size_t(smem), config.stream = stream;
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 2, cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster, config.numAttrs = 1;
+  FLASHKDA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+}
+
 template <int kWarps, class Split>
-void launch_recur(const Params& p, cudaStream_t stream) {
+void launch_recur(const Params& p, cudaStream_t stream, int record_copy) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
+  const dim3 grid(unsigned(work), 8 / kWarps);
+  if constexpr (kWarps == 4) {  // two CTAs a head: the bulk candidate applies
+    if (record_copy > 0)
+      return launch_k2(recur_kernel<4, Split, false, true>, grid, int(sizeof(RecurSmem<4, Split, false, 3, true>)),
+                       record_copy, p, stream);
+  }
   constexpr int smem = sizeof(RecurSmem<kWarps, Split>);
   auto kernel = recur_kernel<kWarps, Split, false>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  const dim3 grid(unsigned(work), 8 / kWarps);
   kernel<<<grid, kWarps * 32, smem, stream>>>(p);
   FLASHKDA_CHECK_LAUNCH();
 }
 
 // kCtasPerSm: the segmented K2 at 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm; RecurSmem).
-template <class Split, int kCtasPerSm>
-void launch_recur_segmented(const Params& p, cudaStream_t stream) {
+template <class Split, int kCtasPerSm, bool kBulk>
+void launch_recur_segmented_as(const Params& p, cudaStream_t stream, int record_copy) {
   const int64_t ctas = p.max_segs * p.H;
   if (ctas == 0) return;
-  constexpr int smem = sizeof(RecurSmem<4, Split, true, kCtasPerSm >= 3 ? kSeg3Stages : 3>);
+  constexpr int kStages = kCtasPerSm >= 3 ? kSeg3Stages : 3;
+  constexpr int smem = sizeof(RecurSmem<4, Split, true, kStages, kBulk>);
   constexpr auto kernel = [] {  // only the one this instantiation launches is compiled in its unit
-    if constexpr (kCtasPerSm >= 3) return recur_seg3_kernel<Split>;
-    else return recur_kernel<4, Split, true>;
+    if constexpr (kCtasPerSm >= 3) return recur_seg3_kernel<Split, kBulk>;
+    else return recur_kernel<4, Split, true, kBulk>;
   }();
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   // Value and transition rows of each segment; with transition skipping, the value rows of every
   // further piece (recur_kernel).
   const unsigned pieces = unsigned(p.run_chunks > 0 ? p.max_pieces : 1);
   const dim3 grid(unsigned(ctas), kSegRows / 64 + 2 * (pieces - 1));
-  kernel<<<grid, 4 * 32, smem, stream>>>(p);
-  FLASHKDA_CHECK_LAUNCH();
+  launch_k2(kernel, grid, smem, record_copy, p, stream);
+}
+
+template <class Split, int kCtasPerSm>
+void launch_recur_segmented(const Params& p, cudaStream_t stream, int record_copy) {
+  if (record_copy > 0) launch_recur_segmented_as<Split, kCtasPerSm, true>(p, stream, record_copy);
+  else launch_recur_segmented_as<Split, kCtasPerSm, false>(p, stream, 0);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill
