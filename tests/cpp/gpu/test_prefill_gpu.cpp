@@ -831,6 +831,17 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
   }
 }
 
+// The output and final-state bytes of one launch of `in`, its outputs poisoned first.
+std::pair<std::vector<unsigned char>, std::vector<unsigned char>> launch_bits(KdaInputs& in,
+                                                                              const internal::PrefillLaunch& launch) {
+  DeviceProblem dev(in, launch);
+  dev.poison();
+  dev.run();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dev.download();
+  return std::make_pair(in.out.bytes, in.final_state.bytes);
+}
+
 // A variant of the segmented K2 (internal::PrefillLaunch::seg_ctas_per_sm) computes what the
 // two-CTA kernel computes, bit for bit, on the same segments and pieces (the same arithmetic in the
 // same order), exact and skipping, every mode; with its own rules it matches the reference.
@@ -844,14 +855,7 @@ void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int6
     o.precision = precision;
     KdaInputs in(o);
     in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
-    auto bits = [&](const internal::PrefillLaunch& launch) {
-      DeviceProblem dev(in, launch);
-      dev.poison();
-      dev.run();
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      dev.download();
-      return std::make_pair(in.out.bytes, in.final_state.bytes);
-    };
+    auto bits = [&](const internal::PrefillLaunch& launch) { return launch_bits(in, launch); };
     for (const bool skip : {false, true}) {
       internal::PrefillLaunch two{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, 2};
       internal::PrefillLaunch variant = two;
@@ -885,14 +889,7 @@ TEST_F(PrefillGpu, RecordCopyVariantsGiveTheSameBits) {
     o.precision = precision;
     KdaInputs in(o);
     in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
-    auto bits = [&](const internal::PrefillLaunch& launch) {
-      DeviceProblem dev(in, launch);
-      dev.poison();
-      dev.run();
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      dev.download();
-      return std::make_pair(in.out.bytes, in.final_state.bytes);
-    };
+    auto bits = [&](const internal::PrefillLaunch& launch) { return launch_bits(in, launch); };
     internal::PrefillLaunch serial{};
     serial.v_splits = 2, serial.segment_chunks = -1;
     std::vector<std::pair<std::string, internal::PrefillLaunch>> launches{{"two CTAs a head", serial}};
