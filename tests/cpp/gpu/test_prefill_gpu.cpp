@@ -842,11 +842,10 @@ std::pair<std::vector<unsigned char>, std::vector<unsigned char>> launch_bits(Kd
   return std::make_pair(in.out.bytes, in.final_state.bytes);
 }
 
-// A variant of the segmented K2 (internal::PrefillLaunch::seg_ctas_per_sm) computes what the
-// two-CTA kernel computes, bit for bit, on the same segments and pieces (the same arithmetic in the
-// same order), exact and skipping, every mode; with its own rules it matches the reference.
-void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int64_t>& seqlens,
-                                         const std::string& name) {
+// Calls f(in, precision) in every mode with inputs of these lengths at H = 4, fp32 states, whose
+// head 0 skips its pieces' transitions (the launch-variant tests).
+template <class F>
+void for_each_mode_with_a_skipping_head(const std::vector<int64_t>& seqlens, F&& f) {
   KdaOptions o;
   o.seqlens = seqlens;
   o.H = 4;
@@ -855,19 +854,28 @@ void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int6
     o.precision = precision;
     KdaInputs in(o);
     in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
-    auto bits = [&](const internal::PrefillLaunch& launch) { return launch_bits(in, launch); };
+    f(in, precision);
+  }
+}
+
+// A variant of the segmented K2 (internal::PrefillLaunch::seg_ctas_per_sm) computes what the
+// two-CTA kernel computes, bit for bit, on the same segments and pieces (the same arithmetic in the
+// same order), exact and skipping, every mode; with its own rules it matches the reference.
+void expect_segmented_k2_variant_matches(int ctas_per_sm, const std::vector<int64_t>& seqlens,
+                                         const std::string& name) {
+  for_each_mode_with_a_skipping_head(seqlens, [&](KdaInputs& in, Precision precision) {
     for (const bool skip : {false, true}) {
       internal::PrefillLaunch two{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, 2};
       internal::PrefillLaunch variant = two;
       variant.seg_ctas_per_sm = ctas_per_sm;
-      EXPECT_TRUE(bits(two) == bits(variant))
+      EXPECT_TRUE(launch_bits(in, two) == launch_bits(in, variant))
           << name << " " << precision_name(precision) << (skip ? " skipping" : " exact");
     }
     internal::PrefillLaunch rule{};
     rule.seg_ctas_per_sm = ctas_per_sm;
     const Errors e = check_against_reference(in, kTolOut, kTolState, rule);
     report(name + ", the rule, " + precision_name(precision) + " out", e.out);
-  }
+  });
 }
 
 // The three-CTA kernel (168 registers, two stages) plans more segments and pieces under its rules.
@@ -881,32 +889,24 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
 // head of the serial walk and the segmented K2 at two and three CTAs an SM, exact and skipping,
 // every mode.
 TEST_F(PrefillGpu, RecordCopyVariantsGiveTheSameBits) {
-  KdaOptions o;
-  o.seqlens = {300, 17, 1024, 77, 2000, 5};
-  o.H = 4;
-  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-  for (const Precision precision : kModes) {
-    o.precision = precision;
-    KdaInputs in(o);
-    in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
-    auto bits = [&](const internal::PrefillLaunch& launch) { return launch_bits(in, launch); };
-    internal::PrefillLaunch serial{};
-    serial.v_splits = 2, serial.segment_chunks = -1;
-    std::vector<std::pair<std::string, internal::PrefillLaunch>> launches{{"two CTAs a head", serial}};
-    for (const int ctas : {2, 3})
-      for (const bool skip : {false, true})
-        launches.emplace_back(std::to_string(ctas) + " CTAs an SM" + (skip ? " skipping" : " exact"),
-                              internal::PrefillLaunch{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, ctas});
+  internal::PrefillLaunch serial{};
+  serial.v_splits = 2, serial.segment_chunks = -1;
+  std::vector<std::pair<std::string, internal::PrefillLaunch>> launches{{"two CTAs a head", serial}};
+  for (const int ctas : {2, 3})
+    for (const bool skip : {false, true})
+      launches.emplace_back(std::to_string(ctas) + " CTAs an SM" + (skip ? " skipping" : " exact"),
+                            internal::PrefillLaunch{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, ctas});
+  for_each_mode_with_a_skipping_head({300, 17, 1024, 77, 2000, 5}, [&](KdaInputs& in, Precision precision) {
     for (const auto& [name, launch] : launches) {
-      const auto expected = bits(launch);
+      const auto expected = launch_bits(in, launch);
       for (const int copy : {1, 2}) {
         internal::PrefillLaunch variant = launch;
         variant.record_copy = copy;
-        EXPECT_TRUE(bits(variant) == expected)
+        EXPECT_TRUE(launch_bits(in, variant) == expected)
             << name << " record_copy=" << copy << " " << precision_name(precision);
       }
     }
-  }
+  });
 }
 
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {

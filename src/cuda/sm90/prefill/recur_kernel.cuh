@@ -759,7 +759,7 @@ __device__ __forceinline__ void recur_body(const Params& p) {
       if (j % kRenormChunks == 0) rs.renormalise(r_S);
   }
   cp_async_wait_all();
-  if (kBulk && pair) cluster_sync();  // the partner's last arrivals and copies here have completed
+  if (pair) cluster_sync();  // the partner's last arrivals and copies here have completed
 
   if (!run_to_end) {  // a run that ends inside its segment: which of its rows are not finite
     bool bad[2] = {false, false};

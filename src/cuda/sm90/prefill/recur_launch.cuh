@@ -8,19 +8,21 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-// record_copy (internal::PrefillLaunch::record_copy, a candidate): 2 launches clusters of the
-// grid's row pairs (1, 2, 1), whose CTAs walk the same chunks, so that the bulk kernel multicasts
-// each record to both.
+// One K2 launch of `threads` a CTA. record_copy (internal::PrefillLaunch::record_copy, a
+// candidate): 2 launches clusters of the grid's row pairs (1, 2, 1), whose CTAs walk the same
+// chunks, so that the bulk kernel multicasts each record to both.
 template <class Kernel>
-void launch_k2(Kernel kernel, dim3 grid, int smem, int record_copy, const Params& p, cudaStream_t stream) {
+void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, int record_copy, const Params& p,
+               cudaStream_t stream) {
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   if (record_copy != 2) {
-    kernel<<<grid, 4 * 32, smem, stream>>>(p);
+    kernel<<<grid, threads, smem, stream>>>(p);
     FLASHKDA_CHECK_LAUNCH();
     return;
   }
   cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = dim3(4 * 32), config.dynamicSmemBytes = size_t(smem), config.stream = stream;
+  config.gridDim = grid, config.blockDim = dim3(threads), config.dynamicSmemBytes = size_t(smem);
+  config.stream = stream;
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 2, cluster.val.clusterDim.z = 1;
@@ -35,14 +37,11 @@ void launch_recur(const Params& p, cudaStream_t stream, int record_copy) {
   const dim3 grid(unsigned(work), 8 / kWarps);
   if constexpr (kWarps == 4) {  // two CTAs a head: the bulk candidate applies
     if (record_copy > 0)
-      return launch_k2(recur_kernel<4, Split, false, true>, grid, int(sizeof(RecurSmem<4, Split, false, 3, true>)),
-                       record_copy, p, stream);
+      return launch_k2(recur_kernel<4, Split, false, true>, grid, 4 * 32,
+                       int(sizeof(RecurSmem<4, Split, false, 3, true>)), record_copy, p, stream);
   }
-  constexpr int smem = sizeof(RecurSmem<kWarps, Split>);
-  auto kernel = recur_kernel<kWarps, Split, false>;
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, kWarps * 32, smem, stream>>>(p);
-  FLASHKDA_CHECK_LAUNCH();
+  launch_k2(recur_kernel<kWarps, Split, false>, grid, kWarps * 32, int(sizeof(RecurSmem<kWarps, Split>)), 0, p,
+            stream);
 }
 
 // kCtasPerSm: the segmented K2 at 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm; RecurSmem).
@@ -60,7 +59,7 @@ void launch_recur_segmented_as(const Params& p, cudaStream_t stream, int record_
   // further piece (recur_kernel).
   const unsigned pieces = unsigned(p.run_chunks > 0 ? p.max_pieces : 1);
   const dim3 grid(unsigned(ctas), kSegRows / 64 + 2 * (pieces - 1));
-  launch_k2(kernel, grid, smem, record_copy, p, stream);
+  launch_k2(kernel, grid, 4 * 32, smem, record_copy, p, stream);
 }
 
 template <class Split, int kCtasPerSm>
