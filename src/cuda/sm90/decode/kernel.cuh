@@ -375,12 +375,17 @@ struct Span {
   int32_t slot;
 };
 
+// The length rule of span_of for offsets [bos, eos), shared with the slot check's batched loads.
+__device__ __forceinline__ int len_of(const DecodeArgs& a, int64_t bos, int64_t eos) {
+  const bool in_range = a.cu_seqlens == nullptr || (bos >= 0 && eos <= a.tokens_per_seq);
+  return in_range && eos > bos ? int(eos - bos) : 0;
+}
+
 __device__ __forceinline__ Span span_of(const DecodeArgs& a, int64_t n) {
   Span sp;
   sp.bos = a.cu_seqlens != nullptr ? cu_at(a, n) : n * a.tokens_per_seq;
   const int64_t eos = a.cu_seqlens != nullptr ? cu_at(a, n + 1) : sp.bos + a.tokens_per_seq;
-  const bool in_range = a.cu_seqlens == nullptr || (sp.bos >= 0 && eos <= a.tokens_per_seq);
-  sp.len = in_range && eos > sp.bos ? int(eos - sp.bos) : 0;
+  sp.len = len_of(a, sp.bos, eos);
   sp.slot = sp.len > 0 ? start_slot(a, n) : -1;
   return sp;
 }
@@ -401,36 +406,141 @@ __device__ __forceinline__ void fill_outputs(const DecodeArgs& a, const Coord& c
 }
 constexpr uint16_t kBf16NaN = 0x7fc0;
 
-// The slots a sequence (span sp, a live start slot) reads or writes: u = 0 its start slot,
-// u = 1 + t (speculative) the store slot of token t, or -1 (none: negative or >= P).
-__device__ __forceinline__ int slot_uses(const DecodeArgs& a, const Span& sp) {
-  if (sp.len <= 0 || sp.slot < 0) return 0;
-  if (a.num_accepted_tokens == nullptr) return 1;
-  return 1 + int(sp.len < a.indices_stride ? int64_t(sp.len) : a.indices_stride);
+// The slot check (a candidate: internal::DecodeLaunch::check_slots; docs/DESIGN.md "Serving
+// prefill"): sequence n is poisoned when a slot it reads or writes is also read or written by another
+// sequence m of the call, the race that the CPU backend refuses by name. The uses of a live
+// sequence (len > 0, start slot in [0, P)) are its start slot and, speculative, the store slots of
+// tokens t < min(len, indices_stride) that lie in [0, P); other sequences use nothing. The relation
+// is symmetric, so every sequence of a shared slot sees it.
+
+__device__ __forceinline__ int32_t index_at(const DecodeArgs& a, int64_t n, int64_t t) {
+  return __ldg(a.state_indices + n * a.indices_stride + t);
 }
-__device__ __forceinline__ int32_t slot_use(const DecodeArgs& a, int64_t n, const Span& sp, int u) {
-  if (u == 0) return sp.slot;
-  const int32_t s = __ldg(a.state_indices + n * a.indices_stride + (u - 1));
-  return s >= 0 && s < a.pool_size ? s : -1;
+__device__ __forceinline__ bool in_pool(const DecodeArgs& a, int32_t s) { return s >= 0 && s < a.pool_size; }
+
+// What a scan loads first of sequence m: its cu_seqlens offsets and accepted count (without them
+// 0, tokens_per_seq and 1; past N an empty range). The loads are independent, so a batch issues
+// every sequence's before it uses any.
+struct SeqRaw {
+  int64_t bos, eos;
+  int32_t accepted;
+};
+__device__ __forceinline__ SeqRaw load_raw(const DecodeArgs& a, int64_t m) {
+  SeqRaw r{0, 0, 1};
+  if (m < a.num_seqs) {
+    r.bos = a.cu_seqlens != nullptr ? cu_at(a, m) : 0;
+    r.eos = a.cu_seqlens != nullptr ? cu_at(a, m + 1) : a.tokens_per_seq;
+    if (a.num_accepted_tokens != nullptr) r.accepted = __ldg(a.num_accepted_tokens + m);
+  }
+  return r;
 }
 
-// A candidate (internal::DecodeLaunch::check_slots; docs/DESIGN.md "Serving prefill"): whether a
-// slot that sequence n (span sp) reads or writes is also read or written by another sequence of
-// the call, the race that the CPU backend refuses by name. This thread's share of the scan, over
-// the sequences m = threadIdx.x, + kThreads, ...; the CTA's answer is the OR of its threads'. The
-// relation is symmetric, so both sequences of a shared slot see it.
-__device__ __forceinline__ bool shares_a_slot(const DecodeArgs& a, int64_t n, const Span& sp) {
-  const int own = slot_uses(a, sp);
-  for (int64_t m = threadIdx.x; m < a.num_seqs; m += kThreads) {
-    if (m == n) continue;
-    const Span other = span_of(a, m);
-    const int uses = slot_uses(a, other);
-    for (int i = 0; i < uses; ++i) {
-      const int32_t s = slot_use(a, m, other, i);
-      if (s < 0) continue;
-      for (int j = 0; j < own; ++j)
-        if (slot_use(a, n, sp, j) == s) return true;
+// The rest of what the scan needs before m's slots (span_of's and start_slot's rules): how many
+// of its tokens store (min(len, indices_stride), speculative only) and the entry of its
+// state_indices row that names its start slot (accepted - 1, or 0); start = -1: m uses nothing
+// (empty, past N or an accepted count out of [1, indices_stride]).
+struct SeqHead {
+  int stores;
+  int start;
+};
+__device__ __forceinline__ SeqHead head_of(const DecodeArgs& a, const SeqRaw& r) {
+  const bool speculative = a.num_accepted_tokens != nullptr;
+  const int len = len_of(a, r.bos, r.eos);
+  SeqHead h{0, -1};
+  if (len > 0 && (!speculative || (r.accepted >= 1 && r.accepted <= a.indices_stride))) {
+    h.start = speculative ? r.accepted - 1 : 0;
+    h.stores = speculative ? int(len < a.indices_stride ? int64_t(len) : a.indices_stride) : 0;
+  }
+  return h;
+}
+
+// Sequences a thread loads at once in a scan (registers: about 3 a sequence, plus one a store
+// slot in flight).
+constexpr int kScanBatch = 4;
+
+// visit(m, s) for every use s of every live sequence m of this thread's share, m = threadIdx.x,
+// + kThreads, ...: kScanBatch sequences at a time, each round of loads issued for the whole batch
+// before any result is used: the heads, then the start slots with the first kTokens store slots,
+// then kTokens store slots a round, so a batch of T <= kTokens tokens costs at most two dependent
+// round trips (one without cu_seqlens and num_accepted_tokens). A start slot that is also the store
+// slot of one of the sequence's tokens (start < stores) is visited as that. Returns true after the
+// first batch in which a visit returned true.
+template <int kTokens, class Visit>
+__device__ __forceinline__ bool visit_uses(const DecodeArgs& a, Visit&& visit) {
+  for (int64_t m0 = threadIdx.x; m0 < a.num_seqs; m0 += kScanBatch * kThreads) {
+    SeqRaw raw[kScanBatch];
+#pragma unroll
+    for (int b = 0; b < kScanBatch; ++b) raw[b] = load_raw(a, m0 + b * kThreads);
+    SeqHead h[kScanBatch];
+    int stores = 0;
+#pragma unroll
+    for (int b = 0; b < kScanBatch; ++b) {
+      h[b] = head_of(a, raw[b]);
+      stores = max(stores, h[b].stores);
     }
+    int32_t slot[kScanBatch];
+#pragma unroll
+    for (int b = 0; b < kScanBatch; ++b) slot[b] = h[b].start >= 0 ? index_at(a, m0 + b * kThreads, h[b].start) : -1;
+    bool met = false;
+    for (int t0 = 0; t0 < stores; t0 += kTokens) {
+      int32_t s[kTokens][kScanBatch];
+#pragma unroll
+      for (int j = 0; j < kTokens; ++j) {
+#pragma unroll
+        for (int b = 0; b < kScanBatch; ++b)
+          s[j][b] = t0 + j < h[b].stores ? index_at(a, m0 + b * kThreads, t0 + j) : -1;
+      }
+#pragma unroll
+      for (int j = 0; j < kTokens; ++j) {
+#pragma unroll
+        for (int b = 0; b < kScanBatch; ++b)
+          if (in_pool(a, slot[b]) && in_pool(a, s[j][b])) met |= visit(m0 + b * kThreads, s[j][b]);
+      }
+    }
+#pragma unroll
+    for (int b = 0; b < kScanBatch; ++b) {
+      if (in_pool(a, slot[b]) && h[b].start >= h[b].stores) met |= visit(m0 + b * kThreads, slot[b]);
+    }
+    if (met) return true;
+  }
+  return false;
+}
+
+// Whether a sequence m != n of this thread's share uses one of the slots own[0..kOwn).
+template <int kTokens, int kOwn>
+__device__ __forceinline__ bool meets_uses(const DecodeArgs& a, int64_t n, const int32_t (&own)[kOwn]) {
+  return visit_uses<kTokens>(a, [&](int64_t m, int32_t s) {
+    bool hit = false;
+#pragma unroll
+    for (int j = 0; j < kOwn; ++j) hit |= s == own[j];
+    return hit && m != n;
+  });
+}
+
+// Slots of sequence n compared per pass of the scan (registers held through it).
+constexpr int kOwnUses = 4;
+
+// Whether a slot that sequence n (span sp, live) uses is used by another sequence: this thread's
+// share of the scan, the CTA's answer the OR of its threads'. n's uses sit in registers, kOwnUses
+// per pass over the other sequences (one pass up to 4 speculative tokens); unused places hold n's
+// start slot, so every place is compared. Exactly one use when n is not speculative or its start
+// slot is its only store slot (no 4-wide compare then). kTokens: visit_uses.
+template <int kTokens = 4>
+__device__ __forceinline__ bool shares_a_slot(const DecodeArgs& a, int64_t n, const Span& sp) {
+  const SeqHead h = head_of(a, load_raw(a, n));
+  const int uses = h.stores + (h.start >= h.stores ? 1 : 0);  // the start slot counts unless a token stores there
+  if (uses == 1) {
+    const int32_t own[1] = {sp.slot};
+    return meets_uses<kTokens>(a, n, own);
+  }
+  for (int u0 = 0; u0 < uses; u0 += kOwnUses) {
+    int32_t own[kOwnUses];
+#pragma unroll
+    for (int j = 0; j < kOwnUses; ++j) {
+      const int32_t s = u0 + j < h.stores ? index_at(a, n, u0 + j) : -1;
+      own[j] = in_pool(a, s) ? s : sp.slot;
+    }
+    if (meets_uses<kTokens>(a, n, own)) return true;
   }
   return false;
 }
@@ -452,7 +562,9 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
       if (t0 > 0) __syncthreads();  // every warp has read the previous group
       stage_tokens<TileT>(a, c, sp.bos, t0, count, staged);
       if (kCheckSlots && t0 == 0) {
-        const bool shared = shares_a_slot(a, c.n, sp);
+        // One store slot a scan round where the thread holds 4 state rows (64 registers) in
+        // flight: wider rounds spill (kTokens of visit_uses).
+        const bool shared = shares_a_slot<kRows >= 4 ? 1 : 4>(a, c.n, sp);
         cp_async_wait_all();
         if (__syncthreads_or(shared)) {
           fill_outputs<TileT>(a, c, sp, kBf16NaN);
@@ -563,6 +675,60 @@ __device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const C
   return words;
 }
 
+// The persistent kernel's slot check answers each item from a table built once per CTA: bit s of
+// `marked` is set when two or more live sequences use slot s (the first sequence to claim s owns
+// it, a claim by another marks it). The claims take P int32 owners, which borrow the ring before
+// the first prefetch, so the table covers pools up to the ring's size at one stage token and 16384
+// slots (2 KB of bits); larger pools (or N >= 2^31) scan per item (shares_a_slot).
+template <class TileT, typename StateT>
+struct SlotTable {
+  static constexpr size_t kRingSlots = PersistentLayout<TileT, StateT>::bytes(1) / sizeof(int32_t);
+  static constexpr int kSlots = int(kRingSlots < 16384 ? kRingSlots : 16384) / 32 * 32;
+};
+
+__device__ __forceinline__ bool is_marked(const uint32_t* marked, int32_t s) {
+  return (marked[s / 32] >> (s % 32)) & 1u;
+}
+
+// Builds the table with the whole CTA; returns it, or null where the pool does not fit.
+template <class TileT, typename StateT>
+__device__ __forceinline__ const uint32_t* mark_shared_slots(const DecodeArgs& a, void* ring) {
+  constexpr int kSlots = SlotTable<TileT, StateT>::kSlots;
+  __shared__ uint32_t marked[kSlots / 32];
+  if (a.pool_size > kSlots || a.num_seqs > INT32_MAX) return nullptr;
+  int32_t* const owner = static_cast<int32_t*>(ring);
+  const int slots = int(a.pool_size);
+  for (int s = threadIdx.x; s < slots; s += kThreads) owner[s] = -1;
+  for (int w = threadIdx.x; w < (slots + 31) / 32; w += kThreads) marked[w] = 0u;
+  __syncthreads();
+  visit_uses<4>(a, [&](int64_t m, int32_t s) {
+    const int32_t first = atomicCAS(owner + s, -1, int32_t(m));
+    if (first != -1 && first != int32_t(m)) atomicOr(marked + s / 32, 1u << (s % 32));
+    return false;
+  });
+  __syncthreads();  // the table is complete, the ring free for the first prefetch
+  return marked;
+}
+
+// Whether item sequence n (span sp, live) uses a slot that the table marks: thread 0 looks up the
+// start slot, thread t below the first group's count the store slot of token t (its TokenWords w,
+// -1 where none), and past the first group (more than 16 tokens: an invalid call) the threads load
+// the remaining store slots.
+__device__ __forceinline__ bool uses_a_marked_slot(const DecodeArgs& a, int64_t n, const Span& sp,
+                                                   const TokenWords& w, const uint32_t* marked) {
+  bool hit = threadIdx.x == 0 && is_marked(marked, sp.slot);
+  if (int(threadIdx.x) < min(a.stage_tokens, sp.len) && in_pool(a, w.store_slot))
+    hit |= is_marked(marked, w.store_slot);
+  if (a.num_accepted_tokens != nullptr) {
+    const int stores = int(sp.len < a.indices_stride ? int64_t(sp.len) : a.indices_stride);
+    for (int t = a.stage_tokens + int(threadIdx.x); t < stores; t += kThreads) {
+      const int32_t s = index_at(a, n, t);
+      if (in_pool(a, s)) hit |= is_marked(marked, s);
+    }
+  }
+  return hit;
+}
+
 template <typename StateT, class TileT, bool kCheckSlots = false>
 __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persistent_kernel(const DecodeArgs a,
                                                                                            int64_t items) {
@@ -587,6 +753,8 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
   const int64_t step = gridDim.x;
   int64_t x = blockIdx.x;  // the launcher keeps gridDim.x <= items
   Span sp0 = span_at(x), sp1 = span_at(x + step);
+  const uint32_t* marked = nullptr;  // the slot check's table (null: scan per item)
+  if constexpr (kCheckSlots) marked = mark_shared_slots<TileT, StateT>(a, smem);
   TokenWords w0 = prefetch(x, sp0, 0);
   TokenWords w1{0u, -1};
   if (x + step < items) w1 = prefetch(x + step, sp1, 1);
@@ -602,11 +770,15 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);
     else cp_async_commit();
     const Span sp3 = span_at(x + 3 * step);
-    cp_async_wait_group<kStages - 1>();  // this thread's copies of item i have landed
     bool shared = false;  // the slot check (a candidate): on a shared slot NaN outputs, no store
     if constexpr (kCheckSlots) {
-      shared = __syncthreads_or(sp0.len > 0 && sp0.slot >= 0 && shares_a_slot(a, coord_of<TileT>(a, x).n, sp0));
+      const int64_t n = coord_of<TileT>(a, x).n;
+      const bool meets = sp0.len > 0 && sp0.slot >= 0 &&
+                         (marked != nullptr ? uses_a_marked_slot(a, n, sp0, w0, marked) : shares_a_slot(a, n, sp0));
+      cp_async_wait_group<kStages - 1>();
+      shared = __syncthreads_or(meets);
     } else {
+      cp_async_wait_group<kStages - 1>();  // this thread's copies of item i have landed
       __syncthreads();  // and everyone's
     }
 
