@@ -366,11 +366,9 @@ def implementations(args):
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
         impls.append(("flashkda no skipping",
                       lambda x, s: run_flashkda(x, s, launch=dict(skip_transitions=-1))))
-        # K2's record stream by bulk copies, and multicast to the CTA pair (DESIGN.md "Segments", Next)
-        impls.append(("flashkda bulk records",
-                      lambda x, s: run_flashkda(x, s, launch=dict(record_copy=1))))
-        impls.append(("flashkda multicast records",
-                      lambda x, s: run_flashkda(x, s, launch=dict(record_copy=2))))
+        # K2's record stream by every thread's cp.async, the former rule (DESIGN.md "Segments")
+        impls.append(("flashkda cp.async records",
+                      lambda x, s: run_flashkda(x, s, launch=dict(record_copy=-1))))
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -456,8 +454,8 @@ def main():
     ap.add_argument("--candidates", action="store_true",
                     help="also the internal variants: the precise mode with the bf16 split of the state in place of "
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
-                         "transition skipping (docs/DESIGN.md 'Segments', runs), and K2's record stream by bulk copies, "
-                         "alone and multicast to the CTA pair (internal record_copy 1 and 2)")
+                         "transition skipping (docs/DESIGN.md 'Segments', runs), and K2's record stream by every "
+                         "thread's cp.async in place of bulk copies (internal record_copy -1)")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

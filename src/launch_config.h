@@ -33,11 +33,10 @@ struct PrefillLaunch {
   int seg_ctas_per_sm = 0;  // GPU, with segments: the segmented K2 at 2 CTAs an SM (up to 242 registers, three
                             // stages) or 3 (168 registers, two stages), the segment and piece rules planning for
                             // that many warpgroups an SM; 0 = rule (3 from H = 16 up, else 2)
-  int record_copy = 0;  // GPU, a candidate for the one-warpgroup recurrence CTAs (the segmented K2 and two
-                        // CTAs a head): 0 = rule (every thread copies the chunk record by cp.async);
-                        // 1 = one thread copies it with one bulk copy into an mbarrier stage; 2 = each CTA
-                        // of a cluster of the two CTAs that walk the same chunks copies half of it into
-                        // both (multicast: one L2 read a pair; docs/DESIGN.md "Segments", Next)
+  int record_copy = 0;  // GPU, the one-warpgroup recurrence CTAs (the segmented K2 and two CTAs a head):
+                        // 0 (rule) and 1 = one thread copies each chunk record with one bulk copy into an
+                        // mbarrier stage; -1 = every thread copies it by cp.async (the former rule;
+                        // docs/DESIGN.md "Segments")
 };
 
 struct DecodeLaunch {

@@ -883,11 +883,10 @@ TEST_F(PrefillGpu, SegmentedK2AtThreeCtasAnSm) {
   expect_segmented_k2_variant_matches(3, {300, 17, 1024, 77, 2000}, "three CTAs an SM");
 }
 
-// The bulk record stream (internal::PrefillLaunch::record_copy, a candidate: one bulk copy per
-// record, or halves multicast within a cluster of the two CTAs that walk the same chunks) feeds
-// the same arithmetic: the same bits as the cp.async stream on the same launch, for the two CTAs a
-// head of the serial walk and the segmented K2 at two and three CTAs an SM, exact and skipping,
-// every mode.
+// The bulk record stream (the rule; internal::PrefillLaunch::record_copy: one bulk copy per
+// record) feeds the same arithmetic as the cp.async stream (record_copy = -1): the same bits on
+// the same launch, for the two CTAs a head of the serial walk and the segmented K2 at two and
+// three CTAs an SM, exact and skipping, every mode.
 TEST_F(PrefillGpu, RecordCopyVariantsGiveTheSameBits) {
   internal::PrefillLaunch serial{};
   serial.v_splits = 2, serial.segment_chunks = -1;
@@ -898,8 +897,10 @@ TEST_F(PrefillGpu, RecordCopyVariantsGiveTheSameBits) {
                             internal::PrefillLaunch{0, 32, 0, 0, skip ? 1 : -1, skip ? 8 : 0, 0, ctas});
   for_each_mode_with_a_skipping_head({300, 17, 1024, 77, 2000, 5}, [&](KdaInputs& in, Precision precision) {
     for (const auto& [name, launch] : launches) {
-      const auto expected = launch_bits(in, launch);
-      for (const int copy : {1, 2}) {
+      internal::PrefillLaunch by_threads = launch;
+      by_threads.record_copy = -1;
+      const auto expected = launch_bits(in, by_threads);
+      for (const int copy : {0, 1}) {
         internal::PrefillLaunch variant = launch;
         variant.record_copy = copy;
         EXPECT_TRUE(launch_bits(in, variant) == expected)

@@ -209,21 +209,22 @@ struct Carver {
 };
 
 template <class Split>
-void launch_segmented(const Params& kp, int ctas_per_sm, int record_copy, cudaStream_t stream) {
+void launch_segmented(const Params& kp, int ctas_per_sm, bool bulk, cudaStream_t stream) {
   launch_prepare<Split>(kp, stream);
-  if (ctas_per_sm == 3) launch_recur_segmented<Split, 3>(kp, stream, record_copy);
-  else launch_recur_segmented<Split, 2>(kp, stream, record_copy);
+  if (ctas_per_sm == 3) launch_recur_segmented<Split, 3>(kp, stream, bulk);
+  else launch_recur_segmented<Split, 2>(kp, stream, bulk);
   launch_segment_chain(kp, stream);
   launch_segment_combine(kp, stream);
 }
 
-// K1 writes the mode's record layout and K2 reads it (config.h RecordLayout).
+// K1 writes the mode's record layout and K2 reads it (config.h RecordLayout); bulk: K2's
+// one-warpgroup CTAs take their records by bulk copies (internal::PrefillLaunch::record_copy).
 template <class Split>
-void launch_mode(int warps, int seg_ctas, int record_copy, const Params& kp, cudaStream_t stream) {
-  if (kp.seg_chunks > 0) return launch_segmented<Split>(kp, seg_ctas, record_copy, stream);
+void launch_mode(int warps, int seg_ctas, bool bulk, const Params& kp, cudaStream_t stream) {
+  if (kp.seg_chunks > 0) return launch_segmented<Split>(kp, seg_ctas, bulk, stream);
   launch_prepare<Split>(kp, stream);
-  if (warps == 8) launch_recur<8, Split>(kp, stream, 0);
-  else launch_recur<4, Split>(kp, stream, record_copy);
+  if (warps == 8) launch_recur<8, Split>(kp, stream, false);
+  else launch_recur<4, Split>(kp, stream, bulk);
 }
 
 // Calls f(Split{}) with the precision policy of the call (config.h SplitPolicy). The precise mode
@@ -387,7 +388,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int warps = choose_warps(N * p.H, launch);
   const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,
-             [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy, kp, stream); });
+             [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, stream); });
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {

@@ -12,13 +12,13 @@ namespace flashkda::cuda::sm90::prefill {
 template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream);  // K0 (varlen only) + K1 (the mode's record)
 
-// record_copy: internal::PrefillLaunch::record_copy (a candidate; one-warpgroup CTAs only).
+// bulk: the record stream by bulk copies (one-warpgroup CTAs only; internal::PrefillLaunch::record_copy).
 template <int kWarps, class Split>
-void launch_recur(const Params& p, cudaStream_t stream, int record_copy);  // K2, grid (N*H, 8 / kWarps)
+void launch_recur(const Params& p, cudaStream_t stream, bool bulk);  // K2, grid (N*H, 8 / kWarps)
 
 template <class Split, int kCtasPerSm>  // 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm)
 void launch_recur_segmented(const Params& p, cudaStream_t stream,
-                            int record_copy);  // K2 over segments, grid (max_segs*H, 4 + ...)
+                            bool bulk);  // K2 over segments, grid (max_segs*H, 4 + ...)
 void launch_segment_chain(const Params& p, cudaStream_t stream);     // segment start states, final state
 void launch_segment_combine(const Params& p, cudaStream_t stream);   // outputs of segments s > 0
 

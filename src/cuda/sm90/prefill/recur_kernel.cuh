@@ -36,11 +36,11 @@ namespace flashkda::cuda::sm90::prefill {
 // segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0. kStagesT stages:
 // three (80 KB at the precise record), or two (55 KB a CTA) for the segmented K2 at three CTAs an
 // SM (recur_seg3_kernel).
-// kBulk (a candidate: internal::PrefillLaunch::record_copy): per stage, `full` completes when the
-// stage's record has landed and `empty` when both CTAs of a multicast pair have read it.
+// kBulk (the rule for one-warpgroup CTAs; internal::PrefillLaunch::record_copy): per stage, `full`
+// completes when the stage's record has landed.
 template <int kStages>
 struct RecordBarriers {
-  uint64_t full[kStages], empty[kStages];
+  uint64_t full[kStages];
 };
 struct NoBarriers {};
 
@@ -90,44 +90,30 @@ __device__ __forceinline__ void load_stage(typename Smem::Stage& st, const Param
   if (with_v) load_v<Smem>(st, p, h, row0, rows, v_base);
 }
 
-// ---- The bulk record stream (a candidate: internal::PrefillLaunch::record_copy, RecordBarriers) ----
-// Thread 0 copies each chunk's record with one bulk copy completing on the stage's full barrier.
-// In a pair (a cluster of the two CTAs that walk the same chunks for two halves of the rows, grid
-// rows 2i and 2i + 1) each CTA copies half of the record into both CTAs' stages (multicast), so
-// the record is read from L2 once for the pair; a stage is refilled only after both CTAs have read
-// it (its empty barrier: one arrival from each CTA).
+// ---- The bulk record stream (kBulk, RecordBarriers) ----
+// Thread 0 copies each chunk's record with one bulk copy completing on the stage's full barrier;
+// the CTA barrier at the top of each step (every thread has read the stage being refilled) orders
+// the refill after the reads.
 template <int kStages, class Smem>
-__device__ __forceinline__ void init_record_barriers(Smem& sm, bool pair) {
+__device__ __forceinline__ void init_record_barriers(Smem& sm) {
   if (threadIdx.x == 0) {
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) mbarrier_init(&sm.full[s], 1), mbarrier_init(&sm.empty[s], 2);
+    for (int s = 0; s < kStages; ++s) mbarrier_init(&sm.full[s], 1);
     fence_mbarrier_init();
   }
-  if (pair) cluster_sync();  // the partner's barriers exist before anything is copied into it
-  else __syncthreads();
+  __syncthreads();
 }
 
 // Chunk jc of the walk (workspace slot `slot`) into `record`, its stage.
 template <class Split, int kStages, class Smem>
 __device__ __forceinline__ void issue_record(Smem& sm, uint8_t* record, const Params& p, int64_t slot, int h,
-                                             int64_t jc, bool pair) {
-  constexpr uint32_t kBytes = RecordLayout<Split>::kBytes, kHalf = kBytes / 2;
-  static_assert(kHalf % 16 == 0, "bulk copies move multiples of 16 bytes");
+                                             int64_t jc) {
+  constexpr uint32_t kBytes = RecordLayout<Split>::kBytes;
+  static_assert(kBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
   const uint8_t* rec = p.records + (slot * p.H + h) * int64_t(kBytes);
   uint64_t* full = &sm.full[jc % kStages];
-  mbarrier_arrive_expect_tx(full, kBytes);  // both halves land here
-  if (!pair) return bulk_copy(record, rec, kBytes, full);
-  if (jc >= kStages) mbarrier_wait(&sm.empty[jc % kStages], uint32_t(jc / kStages - 1) & 1);
-  const uint32_t off = cluster_rank() * kHalf;
-  bulk_copy_multicast(record + off, rec + off, kHalf, full, 0x3);
-}
-
-// This CTA has read the stage that chunk jn is to take: one arrival on its empty barrier in each CTA
-// of the pair.
-template <int kStages, class Smem>
-__device__ __forceinline__ void release_stage(Smem& sm, int64_t jn) {
-  mbarrier_arrive_cluster(&sm.empty[jn % kStages], 0);
-  mbarrier_arrive_cluster(&sm.empty[jn % kStages], 1);
+  mbarrier_arrive_expect_tx(full, kBytes);
+  bulk_copy(record, rec, kBytes, full);
 }
 
 // Fills out, final_state and dense checkpoints with NaN (invalid cu_seqlens, or a checkpoint count
@@ -541,13 +527,12 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
   // Chunk jc of the walk into its stage: the record by every thread's cp.async, or with kBulk by
-  // thread 0's bulk copy (a pair: each CTA half of it, to both; issue_record), v by cp.async.
-  [[maybe_unused]] const bool pair = kBulk && cluster_size() == 2;
-  if constexpr (kBulk) init_record_barriers<kStages>(sm, pair);
+  // thread 0's bulk copy (issue_record), v by cp.async.
+  if constexpr (kBulk) init_record_barriers<kStages>(sm);
   auto fetch = [&](int64_t jc) {
     if constexpr (kBulk) {
       typename Smem::Stage& st = sm.stage[jc % kStages];
-      if (threadIdx.x == 0) issue_record<Split, kStages>(sm, st.record, p, sc.chunk_begin + jc, h, jc, pair);
+      if (threadIdx.x == 0) issue_record<Split, kStages>(sm, st.record, p, sc.chunk_begin + jc, h, jc);
       if (!transition_rows) load_v<Smem>(st, p, h, sc.bos + jc * kChunk, chunk_rows(jc), v_base);
     } else {
       load_stage<Smem, Split>(sm.stage[jc % kStages], p, sc.chunk_begin + jc, h, sc.bos + jc * kChunk,
@@ -565,11 +550,7 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     if constexpr (!kBulk) fence_proxy_async_smem();
     __syncthreads();
     {
-      const int64_t jn = j + kStages - 1;
-      // The stage chunk jn takes held chunk j - 1, which this CTA has now read: with a pair, tell
-      // both CTAs (the partner's half lands in this CTA's stage too).
-      if constexpr (kBulk)
-        if (pair && threadIdx.x == 0 && jn < num_chunks && j > 0) release_stage<kStages>(sm, jn);
+      const int64_t jn = j + kStages - 1;  // into the stage of chunk j - 1, which every thread has read
       if (jn < num_chunks) fetch(jn);
       cp_async_commit();
     }
@@ -759,7 +740,6 @@ __device__ __forceinline__ void recur_body(const Params& p) {
       if (j % kRenormChunks == 0) rs.renormalise(r_S);
   }
   cp_async_wait_all();
-  if (pair) cluster_sync();  // the partner's last arrivals and copies here have completed
 
   if (!run_to_end) {  // a run that ends inside its segment: which of its rows are not finite
     bool bad[2] = {false, false};

@@ -8,45 +8,30 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-// One K2 launch of `threads` a CTA. record_copy (internal::PrefillLaunch::record_copy, a
-// candidate): 2 launches clusters of the grid's row pairs (1, 2, 1), whose CTAs walk the same
-// chunks, so that the bulk kernel multicasts each record to both.
+// One K2 launch of `threads` a CTA.
 template <class Kernel>
-void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, int record_copy, const Params& p,
-               cudaStream_t stream) {
+void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, cudaStream_t stream) {
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  if (record_copy != 2) {
-    kernel<<<grid, threads, smem, stream>>>(p);
-    FLASHKDA_CHECK_LAUNCH();
-    return;
-  }
-  cudaLaunchConfig_t config{};
-  config.gridDim = grid, config.blockDim = dim3(threads), config.dynamicSmemBytes = size_t(smem);
-  config.stream = stream;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = 1, cluster.val.clusterDim.y = 2, cluster.val.clusterDim.z = 1;
-  config.attrs = &cluster, config.numAttrs = 1;
-  FLASHKDA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, p));
+  kernel<<<grid, threads, smem, stream>>>(p);
+  FLASHKDA_CHECK_LAUNCH();
 }
 
 template <int kWarps, class Split>
-void launch_recur(const Params& p, cudaStream_t stream, int record_copy) {
+void launch_recur(const Params& p, cudaStream_t stream, bool bulk) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
   const dim3 grid(unsigned(work), 8 / kWarps);
-  if constexpr (kWarps == 4) {  // two CTAs a head: the bulk candidate applies
-    if (record_copy > 0)
+  if constexpr (kWarps == 4) {  // two CTAs a head: the bulk record stream applies
+    if (bulk)
       return launch_k2(recur_kernel<4, Split, false, true>, grid, 4 * 32,
-                       int(sizeof(RecurSmem<4, Split, false, 3, true>)), record_copy, p, stream);
+                       int(sizeof(RecurSmem<4, Split, false, 3, true>)), p, stream);
   }
-  launch_k2(recur_kernel<kWarps, Split, false>, grid, kWarps * 32, int(sizeof(RecurSmem<kWarps, Split>)), 0, p,
-            stream);
+  launch_k2(recur_kernel<kWarps, Split, false>, grid, kWarps * 32, int(sizeof(RecurSmem<kWarps, Split>)), p, stream);
 }
 
 // kCtasPerSm: the segmented K2 at 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm; RecurSmem).
 template <class Split, int kCtasPerSm, bool kBulk>
-void launch_recur_segmented_as(const Params& p, cudaStream_t stream, int record_copy) {
+void launch_recur_segmented_as(const Params& p, cudaStream_t stream) {
   const int64_t ctas = p.max_segs * p.H;
   if (ctas == 0) return;
   constexpr int kStages = kCtasPerSm >= 3 ? kSeg3Stages : 3;
@@ -59,13 +44,13 @@ void launch_recur_segmented_as(const Params& p, cudaStream_t stream, int record_
   // further piece (recur_kernel).
   const unsigned pieces = unsigned(p.run_chunks > 0 ? p.max_pieces : 1);
   const dim3 grid(unsigned(ctas), kSegRows / 64 + 2 * (pieces - 1));
-  launch_k2(kernel, grid, 4 * 32, smem, record_copy, p, stream);
+  launch_k2(kernel, grid, 4 * 32, smem, p, stream);
 }
 
 template <class Split, int kCtasPerSm>
-void launch_recur_segmented(const Params& p, cudaStream_t stream, int record_copy) {
-  if (record_copy > 0) launch_recur_segmented_as<Split, kCtasPerSm, true>(p, stream, record_copy);
-  else launch_recur_segmented_as<Split, kCtasPerSm, false>(p, stream, 0);
+void launch_recur_segmented(const Params& p, cudaStream_t stream, bool bulk) {
+  if (bulk) launch_recur_segmented_as<Split, kCtasPerSm, true>(p, stream);
+  else launch_recur_segmented_as<Split, kCtasPerSm, false>(p, stream);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill
