@@ -369,6 +369,9 @@ def implementations(args):
         # K2's record stream by every thread's cp.async, the former rule (DESIGN.md "Segments")
         impls.append(("flashkda cp.async records",
                       lambda x, s: run_flashkda(x, s, launch=dict(record_copy=-1))))
+        # every kernel in stream order, none launched early (DESIGN.md "Early launch")
+        impls.append(("flashkda stream order",
+                      lambda x, s: run_flashkda(x, s, launch=dict(early_launch=-1))))
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -455,7 +458,8 @@ def main():
                     help="also the internal variants: the precise mode with the bf16 split of the state in place of "
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
                          "transition skipping (docs/DESIGN.md 'Segments', runs), and K2's record stream by every "
-                         "thread's cp.async in place of bulk copies (internal record_copy -1)")
+                         "thread's cp.async in place of bulk copies (internal record_copy -1), and every kernel in "
+                         "stream order, none launched early (internal early_launch -1)")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

@@ -7,7 +7,8 @@
 Not public API: the defaults are the launchers' own rules, which is what every call without this
 context runs; nothing is read from the environment. See src/launch_config.h for the meaning of
 each field (prefill: v_splits, segment_chunks, f16_operands, checkpoints_in_segments, skip_transitions,
-skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm, record_copy; decode: persistent, check_slots).
+skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm, record_copy, early_launch; decode: persistent,
+check_slots).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from . import _launch
 _PREFILL = {"v_splits": "_v_splits", "segment_chunks": "_segment_chunks", "f16_operands": "_f16_operands",
             "checkpoints_in_segments": "_ckpt_in_segments", "skip_transitions": "_skip_transitions",
             "skip_run_chunks": "_skip_run_chunks", "skip_warmup_chunks": "_skip_warmup_chunks",
-            "seg_ctas_per_sm": "_seg_ctas_per_sm", "record_copy": "_record_copy"}
+            "seg_ctas_per_sm": "_seg_ctas_per_sm", "record_copy": "_record_copy",
+            "early_launch": "_early_launch"}
 _DECODE = {"persistent": "_persistent", "check_slots": "_check_slots"}
 
 
@@ -27,7 +29,7 @@ _DECODE = {"persistent": "_persistent", "check_slots": "_check_slots"}
 def launch(**fields):
     """Calls inside the block launch with these fields (v_splits, segment_chunks, f16_operands,
     checkpoints_in_segments, skip_transitions, skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm,
-    record_copy, persistent, check_slots)."""
+    record_copy, early_launch, persistent, check_slots)."""
     unknown = set(fields) - set(_PREFILL) - set(_DECODE)
     if unknown:
         raise TypeError(f"unknown launch fields: {sorted(unknown)}")

@@ -910,6 +910,29 @@ TEST_F(PrefillGpu, RecordCopyVariantsGiveTheSameBits) {
   });
 }
 
+// Early launch (internal::PrefillLaunch::early_launch, the rule: every kernel of the call after
+// its first launches while its predecessor runs and waits for it before touching memory) gives
+// the bits of stream order: varlen (K0 first, then K1 launched early), the serial walk of one and
+// two CTAs a head, and segments (K2, chain and combine early), exact and skipping, every mode.
+TEST_F(PrefillGpu, EarlyLaunchGivesTheSameBits) {
+  internal::PrefillLaunch two_ctas{}, one_cta{};
+  two_ctas.v_splits = 2, two_ctas.segment_chunks = -1;
+  one_cta.v_splits = 1, one_cta.segment_chunks = -1;
+  const std::vector<std::pair<std::string, internal::PrefillLaunch>> launches{
+      {"two CTAs a head", two_ctas},
+      {"one CTA a head", one_cta},
+      {"segments exact", internal::PrefillLaunch{0, 32, 0, 0, -1, 0, 0, 2}},
+      {"segments skipping", internal::PrefillLaunch{0, 32, 0, 0, 1, 8, 0, 3}}};
+  for_each_mode_with_a_skipping_head({300, 17, 1024, 77, 2000, 5}, [&](KdaInputs& in, Precision precision) {
+    for (const auto& [name, launch] : launches) {
+      internal::PrefillLaunch in_order = launch, early = launch;
+      in_order.early_launch = -1;
+      early.early_launch = 0;
+      EXPECT_TRUE(launch_bits(in, early) == launch_bits(in, in_order)) << name << " " << precision_name(precision);
+    }
+  });
+}
+
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;

@@ -213,6 +213,7 @@ struct Params {
   int32_t* error_flag;        // workspace header (K0): 1 when cu_seqlens is invalid or a live slot is named twice
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
+  bool early_launch;          // host only: the call's kernels after its first launch early (launch.cu)
 
   // Segments (all zero / null when sequences are not split).
   int64_t seg_chunks;         // chunks per segment L; 0 = one CTA walks the whole sequence

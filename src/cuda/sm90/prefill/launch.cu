@@ -16,7 +16,10 @@ namespace flashkda::cuda::sm90::prefill {
 
 template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream) {
-  if (p.cu_seqlens != nullptr || p.state_indices != nullptr) {  // K0: what the host cannot check
+  // The call's first kernel launches in stream order (what precedes it is the caller's); every
+  // later one early (early_launch.cuh), unless the call says not (PrefillLaunch::early_launch).
+  const bool k0 = p.cu_seqlens != nullptr || p.state_indices != nullptr;
+  if (k0) {  // K0: what the host cannot check
     chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
     FLASHKDA_CHECK_LAUNCH();
   }
@@ -25,8 +28,7 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   constexpr int smem = sizeof(PrepareSmem);
   auto kernel = prepare_kernel<Split>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<unsigned(blocks), kPrepThreads, smem, stream>>>(p);
-  FLASHKDA_CHECK_LAUNCH();
+  launch_early(k0 && p.early_launch, kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem), stream, p);
 }
 
 void launch_segment_chain(const Params& p, cudaStream_t stream) {
@@ -34,8 +36,8 @@ void launch_segment_chain(const Params& p, cudaStream_t stream) {
   if (work == 0) return;
   constexpr int smem = sizeof(ChainSmem);
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  segment_chain_kernel<<<dim3(unsigned(work), kHeadDim / kChainRows), kChainThreads, smem, stream>>>(p);
-  FLASHKDA_CHECK_LAUNCH();
+  launch_early(p.early_launch, segment_chain_kernel, dim3(unsigned(work), kHeadDim / kChainRows),
+               dim3(kChainThreads), size_t(smem), stream, p);
 }
 
 void launch_segment_combine(const Params& p, cudaStream_t stream) {
@@ -44,8 +46,8 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   if (ctas == 0 || p.H == 0) return;
   constexpr int smem = sizeof(CombineSmem);
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  segment_combine_kernel<<<unsigned(ctas * p.H), kCombineThreads, smem, stream>>>(p, tiles);
-  FLASHKDA_CHECK_LAUNCH();
+  launch_early(p.early_launch, segment_combine_kernel, dim3(unsigned(ctas * p.H)), dim3(kCombineThreads),
+               size_t(smem), stream, p, tiles);
 }
 
 namespace {
@@ -332,6 +334,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.seg_start = kp.error_flag + 1;
   kp.ckpt_start = kp.seg_start + (N + 1);
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
+  kp.early_launch = true;
   return kp;
 }
 
@@ -346,6 +349,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int64_t N = detail::num_sequences(p);
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
+  kp.early_launch = launch.early_launch >= 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),
@@ -417,7 +421,7 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   kp.seg_a = transition, kp.seg_b = zero_start;
   with_split(kp, p.precision, 0, [&](auto split) {
     launch_prepare<decltype(split)>(kp, stream);
-    launch_recur_segmented<decltype(split), 2>(kp, stream, 0);
+    launch_recur_segmented<decltype(split), 2>(kp, stream, true);
   });
 }
 

@@ -18,6 +18,7 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
+#include "cuda/common/early_launch.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 #include "cuda/sm90/prefill/config.h"
 #include "cuda/sm90/prefill/prepare_chunk.cuh"
@@ -54,6 +55,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
     typename Scan::TempStorage scan;
   } tmp;
   __shared__ int carry, seg_carry, ckpt_carry;
+  allow_dependents();  // K1 may launch now; it waits for this kernel before it reads anything
 
   if (p.cu_seqlens == nullptr) {  // a pool without cu_seqlens: the slot check only
     if (threadIdx.x == 0) *p.error_flag = 0;
@@ -111,6 +113,8 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
 template <class Split>
 __global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
+  wait_for_prerequisites();  // K0 (launched early after it)
+  allow_dependents();
   const int h = int(blockIdx.x % p.H);
   const int64_t slot = blockIdx.x / p.H;
   int64_t row0;

@@ -27,6 +27,7 @@
 
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 
@@ -767,8 +768,11 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   }
 }
 
+// Both launch early after K1 (launch_early) and wait for it before anything else.
 template <int kWarps, class Split, bool kSeg, bool kBulk = false>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
+  wait_for_prerequisites();
+  allow_dependents();
   recur_body<kWarps, Split, kSeg, 3, kBulk>(p);
 }
 
@@ -777,6 +781,8 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
 constexpr int kSeg3Stages = 2;
 template <class Split, bool kBulk = false>
 __global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
+  wait_for_prerequisites();
+  allow_dependents();
   recur_body<4, Split, true, kSeg3Stages, kBulk>(p);
 }
 

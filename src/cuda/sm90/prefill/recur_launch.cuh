@@ -8,12 +8,11 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-// One K2 launch of `threads` a CTA.
+// One K2 launch of `threads` a CTA, early after K1 (early_launch.cuh) unless the call says not.
 template <class Kernel>
 void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, cudaStream_t stream) {
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, threads, smem, stream>>>(p);
-  FLASHKDA_CHECK_LAUNCH();
+  launch_early(p.early_launch, kernel, grid, dim3(threads), size_t(smem), stream, p);
 }
 
 template <int kWarps, class Split>

@@ -14,6 +14,7 @@
 
 #include <cuda_bf16.h>
 
+#include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 
@@ -61,6 +62,8 @@ __device__ __forceinline__ void sequence_segments(const Params& p, int64_t n, in
 __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   ChainSmem& sm = *reinterpret_cast<ChainSmem*>(smem_raw);
+  wait_for_prerequisites();  // K2 (launched early after it)
+  allow_dependents();
   if (call_refused(p)) return;  // K2 filled the outputs with NaN
   const int64_t n = blockIdx.x / p.H;
   const int h = int(blockIdx.x % p.H);
@@ -251,6 +254,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
                                                                              int64_t tiles) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   CombineSmem& sm = *reinterpret_cast<CombineSmem*>(smem_raw);
+  wait_for_prerequisites();  // the chain (launched early after it)
   if (call_refused(p)) return;
   const int h = int(blockIdx.x % p.H);
   const int64_t tile = blockIdx.x / p.H;
