@@ -361,6 +361,9 @@ def implementations(args):
         impls.append(("flashkda balanced", lambda x, s: run_flashkda(x, s, "balanced")))
     if not args.no_fast:
         impls.append(("flashkda fast", lambda x, s: run_flashkda(x, s, "fast")))
+    if args.early_variants:  # which kernels launch early (internal early_launch bits, launch_config.h)
+        for name, bits in (("stream order", -1), ("K2 early", 2), ("chain, combine early", 12)):
+            impls.append((f"flashkda {name}", lambda x, s, b=bits: run_flashkda(x, s, launch=dict(early_launch=b))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
@@ -460,6 +463,9 @@ def main():
                          "transition skipping (docs/DESIGN.md 'Segments', runs), and K2's record stream by every "
                          "thread's cp.async in place of bulk copies (internal record_copy -1), and every kernel in "
                          "stream order, none launched early (internal early_launch -1)")
+    ap.add_argument("--early-variants", action="store_true",
+                    help="also flashkda with every kernel in stream order, with K2 alone launched early, and with "
+                         "the chain and combine alone launched early (internal early_launch -1, 2, 12)")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

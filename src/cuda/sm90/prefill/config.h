@@ -184,6 +184,9 @@ inline int64_t max_segments(int64_t chunk_slots, int64_t num_seqs, int64_t seg_c
 enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
 
 // Everything the kernels need, by value (a __grid_constant__-friendly POD).
+// Params::early_launch bits: the kernels that launch early after their predecessor.
+constexpr int kEarlyK1 = 1, kEarlyK2 = 2, kEarlyChain = 4, kEarlyCombine = 8, kEarlyAll = 15;
+
 struct Params {
   const void* q;      // [total, H, K] bf16
   const void* k;      // [total, H, K] bf16
@@ -213,7 +216,7 @@ struct Params {
   int32_t* error_flag;        // workspace header (K0): 1 when cu_seqlens is invalid or a live slot is named twice
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
-  bool early_launch;          // host only: the call's kernels after its first launch early (launch.cu)
+  int early_launch;           // host only: which of the call's kernels launch early (launch.cu kEarly*)
 
   // Segments (all zero / null when sequences are not split).
   int64_t seg_chunks;         // chunks per segment L; 0 = one CTA walks the whole sequence

@@ -28,7 +28,7 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   constexpr int smem = sizeof(PrepareSmem);
   auto kernel = prepare_kernel<Split>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  launch_early(k0 && p.early_launch, kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem), stream, p);
+  launch_early(k0 && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem), stream, p);
 }
 
 void launch_segment_chain(const Params& p, cudaStream_t stream) {
@@ -36,7 +36,7 @@ void launch_segment_chain(const Params& p, cudaStream_t stream) {
   if (work == 0) return;
   constexpr int smem = sizeof(ChainSmem);
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  launch_early(p.early_launch, segment_chain_kernel, dim3(unsigned(work), kHeadDim / kChainRows),
+  launch_early(p.early_launch & kEarlyChain, segment_chain_kernel, dim3(unsigned(work), kHeadDim / kChainRows),
                dim3(kChainThreads), size_t(smem), stream, p);
 }
 
@@ -46,7 +46,7 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   if (ctas == 0 || p.H == 0) return;
   constexpr int smem = sizeof(CombineSmem);
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  launch_early(p.early_launch, segment_combine_kernel, dim3(unsigned(ctas * p.H)), dim3(kCombineThreads),
+  launch_early(p.early_launch & kEarlyCombine, segment_combine_kernel, dim3(unsigned(ctas * p.H)), dim3(kCombineThreads),
                size_t(smem), stream, p, tiles);
 }
 
@@ -334,7 +334,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.seg_start = kp.error_flag + 1;
   kp.ckpt_start = kp.seg_start + (N + 1);
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
-  kp.early_launch = true;
+  kp.early_launch = kEarlyAll;
   return kp;
 }
 
@@ -349,7 +349,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int64_t N = detail::num_sequences(p);
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
-  kp.early_launch = launch.early_launch >= 0;
+  kp.early_launch = launch.early_launch < 0 ? 0 : launch.early_launch == 0 ? kEarlyAll : launch.early_launch;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),

@@ -12,7 +12,7 @@ namespace flashkda::cuda::sm90::prefill {
 template <class Kernel>
 void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, cudaStream_t stream) {
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  launch_early(p.early_launch, kernel, grid, dim3(threads), size_t(smem), stream, p);
+  launch_early(p.early_launch & kEarlyK2, kernel, grid, dim3(threads), size_t(smem), stream, p);
 }
 
 template <int kWarps, class Split>
