@@ -362,7 +362,7 @@ def implementations(args):
     if not args.no_fast:
         impls.append(("flashkda fast", lambda x, s: run_flashkda(x, s, "fast")))
     if args.early_variants:  # which kernels launch early (internal early_launch bits, launch_config.h)
-        for name, bits in (("stream order", -1), ("K2 early", 2), ("chain, combine early", 12)):
+        for name, bits in (("all early", 15), ("K2 early", 2), ("chain, combine early", 12)):
             impls.append((f"flashkda {name}", lambda x, s, b=bits: run_flashkda(x, s, launch=dict(early_launch=b))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
@@ -372,9 +372,6 @@ def implementations(args):
         # K2's record stream by every thread's cp.async, the former rule (DESIGN.md "Segments")
         impls.append(("flashkda cp.async records",
                       lambda x, s: run_flashkda(x, s, launch=dict(record_copy=-1))))
-        # every kernel in stream order, none launched early (DESIGN.md "Early launch")
-        impls.append(("flashkda stream order",
-                      lambda x, s: run_flashkda(x, s, launch=dict(early_launch=-1))))
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -461,11 +458,10 @@ def main():
                     help="also the internal variants: the precise mode with the bf16 split of the state in place of "
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
                          "transition skipping (docs/DESIGN.md 'Segments', runs), and K2's record stream by every "
-                         "thread's cp.async in place of bulk copies (internal record_copy -1), and every kernel in "
-                         "stream order, none launched early (internal early_launch -1)")
+                         "thread's cp.async in place of bulk copies (internal record_copy -1)")
     ap.add_argument("--early-variants", action="store_true",
-                    help="also flashkda with every kernel in stream order, with K2 alone launched early, and with "
-                         "the chain and combine alone launched early (internal early_launch -1, 2, 12)")
+                    help="also flashkda with every kernel after the call's first launched early, with K2 alone, and "
+                         "with the chain and combine alone (internal early_launch 15, 2, 12; docs/DESIGN.md)")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

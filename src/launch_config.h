@@ -37,10 +37,10 @@ struct PrefillLaunch {
                         // 0 (rule) and 1 = one thread copies each chunk record with one bulk copy into an
                         // mbarrier stage; -1 = every thread copies it by cp.async (the former rule;
                         // docs/DESIGN.md "Segments")
-  int early_launch = 0;  // GPU: 0 = rule (every kernel after the call's first launches early:
-                         // programmatic dependent launch, each waits for its predecessor before it
-                         // touches memory; docs/DESIGN.md "Early launch"); -1 = stream order; else bits
-                         // of the kernels that do: 1 K1 (after K0), 2 K2, 4 the chain, 8 the combine
+  int early_launch = 0;  // GPU, a candidate: bits of the kernels that launch early, while their
+                         // predecessor runs (programmatic dependent launch; each waits for it before it
+                         // touches memory): 1 K1 (after K0), 2 K2, 4 the chain, 8 the combine; 0 = rule
+                         // (none: stream order; docs/DESIGN.md "Early launch")
 };
 
 struct DecodeLaunch {

@@ -184,7 +184,8 @@ inline int64_t max_segments(int64_t chunk_slots, int64_t num_seqs, int64_t seg_c
 enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
 
 // Everything the kernels need, by value (a __grid_constant__-friendly POD).
-// Params::early_launch bits: the kernels that launch early after their predecessor.
+// Params::early_launch bits (internal::PrefillLaunch::early_launch, a candidate): the kernels that
+// launch early after their predecessor; 0 = every kernel in stream order.
 constexpr int kEarlyK1 = 1, kEarlyK2 = 2, kEarlyChain = 4, kEarlyCombine = 8, kEarlyAll = 15;
 
 struct Params {

@@ -16,8 +16,8 @@ namespace flashkda::cuda::sm90::prefill {
 
 template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream) {
-  // The call's first kernel launches in stream order (what precedes it is the caller's); every
-  // later one early (early_launch.cuh), unless the call says not (PrefillLaunch::early_launch).
+  // The call's first kernel launches in stream order (what precedes it is the caller's); K1 after
+  // K0 early only where PrefillLaunch::early_launch says (a candidate, early_launch.cuh).
   const bool k0 = p.cu_seqlens != nullptr || p.state_indices != nullptr;
   if (k0) {  // K0: what the host cannot check
     chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
@@ -334,7 +334,6 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.seg_start = kp.error_flag + 1;
   kp.ckpt_start = kp.seg_start + (N + 1);
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
-  kp.early_launch = kEarlyAll;
   return kp;
 }
 
@@ -349,7 +348,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int64_t N = detail::num_sequences(p);
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
-  kp.early_launch = launch.early_launch < 0 ? 0 : launch.early_launch == 0 ? kEarlyAll : launch.early_launch;
+  kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),

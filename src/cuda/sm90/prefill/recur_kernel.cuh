@@ -768,7 +768,7 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   }
 }
 
-// Both launch early after K1 (launch_early) and wait for it before anything else.
+// Both can launch early after K1 (launch_early, a candidate) and so wait for it before anything else.
 template <int kWarps, class Split, bool kSeg, bool kBulk = false>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
   wait_for_prerequisites();

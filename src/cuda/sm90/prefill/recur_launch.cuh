@@ -8,7 +8,8 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
-// One K2 launch of `threads` a CTA, early after K1 (early_launch.cuh) unless the call says not.
+// One K2 launch of `threads` a CTA (early after K1 where PrefillLaunch::early_launch says: a
+// candidate, early_launch.cuh).
 template <class Kernel>
 void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, cudaStream_t stream) {
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
