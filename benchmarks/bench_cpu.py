@@ -34,8 +34,10 @@ import ml_dtypes
 import numpy as np
 
 import flashkda
+from flashkda import _internal
 
 CHUNK = 16
+ENGINES = {1: "baseline ISA", 2: "AVX2 + FMA", 3: "AVX-512"}
 BF16 = ml_dtypes.bfloat16
 
 
@@ -247,6 +249,7 @@ def main():
         print("torch is not installed: the torch columns are skipped", flush=True)
 
     model, isa = machine()
+    engine = _internal.cpu_engine_isa()
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     gemm = sgemm_gflops(args.gemm_n, args.reps)
     chunk_fpt = chunk_flops_per_token(K, V)
@@ -258,6 +261,10 @@ def main():
         for H in args.heads:
             x = make_inputs(T, H, K, V, seed=H)
             t_cpu = timed(lambda: run_flashkda(x, T, args.lower_bound), args.reps)
+            t_avx2 = float("nan")
+            if engine == 3:  # the AVX2 engine beside the AVX-512 one, on the same inputs
+                with _internal.launch(cpu_isa=2):
+                    t_avx2 = timed(lambda: run_flashkda(x, T, args.lower_bound), args.reps)
             t_torch = timed(lambda: torch_chunked(x, T, args.lower_bound), max(1, args.reps // 2)) if have_torch \
                 else float("nan")
             t_ref = timed(lambda: run_reference(x, ref_T, args.lower_bound), 1, warmup=0)
@@ -266,7 +273,7 @@ def main():
             cpu_gflops = T * H * chunk_fpt / t_cpu / 1e9
             rows.append((T, H, t_cpu * 1e3, cpu_gflops, 100 * cpu_gflops / gemm, t_torch * 1e3, t_torch / t_cpu,
                          t_ref * T / ref_T * 1e3, t_ref * T / ref_T / t_cpu, rel_rms(out_cpu, out_ref),
-                         rel_rms(ht_cpu, ht_ref)))
+                         rel_rms(ht_cpu, ht_ref), t_avx2 * 1e3))
             print(f"T={T} H={H}: flashkda {t_cpu * 1e3:.1f} ms, torch {t_torch * 1e3:.1f} ms", flush=True)
     drows = decode_rows(args, args.lower_bound) if args.decode_n else []
 
@@ -284,14 +291,17 @@ def main():
         f"- fp64 reference: `flashkda.reference_forward` timed once on the first tokens (--ref-T), scaled to T; "
         "the error columns compare the CPU backend with it there",
         f"- FLOPs: chunk form {chunk_fpt:,} per token and head (6KV + 2C(K+V), C=16)",
+        f"- CPU engine: {ENGINES[engine]}" + ("; the AVX2 engine's time on the same inputs beside it (launch field "
+                                             "cpu_isa=2, the same bits)" if engine == 3 else ""),
         "",
         "| T | H | CPU backend ms | GFLOP/s | % of sgemm | torch chunked ms | vs torch | fp64 reference ms (scaled) "
-        "| vs reference | out rel-RMS | state rel-RMS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| vs reference | out rel-RMS | state rel-RMS |" + (" AVX2 engine ms | AVX-512 speed-up |" if engine == 3 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if engine == 3 else ""),
     ]
     for r in rows:
         lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.0f}% | {r[5]:.0f} | {r[6]:.1f}x "
-                     f"| {r[7]:,.0f} | {r[8]:.1f}x | {r[9]:.1e} | {r[10]:.1e} |")
+                     f"| {r[7]:,.0f} | {r[8]:.1f}x | {r[9]:.1e} | {r[10]:.1e} |"
+                     + (f" {r[11]:.1f} | {r[11] / r[2]:.2f}x |" if engine == 3 else ""))
     if drows:
         lines += ["", "Decode, one token per sequence, H=16, fp32 pool [P, H, V, K] updated in place through "
                   "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter):", "",

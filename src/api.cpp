@@ -63,6 +63,8 @@ int64_t chosen_segment_chunks(const PrefillParams&, const PrefillLaunch&) { retu
 int64_t chosen_run_chunks(const PrefillParams&, const PrefillLaunch&) { return 0; }
 #endif
 
+int cpu_engine_isa(int requested) { return cpu::engine_isa(requested); }
+
 void forward(const PrefillParams& params, const PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
              Stream stream) {
   const Backend backend = backend_of(params.q);
@@ -80,11 +82,10 @@ void forward(const PrefillParams& params, const PrefillLaunch& launch, void* wor
     return;
   }
 #endif
-  (void)launch;
   (void)workspace;
   (void)workspace_bytes;
   (void)stream;
-  cpu::forward(params);
+  cpu::forward(params, launch.cpu_isa);
 }
 
 void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream stream) {

@@ -41,6 +41,8 @@ struct PrefillLaunch {
                          // predecessor runs (programmatic dependent launch; each waits for it before it
                          // touches memory): 1 K1 (after K0), 2 K2, 4 the chain, 8 the combine; 0 = rule
                          // (none: stream order; docs/DESIGN.md "Early launch")
+  int cpu_isa = 0;  // CPU: the instruction set of the engine, capped at what the processor has: 0 = rule
+                   // (the widest), 1 = the baseline ISA, 2 = AVX2 + FMA, 3 = AVX-512 (F, VL, BW, DQ)
 };
 
 struct DecodeLaunch {
@@ -59,6 +61,9 @@ void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream strea
 int64_t chosen_segment_chunks(const PrefillParams& params, const PrefillLaunch& launch = {});
 // The piece length of transition skipping the launcher picks (0: no skipping).
 int64_t chosen_run_chunks(const PrefillParams& params, const PrefillLaunch& launch = {});
+// The instruction set the CPU engine runs for PrefillLaunch::cpu_isa = requested on this processor
+// (1 baseline, 2 AVX2 + FMA, 3 AVX-512): requested capped at the widest it has (0: the widest).
+int cpu_engine_isa(int requested = 0);
 
 // The segment transition (docs/DESIGN.md "Segments"): over a sequence the state map is affine,
 // S_out = A S_in + B. For every sequence n and head h of params (taken as one segment each) this

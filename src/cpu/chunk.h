@@ -15,9 +15,11 @@ namespace flashkda::cpu {
 // The chunked forward with state and arithmetic in T. out / final_state / checkpoints: when
 // non-null, written in T ([B, T, H, V], [N, H, V, K] and [num_checkpoints, H, V, K]) instead of
 // p.out / p.final_state / p.checkpoints in their dtypes (a state pool is read and written as
-// PrefillParams says, whatever these are). Does not validate p (callers do).
+// PrefillParams says, whatever these are). cpu_isa: internal::PrefillLaunch::cpu_isa (0: the
+// widest instruction set the processor has). Does not validate p (callers do).
 template <typename T>
-void chunk_forward(const PrefillParams& p, T* out = nullptr, T* final_state = nullptr, T* checkpoints = nullptr);
+void chunk_forward(const PrefillParams& p, T* out = nullptr, T* final_state = nullptr, T* checkpoints = nullptr,
+                   int cpu_isa = 0);
 
 // X <- (I + L)^{-1} X for a strictly lower triangular n x n block of a row-major [C, C] matrix L
 // and R right-hand sides (X[i * R + r]), by forward substitution: x_i -= sum_{j<i} L[i,j] x_j.

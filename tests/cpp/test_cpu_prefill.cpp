@@ -1,12 +1,15 @@
 // The CPU prefill backend (flashkda::forward on host memory) against the fp64 token recurrence:
 // lengths, varlen with empty sequences, batches, state dtypes, gate forms and preprocessing flags.
 // Outputs start as NaN and guard bytes follow every buffer, so unwritten or overrun elements show.
+// Every test runs once per instruction set of the engine (internal::PrefillLaunch::cpu_isa: the
+// baseline ISA, AVX2 + FMA, AVX-512), skipping, with the reason, those the processor lacks.
 #include <gtest/gtest.h>
 
 #include <string>
 #include <vector>
 
 #include "kda_test_utils.h"
+#include "launch_config.h"
 
 namespace flashkda::test {
 namespace {
@@ -14,6 +17,26 @@ namespace {
 // rel-RMS bound for a result stored in dtype: fp32 storage keeps the fp32 compute error,
 // bf16 storage adds its rounding (2^-9 relative, ~1.1e-3 RMS).
 double tolerance(DType stored) { return stored == DType::kF32 ? 1e-5 : 5e-3; }
+
+// The instruction set the running test asks of the engine (CpuPrefill's parameter).
+int g_isa = 0;
+
+// The CPU backend on p with the running test's instruction set.
+void run_cpu(const PrefillParams& p) {
+  internal::PrefillLaunch launch{};
+  launch.cpu_isa = g_isa;
+  internal::forward(p, launch, nullptr, 0);
+}
+
+const char* isa_name(int isa) { return isa == 1 ? "baseline" : isa == 2 ? "AVX2" : "AVX512"; }
+
+class CpuPrefill : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    g_isa = GetParam();
+    if (internal::cpu_engine_isa(g_isa) != g_isa) GTEST_SKIP() << "this processor has no " << isa_name(g_isa);
+  }
+};
 
 struct Errors {
   double out = 0.0, state = 0.0;
@@ -25,7 +48,7 @@ Errors check_against_reference(const KdaOptions& opt, const std::string& label =
   SCOPED_TRACE(label + " " + in.describe());
   const Reference ref = run_reference(in);
   in.poison_outputs();
-  forward(in.params(), nullptr, 0);
+  run_cpu(in.params());
 
   Errors err;
   const std::vector<double> out = in.out.values();
@@ -58,14 +81,14 @@ KdaOptions fp32_options() {
   return o;
 }
 
-TEST(CpuPrefill, MatchesReferenceFp32) {
+TEST_P(CpuPrefill, MatchesReferenceFp32) {
   KdaOptions o = fp32_options();
   o.seqlens = {300, 17, 1024, 77};
   o.H = 4;
   check_against_reference(o, "fp32 varlen [300,17,1024,77] H=4");
 }
 
-TEST(CpuPrefill, MatchesReferenceBf16) {
+TEST_P(CpuPrefill, MatchesReferenceBf16) {
   KdaOptions o;
   o.seqlens = {300, 17, 1024, 77};
   o.H = 4;
@@ -74,7 +97,7 @@ TEST(CpuPrefill, MatchesReferenceBf16) {
   check_against_reference(o, "bf16 varlen [300,17,1024,77] H=4");
 }
 
-TEST(CpuPrefill, SequenceLengths) {
+TEST_P(CpuPrefill, SequenceLengths) {
   for (int64_t T : {0, 1, 15, 16, 17, 31, 100, 1000}) {
     SCOPED_TRACE("T=" + std::to_string(T));
     KdaOptions o = fp32_options();
@@ -84,7 +107,7 @@ TEST(CpuPrefill, SequenceLengths) {
   }
 }
 
-TEST(CpuPrefill, VarlenWithEmptySequences) {
+TEST_P(CpuPrefill, VarlenWithEmptySequences) {
   for (DType cu : {DType::kI32, DType::kI64}) {
     KdaOptions o = fp32_options();
     o.seqlens = {0, 17, 0, 0, 100, 1, 16, 0, 33, 0};
@@ -95,19 +118,19 @@ TEST(CpuPrefill, VarlenWithEmptySequences) {
   }
 }
 
-TEST(CpuPrefill, EmptySequenceKeepsInitialStateExactly) {
+TEST_P(CpuPrefill, EmptySequenceKeepsInitialStateExactly) {
   KdaOptions o = fp32_options();
   o.seqlens = {0, 5, 0};
   KdaInputs in(o);
   in.poison_outputs();
-  forward(in.params(), nullptr, 0);
+  run_cpu(in.params());
   const int64_t per_seq = o.H * o.V * o.K;
   for (int64_t n : {0, 2})
     for (int64_t i = 0; i < per_seq; ++i)
       ASSERT_EQ(in.final_state.get(n * per_seq + i), in.initial_state.get(n * per_seq + i));
 }
 
-TEST(CpuPrefill, BatchedSequences) {
+TEST_P(CpuPrefill, BatchedSequences) {
   KdaOptions o = fp32_options();
   o.B = 3;
   o.T = 45;
@@ -116,7 +139,7 @@ TEST(CpuPrefill, BatchedSequences) {
   check_against_reference(o);
 }
 
-TEST(CpuPrefill, EveryStateCombination) {
+TEST_P(CpuPrefill, EveryStateCombination) {
   for (StateKind init : {StateKind::kNone, StateKind::kF32, StateKind::kBF16}) {
     for (StateKind fin : {StateKind::kNone, StateKind::kF32, StateKind::kBF16}) {
       for (DType dt : {DType::kF32, DType::kBF16}) {
@@ -131,7 +154,7 @@ TEST(CpuPrefill, EveryStateCombination) {
   }
 }
 
-TEST(CpuPrefill, MixedInputDtypes) {
+TEST_P(CpuPrefill, MixedInputDtypes) {
   KdaOptions o = fp32_options();
   o.T = 50;
   o.g_dtype = DType::kBF16;
@@ -143,7 +166,7 @@ TEST(CpuPrefill, MixedInputDtypes) {
   check_against_reference(o);
 }
 
-TEST(CpuPrefill, LowerBoundGate) {
+TEST_P(CpuPrefill, LowerBoundGate) {
   for (float lb : {-5.0f, -1.0f, -0.01f}) {
     KdaOptions o = fp32_options();
     o.T = 70;
@@ -155,7 +178,7 @@ TEST(CpuPrefill, LowerBoundGate) {
   }
 }
 
-TEST(CpuPrefill, SoftplusGateExtremes) {
+TEST_P(CpuPrefill, SoftplusGateExtremes) {
   KdaOptions o = fp32_options();
   o.gate = GateForm::kSoftplus;
   o.T = 100;
@@ -177,7 +200,7 @@ TEST(CpuPrefill, SoftplusGateExtremes) {
   check_against_reference(o);
 }
 
-TEST(CpuPrefill, PrecomputedGateDownToMinus1000) {
+TEST_P(CpuPrefill, PrecomputedGateDownToMinus1000) {
   for (double lo : {-1000.0, -30.0, -10.0}) {
     KdaOptions o = fp32_options();
     o.gate = GateForm::kPrecomputed;
@@ -200,7 +223,7 @@ TEST(CpuPrefill, PrecomputedGateDownToMinus1000) {
   EXPECT_LE(err.state, 2e-6);
 }
 
-TEST(CpuPrefill, PreprocessFlags) {
+TEST_P(CpuPrefill, PreprocessFlags) {
   for (bool l2norm : {true, false}) {
     for (bool logit : {true, false}) {
       KdaOptions o = fp32_options();
@@ -212,7 +235,7 @@ TEST(CpuPrefill, PreprocessFlags) {
   }
 }
 
-TEST(CpuPrefill, CustomScale) {
+TEST_P(CpuPrefill, CustomScale) {
   for (float scale : {0.25f, 1.0f, -0.5f, 0.0f}) {
     KdaOptions o = fp32_options();
     o.T = 33;
@@ -223,7 +246,7 @@ TEST(CpuPrefill, CustomScale) {
   }
 }
 
-TEST(CpuPrefill, OddHeadSizes) {
+TEST_P(CpuPrefill, OddHeadSizes) {
   for (auto [K, V] : {std::pair<int64_t, int64_t>{1, 1}, {40, 24}, {64, 200}, {256, 256}}) {
     KdaOptions o = fp32_options();
     o.T = 37;
@@ -239,7 +262,7 @@ TEST(CpuPrefill, OddHeadSizes) {
 // NaN in is NaN out: a NaN raw gate, A_log or dt_bias, or +inf in a precomputed log-decay, makes
 // the affected head's outputs and final state non-finite (as in the fp64 reference and decode),
 // never a finite value that hides a diverged model; the other heads are unaffected.
-TEST(CpuPrefill, NonFiniteGatesPropagate) {
+TEST_P(CpuPrefill, NonFiniteGatesPropagate) {
   struct Case {
     const char* what;
     GateForm gate;
@@ -260,7 +283,7 @@ TEST(CpuPrefill, NonFiniteGatesPropagate) {
     SCOPED_TRACE(what + std::string(" ") + gate_form_name(c.gate));
     const Reference ref = run_reference(in);
     in.poison_outputs();
-    forward(in.params(), nullptr, 0);
+    run_cpu(in.params());
     const std::vector<double> out = in.out.values(), fs = in.final_state.values();
     auto nonfinite_head = [&](const std::vector<double>& x, int64_t h, int64_t per_row, int64_t rows) {
       int64_t bad_count = 0;
@@ -275,6 +298,36 @@ TEST(CpuPrefill, NonFiniteGatesPropagate) {
     EXPECT_EQ(nonfinite_head(out, 0, o.V, o.T), 0);
   }
 }
+
+// The AVX2 and AVX-512 engines run the same arithmetic in the same order (the channel loops' 16
+// partial sums are in the code, not left to the vector width): the same bits, on varlen bf16
+// inputs with fp32 states, softplus gates with wide spreads (the pairwise path) and odd head sizes.
+TEST(CpuPrefillIsas, Avx512GivesTheBitsOfAvx2) {
+  if (internal::cpu_engine_isa(3) != 3) GTEST_SKIP() << "this processor has no AVX512";
+  KdaOptions a;
+  a.seqlens = {300, 17, 1024, 77};
+  a.H = 4, a.initial_state = a.final_state = StateKind::kF32;
+  KdaOptions b = a;
+  b.gate = GateForm::kSoftplus, b.g_min = b.dt_bias_min = -8.0, b.g_max = b.dt_bias_max = 8.0, b.A_log_max = 3.0;
+  KdaOptions c = a;
+  c.seqlens = {37, 5}, c.K = 40, c.V = 200;
+  for (const KdaOptions& o : {a, b, c}) {
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    std::vector<unsigned char> bits[2][2];
+    for (int i = 0; i < 2; ++i) {
+      g_isa = 2 + i;
+      in.poison_outputs();
+      run_cpu(in.params());
+      bits[i][0] = in.out.bytes, bits[i][1] = in.final_state.bytes;
+    }
+    EXPECT_TRUE(bits[0][0] == bits[1][0]) << "out";
+    EXPECT_TRUE(bits[0][1] == bits[1][1]) << "final_state";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, CpuPrefill, ::testing::Values(1, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) { return std::string(isa_name(info.param)); });
 
 }  // namespace
 }  // namespace flashkda::test
