@@ -189,9 +189,10 @@ def torch_decode_loop(pool, idx, x, lower_bound):
     return o
 
 
-def decode_rows(args, lower_bound):
+def decode_rows(args, lower_bound, engine):
     """flashkda's CPU decode (one token per sequence, fp32 pool updated in place through indices)
-    against the torch gather / step / scatter loop, same inputs."""
+    against the torch gather / step / scatter loop, same inputs; and the same decode with the engine
+    compiled for the baseline ISA and (on an AVX-512 processor) for AVX2 (launch field cpu_isa)."""
     rows = []
     H, K = 16, args.K
     for N in args.decode_n:
@@ -210,6 +211,10 @@ def decode_rows(args, lower_bound):
                                          use_beta_sigmoid_in_kernel=True, lower_bound=lower_bound,
                                          state_v_first=True, ssm_state_indices=idx)
         t_ours = timed(ours, args.reps)
+        t_isa = {}
+        for isa in (1, 2) if engine == 3 else (1,):
+            with _internal.launch(cpu_isa=isa):
+                t_isa[isa] = timed(ours, args.reps)
         t_torch = float("nan")
         try:
             import torch
@@ -220,7 +225,8 @@ def decode_rows(args, lower_bound):
         except ImportError:
             pass
         state_bytes = 2 * N * H * K * K * 4
-        rows.append((N, H, t_ours * 1e6, t_torch * 1e6, t_torch / t_ours, state_bytes / t_ours / 1e9))
+        rows.append((N, H, t_ours * 1e6, t_torch * 1e6, t_torch / t_ours, state_bytes / t_ours / 1e9,
+                     t_isa[1] * 1e6, t_isa.get(2, float("nan")) * 1e6))
         print(f"decode N={N}: flashkda {t_ours * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us", flush=True)
     return rows
 
@@ -275,7 +281,7 @@ def main():
                          t_ref * T / ref_T * 1e3, t_ref * T / ref_T / t_cpu, rel_rms(out_cpu, out_ref),
                          rel_rms(ht_cpu, ht_ref), t_avx2 * 1e3))
             print(f"T={T} H={H}: flashkda {t_cpu * 1e3:.1f} ms, torch {t_torch * 1e3:.1f} ms", flush=True)
-    drows = decode_rows(args, args.lower_bound) if args.decode_n else []
+    drows = decode_rows(args, args.lower_bound, engine) if args.decode_n else []
 
     lines = [
         f"- machine: {model}, {os.cpu_count()} cores (nproc), {isa}; OpenMP threads: {threads}",
@@ -305,10 +311,12 @@ def main():
     if drows:
         lines += ["", "Decode, one token per sequence, H=16, fp32 pool [P, H, V, K] updated in place through "
                   "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter):", "",
-                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) |",
-                  "|---|---|---|---|---|---|"]
+                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) | baseline-ISA engine us |"
+                  + (" AVX2 engine us |" if engine == 3 else ""),
+                  "|---|---|---|---|---|---|---|" + ("---|" if engine == 3 else "")]
         for r in drows:
-            lines.append(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.1f}x | {r[5]:.1f} |")
+            lines.append(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.1f}x | {r[5]:.1f} | {r[6]:.0f} |"
+                         + (f" {r[7]:.0f} |" if engine == 3 else ""))
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -98,9 +98,8 @@ void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream strea
     return;
   }
 #endif
-  (void)launch;
   (void)stream;
-  cpu::decode(params);
+  cpu::decode(params, launch.cpu_isa);
 }
 
 namespace {

@@ -100,7 +100,7 @@ namespace cpu {
 // chunk-16 form, fp32 state, OpenMP over (sequence, head); cpu_isa: internal::PrefillLaunch::cpu_isa
 void forward(const PrefillParams& p, int cpu_isa = 0);
 int engine_isa(int requested);  // internal::cpu_engine_isa
-void decode(const DecodeParams& p);
+void decode(const DecodeParams& p, int cpu_isa = 0);  // cpu_isa: internal::DecodeLaunch::cpu_isa
 void segment_transition(const PrefillParams& p, float* transition, float* zero_start);  // launch_config.h
 }  // namespace cpu
 

@@ -50,6 +50,7 @@ struct DecodeLaunch {
   int check_slots = 0;  // GPU, a candidate: 1 = every CTA scans the call's other sequences for a live slot
                         // that its sequence also reads or writes, and on one writes NaN outputs and stores
                         // nothing (both sequences of the shared slot); 0 = no check (docs/DESIGN.md)
+  int cpu_isa = 0;  // CPU: as PrefillLaunch::cpu_isa
 };
 
 size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch);

@@ -22,7 +22,7 @@ _PREFILL = {"v_splits": "_v_splits", "segment_chunks": "_segment_chunks", "f16_o
             "skip_run_chunks": "_skip_run_chunks", "skip_warmup_chunks": "_skip_warmup_chunks",
             "seg_ctas_per_sm": "_seg_ctas_per_sm", "record_copy": "_record_copy",
             "early_launch": "_early_launch", "cpu_isa": "_cpu_isa"}
-_DECODE = {"persistent": "_persistent", "check_slots": "_check_slots"}
+_DECODE = {"persistent": "_persistent", "check_slots": "_check_slots", "cpu_isa": "_cpu_isa"}
 
 
 @contextlib.contextmanager
@@ -36,10 +36,10 @@ def launch(**fields):
     saved = {key: dict(value) for key, value in _launch._config.items()}
     prefill = dict(_launch._config.get("prefill", {}))
     decode = dict(_launch._config.get("decode", {}))
-    for name, value in fields.items():
+    for name, value in fields.items():  # cpu_isa names a field of both
         if name in _PREFILL:
             prefill[_PREFILL[name]] = int(value)
-        else:
+        if name in _DECODE:
             decode[_DECODE[name]] = int(value)
     _launch._config.update(prefill=prefill, decode=decode)
     try:

@@ -1,5 +1,6 @@
 // CPU decode step (docs/SPEC.md §5): the token recurrence of docs/SPEC.md §3 in fp32 on a state pool
-// updated in place, OpenMP over (sequence, head).
+// updated in place, OpenMP over (sequence, head). Compiled for the baseline ISA, AVX2 + FMA and
+// AVX-512, picked at run time as the prefill engine is (internal::DecodeLaunch::cpu_isa).
 //
 // Slot rules (shared with the GPU kernel, src/cuda/sm90/decode/kernel.cuh):
 //   - without num_accepted_tokens: slot = state_indices[n * indices_stride]; read before the
@@ -45,7 +46,7 @@ DecodeScratch& thread_scratch(int64_t K, int64_t V) {
 // k, then the read along q; returns the output element. The two reductions run in kLanes partial
 // sums so the loops vectorise without reassociation flags (a plain running sum is a chain of K
 // dependent adds).
-inline float step_row(float* row, const float* decay, const float* k, const float* q, float v, float b, int64_t K) {
+FLASHKDA_HOST_INLINE float step_row(float* row, const float* decay, const float* k, const float* q, float v, float b, int64_t K) {
   constexpr int kLanes = 16;
   float part[kLanes] = {};
   int64_t c0 = 0;
@@ -88,7 +89,7 @@ void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<fl
 }
 
 // Token recurrence of one (sequence, head) on an fp32 copy of its state slice [V, K].
-void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
+FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   const int64_t K = p.K, V = p.V, H = p.H;
   const SeqRange seq = detail::seq_range(p, n);
   const int32_t slot = start_slot(p, n);
@@ -120,17 +121,38 @@ void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   if (p.num_accepted_tokens == nullptr) host::store_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state.data());
 }
 
+// Item i of a call (sequence i / H, head i % H), per instruction set; the two FMA builds contract
+// the rows' multiply-adds, so their bits differ from the baseline's.
+void decode_items(const DecodeParams& p, int64_t i, float scale) { decode_head(p, i / p.H, i % p.H, scale); }
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+__attribute__((target("avx2,fma"))) void decode_items_avx2(const DecodeParams& p, int64_t i, float scale) {
+  decode_head(p, i / p.H, i % p.H, scale);
+}
+__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512"))) void
+decode_items_avx512(const DecodeParams& p, int64_t i, float scale) {
+  decode_head(p, i / p.H, i % p.H, scale);
+}
+#endif
+
 }  // namespace
 
-void decode(const DecodeParams& p) {
+void decode(const DecodeParams& p, int cpu_isa) {
   const float scale = detail::effective_scale(p.pre, p.K);
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
+  auto item = decode_items;
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+  const int isa = engine_isa(cpu_isa);
+  if (isa == 3) item = decode_items_avx512;
+  else if (isa == 2) item = decode_items_avx2;
+#else
+  (void)cpu_isa;
+#endif
 #pragma omp parallel
   {
     thread_scratch(p.K, p.V);  // every thread, whether or not it gets an item this call
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < work; ++i) decode_head(p, i / p.H, i % p.H, scale);
+    for (int64_t i = 0; i < work; ++i) item(p, i, scale);
   }
 }
 

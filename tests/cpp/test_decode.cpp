@@ -1,6 +1,8 @@
 // CPU decode (docs/SPEC.md §5) against the fp64 token recurrence: single and several tokens, varlen,
 // padding, speculative slots, both state dtypes, all gate forms and flags, sentinel pool slots
-// that must stay bit-exact, decode after prefill, and argument errors.
+// that must stay bit-exact, decode after prefill, and argument errors. The DecodeCpu tests run once
+// per instruction set of the engine (internal::DecodeLaunch::cpu_isa), skipping, with the reason,
+// those the processor lacks.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -8,6 +10,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "launch_config.h"
 #include "test_decode_fixture.h"
 
 namespace flashkda::test {
@@ -20,13 +23,33 @@ constexpr double kTolF32 = 2e-5;   // fp32 out or fp32 state
 double tol_out(const DecodeOptions& o) { return o.dtype == DType::kBF16 ? kTolBf16 : kTolF32; }
 double tol_state(const DecodeOptions& o) { return o.state_dtype == DType::kBF16 ? kTolBf16 : kTolF32; }
 
+// The instruction set the running DecodeCpu test asks of the engine (its parameter).
+int g_isa = 0;
+
+// CPU decode of p with the running test's instruction set.
+void run_cpu(const DecodeParams& p) {
+  internal::DecodeLaunch launch{};
+  launch.cpu_isa = g_isa;
+  internal::decode(p, launch);
+}
+
+const char* isa_name(int isa) { return isa == 1 ? "baseline" : isa == 2 ? "AVX2" : "AVX512"; }
+
+class DecodeCpu : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override {
+    g_isa = GetParam();
+    if (internal::cpu_engine_isa(g_isa) != g_isa) GTEST_SKIP() << "this processor has no " << isa_name(g_isa);
+  }
+};
+
 void run_and_check(const DecodeOptions& o) {
   DecodeProblem prob(o);
-  decode(prob.params());
+  run_cpu(prob.params());
   prob.check(tol_out(o), tol_state(o));
 }
 
-TEST(DecodeCpu, SingleTokenBothStateDtypes) {
+TEST_P(DecodeCpu, SingleTokenBothStateDtypes) {
   for (DType s : {DType::kF32, DType::kBF16}) {
     DecodeOptions o;
     o.N = 5, o.T = 1, o.H = 3;
@@ -35,7 +58,7 @@ TEST(DecodeCpu, SingleTokenBothStateDtypes) {
   }
 }
 
-TEST(DecodeCpu, SeveralTokensUpToSixteen) {
+TEST_P(DecodeCpu, SeveralTokensUpToSixteen) {
   for (int64_t T : {2, 5, 16}) {
     for (DType s : {DType::kF32, DType::kBF16}) {
       DecodeOptions o;
@@ -46,7 +69,7 @@ TEST(DecodeCpu, SeveralTokensUpToSixteen) {
   }
 }
 
-TEST(DecodeCpu, VarlenInt32AndInt64) {
+TEST_P(DecodeCpu, VarlenInt32AndInt64) {
   for (DType cu : {DType::kI32, DType::kI64}) {
     DecodeOptions o;
     o.seqlens = {1, 16, 3, 7, 1};
@@ -56,7 +79,7 @@ TEST(DecodeCpu, VarlenInt32AndInt64) {
   }
 }
 
-TEST(DecodeCpu, GateFormsAndFlags) {
+TEST_P(DecodeCpu, GateFormsAndFlags) {
   for (GateForm gate : {GateForm::kLowerBound, GateForm::kSoftplus, GateForm::kPrecomputed}) {
     DecodeOptions o;
     o.N = 3, o.T = 4, o.H = 2;
@@ -75,7 +98,7 @@ TEST(DecodeCpu, GateFormsAndFlags) {
   run_and_check(o);
 }
 
-TEST(DecodeCpu, Float32InputsGateAndBeta) {
+TEST_P(DecodeCpu, Float32InputsGateAndBeta) {
   DecodeOptions o;
   o.N = 3, o.T = 4, o.H = 2;
   o.dtype = o.g_dtype = o.beta_dtype = DType::kF32;
@@ -85,7 +108,7 @@ TEST(DecodeCpu, Float32InputsGateAndBeta) {
   }
 }
 
-TEST(DecodeCpu, PaddingEntriesTouchNothingAndOutputZero) {
+TEST_P(DecodeCpu, PaddingEntriesTouchNothingAndOutputZero) {
   DecodeOptions o;
   o.N = 6, o.T = 2, o.H = 2;
   o.padding = {0, 3, 5};
@@ -99,7 +122,7 @@ TEST(DecodeCpu, PaddingEntriesTouchNothingAndOutputZero) {
   run_and_check(v);
 }
 
-TEST(DecodeCpu, SpeculativeSlotsPerToken) {
+TEST_P(DecodeCpu, SpeculativeSlotsPerToken) {
   for (DType s : {DType::kF32, DType::kBF16}) {
     DecodeOptions o;
     o.N = 4, o.T = 3, o.H = 2;
@@ -112,7 +135,7 @@ TEST(DecodeCpu, SpeculativeSlotsPerToken) {
   }
 }
 
-TEST(DecodeCpu, SpeculativeVarlenWithPadding) {
+TEST_P(DecodeCpu, SpeculativeVarlenWithPadding) {
   DecodeOptions o;
   o.seqlens = {4, 1, 3, 2};
   o.speculative = true;
@@ -122,7 +145,7 @@ TEST(DecodeCpu, SpeculativeVarlenWithPadding) {
   run_and_check(o);
 }
 
-TEST(DecodeCpu, SpeculativeStrideOneEqualsPlainDecode) {
+TEST_P(DecodeCpu, SpeculativeStrideOneEqualsPlainDecode) {
   DecodeOptions o;
   o.N = 4, o.T = 1, o.H = 2;
   o.speculative = true;
@@ -132,7 +155,7 @@ TEST(DecodeCpu, SpeculativeStrideOneEqualsPlainDecode) {
 
 // Four decode calls of one token leave the same fp32 state as one call of four tokens (fp32 pool:
 // the state never leaves fp32 in between), and the same outputs.
-TEST(DecodeCpu, TokenByTokenEqualsMultiTokenBitExact) {
+TEST_P(DecodeCpu, TokenByTokenEqualsMultiTokenBitExact) {
   DecodeOptions o;
   o.N = 3, o.T = 4, o.H = 2;
   DecodeProblem multi(o);
@@ -140,7 +163,7 @@ TEST(DecodeCpu, TokenByTokenEqualsMultiTokenBitExact) {
   single.in = multi.in;  // same inputs, same seeds
   single.pool = multi.pool;
   single.indices = multi.indices;
-  decode(multi.params());
+  run_cpu(multi.params());
 
   DecodeParams p = single.params();
   std::vector<unsigned char> out_bytes(multi.in.out.data_bytes());
@@ -163,7 +186,7 @@ TEST(DecodeCpu, TokenByTokenEqualsMultiTokenBitExact) {
     ps.q = step.q.data(), ps.k = step.k.data(), ps.v = step.v.data(), ps.g = step.g.data(), ps.beta = step.beta.data();
     ps.out = step.out.data();
     ps.T = 1;
-    decode(ps);
+    run_cpu(ps);
     for (int64_t n = 0; n < o.N; ++n) {
       std::memcpy(out_bytes.data() + (n * T + t) * H * V * 2, static_cast<char*>(step.out.data()) + n * H * V * 2,
                   H * V * 2);
@@ -175,7 +198,7 @@ TEST(DecodeCpu, TokenByTokenEqualsMultiTokenBitExact) {
 
 // Prefill over the first T0 tokens into a pool slot, then decode the rest: same outputs and final
 // state as the fp64 recurrence over the whole sequence.
-TEST(DecodeCpu, DecodeAfterPrefillMatchesWholeSequence) {
+TEST_P(DecodeCpu, DecodeAfterPrefillMatchesWholeSequence) {
   for (DType s : {DType::kF32, DType::kBF16}) {
     const int64_t T0 = 37, T1 = 5, H = 2, K = 128, V = 128;
     KdaOptions ko;
@@ -215,7 +238,7 @@ TEST(DecodeCpu, DecodeAfterPrefillMatchesWholeSequence) {
     dp.T = T1;
     dp.H = H;
     dp.pre = pp.pre;
-    decode(dp);
+    run_cpu(dp);
 
     std::vector<double> got_out = out.values(), want_out(ref.out.end() - T1 * H * V, ref.out.end());
     std::vector<double> got_state(slice);
@@ -338,6 +361,36 @@ TEST(DecodeCpuErrors, EmptyBatchIsANoOp) {
   EXPECT_NO_THROW(decode(p));
   EXPECT_EQ(prob.pool.bytes, prob.pool_before.bytes);
 }
+
+// The AVX2 and AVX-512 builds run the same arithmetic in the same order (16 partial sums written in
+// the code, multiply-adds contracted in both): the same outputs and pool bits, plain and
+// speculative, fp32 and bf16 pools.
+TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
+  if (internal::cpu_engine_isa(3) != 3) GTEST_SKIP() << "this processor has no AVX512";
+  DecodeOptions plain;
+  plain.N = 5, plain.T = 2, plain.H = 3;
+  DecodeOptions spec;
+  spec.N = 4, spec.T = 3, spec.H = 2, spec.speculative = true, spec.indices_stride = 4;
+  spec.accepted = {1, 2, 3, 4};
+  for (DecodeOptions o : {plain, spec})
+    for (DType s : {DType::kF32, DType::kBF16}) {
+      o.state_dtype = s;
+      DecodeProblem prob(o);
+      std::vector<unsigned char> bits[2][2];
+      for (int i = 0; i < 2; ++i) {
+        prob.pool.bytes = prob.pool_before.bytes;
+        prob.in.poison_outputs();
+        g_isa = 2 + i;
+        run_cpu(prob.params());
+        bits[i][0] = prob.in.out.bytes, bits[i][1] = prob.pool.bytes;
+      }
+      EXPECT_TRUE(bits[0][0] == bits[1][0]) << "out";
+      EXPECT_TRUE(bits[0][1] == bits[1][1]) << "pool";
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Isa, DecodeCpu, ::testing::Values(1, 2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) { return std::string(isa_name(info.param)); });
 
 }  // namespace
 }  // namespace flashkda::test
