@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "kda_test_utils.h"
-#include "launch_config.h"
+#include "isa_test.h"
 
 namespace flashkda::test {
 namespace {
@@ -18,9 +18,6 @@ namespace {
 // bf16 storage adds its rounding (2^-9 relative, ~1.1e-3 RMS).
 double tolerance(DType stored) { return stored == DType::kF32 ? 1e-5 : 5e-3; }
 
-// The instruction set the running test asks of the engine (CpuPrefill's parameter).
-int g_isa = 0;
-
 // The CPU backend on p with the running test's instruction set.
 void run_cpu(const PrefillParams& p) {
   internal::PrefillLaunch launch{};
@@ -28,15 +25,7 @@ void run_cpu(const PrefillParams& p) {
   internal::forward(p, launch, nullptr, 0);
 }
 
-const char* isa_name(int isa) { return isa == 1 ? "baseline" : isa == 2 ? "AVX2" : "AVX512"; }
-
-class CpuPrefill : public ::testing::TestWithParam<int> {
- protected:
-  void SetUp() override {
-    g_isa = GetParam();
-    if (internal::cpu_engine_isa(g_isa) != g_isa) GTEST_SKIP() << "this processor has no " << isa_name(g_isa);
-  }
-};
+class CpuPrefill : public IsaTest {};
 
 struct Errors {
   double out = 0.0, state = 0.0;
@@ -326,8 +315,7 @@ TEST(CpuPrefillIsas, Avx512GivesTheBitsOfAvx2) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, CpuPrefill, ::testing::Values(1, 2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) { return std::string(isa_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Isa, CpuPrefill, kIsas, isa_param_name);
 
 }  // namespace
 }  // namespace flashkda::test

@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "backend.h"
-#include "launch_config.h"
+#include "isa_test.h"
 #include "test_decode_fixture.h"
 
 namespace flashkda::test {
@@ -23,9 +23,6 @@ constexpr double kTolF32 = 2e-5;   // fp32 out or fp32 state
 double tol_out(const DecodeOptions& o) { return o.dtype == DType::kBF16 ? kTolBf16 : kTolF32; }
 double tol_state(const DecodeOptions& o) { return o.state_dtype == DType::kBF16 ? kTolBf16 : kTolF32; }
 
-// The instruction set the running DecodeCpu test asks of the engine (its parameter).
-int g_isa = 0;
-
 // CPU decode of p with the running test's instruction set.
 void run_cpu(const DecodeParams& p) {
   internal::DecodeLaunch launch{};
@@ -33,15 +30,7 @@ void run_cpu(const DecodeParams& p) {
   internal::decode(p, launch);
 }
 
-const char* isa_name(int isa) { return isa == 1 ? "baseline" : isa == 2 ? "AVX2" : "AVX512"; }
-
-class DecodeCpu : public ::testing::TestWithParam<int> {
- protected:
-  void SetUp() override {
-    g_isa = GetParam();
-    if (internal::cpu_engine_isa(g_isa) != g_isa) GTEST_SKIP() << "this processor has no " << isa_name(g_isa);
-  }
-};
+class DecodeCpu : public IsaTest {};
 
 void run_and_check(const DecodeOptions& o) {
   DecodeProblem prob(o);
@@ -389,8 +378,7 @@ TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, DecodeCpu, ::testing::Values(1, 2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) { return std::string(isa_name(info.param)); });
+INSTANTIATE_TEST_SUITE_P(Isa, DecodeCpu, kIsas, isa_param_name);
 
 }  // namespace
 }  // namespace flashkda::test
