@@ -301,7 +301,8 @@ def main():
                                              "cpu_isa=2, the same bits)" if engine == 3 else ""),
         "",
         "| T | H | CPU backend ms | GFLOP/s | % of sgemm | torch chunked ms | vs torch | fp64 reference ms (scaled) "
-        "| vs reference | out rel-RMS | state rel-RMS |" + (" AVX2 engine ms | AVX-512 speed-up |" if engine == 3 else ""),
+        "| vs reference | out rel-RMS | state rel-RMS |"
+        + (" AVX2 engine ms | AVX-512 speed-up |" if engine == 3 else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if engine == 3 else ""),
     ]
     for r in rows:
@@ -311,7 +312,8 @@ def main():
     if drows:
         lines += ["", "Decode, one token per sequence, H=16, fp32 pool [P, H, V, K] updated in place through "
                   "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter):", "",
-                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) | baseline-ISA engine us |"
+                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) "
+                  "| baseline-ISA engine us |"
                   + (" AVX2 engine us |" if engine == 3 else ""),
                   "|---|---|---|---|---|---|---|" + ("---|" if engine == 3 else "")]
         for r in drows:

@@ -613,8 +613,10 @@ NB_MODULE(_C, m) {
 #endif
 
   m.def("version", [] { return std::string(flashkda::version()); }, "Library version string.");
-  m.def("_cpu_engine_isa", [](int requested) { return flashkda::internal::cpu_engine_isa(requested); }, arg("requested") = 0,
-        "The CPU engine's instruction set for launch field cpu_isa = requested (1 baseline, 2 AVX2 + FMA, 3 AVX-512).");
+  m.def(
+      "_cpu_engine_isa", [](int requested) { return flashkda::internal::cpu_engine_isa(requested); },
+      arg("requested") = 0,
+      "The CPU engine's instruction set for launch field cpu_isa = requested (1 baseline, 2 AVX2 + FMA, 3 AVX-512).");
   m.def("cuda_available", &flashkda::cuda_available,
         "True when this build has the CUDA backend and a Hopper (sm_90) GPU is visible.");
 

@@ -46,7 +46,8 @@ DecodeScratch& thread_scratch(int64_t K, int64_t V) {
 // k, then the read along q; returns the output element. The two reductions run in kLanes partial
 // sums so the loops vectorise without reassociation flags (a plain running sum is a chain of K
 // dependent adds).
-FLASHKDA_HOST_INLINE float step_row(float* row, const float* decay, const float* k, const float* q, float v, float b, int64_t K) {
+FLASHKDA_HOST_INLINE float step_row(float* row, const float* decay, const float* k, const float* q, float v, float b,
+                                    int64_t K) {
   constexpr int kLanes = 16;
   float part[kLanes] = {};
   int64_t c0 = 0;

@@ -51,10 +51,10 @@ constexpr int kHeadGroup = 4;
 // The instruction sets of the engine's entry points (internal::PrefillLaunch::cpu_isa).
 constexpr int kIsaBaseline = 1, kIsaAvx2 = 2, kIsaAvx512 = 3;
 
-// The widest instruction set the processor has, found once; `requested` (cpu_isa: 0 = rule, the
-// widest) is capped at it.
 }  // namespace
 
+// The widest instruction set the processor has, found once; `requested` (cpu_isa: 0 = rule, the
+// widest) is capped at it.
 int engine_isa(int requested) {
 #ifdef FLASHKDA_X86_DISPATCH
   static const int widest = [] {
@@ -70,7 +70,6 @@ int engine_isa(int requested) {
 }
 
 namespace {
-
 
 // Order-preserving map between float bit patterns and int32 (its own inverse): lets clamps use
 // integer min/max. Float compares under the default -ftrapping-math block if-conversion, and a
@@ -611,8 +610,8 @@ void run_default(const PrefillParams& p, int64_t n, int64_t h0, int heads, T sca
 // The engine's entry points per instruction set (internal::PrefillLaunch::cpu_isa): the baseline
 // ISA, AVX2 + FMA (the two state products as intrinsics microkernels, the rest vectorised by the
 // compiler at 256 bits) and AVX-512 (the same microkernels, the rest at 512 bits: half the
-// instructions for the exponentials, the factors and the small products). Measured on a 2-core
-// AVX-512 VM (Zen 4 class): AVX-512 12-14% faster than AVX2 (docs/DESIGN.md "The CPU backend").
+// instructions for the exponentials, the factors and the small products; the same bits as AVX2).
+// Measured on a 2-core AVX-512 VM: 1.14-1.20x the AVX2 build (docs/DESIGN.md "The CPU backend").
 #ifdef FLASHKDA_X86_DISPATCH
 __attribute__((target("avx2,fma"))) void run_avx2(const PrefillParams& p, int64_t n, int64_t h0, int heads,
                                                   float scale, ChunkScratch<float>& s, float* out, int64_t v0,

@@ -109,3 +109,29 @@ def test_required_gate_arguments(rng):
         call_fwd(p, scale=None)
     with pytest.raises(ValueError, match=r"A_log: expected 2 elements"):
         call_fwd(p, A_log=np.zeros(3, np.float32))
+
+
+def test_every_cpu_instruction_set_reaches_the_engine(rng):
+    """flashkda._internal.launch(cpu_isa=...) picks the CPU engine's build (1 baseline ISA, 2 AVX2 +
+    FMA, 3 AVX-512, capped at the processor's): each matches the reference, and a request above what
+    the processor has runs the widest it has, with the same bits."""
+    from flashkda import _internal
+
+    widest = _internal.cpu_engine_isa()
+    assert widest in (1, 2, 3) and _internal.cpu_engine_isa(1) == 1
+    assert [_internal.cpu_engine_isa(i) for i in (1, 2, 3)] == [min(i, widest) for i in (1, 2, 3)]
+    p = make_problem(rng, dtype=np.float32, lengths=[40, 3, 17], state=True)
+    ref_o, ref_h = reference(p)
+    results = {}
+    for isa in (1, 2, 3):
+        out = fwd_args(p, np.float32)
+        ht = np.full(p["h0_vk"].shape, np.nan, dtype=np.float32)
+        with _internal.launch(cpu_isa=isa):
+            flashkda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], 0.25, out, p["A_log"], p["dt_bias"],
+                         p["lower_bound"], initial_state=p["h0_vk"], final_state=ht, cu_seqlens=p["cu_seqlens"])
+        assert rel_rms(out, ref_o) <= 1e-5 and rel_rms(ht, ref_h) <= 1e-5, isa
+        results[_internal.cpu_engine_isa(isa)] = results.get(_internal.cpu_engine_isa(isa), []) + [(out, ht)]
+    for runs in results.values():  # the same build asked for twice (capped): the same bits
+        for out, ht in runs[1:]:
+            np.testing.assert_array_equal(out, runs[0][0])
+            np.testing.assert_array_equal(ht, runs[0][1])

@@ -28,7 +28,8 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   constexpr int smem = sizeof(PrepareSmem);
   auto kernel = prepare_kernel<Split>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  launch_early(k0 && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem), stream, p);
+  launch_early(k0 && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem),
+               stream, p);
 }
 
 void launch_segment_chain(const Params& p, cudaStream_t stream) {
