@@ -14,6 +14,7 @@
 
 #include "backend.h"
 #include "common/host_math.h"
+#include "cpu/isa.h"
 
 namespace flashkda::cpu {
 namespace {
@@ -125,12 +126,11 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
 // Item i of a call (sequence i / H, head i % H), per instruction set; the two FMA builds contract
 // the rows' multiply-adds, so their bits differ from the baseline's.
 void decode_items(const DecodeParams& p, int64_t i, float scale) { decode_head(p, i / p.H, i % p.H, scale); }
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-__attribute__((target("avx2,fma"))) void decode_items_avx2(const DecodeParams& p, int64_t i, float scale) {
+#ifdef FLASHKDA_X86_DISPATCH
+FLASHKDA_TARGET_AVX2 void decode_items_avx2(const DecodeParams& p, int64_t i, float scale) {
   decode_head(p, i / p.H, i % p.H, scale);
 }
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512"))) void
-decode_items_avx512(const DecodeParams& p, int64_t i, float scale) {
+FLASHKDA_TARGET_AVX512 void decode_items_avx512(const DecodeParams& p, int64_t i, float scale) {
   decode_head(p, i / p.H, i % p.H, scale);
 }
 #endif
@@ -142,12 +142,12 @@ void decode(const DecodeParams& p, int cpu_isa) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
   auto item = decode_items;
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
   const int isa = engine_isa(cpu_isa);
-  if (isa == 3) item = decode_items_avx512;
-  else if (isa == 2) item = decode_items_avx2;
+#ifdef FLASHKDA_X86_DISPATCH
+  if (isa == kIsaAvx512) item = decode_items_avx512;
+  else if (isa == kIsaAvx2) item = decode_items_avx2;
 #else
-  (void)cpu_isa;
+  (void)isa;
 #endif
 #pragma omp parallel
   {

@@ -13,6 +13,7 @@
 #include "backend.h"
 #include "common/host_math.h"
 #include "cpu/chunk.h"
+#include "cpu/isa.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -25,8 +26,7 @@
 #define FLASHKDA_INLINE inline
 #endif
 
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define FLASHKDA_X86_DISPATCH 1
+#ifdef FLASHKDA_X86_DISPATCH
 #include <immintrin.h>
 #endif
 
@@ -47,9 +47,6 @@ constexpr int kTileRows = 4;
 // row stride is H * 256 bytes). Measured (CI-class VM): the loads of a chunk's rows were ~17% of
 // the engine's time with one head per item.
 constexpr int kHeadGroup = 4;
-
-// The instruction sets of the engine's entry points (internal::PrefillLaunch::cpu_isa).
-constexpr int kIsaBaseline = 1, kIsaAvx2 = 2, kIsaAvx512 = 3;
 
 }  // namespace
 
@@ -423,9 +420,9 @@ FLASHKDA_INLINE void panel_update(const ChunkScratch<T>& s, int n, T* St, const 
 
 // acc[r] (+)= sum_d a[r * lda + d * lda_d] * b[d * ldb + 0..15], r < kRows.
 template <int kRows>
-__attribute__((target("avx2,fma"))) inline void tile_avx2(__m256 (&lo)[kRows], __m256 (&hi)[kRows], const float* a,
-                                                          int64_t lda, int64_t lda_d, const float* b, int64_t ldb,
-                                                          int64_t depth) {
+FLASHKDA_TARGET_AVX2 inline void tile_avx2(__m256 (&lo)[kRows], __m256 (&hi)[kRows], const float* a,
+                                           int64_t lda, int64_t lda_d, const float* b, int64_t ldb,
+                                           int64_t depth) {
 #pragma GCC unroll 4
   for (int64_t d = 0; d < depth; ++d, a += lda_d, b += ldb) {
     const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
@@ -440,8 +437,8 @@ __attribute__((target("avx2,fma"))) inline void tile_avx2(__m256 (&lo)[kRows], _
 
 // R[m0 .. m0 + kRows) = kq[m0 .., :] S^T[:, panel]
 template <int kRows>
-__attribute__((target("avx2,fma"))) inline void reads_rows_avx2(const ChunkScratch<float>& s, const float* St, int m0,
-                                                                float (&R)[2 * C][kPanel]) {
+FLASHKDA_TARGET_AVX2 inline void reads_rows_avx2(const ChunkScratch<float>& s, const float* St, int m0,
+                                                 float (&R)[2 * C][kPanel]) {
   __m256 lo[kRows], hi[kRows];
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
@@ -450,8 +447,8 @@ __attribute__((target("avx2,fma"))) inline void reads_rows_avx2(const ChunkScrat
   for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(R[m0 + r], lo[r]), _mm256_storeu_ps(R[m0 + r] + 8, hi[r]);
 }
 
-__attribute__((target("avx2,fma"))) inline void panel_reads_avx2(const ChunkScratch<float>& s, int n,
-                                                                 const float* St, float (&R)[2 * C][kPanel]) {
+FLASHKDA_TARGET_AVX2 inline void panel_reads_avx2(const ChunkScratch<float>& s, int n,
+                                                  const float* St, float (&R)[2 * C][kPanel]) {
   // rows 0..n-1 (k_decayed) and C..C+n-1 (q_decayed); the rest of R is not read
   for (const int base : {0, C}) {
     int m = 0;
@@ -463,8 +460,8 @@ __attribute__((target("avx2,fma"))) inline void panel_reads_avx2(const ChunkScra
 
 // S^T[c0 .. c0 + kRows, panel] <- e^Γ ⊙ . + k_restored[:, c0 ..]^T U
 template <int kRows>
-__attribute__((target("avx2,fma"))) inline void update_rows_avx2(const ChunkScratch<float>& s, int n, float* St,
-                                                                 int64_t c0, const float (&U)[C][kPanel]) {
+FLASHKDA_TARGET_AVX2 inline void update_rows_avx2(const ChunkScratch<float>& s, int n, float* St,
+                                                  int64_t c0, const float (&U)[C][kPanel]) {
   const int64_t Vp = s.Vp;
   __m256 lo[kRows], hi[kRows];
 #pragma GCC unroll 8
@@ -479,8 +476,8 @@ __attribute__((target("avx2,fma"))) inline void update_rows_avx2(const ChunkScra
     _mm256_storeu_ps(St + (c0 + r) * Vp, lo[r]), _mm256_storeu_ps(St + (c0 + r) * Vp + 8, hi[r]);
 }
 
-__attribute__((target("avx2,fma"))) inline void panel_update_avx2(const ChunkScratch<float>& s, int n, float* St,
-                                                                  const float (&U)[C][kPanel]) {
+FLASHKDA_TARGET_AVX2 inline void panel_update_avx2(const ChunkScratch<float>& s, int n, float* St,
+                                                   const float (&U)[C][kPanel]) {
   const int64_t Kp = s.Kp;  // a multiple of 16: tiles of 6 while at least 10 rows are left, then of 4
   int64_t c0 = 0;
   for (; Kp - c0 >= 10; c0 += 6) update_rows_avx2<6>(s, n, St, c0, U);
@@ -613,12 +610,12 @@ void run_default(const PrefillParams& p, int64_t n, int64_t h0, int heads, T sca
 // instructions for the exponentials, the factors and the small products; the same bits as AVX2).
 // Measured on a 2-core AVX-512 VM: 1.14-1.20x the AVX2 build (docs/DESIGN.md "The CPU backend").
 #ifdef FLASHKDA_X86_DISPATCH
-__attribute__((target("avx2,fma"))) void run_avx2(const PrefillParams& p, int64_t n, int64_t h0, int heads,
-                                                  float scale, ChunkScratch<float>& s, float* out, int64_t v0,
-                                                  int64_t v1, const CheckpointSink<float>* ck) {
+FLASHKDA_TARGET_AVX2 void run_avx2(const PrefillParams& p, int64_t n, int64_t h0, int heads,
+                                   float scale, ChunkScratch<float>& s, float* out, int64_t v0,
+                                   int64_t v1, const CheckpointSink<float>* ck) {
   forward_sequence_heads<float, true>(p, n, h0, heads, scale, s, out, v0, v1, ck);
 }
-__attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,prefer-vector-width=512"))) void run_avx512(
+FLASHKDA_TARGET_AVX512 void run_avx512(
     const PrefillParams& p, int64_t n, int64_t h0, int heads, float scale, ChunkScratch<float>& s, float* out,
     int64_t v0, int64_t v1, const CheckpointSink<float>* ck) {
   forward_sequence_heads<float, true>(p, n, h0, heads, scale, s, out, v0, v1, ck);

@@ -417,6 +417,10 @@ __device__ __forceinline__ int32_t index_at(const DecodeArgs& a, int64_t n, int6
   return __ldg(a.state_indices + n * a.indices_stride + t);
 }
 __device__ __forceinline__ bool in_pool(const DecodeArgs& a, int32_t s) { return s >= 0 && s < a.pool_size; }
+// The tokens of a speculative sequence of `len` tokens that store: min(len, indices_stride).
+__device__ __forceinline__ int store_count(const DecodeArgs& a, int len) {
+  return int(len < a.indices_stride ? int64_t(len) : a.indices_stride);
+}
 
 // What a scan loads first of sequence m: its cu_seqlens offsets and accepted count (without them
 // 0, tokens_per_seq and 1; past N an empty range). The loads are independent, so a batch issues
@@ -449,7 +453,7 @@ __device__ __forceinline__ SeqHead head_of(const DecodeArgs& a, const SeqRaw& r)
   SeqHead h{0, -1};
   if (len > 0 && (!speculative || (r.accepted >= 1 && r.accepted <= a.indices_stride))) {
     h.start = speculative ? r.accepted - 1 : 0;
-    h.stores = speculative ? int(len < a.indices_stride ? int64_t(len) : a.indices_stride) : 0;
+    h.stores = speculative ? store_count(a, len) : 0;
   }
   return h;
 }
@@ -720,7 +724,7 @@ __device__ __forceinline__ bool uses_a_marked_slot(const DecodeArgs& a, int64_t 
   if (int(threadIdx.x) < min(a.stage_tokens, sp.len) && in_pool(a, w.store_slot))
     hit |= is_marked(marked, w.store_slot);
   if (a.num_accepted_tokens != nullptr) {
-    const int stores = int(sp.len < a.indices_stride ? int64_t(sp.len) : a.indices_stride);
+    const int stores = store_count(a, sp.len);
     for (int t = a.stage_tokens + int(threadIdx.x); t < stores; t += kThreads) {
       const int32_t s = index_at(a, n, t);
       if (in_pool(a, s)) hit |= is_marked(marked, s);
