@@ -364,8 +364,6 @@ def implementations(args):
     if args.early_variants:  # which kernels launch early (internal early_launch bits, launch_config.h)
         for name, bits in (("all early", 15), ("K2 early", 2), ("chain, combine early", 12)):
             impls.append((f"flashkda {name}", lambda x, s, b=bits: run_flashkda(x, s, launch=dict(early_launch=b))))
-    if args.update_first:  # K2's update issued before the output product's wait (internal update_first)
-        impls.append(("flashkda update first", lambda x, s: run_flashkda(x, s, launch=dict(update_first=1))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
@@ -464,9 +462,6 @@ def main():
     ap.add_argument("--early-variants", action="store_true",
                     help="also flashkda with every kernel after the call's first launched early, with K2 alone, and "
                          "with the chain and combine alone (internal early_launch 15, 2, 12; docs/DESIGN.md)")
-    ap.add_argument("--update-first", action="store_true",
-                    help="also flashkda with K2's state update issued before the wait for the output product "
-                         "(internal update_first 1, a candidate; docs/DESIGN.md 'Segments')")
     ap.add_argument("--peers", default="", help="comma-separated peer names to run (default: every importable one)")
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")

@@ -41,10 +41,6 @@ struct PrefillLaunch {
                          // predecessor runs (programmatic dependent launch; each waits for it before it
                          // touches memory): 1 K1 (after K0), 2 K2, 4 the chain, 8 the combine; 0 = rule
                          // (none: stream order; docs/DESIGN.md "Early launch")
-  int update_first = 0;  // GPU, a candidate: 1 = K2 issues each chunk's state update before it waits for the
-                         // output product (the decay and U Mqk formed off that path; the fp16 policy, i.e. the
-                         // precise mode with L2-normalised q and k, only); 0 = rule (the update after the
-                         // output product; docs/DESIGN.md "Segments")
   int cpu_isa = 0;  // CPU: the instruction set of the engine, capped at what the processor has: 0 = rule
                    // (the widest), 1 = the baseline ISA, 2 = AVX2 + FMA, 3 = AVX-512 (F, VL, BW, DQ)
 };

@@ -934,64 +934,6 @@ TEST_F(PrefillGpu, EarlyLaunchGivesTheSameBits) {
   });
 }
 
-// The update-first chain (internal::PrefillLaunch::update_first, a candidate of the fp16 policy:
-// the update issued before the wait for the output product, U Mqk in an accumulator of its own) is
-// as accurate as the rule on every walk (two CTAs and one CTA a head, segments exact at two CTAs an
-// SM and skipping at three), on random varlen inputs, the repeated key and the range guard's
-// fallback (a jump of v by 2^36: W and O recomputed in fp32, which this chain forms before the decay). Its
-// outputs differ from the rule's only by the order of one fp32 sum.
-TEST_F(PrefillGpu, UpdateFirstMatchesReference) {
-  internal::PrefillLaunch two_ctas{}, one_cta{};
-  two_ctas.v_splits = 2, two_ctas.segment_chunks = -1;
-  one_cta.v_splits = 1, one_cta.segment_chunks = -1;
-  const std::vector<std::pair<std::string, internal::PrefillLaunch>> launches{
-      {"two CTAs a head", two_ctas},
-      {"one CTA a head", one_cta},
-      {"segments exact", internal::PrefillLaunch{0, 32, 0, 0, -1, 0, 0, 2}},
-      {"segments skipping", internal::PrefillLaunch{0, 32, 0, 0, 1, 8, 0, 3}}};
-  auto compare = [&](KdaInputs& in, const std::string& tag, double tol_out, double tol_state) {
-    for (const auto& [name, launch] : launches) {
-      internal::PrefillLaunch first = launch;
-      first.update_first = 1;
-      const Errors rule = check_against_reference(in, tol_out, tol_state, launch);
-      const Errors e = check_against_reference(in, tol_out, tol_state, first);
-      report("update_first " + tag + " " + name + " out", e.out);
-      report("update_first " + tag + " " + name + " state", e.state);
-      EXPECT_LE(e.out, 1.02 * rule.out + 1e-6) << tag << " " << name;
-      EXPECT_LE(e.state, 1.1 * rule.state + 1e-6) << tag << " " << name;
-      EXPECT_FALSE(launch_bits(in, first) == launch_bits(in, launch))
-          << tag << " " << name << ": the candidate did not run (the same bits as the rule)";
-    }
-  };
-  {
-    KdaOptions o;
-    o.seqlens = {300, 17, 1024, 77, 2000, 5};
-    o.H = 4;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    in.A_log[0] = -1.0f;  // head 0 skips its pieces' transitions
-    compare(in, "varlen", kTolOut, kTolState);
-  }
-  {
-    KdaOptions o = repeated_key_options(Precision::kPrecise);
-    o.T = 4096;
-    KdaInputs in(o);
-    make_repeated_key(in);
-    compare(in, "repeated key", 3e-3, 2e-3);
-  }
-  {
-    KdaOptions o;
-    o.T = 1500, o.H = 2;
-    o.gate = GateForm::kPrecomputed, o.g_min = -0.05, o.g_max = 0, o.g_dtype = DType::kF32, o.with_dt_bias = false;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    const int64_t per_token = o.H * o.V;
-    for (int64_t i = 0; i < in.v.count; ++i) in.v.set(i, in.v.get(i) * (i / per_token < o.T / 2 ? 0x1p-20 : 0x1p16));
-    for (int64_t i = 0; i < in.initial_state.count; ++i) in.initial_state.set(i, in.initial_state.get(i) * 0x1p-20);
-    compare(in, "v x 2^-20 then x 2^16", kTolOut, kTolState);
-  }
-}
-
 TEST_F(PrefillGpu, SegmentsGateFormsAndFlags) {
   struct Case {
     GateForm gate;

@@ -218,7 +218,6 @@ struct Params {
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
   int early_launch;           // host only: which of the call's kernels launch early (launch.cu kEarly*)
-  bool update_first;          // host only: K2's update-first chain (internal::PrefillLaunch::update_first)
 
   // Segments (all zero / null when sequences are not split).
   int64_t seg_chunks;         // chunks per segment L; 0 = one CTA walks the whole sequence

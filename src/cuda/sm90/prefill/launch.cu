@@ -350,7 +350,6 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;
-  kp.update_first = launch.update_first > 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),

@@ -419,11 +419,7 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
 // The kernels below are this body under their launch bounds and stage counts.
-// kUpdateFirst (a candidate; internal::PrefillLaunch::update_first): the state update is issued as
-// soon as U^T is formed, ahead of the wait for O^T, with the decay of S done while W^T is in flight
-// and U^T Mqk^T formed into an accumulator of its own (added to O^T after it completes), so that the
-// chain W -> u -> U -> update no longer waits for O^T, the Mqk product and the decay.
-template <int kWarps, class Split, bool kSeg, int kStagesT, bool kBulk, bool kUpdateFirst = false>
+template <int kWarps, class Split, bool kSeg, int kStagesT, bool kBulk>
 __device__ __forceinline__ void recur_body(const Params& p) {
   using Smem = RecurSmem<kWarps, Split, kSeg, kStagesT, kBulk>;
   constexpr int kStages = Smem::kStages;
@@ -596,14 +592,10 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     cute::warpgroup_wait<1>();
     fence_regs(r_W_acc);
     bool o_fp32 = false;  // the range guard's fallback: O^T too, once the whole warpgroup waits for it
-    // kUpdateFirst: U^T Mqk^T, added to O^T once it completes; in the range guard's fallback it starts
-    // at that O^T (formed in fp32 before the decay) and replaces O^T.
-    float r_P[2][4] = {};
     if constexpr (Split::f16) {
       // Range guard (RowScale): a non-finite W^T means S_st left fp16's range (or an input is not
       // finite); this warp redoes W^T in fp32 at a new scale now and O^T after the warpgroup's wait
-      // for it below (wgmma.wait_group is warpgroup-aligned: no warp may wait alone); with
-      // kUpdateFirst O^T now too (the decay below changes S before that wait).
+      // for it below (wgmma.wait_group is warpgroup-aligned: no warp may wait alone).
       float sum = 0.f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum += r_W_acc[i];
@@ -611,21 +603,9 @@ __device__ __forceinline__ void recur_body(const Params& p) {
         rs.renormalise(r_S);
         f16_product_fp32<Rec>(r_S, s_rec + Rec::kOffWo, 0, r_W_acc, t4);
         fence_regs(r_W_acc);
-        if constexpr (kUpdateFirst) f16_product_fp32<Rec>(r_S, s_rec + Rec::kOffWo, 1, reinterpret_cast<float(&)[8]>(r_P), t4);
         o_fp32 = true;
       }
     }
-    // S^T diag(e^Gamma): the decay in registers (S^T is no operand of the products in flight).
-    const float* s_gamma = reinterpret_cast<const float*>(s_rec + Rec::kOffGamma);
-    auto decay_state = [&] {
-#pragma unroll
-      for (int jt = 0; jt < 16; ++jt) {
-        const float2 r_decay = *reinterpret_cast<const float2*>(s_gamma + 8 * jt + 2 * t4);
-        r_S[4 * jt] *= r_decay.x, r_S[4 * jt + 1] *= r_decay.y, r_S[4 * jt + 2] *= r_decay.x,
-            r_S[4 * jt + 3] *= r_decay.y;
-      }
-    };
-    if constexpr (kUpdateFirst) decay_state();
     float r_u[2][4], r_O[2][4];  // r_u: W^T, then u^T = v^T - W^T in place
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
@@ -650,8 +630,36 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     uint32_t r_U_hi[4], r_U_lo[4];
     acc_fragments<kSplitF>(r_U[0], r_U[1], r_U_hi, r_U_lo);
 
-    // S^T += U^T Kr on the tensor cores (into the decayed S^T), completing while this warp writes its output.
-    auto issue_update = [&] {
+    cute::warpgroup_wait<0>();
+    fence_regs(r_O_acc);
+    if constexpr (kSplitS) fence_regs(r_O_lo_acc);
+    if constexpr (Split::f16)
+      if (o_fp32) {
+        f16_product_fp32<Rec>(r_S, s_rec + Rec::kOffWo, 1, r_O_acc, t4);
+        fence_regs(r_O_acc);
+      }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        r_O[nt][e] = r_O_acc[4 * nt + e];
+        if constexpr (kSplitQd && kSplitS) r_O[nt][e] += r_O_acc[8 + 4 * nt + e] + r_O_lo_acc[4 * nt + e];
+        else if constexpr (kSplitQd) r_O[nt][e] += r_O_acc[8 + 4 * nt + e];
+        else if constexpr (kSplitS) r_O[nt][e] += r_O_lo_acc[4 * nt + e];
+      }
+
+    // O^T += U^T Mqk^T.
+    record_mma_n16<kSplitF>(r_O, r_U_hi, r_U_lo, s_rec + Rec::kOffMqk, s_rec + Rec::kOffMqkLo, lane);
+
+    // S^T = S^T diag(e^Gamma) + U^T Kr: the decay in registers, then the update on the tensor
+    // cores while this warp writes its output.
+    const float* s_gamma = reinterpret_cast<const float*>(s_rec + Rec::kOffGamma);
+#pragma unroll
+    for (int jt = 0; jt < 16; ++jt) {
+      const float2 r_decay = *reinterpret_cast<const float2*>(s_gamma + 8 * jt + 2 * t4);
+      r_S[4 * jt] *= r_decay.x, r_S[4 * jt + 1] *= r_decay.y, r_S[4 * jt + 2] *= r_decay.x, r_S[4 * jt + 3] *= r_decay.y;
+    }
+    {
       const uint64_t desc_kr = smem_desc(s_rec + Rec::kOffKRestored, kKrLbo, kKrSbo);
       fence_regs(r_S), fence_regs(r_U_hi);
       if constexpr (kSplitF) fence_regs(r_U_lo);
@@ -663,43 +671,6 @@ __device__ __forceinline__ void recur_body(const Params& p) {
         wgmma<WgmmaUpdate>(r_U_hi, desc_kr_lo, r_S, true);
       }
       cute::warpgroup_commit_batch();
-    };
-    if constexpr (kUpdateFirst) {
-      // U^T Mqk^T before the update is issued (the update reads U^T's registers until it completes).
-      record_mma_n16<kSplitF>(r_P, r_U_hi, r_U_lo, s_rec + Rec::kOffMqk, s_rec + Rec::kOffMqkLo, lane);
-      issue_update();
-      cute::warpgroup_wait<1>();  // O^T (the update stays in flight)
-    } else {
-      cute::warpgroup_wait<0>();
-    }
-    fence_regs(r_O_acc);
-    if constexpr (kSplitS) fence_regs(r_O_lo_acc);
-    if constexpr (Split::f16)
-      if (o_fp32) {
-        if constexpr (kUpdateFirst) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) r_O_acc[i] = 0.f;  // r_P holds O^T + U^T Mqk^T
-        } else {
-          f16_product_fp32<Rec>(r_S, s_rec + Rec::kOffWo, 1, r_O_acc, t4);
-        }
-        fence_regs(r_O_acc);
-      }
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        r_O[nt][e] = r_O_acc[4 * nt + e];
-        if constexpr (kSplitQd && kSplitS) r_O[nt][e] += r_O_acc[8 + 4 * nt + e] + r_O_lo_acc[4 * nt + e];
-        else if constexpr (kSplitQd) r_O[nt][e] += r_O_acc[8 + 4 * nt + e];
-        else if constexpr (kSplitS) r_O[nt][e] += r_O_lo_acc[4 * nt + e];
-        if constexpr (kUpdateFirst) r_O[nt][e] += r_P[nt][e];
-      }
-
-    if constexpr (!kUpdateFirst) {
-      // O^T += U^T Mqk^T, then the decay and the update.
-      record_mma_n16<kSplitF>(r_O, r_U_hi, r_U_lo, s_rec + Rec::kOffMqk, s_rec + Rec::kOffMqkLo, lane);
-      decay_state();
-      issue_update();
     }
 
     if (j < warm) {
@@ -798,21 +769,21 @@ __device__ __forceinline__ void recur_body(const Params& p) {
 }
 
 // Both can launch early after K1 (launch_early, a candidate) and so wait for it before anything else.
-template <int kWarps, class Split, bool kSeg, bool kBulk = false, bool kUpdateFirst = false>
+template <int kWarps, class Split, bool kSeg, bool kBulk = false>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
   wait_for_prerequisites();
   allow_dependents();
-  recur_body<kWarps, Split, kSeg, 3, kBulk, kUpdateFirst>(p);
+  recur_body<kWarps, Split, kSeg, 3, kBulk>(p);
 }
 
 // The segmented K2 at three CTAs an SM (launch.cu seg_ctas_per_sm: the rule from H = 16 up): 168
 // registers a thread, two stages.
 constexpr int kSeg3Stages = 2;
-template <class Split, bool kBulk = false, bool kUpdateFirst = false>
+template <class Split, bool kBulk = false>
 __global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
   wait_for_prerequisites();
   allow_dependents();
-  recur_body<4, Split, true, kSeg3Stages, kBulk, kUpdateFirst>(p);
+  recur_body<4, Split, true, kSeg3Stages, kBulk>(p);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill

@@ -16,42 +16,29 @@ void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, const Params& p,
   launch_early(p.early_launch & kEarlyK2, kernel, grid, dim3(threads), size_t(smem), stream, p);
 }
 
-// Whether this launch runs the update-first chain (Params::update_first, a candidate compiled for
-// the fp16 policy only: the precise mode's rule with L2-normalised q and k).
-template <class Split>
-constexpr bool kHasUpdateFirst = Split::f16;
-
 template <int kWarps, class Split>
 void launch_recur(const Params& p, cudaStream_t stream, bool bulk) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
   const dim3 grid(unsigned(work), 8 / kWarps);
-  const bool first = p.update_first && kHasUpdateFirst<Split>;
   if constexpr (kWarps == 4) {  // two CTAs a head: the bulk record stream applies
-    constexpr int smem = int(sizeof(RecurSmem<4, Split, false, 3, true>));
-    if (bulk && first) {
-      if constexpr (kHasUpdateFirst<Split>)
-        return launch_k2(recur_kernel<4, Split, false, true, true>, grid, 4 * 32, smem, p, stream);
-    } else if (bulk) {
-      return launch_k2(recur_kernel<4, Split, false, true>, grid, 4 * 32, smem, p, stream);
-    }
+    if (bulk)
+      return launch_k2(recur_kernel<4, Split, false, true>, grid, 4 * 32,
+                       int(sizeof(RecurSmem<4, Split, false, 3, true>)), p, stream);
   }
-  constexpr int smem = int(sizeof(RecurSmem<kWarps, Split>));
-  if constexpr (kHasUpdateFirst<Split>)
-    if (first) return launch_k2(recur_kernel<kWarps, Split, false, false, true>, grid, kWarps * 32, smem, p, stream);
-  launch_k2(recur_kernel<kWarps, Split, false>, grid, kWarps * 32, smem, p, stream);
+  launch_k2(recur_kernel<kWarps, Split, false>, grid, kWarps * 32, int(sizeof(RecurSmem<kWarps, Split>)), p, stream);
 }
 
 // kCtasPerSm: the segmented K2 at 2 or 3 CTAs an SM (launch.cu seg_ctas_per_sm; RecurSmem).
-template <class Split, int kCtasPerSm, bool kBulk, bool kUpdateFirst = false>
+template <class Split, int kCtasPerSm, bool kBulk>
 void launch_recur_segmented_as(const Params& p, cudaStream_t stream) {
   const int64_t ctas = p.max_segs * p.H;
   if (ctas == 0) return;
   constexpr int kStages = kCtasPerSm >= 3 ? kSeg3Stages : 3;
   constexpr int smem = sizeof(RecurSmem<4, Split, true, kStages, kBulk>);
   constexpr auto kernel = [] {  // only the one this instantiation launches is compiled in its unit
-    if constexpr (kCtasPerSm >= 3) return recur_seg3_kernel<Split, kBulk, kUpdateFirst>;
-    else return recur_kernel<4, Split, true, kBulk, kUpdateFirst>;
+    if constexpr (kCtasPerSm >= 3) return recur_seg3_kernel<Split, kBulk>;
+    else return recur_kernel<4, Split, true, kBulk>;
   }();
   // Value and transition rows of each segment; with transition skipping, the value rows of every
   // further piece (recur_kernel).
@@ -62,8 +49,6 @@ void launch_recur_segmented_as(const Params& p, cudaStream_t stream) {
 
 template <class Split, int kCtasPerSm>
 void launch_recur_segmented(const Params& p, cudaStream_t stream, bool bulk) {
-  if constexpr (kHasUpdateFirst<Split>)
-    if (bulk && p.update_first) return launch_recur_segmented_as<Split, kCtasPerSm, true, true>(p, stream);
   if (bulk) launch_recur_segmented_as<Split, kCtasPerSm, true>(p, stream);
   else launch_recur_segmented_as<Split, kCtasPerSm, false>(p, stream);
 }
