@@ -24,7 +24,12 @@ __device__ __forceinline__ int row_of(int warp, int r) { return 2 * warp + (r & 
 
 // Unit (16 bytes) of the m16n8k16 fragment-order operands K1 keeps in shared memory for L and
 // Mqk, holding rows t, t+8 (t < 8) of channels 4l..4l+3: {row t ch 0-1, row t ch 2-3, row t+8 ch 0-1, row t+8 ch 2-3}.
-__device__ __forceinline__ int unit_tk(int t, int l) { return (l >> 2) * 32 + t * 4 + (l & 3); }
+// k-step s = l / 4 holds its 32 units (one per lane of the reading warp, lane 4t + l % 4) at
+// 32 s, swizzled: bit 2 of the index flipped in odd k-steps. A writing warp stores one row t of
+// every k-step at once, and without the swizzle its 32 units fell into half of the banks (twice
+// the shared wavefronts, ncu run 61); the readers still read 32 contiguous units a k-step.
+__device__ __forceinline__ int tk_swizzle(int s) { return (s & 1) << 2; }
+__device__ __forceinline__ int unit_tk(int t, int l) { return (l >> 2) * 32 + ((t * 4 + (l & 3)) ^ tk_swizzle(l >> 2)); }
 // Byte offset of element (i, j) of a 16x16 matrix X used as the B operand of (M=v, N=i, K=j)
 // products (Mqk, inv_b).
 __device__ __forceinline__ void store_bf16_at(uint8_t* base, int byte_offset, float x) {
@@ -101,8 +106,9 @@ __device__ __forceinline__ void gemm_tk_split(const uint4 (&X)[2][kTileBytes / 1
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
 #pragma unroll
   for (int s = 0; s < kKSteps; ++s) {
-    const uint4 xh = X[0][s * 32 + lane], xl = X[1][s * 32 + lane];
-    const uint4 yh = Y[0][s * 32 + lane], yl = Y[1][s * 32 + lane];
+    const int u = s * 32 + (lane ^ tk_swizzle(s));  // unit_tk(lane / 4, 4 s + lane % 4)
+    const uint4 xh = X[0][u], xl = X[1][u];
+    const uint4 yh = Y[0][u], yl = Y[1][u];
     const uint32_t ah[4] = {xh.x, xh.z, xh.y, xh.w}, al[4] = {xl.x, xl.z, xl.y, xl.w};
     mma_bf16_n16(acc[0], acc[1], ah, yh);
     mma_bf16_n16(acc[0], acc[1], ah, yl);
