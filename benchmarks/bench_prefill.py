@@ -167,12 +167,13 @@ def serving_rows(reps):
 
 def runs_sweep_rows(reps, cases=""):
     """Transition skipping (docs/DESIGN.md "Segments"): the default call against the same call without
-    skipping and with forced piece lengths F and longest warm-ups w (a multiple of F), one sequence
-    at few heads, both gate regimes (internal launch fields skip_run_chunks, skip_warmup_chunks)."""
-    grid = [(F, w) for F in (32, 48, 64, 96, 128, 192) for w in (0.5, 1, 2)]
+    skipping, with the former (token) chunk bound, and with forced piece lengths F and longest warm-ups
+    w (a multiple of F), one sequence at few heads, both gate regimes (internal launch fields
+    skip_run_chunks, skip_warmup_chunks, skip_bound)."""
+    grid = [(F, 1) for F in (8, 16, 24, 32, 48, 64, 96, 128)]
     rows = ["", "Transition skipping: piece length F and longest warm-up w x F (CUDA-graph medians, ms):", "",
-            "| case | gates | default | no skipping | " + " | ".join(f"F={F} w={w:g}" for F, w in grid) + " |",
-            "|---" * (4 + len(grid)) + "|"]
+            "| case | gates | default | no skipping | token bound | " + " | ".join(f"F={F} w={w:g}" for F, w in grid)
+            + " |", "|---" * (5 + len(grid)) + "|"]
     print("\n".join(rows), flush=True)
     wanted = [c for c in cases.split(",") if c]
     for H, T in ((12, 2048), (12, 8192), (12, 32768), (12, 131072), (16, 65536), (32, 32768), (32, 131072)):
@@ -181,12 +182,11 @@ def runs_sweep_rows(reps, cases=""):
             continue
         for regime in ("random", "long"):
             x = make_inputs(H, [T], True, regime=regime)
-            launches = [{}, dict(skip_transitions=-1)] + [
+            launches = [{}, dict(skip_transitions=-1), dict(skip_bound=-1)] + [
                 dict(skip_run_chunks=F, skip_warmup_chunks=int(w * F)) for F, w in grid]
             times = []
             for launch in launches:
                 times.append(time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps))
-                flashkda._launch._workspaces.clear()  # each timing's stream keeps its own workspace
                 torch.cuda.empty_cache()
             rows.append(f"| {name} | {regime} | " + " | ".join(f"{t:.3f}" for t in times) + " |")
             print(rows[-1], flush=True)
@@ -240,7 +240,6 @@ def layouts_sweep_rows(reps, cases=""):
             times = []
             for launch in [{}, dict(skip_transitions=-1)] + [l for _, l in cand]:
                 times.append(time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps))
-                flashkda._launch._workspaces.clear()
                 torch.cuda.empty_cache()
             rows.append(f"| {name} | {regime} | {times[0]:.3f} | {times[1]:.3f} | " + " | ".join(
                 f"{t:.3f}" + (f" ({l['segment_chunks']}/{l['skip_run_chunks']})" if "segment_chunks" in l else "")
@@ -364,14 +363,19 @@ def implementations(args):
     if args.early_variants:  # which kernels launch early (internal early_launch bits, launch_config.h)
         for name, bits in (("all early", 15), ("K2 early", 2), ("chain, combine early", 12)):
             impls.append((f"flashkda {name}", lambda x, s, b=bits: run_flashkda(x, s, launch=dict(early_launch=b))))
+    if args.candidates or args.skip_variants:  # segments without transition skipping
+        impls.append(("flashkda no skipping",
+                      lambda x, s: run_flashkda(x, s, launch=dict(skip_transitions=-1))))
+    if args.skip_variants:  # transition skipping on the former chunk bound, each token's max_c e^a
+        impls.append(("flashkda token bound",
+                      lambda x, s: run_flashkda(x, s, launch=dict(skip_bound=-1))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
-        impls.append(("flashkda no skipping",
-                      lambda x, s: run_flashkda(x, s, launch=dict(skip_transitions=-1))))
         # K2's record stream by every thread's cp.async, the former rule (DESIGN.md "Segments")
         impls.append(("flashkda cp.async records",
                       lambda x, s: run_flashkda(x, s, launch=dict(record_copy=-1))))
+
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))
@@ -459,6 +463,10 @@ def main():
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
                          "transition skipping (docs/DESIGN.md 'Segments', runs), and K2's record stream by every "
                          "thread's cp.async in place of bulk copies (internal record_copy -1)")
+    ap.add_argument("--skip-variants", action="store_true",
+                    help="also segments without transition skipping and transition skipping on the former chunk "
+                         "bound, the product of each token's max_c e^a (internal skip_transitions -1, skip_bound -1; "
+                         "docs/DESIGN.md 'Segments')")
     ap.add_argument("--early-variants", action="store_true",
                     help="also flashkda with every kernel after the call's first launched early, with K2 alone, and "
                          "with the chain and combine alone (internal early_launch 15, 2, 12; docs/DESIGN.md)")

@@ -155,6 +155,43 @@ void segment_transition(const PrefillParams& params_in, float* transition, float
   cpu::segment_transition(params, transition, zero_start);
 }
 
+namespace {
+// The GPU problem chunk_log_bounds reads (its records and bounds alone).
+PrefillParams bounds_problem(const PrefillParams& params_in) {
+  const PrefillParams params = without_out(params_in);
+  const Backend backend = backend_of(params.q);
+  detail::check_reachable(params, backend);
+  detail::validate_prefill(params, backend);
+  FLASHKDA_CHECK(backend == Backend::kCuda, ErrorCode::kUnsupported,
+                 "chunk_log_bounds: q must be on a GPU (transition skipping runs on the GPU only)");
+  return params;
+}
+}  // namespace
+
+size_t chunk_log_bounds_workspace_size(const PrefillParams& params_in) {
+  const PrefillParams params = bounds_problem(params_in);
+#ifdef FLASHKDA_WITH_CUDA
+  return cuda::chunk_log_bounds_workspace_size(params);
+#else
+  return 0;
+#endif
+}
+
+void chunk_log_bounds(const PrefillParams& params_in, const PrefillLaunch& launch, float* bounds, void* workspace,
+                      size_t workspace_bytes, Stream stream) {
+  const PrefillParams params = bounds_problem(params_in);
+  FLASHKDA_CHECK_ARG(bounds != nullptr, "chunk_log_bounds: bounds is required");
+#ifdef FLASHKDA_WITH_CUDA
+  const size_t needed = cuda::chunk_log_bounds_workspace_size(params);
+  FLASHKDA_CHECK_ARG(workspace_bytes >= needed && workspace != nullptr, "workspace: need ", needed,
+                     " bytes of device memory, got ", workspace_bytes);
+  detail::check_reachable(Backend::kCuda, {{workspace, "workspace"}, {bounds, "bounds"}}, "");
+  cuda::chunk_log_bounds(params, launch, bounds, workspace, stream);
+#else
+  (void)launch, (void)workspace, (void)workspace_bytes, (void)stream;
+#endif
+}
+
 }  // namespace internal
 
 namespace detail {

@@ -118,6 +118,9 @@ void decode(const DecodeParams& p, const internal::DecodeLaunch& launch, Stream 
 size_t segment_transition_workspace_size(const PrefillParams& p);
 void segment_transition(const PrefillParams& p, float* transition, float* zero_start, void* workspace,
                         size_t workspace_bytes, Stream stream);
+size_t chunk_log_bounds_workspace_size(const PrefillParams& p);
+void chunk_log_bounds(const PrefillParams& p, const internal::PrefillLaunch& launch, float* bounds, void* workspace,
+                      Stream stream);
 }  // namespace cuda
 #endif
 

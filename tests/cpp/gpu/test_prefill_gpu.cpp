@@ -14,6 +14,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/host_math.h"
 #include "device_problem.h"
 #include "fuzz_params.h"
 #include "kda_test_utils.h"
@@ -829,6 +830,144 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     EXPECT_EQ(r.missing, 0) << "decay in one piece: outputs of the NaN's column that are not NaN";
     EXPECT_EQ(r.spurious + r.other_columns, 0) << "decay in one piece: NaN outputs in other columns";
   }
+}
+
+// log ||A||_2 of each chunk's state transition (S_out = A S_in + B, A = prod_t (I - b_t k_t k_t^T)
+// diag(e^{a_t}) over the chunk's tokens) at each head, in fp64 from the same inputs: [chunk][H] for
+// B sequences of T tokens. The norm by power iteration on A^T A, which converges from below, so a
+// bound under it is a bound under the norm.
+std::vector<double> chunk_transition_log_norms(KdaInputs& in) {
+  const PrefillParams p = in.params();
+  const int64_t K = p.K, H = p.H, chunks = (p.T + kChunk - 1) / kChunk;
+  std::vector<double> out(size_t(p.B * chunks * H));
+  std::vector<double> q(K), k(K), v(p.V), decay(K), A(K * K), x(K), y(K);
+  std::mt19937_64 rng(in.seed);
+  std::normal_distribution<double> normal;
+  for (int64_t h = 0; h < H; ++h) {
+    const host::HeadGate<double> gate(p.pre, h, K);
+    for (int64_t n = 0; n < p.B; ++n)
+      for (int64_t c = 0; c < chunks; ++c) {
+        std::fill(A.begin(), A.end(), 0.0);
+        for (int64_t i = 0; i < K; ++i) A[i * K + i] = 1.0;
+        for (int64_t t = n * p.T + c * kChunk; t < std::min(n * p.T + (c + 1) * kChunk, (n + 1) * p.T); ++t) {
+          const double b = host::load_token(p, gate, t, h, q.data(), k.data(), v.data(), decay.data());
+          for (int64_t i = 0; i < K; ++i)
+            for (int64_t j = 0; j < K; ++j) A[i * K + j] *= decay[i];
+          std::fill(y.begin(), y.end(), 0.0);  // y = k^T A
+          for (int64_t i = 0; i < K; ++i)
+            for (int64_t j = 0; j < K; ++j) y[j] += k[i] * A[i * K + j];
+          for (int64_t i = 0; i < K; ++i)
+            for (int64_t j = 0; j < K; ++j) A[i * K + j] -= b * k[i] * y[j];
+        }
+        for (double& e : x) e = normal(rng);
+        double sigma2 = 0.0;
+        for (int it = 0; it < 100; ++it) {
+          double nx = 0.0;
+          for (double e : x) nx += e * e;
+          nx = std::sqrt(nx);
+          if (!(nx > 0.0)) break;
+          for (double& e : x) e /= nx;
+          std::fill(y.begin(), y.end(), 0.0);  // y = A x, x = A^T y
+          for (int64_t i = 0; i < K; ++i)
+            for (int64_t j = 0; j < K; ++j) y[i] += A[i * K + j] * x[j];
+          double ny = 0.0;
+          for (double e : y) ny += e * e;
+          sigma2 = std::max(sigma2, ny);
+          std::fill(x.begin(), x.end(), 0.0);
+          for (int64_t i = 0; i < K; ++i)
+            for (int64_t j = 0; j < K; ++j) x[j] += A[i * K + j] * y[i];
+        }
+        out[size_t((n * chunks + c) * H + h)] = 0.5 * std::log(sigma2);
+      }
+  }
+  return out;
+}
+
+// K1's chunk bounds (internal::chunk_log_bounds) for `in` under `launch`, [chunk][H].
+std::vector<float> gpu_chunk_log_bounds(KdaInputs& in, const internal::PrefillLaunch& launch) {
+  DeviceProblem dev(in);
+  const PrefillParams p = dev.params();
+  const int64_t slots = p.B * ((p.T + kChunk - 1) / kChunk) * p.H;
+  DeviceBuffer bounds(size_t(slots) * 4), ws(internal::chunk_log_bounds_workspace_size(p));
+  cudaMemset(bounds.ptr, kPoison, bounds.bytes);
+  internal::chunk_log_bounds(p, launch, static_cast<float*>(bounds.ptr), ws.ptr, ws.bytes);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<float> result(static_cast<size_t>(slots));
+  cudaMemcpy(result.data(), bounds.ptr, bounds.bytes, cudaMemcpyDeviceToHost);
+  return result;
+}
+
+// Transition skipping drops an incoming state only where the product of K1's chunk bounds says
+// it is below 2^-30 of the state there, so each bound must hold: bound >= log ||A||_2 of the
+// chunk's transition, on every kind of input (both bounds, internal::PrefillLaunch::skip_bound).
+// On random gates the rule's bound (the smaller of the token bound and the chunk's own) must
+// also be far tighter than the token bound alone: that is what lets random gates skip after one
+// or two chunks of warm-up instead of tens.
+TEST_F(PrefillGpu, ChunkBoundsBoundEveryChunkTransition) {
+  struct Case {
+    std::string name;
+    std::function<void(KdaOptions&)> options;
+    std::function<void(KdaInputs&)> edit;
+  };
+  auto nothing = [](KdaInputs&) {};
+  const std::vector<Case> cases = {
+      {"random gates", [](KdaOptions& o) { o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1; },
+       nothing},
+      {"slow heads (A_log 1)", [](KdaOptions& o) { o.A_log_min = o.A_log_max = 1; }, nothing},
+      {"long memory",
+       [](KdaOptions& o) { o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1; },
+       [](KdaInputs& in) {
+         for (int64_t h = 0; h < in.opt.H; ++h)
+           for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * in.opt.K + c] = -8.0f;
+       }},
+      {"uniform decay -0.1", [](KdaOptions& o) {
+         o.gate = GateForm::kPrecomputed, o.with_dt_bias = false, o.g_min = o.g_max = -0.1, o.g_dtype = DType::kF32;
+       }, nothing},
+      {"precomputed to -1000", [](KdaOptions& o) {
+         o.gate = GateForm::kPrecomputed, o.with_dt_bias = false, o.g_min = -1000, o.g_max = 0, o.g_dtype = DType::kF32;
+       }, nothing},
+      {"softplus +-8", [](KdaOptions& o) {
+         o.gate = GateForm::kSoftplus, o.g_min = -8, o.g_max = 8, o.dt_bias_min = -8, o.dt_bias_max = 8;
+       }, nothing},
+      {"repeated key", [](KdaOptions& o) { o.beta_min = o.beta_max = 8; }, make_repeated_key},
+      {"no L2 norm, |k| 2, beta in [0, 1] (expanding)", [](KdaOptions& o) {
+         o.l2norm = false, o.beta_is_logit = false;
+       }, [](KdaInputs& in) {
+         for (int64_t i = 0; i < in.k.count; ++i) in.k.set(i, 2.0 * in.k.get(i));
+       }},
+  };
+  double random_rule = 0, random_token = 0;
+  for (const Case& c : cases) {
+    KdaOptions o;
+    o.T = 1000, o.H = 2;
+    c.options(o);
+    KdaInputs in(o);
+    c.edit(in);
+    const std::vector<double> exact = chunk_transition_log_norms(in);
+    internal::PrefillLaunch token{};
+    token.skip_bound = -1;
+    const std::vector<float> rule = gpu_chunk_log_bounds(in, {}), former = gpu_chunk_log_bounds(in, token);
+    double slack_rule = 0, slack_token = 0;
+    int violations = 0;
+    for (size_t i = 0; i < exact.size(); ++i) {
+      // 1e-3: the fp32 arithmetic of a bound that is exact where it is tight (the token bound of
+      // uniform decay); transition skipping keeps a margin of 2^6 under fp32 rounding.
+      if (!(rule[i] >= exact[i] - 1e-3) || !(former[i] >= exact[i] - 1e-3)) {
+        if (++violations <= 5)
+          ADD_FAILURE() << c.name << ": chunk slot " << i << " log ||A|| " << exact[i] << ", bounds " << rule[i]
+                        << " (rule) " << former[i] << " (token) " << in.describe();
+      }
+      EXPECT_LE(rule[i], former[i]) << c.name << ": the rule's bound is the smaller of the two";
+      slack_rule += std::max(-100.0, double(rule[i]) - std::max(-100.0, exact[i]));
+      slack_token += std::max(-100.0, double(former[i]) - std::max(-100.0, exact[i]));
+    }
+    slack_rule /= double(exact.size()), slack_token /= double(exact.size());
+    report("chunk bound slack (log), " + c.name + ", rule", slack_rule);
+    report("chunk bound slack (log), " + c.name + ", token bound", slack_token);
+    EXPECT_EQ(violations, 0) << c.name;
+    if (c.name == "random gates") random_rule = slack_rule, random_token = slack_token;
+  }
+  EXPECT_LT(random_rule + 5.0, random_token) << "the chunk bound is not tighter than the token bound on random gates";
 }
 
 // The output and final-state bytes of one launch of `in`, its outputs poisoned first.

@@ -381,6 +381,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
                                         std::min<int64_t>(kp.seg_chunks, UINT16_MAX));
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
       kp.chunk_bound = chunk_bound, kp.seg_exact = seg_exact, kp.seg_plan = seg_plan, kp.seg_taint = seg_taint;
+      kp.bound_transitions = launch.skip_bound >= 0;
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);
@@ -423,6 +424,26 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
     launch_prepare<decltype(split)>(kp, stream);
     launch_recur_segmented<decltype(split), 2>(kp, stream, true);
   });
+}
+
+size_t chunk_log_bounds_workspace_size(const PrefillParams& p) {
+  const Layout l = workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, 0);
+  return l.header + l.records;
+}
+
+// K0 and K1 alone, K1 writing its chunk bounds into `bounds` (the chunk slots are the chunks of the
+// sequences in order, as forward numbers them).
+void chunk_log_bounds(const PrefillParams& p, const internal::PrefillLaunch& launch, float* bounds, void* workspace,
+                      Stream stream_handle) {
+  const auto stream = static_cast<cudaStream_t>(stream_handle);
+  auto* ws = static_cast<uint8_t*>(workspace);
+  Params kp = kernel_params(p, ws);
+  kp.out = nullptr, kp.initial_state = nullptr, kp.final_state = nullptr;
+  const Layout l = workspace_layout(kp.num_seqs, p.H, kp.total_tokens, 0);
+  kp.records = ws + l.header;
+  kp.chunk_bound = bounds;
+  kp.bound_transitions = launch.skip_bound >= 0;
+  with_split(kp, p.precision, launch.f16_operands, [&](auto split) { launch_prepare<decltype(split)>(kp, stream); });
 }
 
 }  // namespace flashkda::cuda

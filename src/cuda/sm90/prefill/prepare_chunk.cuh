@@ -53,7 +53,11 @@ struct PrepareSmem {
   };
   float L[kChunk][kChunk + 1];
   float beta[kChunk];
-  float bound[kPrepThreads / 32];  // transition skipping: each warp's share of the chunk's log-bound
+  // Transition skipping (Params::chunk_bound): each warp's share of the token bound, each warp's
+  // max over its channels of G_C, and the norms of each row of k_decayed and k_restored.
+  float bound[kPrepWarps];
+  float gamma_max[kPrepWarps];
+  float norm_kd[kChunk], norm_kr[kChunk];
   alignas(16) uint8_t small[4][kSmallTileBytes];  // Mqk, Mqk_lo (pairwise path), inv_b, inv_b_lo staging
 };
 
@@ -169,6 +173,23 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
   }
 }
 
+// The sums over the warp's 32 lanes of eight values at once, by reduce-scatter: each exchange
+// step halves the values a lane carries (4, 2, 1), then two steps finish the last one; 9 shuffles
+// instead of 8 x 5. Lane l is left with the sum of v[4 (l >> 4 & 1) + 2 (l >> 3 & 1) + (l >> 2 & 1)]
+// (sum8_slot), the same in each lane of a quad.
+__device__ __forceinline__ int sum8_slot(int lane) { return ((lane >> 4) & 1) * 4 + ((lane >> 3) & 1) * 2 + ((lane >> 2) & 1); }
+__device__ __forceinline__ float warp_sum8_scatter(const float (&v)[8], int lane) {
+  const bool b4 = lane & 16, b3 = lane & 8, b2 = lane & 4;
+  float a[4], c[2];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) a[i] = (b4 ? v[i + 4] : v[i]) + __shfl_xor_sync(0xffffffffu, b4 ? v[i] : v[i + 4], 16);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) c[i] = (b3 ? a[i + 2] : a[i]) + __shfl_xor_sync(0xffffffffu, b3 ? a[i] : a[i + 2], 8);
+  float d = (b2 ? c[1] : c[0]) + __shfl_xor_sync(0xffffffffu, b2 ? c[0] : c[1], 4);
+  d += __shfl_xor_sync(0xffffffffu, d, 2);
+  return d + __shfl_xor_sync(0xffffffffu, d, 1);
+}
+
 // The barriers of one chunk's preparation among its 128 threads: the whole CTA in K1. A kernel that
 // runs prepare_chunk in a warpgroup of its own passes a named-barrier policy instead, and one that
 // prepares chunk after chunk also needs a barrier before a chunk writes the scratch tiles the
@@ -177,6 +198,34 @@ struct CtaSync {
   __device__ __forceinline__ static void sync() { __syncthreads(); }
   __device__ __forceinline__ static bool sync_or(bool x) { return __syncthreads_or(x); }
 };
+
+// Transition skipping's bound on one chunk (Params::chunk_bound), by warp 0 after the inverse: an
+// upper bound on log ||A||_2, A = diag(e^Gamma) - k_restored^T inv_b k_decayed the chunk's state
+// transition (S_out = A S_in + ..., docs/SPEC.md §4), the smaller of two:
+//  - the token bound: each token's transition (I - b k k^T) diag(e^a) has norm at most
+//    max_c e^{a_c} max(1, |1 - b |k|^2|), so the chunk's at most their product (the warps' sums in
+//    sm.bound). Tight where every channel decays alike; loose where a different channel decays
+//    slowest at each token (random gates: ~-0.4 per chunk for a head whose per-token maximum
+//    is ~-0.02, against ~-24 for the chunk's true norm);
+//  - the chunk bound: ||A|| <= max_c e^{Gamma_c} + sum_ij |inv_b[i][j]| |k_restored_i| |k_decayed_j|
+//    (the triangle inequality over the rank-one terms, each of norm |inv_b[i][j]| |k_r_i| |k_d_j|),
+//    doubled against the rounding of its fp32 terms. Within ~1.3 of log ||A|| on random gates
+//    (an fp64 simulation, docs/DESIGN.md), but it sums 16 terms where nothing decays.
+// r_projection: lane j's share of the sum. A NaN in the chunk bound leaves the token bound.
+template <class Smem>
+__device__ __forceinline__ void chunk_log_bound(const Params& p, const Smem& sm, float r_projection, int64_t slot,
+                                                int h, int lane) {
+  float bound = sm.bound[0] + sm.bound[1] + sm.bound[2] + sm.bound[3];
+  if (p.bound_transitions) {
+#pragma unroll
+    for (int x = 8; x >= 1; x >>= 1) r_projection += __shfl_xor_sync(0xffffffffu, r_projection, x);
+    const float gamma_max = fmaxf(fmaxf(sm.gamma_max[0], sm.gamma_max[1]), fmaxf(sm.gamma_max[2], sm.gamma_max[3]));
+    const float norm = exp_ftz(gamma_max) + 2.f * r_projection;  // lanes 0-15 hold the sum
+    const float chunk = norm == norm ? fmaxf(__logf(norm), -87.f) + 0.01f : norm;  // log(0): a norm below 1e-38
+    bound = fminf(bound, chunk);
+  }
+  if (lane == 0) p.chunk_bound[slot * p.H + h] = bound;
+}
 
 // One chunk of one head (rows tokens from row0; slot = its chunk index, for chunk_bound) into the
 // record at g_rec (global or shared memory), by 128 threads (tid 0..127) with scratch sm: K1's
@@ -281,10 +330,14 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
     for (int t = 0; t < kChunk; ++t) run += sm.G[t][c], sm.G[t][c] = run;
     wide = sm.G[0][c] - run > kMaxFactorisedSpread;
     reinterpret_cast<float*>(g_rec + Rec::kOffGamma)[c] = exp_ftz(run);
+    if (p.chunk_bound != nullptr && p.bound_transitions) {  // max_c G_C, this warp's channels
+      float mx = run;
+#pragma unroll
+      for (int x = 16; x >= 1; x >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+      if (lane == 0) sm.gamma_max[warp] = mx;
+    }
   }
   const bool pairwise = Sync::sync_or(wide);
-  if (p.chunk_bound != nullptr && tid == 0)
-    p.chunk_bound[slot * H + h] = sm.bound[0] + sm.bound[1] + sm.bound[2] + sm.bound[3];
 
   float r_G[4][4], r_G_first[4], r_Gamma[4];
   {
@@ -336,6 +389,21 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
       *reinterpret_cast<float4*>(&sm.raw[0][t][4 * lane]) = make_float4(r_k[r][0], r_k[r][1], r_k[r][2], r_k[r][3]);
       *reinterpret_cast<float4*>(&sm.raw[1][t][4 * lane]) = make_float4(r_q[r][0], r_q[r][1], r_q[r][2], r_q[r][3]);
     }
+  }
+  if (p.chunk_bound != nullptr && p.bound_transitions) {
+    // |k_decayed_t| and |k_restored_t| for the chunk's transition bound (chunk_log_bound below).
+    float sq[8];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      sq[r] = sq[r + 4] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        sq[r] = fmaf(r_k_decayed[r][e], r_k_decayed[r][e], sq[r]),
+        sq[r + 4] = fmaf(r_k_restored[r][e], r_k_restored[r][e], sq[r + 4]);
+    }
+    const float norm = sqrtf(warp_sum8_scatter(sq, lane));
+    const int which = sum8_slot(lane);
+    if ((lane & 3) == 0) (which < 4 ? sm.norm_kd : sm.norm_kr)[row_of(warp, which & 3)] = norm;
   }
   {
     const auto wo = [](int t, int c) { return Rec::wo_offset(0, t, c); };  // operand `which` adds 256 * which
@@ -416,6 +484,7 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
   // Warp 0: inv_b = (I + L)^-1 diag(b) by fp32 forward substitution (lane j owns column j): exact
   // for strictly lower-triangular L and stable for near-collinear keys, where the Neumann series
   // of (I + L)^-1 cancels catastrophically.
+  float r_projection = 0.f;  // lane j: |k_decayed_j| sum_i |inv_b[i][j]| |k_restored_i| (chunk_log_bound)
   if (lane < kChunk) {
     const int j = lane;
     float r_x[kChunk];
@@ -433,7 +502,14 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
       store_bf16_at(sm.small[2], frag_index_small(i, j), hi);
       if constexpr (Split::factors) store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
     }
+    if (p.chunk_bound != nullptr && p.bound_transitions) {
+      float col = 0.f;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) col = fmaf(fabsf(r_x[i]), sm.norm_kr[i], col);
+      r_projection = col * fabsf(bj) * sm.norm_kd[j];
+    }
   }
+  if (p.chunk_bound != nullptr) chunk_log_bound(p, sm, r_projection, slot, h, lane);
   __syncwarp();
   reinterpret_cast<uint4*>(g_rec + Rec::kOffInvB)[lane] = reinterpret_cast<const uint4*>(sm.small[2])[lane];
   if constexpr (Split::factors)
