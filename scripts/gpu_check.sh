@@ -138,7 +138,7 @@ export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want pending; then
   step pending-bench
   python3 benchmarks/bench_prefill.py --table few --skip-variants --no-serial --no-balanced --peers fla --no-accuracy \
-    --reps 10 --runs-sweep --out "$OUT/bench_pending_prefill.md" 2>&1 | tee -a "$OUT/bench_prefill.log" |
+    --reps 10 --out "$OUT/bench_pending_prefill.md" 2>&1 | tee -a "$OUT/bench_prefill.log" |
     grep -E "^\| " | sed -n 1,80p || status=1
 fi
 if want bench; then

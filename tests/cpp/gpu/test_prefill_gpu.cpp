@@ -670,8 +670,8 @@ TEST_F(PrefillGpu, SegmentsAgreeWithTheSerialRecurrence) {
 // The transition-skipping rule on this GPU (launch.cu choose_run_chunks): where the exact path's
 // segments have room for two pieces each or more in one wave of the warpgroup slots (seg_ctas_per_sm
 // * #SMs: three CTAs an SM from H = 16 up, else two; slots / 2H pieces a head), equal pieces of 32
-// chunks or more; elsewhere pieces of chunks * 2H / slots rounded up to 32 within [32, 128]. Pinned
-// for the H200's 132 SMs at the few-head shapes.
+// chunks or more; elsewhere pieces of chunks * 2H / slots rounded up to 32 within [32, 64], or one
+// piece a segment where the segment is shorter. Pinned for the H200's 132 SMs at the few-head shapes.
 TEST_F(PrefillGpu, SkipRuleCutsSegmentsIntoEqualPieces) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -679,7 +679,7 @@ TEST_F(PrefillGpu, SkipRuleCutsSegmentsIntoEqualPieces) {
     int64_t T, H, seg, run;  // seg, run: the rule's on 132 SMs
   };
   for (const Shape s : {Shape{65536, 16, 683, 344}, Shape{32768, 32, 683, 344}, Shape{131072, 32, 2731, 1368},
-                        Shape{8192, 12, 86, 64}, Shape{32768, 12, 342, 128}}) {
+                        Shape{8192, 12, 86, 64}, Shape{32768, 12, 342, 64}, Shape{2048, 12, 22, 24}}) {
     PrefillParams p;  // the shape fields are all the rule reads
     p.B = 1, p.T = s.T, p.H = s.H;
     const int64_t seg = internal::chosen_segment_chunks(p), run = internal::chosen_run_chunks(p);
@@ -689,7 +689,9 @@ TEST_F(PrefillGpu, SkipRuleCutsSegmentsIntoEqualPieces) {
     if (per_segment >= 2 && seg >= 32 * per_segment) {
       EXPECT_EQ(run, ((seg + per_segment - 1) / per_segment + 7) / 8 * 8) << "T=" << s.T << " H=" << s.H;
     } else {
-      EXPECT_TRUE(run == 0 || (run % 32 == 0 && run >= 32 && run <= 128)) << "T=" << s.T << " H=" << s.H;
+      // pieces of 32 or 64 chunks, or one piece a segment (rounded up to the combine's tiles)
+      EXPECT_TRUE(run % 8 == 0 && run >= 8 && (run == 32 || run == 64 || (run >= seg && run < seg + 8)))
+          << "T=" << s.T << " H=" << s.H << " run " << run << " seg " << seg;
     }
     if (sms == 132) {
       EXPECT_EQ(seg, s.seg) << "T=" << s.T << " H=" << s.H;

@@ -137,9 +137,13 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
 // segment at two or three CTAs an SM). Elsewhere (H = 12: six segments, eleven pieces a head) equal
 // pieces would need more slots than there are, or segments longer than the exact path's (measured:
 // 5-6% slower with long memory at H = 12), and the rule takes pieces of chunks * 2H / slots chunks,
-// rounded up to a multiple of 32 within [32, 128], skipping nothing where that piece would be the
-// whole segment. Measured (BENCHMARKS.md, layouts sweep, two CTAs an SM): equal pieces
-// 3-7% faster than those at H = 16 and 32 on random gates, within 2% with long memory. Forced lengths
+// rounded up to a multiple of 32 within [32, 64], or the whole segment where that is shorter (then
+// only the segment starts may skip). Measured (BENCHMARKS.md, layouts sweep, two CTAs an SM): equal
+// pieces 3-7% faster than those at H = 16 and 32 on random gates, within 2% with long memory. With
+// the chunk bound of each chunk's own transition (skip_bound) a warm-up takes a chunk or two on
+// random gates, so shorter pieces pay (run 62, H = 12, against pieces of up to 128 and no skipping in
+// one-piece segments): T=2048 0.118 -> 0.092 ms random (0.118 -> 0.122 long memory), T=32768 0.738 ->
+// 0.665 (1.029 -> 1.020), T=131072 2.487 -> 2.551 (3.950 -> 3.935), T=8192 unchanged. Forced lengths
 // (internal::PrefillLaunch::skip_run_chunks) and the rule's are lengthened to kMaxPieces pieces per
 // segment at most and rounded up to a multiple of kCombineChunks; 0: no transition skipping.
 int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, bool skip,
@@ -155,8 +159,7 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
       run = (seg_chunks + per_segment - 1) / per_segment;
     } else {
       const int64_t fill = (2 * chunks * H + slots - 1) / slots;
-      run = std::clamp<int64_t>((fill + 31) / 32 * 32, 32, 128);
-      if (run >= seg_chunks) return 0;  // one piece per segment: nothing to skip
+      run = std::min(std::clamp<int64_t>((fill + 31) / 32 * 32, 32, 64), seg_chunks);  // one piece: starts skip
     }
   }
   run = std::max(run, (seg_chunks + kMaxPieces - 1) / kMaxPieces);
