@@ -44,9 +44,10 @@ struct PrefillLaunch {
   int cpu_isa = 0;  // CPU: the instruction set of the engine, capped at what the processor has: 0 = rule
                    // (the widest), 1 = the baseline ISA, 2 = AVX2 + FMA, 3 = AVX-512 (F, VL, BW, DQ)
   int skip_bound = 0;  // with transition skipping, the bound on each chunk's transition that K1 writes:
-                       // 0 (rule) = the smaller of the token bound and the chunk's own (max_c e^Gamma_c +
-                       // sum_ij |inv_b_ij| |k_restored_i| |k_decayed_j|); -1 = the token bound only, the
-                       // product of each token's max_c e^a_c (the former rule; docs/DESIGN.md "Segments")
+                       // 1 = the smaller of the token bound, the product of each token's max_c e^a_c, and
+                       // the chunk's own (max_c e^Gamma_c + 2 sum_ij |inv_b_ij| |k_restored_i| |k_decayed_j|);
+                       // -1 = the token bound only; 0 = rule (1 for pieces of up to 64 chunks, else -1;
+                       // docs/DESIGN.md "Segments")
 };
 
 struct DecodeLaunch {
@@ -85,7 +86,7 @@ void segment_transition(const PrefillParams& params, float* transition, float* z
 // Transition skipping's bound on each chunk (docs/DESIGN.md "Segments"): bounds[c][h] (fp32, device
 // memory, [sum_n ceil(len_n / 16)][H], the chunks numbered sequence after sequence) >= log ||A||_2 of
 // chunk c's state transition S_out = A S_in + B at head h, as K1 writes it for the segmented K2
-// (launch.skip_bound picks the bound). The GPU only (the CPU backend does not skip); the workspace
+// (launch.skip_bound picks the bound; here 0 means 1). The GPU only (the CPU backend does not skip); the workspace
 // is chunk_log_bounds_workspace_size(params) bytes. For tests of the bound against the transition.
 size_t chunk_log_bounds_workspace_size(const PrefillParams& params);
 void chunk_log_bounds(const PrefillParams& params, const PrefillLaunch& launch, float* bounds, void* workspace,

@@ -240,7 +240,7 @@ struct Params {
   int64_t max_pieces;         // pieces of the longest segment
   float* chunk_bound;         // [chunk_slots][H]
   bool bound_transitions;     // K1: chunk_bound also takes the bound of the chunk's own transition, the
-                              // smaller of the two (the rule; internal::PrefillLaunch::skip_bound)
+                              // smaller of the two (internal::PrefillLaunch::skip_bound; launch.cu)
   int32_t* seg_exact;         // [max_segs][H]
   uint32_t* seg_plan;         // [max_segs][H][kPlanWords]: bit i = piece i starts a skipping run
   uint8_t* seg_taint;         // [max_segs][H][max_pieces][kTaintBytes]: by the run starting at piece i

@@ -166,6 +166,16 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
   return (run + kCombineChunks - 1) / kCombineChunks * kCombineChunks;  // the combine's tiles end with the exact run
 }
 
+// Whether K1's chunk bounds also take each chunk's own transition bound (internal::PrefillLaunch::
+// skip_bound; prepare_chunk.cuh chunk_log_bound). It costs K1 ~3% of its instructions and pays where
+// warm-ups are a large part of a piece: the rule takes it for pieces of up to 64 chunks (the H = 12
+// branch above, and forced lengths alike), not for the equal pieces of hundreds of chunks at H = 16 and
+// 32, where it measured 0.5-1.8% slower in both gate regimes (runs 62-63, BENCHMARKS.md).
+bool bounds_transitions(int64_t run_chunks, const internal::PrefillLaunch& launch) {
+  if (launch.skip_bound != 0) return launch.skip_bound > 0;
+  return run_chunks <= 64;
+}
+
 struct Layout {
   size_t header, records, seg_states, seg_out, seg_ckpt;
   size_t chunk_bound, seg_exact, seg_plan, seg_taint;  // transition skipping
@@ -384,7 +394,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
                                         std::min<int64_t>(kp.seg_chunks, UINT16_MAX));
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
       kp.chunk_bound = chunk_bound, kp.seg_exact = seg_exact, kp.seg_plan = seg_plan, kp.seg_taint = seg_taint;
-      kp.bound_transitions = launch.skip_bound >= 0;
+      kp.bound_transitions = bounds_transitions(run_chunks, launch);
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);
