@@ -229,8 +229,8 @@ struct Params {
   float* seg_out;             // [chunk_slots][H][16][256] o_zero | w of the chunks of segments s >= 1
   // Transition skipping (internal::PrefillLaunch::skip_transitions; null otherwise, the runs above
   // kSkipLogBound): K1 writes each chunk's log-bound on the norm of its state transition,
-  // sum_t max_c a_{t,c} + log max(1, |1 - b_t |k_t|^2|), or with bound_transitions the smaller of that and
-// the bound of the chunk's transition (prepare_chunk.cuh chunk_log_bound); the segmented K2 writes per segment the
+  // sum_t max_c a_{t,c} + log max(1, |1 - b_t |k_t|^2|), or with bound_transitions the smaller of that
+  // and the bound of the chunk's transition (prepare_chunk.cuh chunk_log_bound); the segmented K2 writes per segment the
   // chunks its exact run covers (the segment's length: the exact transition; fewer: the chain takes
   // X_{s+1} = the last run's end state, the combine stops there), its skippable pieces, and for each
   // run that ends inside the segment which rows of its end state are not finite (a NaN the recurrence

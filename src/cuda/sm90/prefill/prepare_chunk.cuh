@@ -209,11 +209,11 @@ struct CtaSync {
 //    is ~-0.02, against ~-24 for the chunk's true norm);
 //  - the chunk bound: ||A|| <= max_c e^{Gamma_c} + sum_ij |inv_b[i][j]| |k_restored_i| |k_decayed_j|
 //    (the triangle inequality over the rank-one terms, each of norm |inv_b[i][j]| |k_r_i| |k_d_j|),
-//    doubled against the rounding of its fp32 terms. Within ~1.3 of log ||A|| on random gates
-//    (an fp64 simulation, docs/DESIGN.md), but it sums 16 terms where nothing decays.
+//    doubled against the rounding of its fp32 terms. ~1.9 above log ||A|| on random gates (the GPU
+//    test ChunkBoundsBoundEveryChunkTransition; docs/DESIGN.md), but it sums 16 terms where nothing
+//    decays.
 // r_projection: lane j's share of the sum. A NaN in the chunk bound leaves the token bound.
-template <class Smem>
-__device__ __forceinline__ void chunk_log_bound(const Params& p, const Smem& sm, float r_projection, int64_t slot,
+__device__ __forceinline__ void chunk_log_bound(const Params& p, const PrepareSmem& sm, float r_projection, int64_t slot,
                                                 int h, int lane) {
   float bound = sm.bound[0] + sm.bound[1] + sm.bound[2] + sm.bound[3];
   if (p.bound_transitions) {
