@@ -375,7 +375,6 @@ def implementations(args):
         # K2's record stream by every thread's cp.async, the former rule (DESIGN.md "Segments")
         impls.append(("flashkda cp.async records",
                       lambda x, s: run_flashkda(x, s, launch=dict(record_copy=-1))))
-
     peers = []
     if flash_kda is not None:
         peers.append(("FlashKDA", run_flash_kda))

@@ -112,6 +112,16 @@ PrefillParams without_out(const PrefillParams& params) {
   p.checkpoint_every = 0, p.checkpoints = nullptr, p.checkpoint_slots = nullptr, p.num_checkpoints = 0;
   return p;
 }
+
+// The problem of a transition-only call (segment_transition's workspace, chunk_log_bounds), validated
+// as a forward into v's shape, and the backend of its q.
+PrefillParams validated_without_out(const PrefillParams& params_in, Backend& backend) {
+  const PrefillParams params = without_out(params_in);
+  backend = backend_of(params.q);
+  detail::check_reachable(params, backend);
+  detail::validate_prefill(params, backend);
+  return params;
+}
 }  // namespace
 
 void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int32_t* checkpoint_slots,
@@ -122,10 +132,8 @@ void check_pool_slots(const int32_t* state_indices, int64_t num_seqs, const int3
 void check_decode_slots(const DecodeParams& params) { detail::validate_decode_indices(params); }
 
 size_t segment_transition_workspace_size(const PrefillParams& params_in) {
-  const PrefillParams params = without_out(params_in);
-  const Backend backend = backend_of(params.q);
-  detail::check_reachable(params, backend);
-  detail::validate_prefill(params, backend);
+  Backend backend;
+  const PrefillParams params = validated_without_out(params_in, backend);
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) return cuda::segment_transition_workspace_size(params);
 #endif
@@ -158,10 +166,8 @@ void segment_transition(const PrefillParams& params_in, float* transition, float
 namespace {
 // The GPU problem chunk_log_bounds reads (its records and bounds alone).
 PrefillParams bounds_problem(const PrefillParams& params_in) {
-  const PrefillParams params = without_out(params_in);
-  const Backend backend = backend_of(params.q);
-  detail::check_reachable(params, backend);
-  detail::validate_prefill(params, backend);
+  Backend backend;
+  const PrefillParams params = validated_without_out(params_in, backend);
   FLASHKDA_CHECK(backend == Backend::kCuda, ErrorCode::kUnsupported,
                  "chunk_log_bounds: q must be on a GPU (transition skipping runs on the GPU only)");
   return params;
