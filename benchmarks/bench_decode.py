@@ -15,7 +15,10 @@ bandwidth (read + write) measured in the same run.
     FLA_FLASH_KDA=0 python benchmarks/bench_decode.py --out decode.md
 
 --slot-check adds our decode with the shared-slot check (a candidate, internal::DecodeLaunch::check_slots)
-and its time against the default's.
+and its time against the default's. --kernels 0 1 2 3 adds our decode with each kernel forced
+(internal::DecodeLaunch::persistent: 0 the tile kernels, 1 the persistent kernel, 2 and 3 its
+bulk-copy variant with four and three buffers): time, % copy, and whether out and pool are the
+default's bit for bit.
 """
 import argparse
 import datetime
@@ -82,6 +85,25 @@ def call_ours_checked(c):
     from flashkda import _internal
     with _internal.launch(check_slots=1):
         call_ours(c)
+
+
+def call_ours_kernel(c, kernel):
+    from flashkda import _internal
+    with _internal.launch(persistent=kernel):
+        call_ours(c)
+
+
+def same_bits(case, kernel):
+    """Whether the forced kernel writes the default's out and pool, bit for bit (on copies)."""
+    pool0 = case["pool"].clone()
+    call_ours(case)
+    out_a, pool_a = case["out"].clone(), case["pool"].clone()
+    case["pool"].copy_(pool0)
+    call_ours_kernel(case, kernel)
+    same = torch.equal(case["out"].view(torch.int16), out_a.view(torch.int16)) and torch.equal(
+        case["pool"].view(torch.int16), pool_a.view(torch.int16))
+    case["pool"].copy_(pool0)
+    return same
 
 
 def call_fla(c):
@@ -173,6 +195,9 @@ def main():
                     help="skip the ours-vs-fla agreement check (always skipped for pools over 4 GiB)")
     ap.add_argument("--out", default=None, help="write the markdown report here")
     ap.add_argument("--slot-check", action="store_true", help="also ours with the shared-slot check (a candidate)")
+    ap.add_argument("--kernels", type=int, nargs="*", default=[],
+                    help="also ours with each kernel forced (internal::DecodeLaunch::persistent)")
+    ap.add_argument("--no-fla", action="store_true", help="skip fla (flashkda only)")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -190,9 +215,14 @@ def main():
         "",
         "| H | state | N | T | ours µs (eager) | fla µs (eager) | fla / ours | ours TB/s | ours % copy "
         "| fla TB/s | out rel diff | state rel diff |" + (" ours with the slot check µs | its time / ours |"
-                                                         if args.slot_check else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.slot_check else ""),
+                                                         if args.slot_check else "")
+        + "".join(f" kernel {k} µs | % copy | same bits |" for k in args.kernels),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.slot_check else "")
+        + "---|---|---|" * len(args.kernels),
     ]
+    global fla_fwd
+    if args.no_fla:
+        fla_fwd = None
     print("\n".join(lines), flush=True)
     dtypes = {"f32": torch.float32, "bf16": torch.bfloat16}
     for H in args.H:
@@ -218,6 +248,10 @@ def main():
                     if args.slot_check and ours:
                         t_chk = time_graph(lambda: call_ours_checked(case), args.inner, args.outer)
                         row += f" {t_chk * 1e6:.1f} | {t_chk / t_ours:.3f} |"
+                    for k in args.kernels if ours else []:
+                        t_k = time_graph(lambda: call_ours_kernel(case, k), args.inner, args.outer)
+                        bw_k = case["state_bytes"] / t_k
+                        row += f" {t_k * 1e6:.1f} | {100 * bw_k / copy_bw:.0f}% | {'yes' if same_bits(case, k) else 'NO'} |"
                     lines.append(row)
                     print(row, flush=True)
                     del case

@@ -40,4 +40,30 @@ __device__ __forceinline__ void bulk_copy(void* smem_dst, const void* gmem_src, 
       : "memory");
 }
 
+// A plain arrival (no bytes announced): completes the phase of a one-arrival barrier whose item
+// copies nothing.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
+// The other direction: `bytes` (a multiple of 16, both addresses 16-byte aligned) from this CTA's
+// shared memory to global memory, in this thread's current bulk async-group. The shared memory
+// written by ordinary stores must be made visible to the async proxy first (fence_proxy_async_shared
+// by each writing thread, then a CTA barrier).
+__device__ __forceinline__ void bulk_store(void* gmem_dst, const void* smem_src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(gmem_dst), "r"(smem_addr(smem_src)),
+               "r"(bytes)
+               : "memory");
+}
+// Closes this thread's bulk async-group (possibly empty).
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until at most kPending of this thread's most recent bulk groups still read shared memory
+// (their sources may be overwritten after it; the global writes complete on their own).
+template <int kPending>
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
+}
+// Orders this thread's ordinary shared-memory writes before later async-proxy reads of them.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
 }  // namespace flashkda::cuda

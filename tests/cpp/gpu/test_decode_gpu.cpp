@@ -89,9 +89,9 @@ struct DeviceDecode {
   }
 };
 
-// Every test runs on both kernel variants: the one-CTA-per-item kernels ("tile") and the
-// persistent kernel with shared-memory prefetch (kernel.cuh), forced through the internal launch
-// configuration (src/launch_config.h); flashkda::decode picks by state dtype and N·H.
+// Every test runs on each kernel variant: the one-CTA-per-item kernels ("tile"), the persistent
+// kernel with shared-memory prefetch and its bulk-copy variant (kernel.cuh), forced through the
+// internal launch configuration (src/launch_config.h); flashkda::decode picks by state dtype and N·H.
 internal::DecodeLaunch g_launch;
 void run_decode(const DecodeParams& p, Stream stream = nullptr) { internal::decode(p, g_launch, stream); }
 
@@ -99,15 +99,16 @@ class DecodeGpu : public ::testing::TestWithParam<const char*> {
  protected:
   void SetUp() override {
     if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU decode tests skipped";
-    g_launch.persistent = GetParam()[0] == '1' ? 1 : 0;
+    g_launch.persistent = GetParam()[0] - '0';
   }
   void TearDown() override { g_launch = {}; }
 };
 
-INSTANTIATE_TEST_SUITE_P(Kernels, DecodeGpu, ::testing::Values("0", "1"),
-                         [](const ::testing::TestParamInfo<const char*>& info) {
-                           return std::string(info.param[0] == '1' ? "Persistent" : "Tile");
-                         });
+std::string kernel_name(const ::testing::TestParamInfo<const char*>& info) {
+  static const char* const names[] = {"Tile", "Persistent", "Bulk4", "Bulk3"};
+  return names[info.param[0] - '0'];
+}
+INSTANTIATE_TEST_SUITE_P(Kernels, DecodeGpu, ::testing::Values("0", "1", "2", "3"), kernel_name);
 
 void run_and_check(DecodeProblem& prob, const std::string& tag = "") {
   DeviceDecode dev(prob);

@@ -39,6 +39,8 @@ using LargeTile = Tile<4, 4>;  // 64 rows per CTA, 2 CTAs per (seq, head)
 // The persistent kernel keeps the next items' bookkeeping in registers on top of the state rows:
 // three CTAs per SM leave it the registers of LargeTile without spilling.
 using PersistentLargeTile = Tile<4, 3>;
+// The bulk-copy kernel's fp32 items (kernel.cuh decode_bulk_kernel): 32 rows, 16 KB as a bf16 item.
+using BulkSmallTile = Tile<2, 3>;
 // Items whose copies are in flight or computing at once in one persistent CTA (shared-memory ring).
 constexpr int kPersistentStages = 3;
 constexpr int kMaxRowsPerCta = LargeTile::kRowsPerCta;

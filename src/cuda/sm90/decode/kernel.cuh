@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "cuda/common/async_copy.cuh"
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/math.cuh"
 #include "cuda/common/preprocess.cuh"
 #include "cuda/sm90/decode/config.h"
@@ -88,6 +89,24 @@ struct RowAccess {
         r[j * kVec + 2 * i] = bf16_lo(w[i]);
         r[j * kVec + 2 * i + 1] = bf16_hi(w[i]);
       }
+    }
+  }
+
+  // Into a shared-memory copy of the row (the bulk-copy kernel's store buffer): plain 16-byte stores.
+  __device__ __forceinline__ static void store_shared(StateT* row, int col, const float (&r)[kKPerLane]) {
+#pragma unroll
+    for (int j = 0; j < kChunks; ++j) *reinterpret_cast<uint4*>(row + column(col, j)) = pack(r, j);
+  }
+
+  __device__ __forceinline__ static uint4 pack(const float (&r)[kKPerLane], int j) {
+    if constexpr (sizeof(StateT) == 4) {
+      return uint4{__float_as_uint(r[j * kVec + 0]), __float_as_uint(r[j * kVec + 1]), __float_as_uint(r[j * kVec + 2]),
+                   __float_as_uint(r[j * kVec + 3])};
+    } else {
+      uint32_t w[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w[i] = pack_bf16x2(r[j * kVec + 2 * i], r[j * kVec + 2 * i + 1]);
+      return uint4{w[0], w[1], w[2], w[3]};
     }
   }
 
@@ -554,10 +573,13 @@ __device__ __forceinline__ bool shares_a_slot(const DecodeArgs& a, int64_t n, co
 // more than 16 tokens); kFirstGroupStaged: the caller has staged the first group already.
 // kCheckSlots (with !kFirstGroupStaged): the slot check (a candidate) scans while the first group
 // and the state are in flight, and on a shared slot the outputs are NaN and nothing is stored.
+// shared_rows (the bulk-copy kernel): the final state goes into this shared-memory copy of the
+// CTA's rows instead of global memory (speculative stores still go to global memory).
 template <typename StateT, class TileT, bool kFirstGroupStaged, bool kCheckSlots = false>
 __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, const Span& sp, const HeadGate& gate,
                                            const float4& bias, StagedToken* staged, WarpScratch& scratch,
-                                           float (&state)[TileT::kRowsPerThread][kKPerLane]) {
+                                           float (&state)[TileT::kRowsPerThread][kKPerLane],
+                                           StateT* shared_rows = nullptr) {
   constexpr int kRows = TileT::kRowsPerThread;
   const bool speculative = a.num_accepted_tokens != nullptr;
   for (int t0 = 0; t0 < sp.len; t0 += a.stage_tokens) {
@@ -595,7 +617,17 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
       if (speculative && store_slot >= 0 && store_slot < a.pool_size) store_state<StateT>(a, c, store_slot, state);
     }
   }
-  if (!speculative) store_state<StateT>(a, c, sp.slot, state);
+  if (speculative) return;
+  if (shared_rows != nullptr) {
+#pragma unroll
+    for (int i = 0; i < kRows; ++i) {
+      RowAccess<StateT>::store_shared(shared_rows + (c.row0 + i * kRowsPerPass - c.cta_row0) * kHeadDimK, c.col,
+                                      state[i]);
+    }
+    fence_proxy_async_shared();  // before thread 0's bulk store reads them (after a CTA barrier)
+  } else {
+    store_state<StateT>(a, c, sp.slot, state);
+  }
 }
 
 // One CTA per work item (grid = N * H * kCtasPerHead). kCheckSlots: the slot check (a candidate,
@@ -804,6 +836,142 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     w0 = w1, w1 = w2;
   }
   cp_async_wait_all();  // nothing may be in flight into shared memory when the CTA exits
+}
+
+// Bulk-copy variant of the persistent kernel (internal::DecodeLaunch::persistent = 2, a candidate):
+// the same items and token staging, but each item's state rows (one contiguous block of
+// kRowsPerCta x K) arrive by one bulk copy (the TMA unit) completing on the buffer's mbarrier, and
+// leave by one bulk store from the same buffer, so no thread holds a state byte in flight either
+// way. Ring of kRing buffers: item i in buffer i % kRing; at the top of iteration i thread 0
+// issues item i-1's store (its rows written and fenced by every thread before the CTA barrier),
+// waits until the store of the item that last used buffer (i + 2) % kRing has read it (item i-2
+// with four buffers, i-1 itself with three), and issues item i+2's copy into it. So two items'
+// loads, and with four buffers up to two items' stores, are in flight while item i computes. Four
+// buffers cost a third CTA an SM (two fit); three wait for each store's read of shared memory.
+// Speculative stores (after each token) still go from registers to global memory. No slot check.
+template <class TileT, typename StateT, int kRing>
+struct BulkLayout {
+  static constexpr int kStateBytes = PersistentLayout<TileT, StateT>::kStateBytes;
+  static constexpr int kStateElems = PersistentLayout<TileT, StateT>::kStateElems;
+  __host__ __device__ static constexpr size_t bytes(int stage_tokens) {
+    return kRing * (size_t(kStateBytes) + sizeof(HeadConsts) + size_t(stage_tokens) * sizeof(StagedToken));
+  }
+};
+
+// Item (c, sp)'s copies into one buffer: thread 0 the state block on `full` (one arrival per item,
+// with the block's bytes when it is live), every thread its share of the token vectors and the
+// head's constants as one cp.async group (possibly empty). Returns prefetch_item's token scalars.
+template <typename StateT, class TileT, int kRing>
+__device__ __forceinline__ TokenWords prefetch_item_bulk(const DecodeArgs& a, const Coord& c, const Span& sp,
+                                                         StateT* state_buf, HeadConsts* consts, StagedToken* staged,
+                                                         uint64_t* full) {
+  TokenWords words{0u, -1};
+  const bool live = sp.len > 0 && sp.slot >= 0;
+  if (threadIdx.x == 0) {
+    if (live) {
+      constexpr uint32_t kBytes = BulkLayout<TileT, StateT, kRing>::kStateBytes;
+      mbarrier_arrive_expect_tx(full, kBytes);
+      bulk_copy(state_buf, state_row<StateT>(a, sp.slot, c.h, c.cta_row0), kBytes, full);
+    } else {
+      mbarrier_arrive(full);
+    }
+  }
+  if (live) {
+    const int count = min(a.stage_tokens, sp.len);
+    stage_token_vectors<TileT>(a, c, sp.bos, 0, count, staged);
+    if (c.warp == kWarps - 1) {
+      if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
+        cp_async_16(&consts->bias[c.lane], reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
+      } else {
+        consts->bias[c.lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
+      if (c.lane == 0 && a.pre.gate != GateForm::kPrecomputed) cp_async_4(&consts->a_log, a.pre.A_log + c.h);
+    }
+    if (threadIdx.x < count) words = load_token_words(a, c, sp.bos, int(threadIdx.x));
+  }
+  cp_async_commit();
+  return words;
+}
+
+template <typename StateT, class TileT, int kRing>
+__global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_kernel(const DecodeArgs a, int64_t items) {
+  static_assert(kRing == 3 || kRing == 4, "items i..i+2 in flight, plus one store with four buffers");
+  constexpr int kRows = TileT::kRowsPerThread;
+  using Layout = BulkLayout<TileT, StateT, kRing>;
+  __shared__ WarpScratch scratch[kWarps];
+  __shared__ uint64_t full[kRing];
+  extern __shared__ uint4 smem[];
+  StateT* const state0 = reinterpret_cast<StateT*>(smem);
+  HeadConsts* const consts0 = reinterpret_cast<HeadConsts*>(reinterpret_cast<char*>(smem) + kRing * Layout::kStateBytes);
+  StagedToken* const staged0 = reinterpret_cast<StagedToken*>(consts0 + kRing);
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kRing; ++b) mbarrier_init(&full[b], 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  const auto prefetch = [&](int64_t y, const Span& sp, int b) {
+    return prefetch_item_bulk<StateT, TileT, kRing>(a, coord_of<TileT>(a, y), sp, state0 + b * Layout::kStateElems,
+                                             consts0 + b, staged0 + b * a.stage_tokens, &full[b]);
+  };
+  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, y).n) : Span{0, 0, -1}; };
+
+  // Registers as in decode_persistent_kernel: spans of items i..i+2, token scalars of i and i+1.
+  const int64_t step = gridDim.x;
+  int64_t x = blockIdx.x;  // the launcher keeps gridDim.x <= items
+  Span sp0 = span_at(x), sp1 = span_at(x + step);
+  TokenWords w0 = prefetch(x, sp0, 0);
+  TokenWords w1{0u, -1};
+  if (x + step < items) w1 = prefetch(x + step, sp1, 1);
+  else cp_async_commit();
+  Span sp2 = span_at(x + 2 * step);
+  StateT* store_to = nullptr;  // where item i-1's rows go (thread 0 issues the store; null: none)
+
+  for (int64_t i = 0; x < items; x += step, ++i) {
+    const int b = int(i % kRing), b2 = int((i + 2) % kRing);
+    StagedToken* const staged = staged0 + b * a.stage_tokens;
+    __syncthreads();  // item i-1 is done: its buffer's rows written and fenced, its token buffers free
+    if (threadIdx.x == 0) {
+      if (store_to != nullptr) bulk_store(store_to, state0 + ((i + kRing - 1) % kRing) * Layout::kStateElems, Layout::kStateBytes);
+      bulk_commit();                // one group per item, empty or not, so that
+      bulk_wait_read<kRing - 3>();  // the store of buffer b2's last item has read it
+    }
+    if (threadIdx.x < min(a.stage_tokens, sp0.len)) staged[threadIdx.x].words = w0;
+    TokenWords w2{0u, -1};
+    if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);
+    else cp_async_commit();
+    const Span sp3 = span_at(x + 3 * step);
+    cp_async_wait_group<2>();                         // this thread's token copies of item i have landed
+    mbarrier_wait(&full[b], uint32_t(i / kRing) & 1u);  // and item i's state block
+    __syncthreads();                                  // and everyone's token copies
+
+    const Coord c = coord_of<TileT>(a, x);
+    StateT* const rows = state0 + b * Layout::kStateElems;
+    store_to = nullptr;
+    if (sp0.len > 0 && sp0.slot < 0) fill_outputs<TileT>(a, c, sp0);
+    if (sp0.len > 0 && sp0.slot >= 0) {
+      float state[kRows][kKPerLane];
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) {
+        RowAccess<StateT>::load_shared(rows + (c.row0 + r * kRowsPerPass - c.cta_row0) * kHeadDimK, c.col, state[r]);
+      }
+      const HeadConsts& hc = consts0[b];
+      const HeadGate gate = HeadGate::from_a_log(a.pre, hc.a_log);
+      run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch[c.warp], state, rows);
+      if (a.num_accepted_tokens == nullptr) store_to = state_row<StateT>(a, sp0.slot, c.h, c.cta_row0);
+    }
+    sp0 = sp1, sp1 = sp2, sp2 = sp3;
+    w0 = w1, w1 = w2;
+  }
+  __syncthreads();  // the last item's rows are written and fenced
+  if (threadIdx.x == 0) {
+    if (store_to != nullptr) {
+      const int64_t done = (int64_t(items) - 1 - blockIdx.x) / step + 1;  // items this CTA ran
+      bulk_store(store_to, state0 + ((done - 1) % kRing) * Layout::kStateElems, Layout::kStateBytes);
+    }
+    bulk_commit();
+    bulk_wait_read<0>();  // no store may still read shared memory when the CTA exits
+  }
+  cp_async_wait_all();
 }
 
 }  // namespace flashkda::cuda::sm90::decode

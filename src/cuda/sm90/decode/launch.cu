@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
+#include <type_traits>
 
 #include "backend.h"
 #include "cuda/check.h"
@@ -82,10 +83,41 @@ void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, 
   FLASHKDA_CHECK_LAUNCH();
 }
 
+// The bulk-copy kernel (internal::DecodeLaunch::persistent = 2 with four buffers, 3 with three; a
+// candidate): items of 16 KB, i.e. 64 rows of a bf16 state or 32 rows of an fp32 one.
+template <typename StateT>
+using BulkTile = std::conditional_t<sizeof(StateT) == 2, sm90::decode::PersistentLargeTile, sm90::decode::BulkSmallTile>;
+
+template <typename StateT, int kRing>
+int bulk_ctas_per_sm(int stage_tokens, size_t smem) {
+  static std::atomic<int> cache[sm90::decode::kMaxTokens + 1] = {};
+  int n = cache[stage_tokens].load(std::memory_order_relaxed);
+  if (n == 0) {
+    FLASHKDA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &n, sm90::decode::decode_bulk_kernel<StateT, BulkTile<StateT>, kRing>, sm90::decode::kThreads, smem));
+    n = std::max(n, 1);
+    cache[stage_tokens].store(n, std::memory_order_relaxed);
+  }
+  return n;
+}
+
+template <typename StateT, int kRing>
+void launch_bulk(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
+  using namespace sm90::decode;
+  using TileT = BulkTile<StateT>;
+  const int64_t items = num_heads * TileT::kCtasPerHead;
+  const size_t smem = BulkLayout<TileT, StateT, kRing>::bytes(args.stage_tokens);
+  auto kernel = decode_bulk_kernel<StateT, TileT, kRing>;
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  const int64_t grid = std::min<int64_t>(items, int64_t(sm_count()) * bulk_ctas_per_sm<StateT, kRing>(args.stage_tokens, smem));
+  kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args, items);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
 // bf16 pools with N·H >= kPersistentMinHeads take the persistent kernel (config.h); an internal
 // launch configuration can force either kernel.
 bool use_persistent(bool bf16_state, int64_t num_heads, const internal::DecodeLaunch& config) {
-  if (config.persistent == 0 || config.persistent == 1) return config.persistent == 1;
+  if (config.persistent >= 0) return config.persistent >= 1;
   return bf16_state && num_heads >= sm90::decode::kPersistentMinHeads;
 }
 
@@ -94,7 +126,11 @@ void launch_tile_as(const sm90::decode::DecodeArgs& args, int64_t num_heads, con
                     cudaStream_t stream) {
   using namespace sm90::decode;
   const bool large = num_heads >= kLargeTileMinHeads;
-  if (use_persistent(sizeof(StateT) == 2, num_heads, config)) {
+  if (config.persistent == 2 && !kCheck) {
+    launch_bulk<StateT, 4>(args, num_heads, stream);
+  } else if (config.persistent == 3 && !kCheck) {
+    launch_bulk<StateT, 3>(args, num_heads, stream);
+  } else if (use_persistent(sizeof(StateT) == 2, num_heads, config)) {
     if (large) launch_persistent<StateT, PersistentLargeTile, kCheck>(args, num_heads, stream);
     else launch_persistent<StateT, SmallTile, kCheck>(args, num_heads, stream);
   } else if (large) {
