@@ -9,7 +9,7 @@
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, memcheck on
 #   them, and a flashkda-only benchmark of the internal variants and the serving costs);
-#   decode = the decode benchmark; profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   decode = the decode benchmark (extra arguments in $DECODE_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -147,7 +147,8 @@ if want bench; then
 fi
 if want decode; then
   step bench-decode
-  python3 benchmarks/bench_decode.py 2>&1 | tee "$OUT/bench_decode.log" | tail -40 || status=1
+  # shellcheck disable=SC2086  # DECODE_ARGS: extra arguments, split on spaces
+  python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | tail -40 || status=1
 fi
 if want profile; then
   step profile
