@@ -57,7 +57,7 @@ if want build; then
       echo "GoogleTest from .deps/googletest failed to build (build.log)"
   fi
   cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
-    cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+    cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; step done status=1 build failed; exit 1; }
   grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20
 fi
 
