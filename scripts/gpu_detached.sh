@@ -15,12 +15,18 @@ mkdir -p "$dir/out"
 if [ ! -f "$dir/started" ]; then
   touch "$dir/started"
   OUT="$dir/out" setsid nohup bash scripts/gpu_check.sh "$@" > "$dir/console.log" 2>&1 < /dev/null &
+  echo $! > "$dir/pid"
   echo "started: scripts/gpu_check.sh $*"
 fi
+# Stop waiting when the pipeline is done, or gone without its done line (killed, or an early
+# exit): waiting out WAIT then would only spend device time.
+alive() { kill -0 "$(cat "$dir/pid" 2>/dev/null)" 2>/dev/null; }
 end=$((SECONDS + wait_s))
-while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$dir/console.log" 2>/dev/null; do sleep 5; done
+while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$dir/console.log" 2>/dev/null && alive; do sleep 5; done
 mkdir -p "${OUT:-gpu-out}"
 cp "$dir/console.log" "${OUT:-gpu-out}/"
 ls -t "$dir/out" | head -7 | while read -r f; do cp "$dir/out/$f" "${OUT:-gpu-out}/"; done
 tail -40 "$dir/console.log"
-grep -q "^=== done" "$dir/console.log" && echo "PIPELINE FINISHED" || echo "still running: call again"
+if grep -q "^=== done" "$dir/console.log"; then echo "PIPELINE FINISHED"
+elif alive; then echo "still running: call again"
+else echo "PIPELINE DIED without its done line (console.log above); rm -rf $dir to start again"; fi
