@@ -8,7 +8,7 @@
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy;
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, memcheck on
-#   them, and a flashkda-only benchmark of the internal variants and the serving costs);
+#   them, and a flashkda-only benchmark of the candidates it lists: today the decode kernels at small N);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
@@ -97,7 +97,7 @@ sanitize() {  # name, tool, command...
 
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  pending_tests=(test_prefill_gpu '*ChunkBounds*:*SkipTransitions*:*SkipRule*')  # pairs: binary, filter
+  pending_tests=(test_decode_gpu '*Bulk*')  # pairs: binary, filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
@@ -137,9 +137,8 @@ fi
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want pending; then
   step pending-bench
-  python3 benchmarks/bench_prefill.py --table few --skip-variants --no-serial --no-balanced --peers fla --no-accuracy \
-    --reps 10 --out "$OUT/bench_pending_prefill.md" 2>&1 | tee -a "$OUT/bench_prefill.log" |
-    grep -E "^\| " | sed -n 1,80p || status=1
+  python3 benchmarks/bench_decode.py --kernels 1 3 --H 32 96 --N 1 4 8 16 32 64 --T 1 4 --state bf16 --no-check \
+    --out "$OUT/bench_pending_decode.md" 2>&1 | tee -a "$OUT/bench_decode.log" | grep -E "^\| " | sed -n 1,80p || status=1
 fi
 if want bench; then
   step bench
