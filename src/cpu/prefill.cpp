@@ -484,6 +484,63 @@ FLASHKDA_TARGET_AVX2 inline void panel_update_avx2(const ChunkScratch<float>& s,
   for (; c0 + 4 <= Kp; c0 += 4) update_rows_avx2<4>(s, n, St, c0, U);
   for (; c0 < Kp; ++c0) update_rows_avx2<1>(s, n, St, c0, U);
 }
+
+// The same two products with AVX-512: one zmm holds a row's 16 panel columns, so a tile of kRows
+// rows has kRows independent FMA chains (16 cover two 512-bit FMA pipes' latency) against one load
+// and kRows broadcasts a step. Where the FMA units are 512 bits wide (AMD Zen 5, Intel server
+// cores) this doubles the products' peak over the ymm tiles above; where a 512-bit FMA issues as
+// two 256-bit halves (Zen 4) it only halves their instructions. Every output element is the same
+// fma chain, in the same depth order, as in the AVX2 tiles, so the bits are the AVX2 build's.
+template <int kRows>
+FLASHKDA_TARGET_AVX512 inline void tile_avx512(__m512 (&acc)[kRows], const float* a, int64_t lda, int64_t lda_d,
+                                               const float* b, int64_t ldb, int64_t depth) {
+#pragma GCC unroll 2
+  for (int64_t d = 0; d < depth; ++d, a += lda_d, b += ldb) {
+    const __m512 bd = _mm512_loadu_ps(b);
+#pragma GCC unroll 16
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(a[r * lda]), bd, acc[r]);
+  }
+}
+
+template <int kRows>
+FLASHKDA_TARGET_AVX512 inline void reads_rows_avx512(const ChunkScratch<float>& s, const float* St, int m0,
+                                                     float (&R)[2 * C][kPanel]) {
+  __m512 acc[kRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  tile_avx512<kRows>(acc, &s.kq_decayed[m0 * s.Kp], s.Kp, 1, St, s.Vp, s.Kp);
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(R[m0 + r], acc[r]);
+}
+
+FLASHKDA_TARGET_AVX512 inline void panel_reads_avx512(const ChunkScratch<float>& s, int n, const float* St,
+                                                      float (&R)[2 * C][kPanel]) {
+  for (const int base : {0, C}) {  // as panel_reads_avx2
+    int m = 0;
+    for (; m + 16 <= n; m += 16) reads_rows_avx512<16>(s, St, base + m, R);
+    for (; m + 8 <= n; m += 8) reads_rows_avx512<8>(s, St, base + m, R);
+    for (; m + 4 <= n; m += 4) reads_rows_avx512<4>(s, St, base + m, R);
+    for (; m < n; ++m) reads_rows_avx512<1>(s, St, base + m, R);
+  }
+}
+
+template <int kRows>
+FLASHKDA_TARGET_AVX512 inline void update_rows_avx512(const ChunkScratch<float>& s, int n, float* St, int64_t c0,
+                                                      const float (&U)[C][kPanel]) {
+  const int64_t Vp = s.Vp;
+  __m512 acc[kRows];
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r)
+    acc[r] = _mm512_mul_ps(_mm512_set1_ps(s.decay_total[c0 + r]), _mm512_loadu_ps(St + (c0 + r) * Vp));
+  tile_avx512<kRows>(acc, &s.k_restored[c0], 1, s.Kp, &U[0][0], kPanel, n);
+#pragma GCC unroll 16
+  for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(St + (c0 + r) * Vp, acc[r]);
+}
+
+FLASHKDA_TARGET_AVX512 inline void panel_update_avx512(const ChunkScratch<float>& s, int n, float* St,
+                                                       const float (&U)[C][kPanel]) {
+  for (int64_t c0 = 0; c0 < s.Kp; c0 += 16) update_rows_avx512<16>(s, n, St, c0, U);  // Kp: a multiple of 16
+}
 #endif
 
 // Value columns v0 .. v0 + kPanel of one chunk (columns of S are independent given the chunk's
@@ -492,14 +549,16 @@ FLASHKDA_TARGET_AVX2 inline void panel_update_avx2(const ChunkScratch<float>& s,
 //   u_i = b_i (v_i - R_i),  U = (I + L)^{-1} u,  o_i = R_{C+i} + sum_{l<=i} Mqk[i,l] U_l
 //   S^T[:, panel] <- e^Γ ⊙ S^T[:, panel] + k_restored^T U              (K x C times C x 16)
 // Both products are sgemm-shaped: their register tiles run down the rows with the panel's 16
-// columns as the vector dimension. kAvx2: the intrinsics versions of the two products.
-template <typename T, bool kAvx2>
+// columns as the vector dimension. kTiles: the two products' register tiles, kIsaAvx2 or kIsaAvx512
+// for the intrinsics versions (float only), else the generic loops.
+template <typename T, int kTiles>
 FLASHKDA_INLINE void state_panel(ChunkScratch<T>& s, int n, int64_t v0) {
   const int64_t Vp = s.Vp;
   T* St = s.St + v0;
   alignas(32) T R[2 * C][kPanel];
 #ifdef FLASHKDA_X86_DISPATCH
-  if constexpr (kAvx2 && std::is_same_v<T, float>) panel_reads_avx2(s, n, St, R);
+  if constexpr (kTiles == kIsaAvx512 && std::is_same_v<T, float>) panel_reads_avx512(s, n, St, R);
+  else if constexpr (kTiles == kIsaAvx2 && std::is_same_v<T, float>) panel_reads_avx2(s, n, St, R);
   else
 #endif
     panel_reads(s, n, St, R);
@@ -525,16 +584,17 @@ FLASHKDA_INLINE void state_panel(ChunkScratch<T>& s, int n, int64_t v0) {
   }
 
 #ifdef FLASHKDA_X86_DISPATCH
-  if constexpr (kAvx2 && std::is_same_v<T, float>) panel_update_avx2(s, n, St, U);
+  if constexpr (kTiles == kIsaAvx512 && std::is_same_v<T, float>) panel_update_avx512(s, n, St, U);
+  else if constexpr (kTiles == kIsaAvx2 && std::is_same_v<T, float>) panel_update_avx2(s, n, St, U);
   else
 #endif
     panel_update(s, n, St, U);
 }
 
 // The panels [v_begin, v_end) of the state, one chunk.
-template <typename T, bool kAvx2>
+template <typename T, int kTiles>
 FLASHKDA_INLINE void state_pass(ChunkScratch<T>& s, int n, int64_t v_begin, int64_t v_end) {
-  for (int64_t v0 = v_begin; v0 < v_end; v0 += kPanel) state_panel<T, kAvx2>(s, n, v0);
+  for (int64_t v0 = v_begin; v0 < v_end; v0 += kPanel) state_panel<T, kTiles>(s, n, v0);
 }
 
 // Where the checkpoints of one (sequence, head) go (PrefillParams::checkpoint_every): the state
@@ -568,7 +628,7 @@ struct CheckpointSink {
 // s.state_of(j); chunk by chunk, the heads of a chunk one after another. Writes those columns of
 // out (in T when out is non-null, else in p.dtype) and the checkpoints the sinks name (ck[j]: head
 // h0 + j).
-template <typename T, bool kAvx2>
+template <typename T, int kTiles>
 FLASHKDA_INLINE void forward_sequence_heads(const PrefillParams& p, int64_t n, int64_t h0, int heads, T scale,
                                             ChunkScratch<T>& s, T* out, int64_t v_begin, int64_t v_end,
                                             const CheckpointSink<T>* ck) {
@@ -582,7 +642,7 @@ FLASHKDA_INLINE void forward_sequence_heads(const PrefillParams& p, int64_t n, i
       s.St = s.state_of(j);
       load_chunk(p, h, tok0, len, host::HeadGate<T>(p.pre, h, s.K), s);
       build_chunk_matrices(s, len, scale);
-      state_pass<T, kAvx2>(s, len, v_begin, v_end);
+      state_pass<T, kTiles>(s, len, v_begin, v_end);
       // every is a multiple of 64, so checkpoint positions fall on chunk ends (chunks start at bos)
       const int64_t done = tok0 + len - r.bos, every = p.checkpoint_every;
       if (every > 0 && done % every == 0) ck[j].save(s, done / every - 1);
@@ -601,7 +661,7 @@ FLASHKDA_INLINE void forward_sequence_heads(const PrefillParams& p, int64_t n, i
 template <typename T>
 void run_default(const PrefillParams& p, int64_t n, int64_t h0, int heads, T scale, ChunkScratch<T>& s, T* out,
                  int64_t v0, int64_t v1, const CheckpointSink<T>* ck) {
-  forward_sequence_heads<T, false>(p, n, h0, heads, scale, s, out, v0, v1, ck);
+  forward_sequence_heads<T, kIsaBaseline>(p, n, h0, heads, scale, s, out, v0, v1, ck);
 }
 
 // The engine's entry points per instruction set (internal::PrefillLaunch::cpu_isa): the baseline
@@ -613,12 +673,12 @@ void run_default(const PrefillParams& p, int64_t n, int64_t h0, int heads, T sca
 FLASHKDA_TARGET_AVX2 void run_avx2(const PrefillParams& p, int64_t n, int64_t h0, int heads,
                                    float scale, ChunkScratch<float>& s, float* out, int64_t v0,
                                    int64_t v1, const CheckpointSink<float>* ck) {
-  forward_sequence_heads<float, true>(p, n, h0, heads, scale, s, out, v0, v1, ck);
+  forward_sequence_heads<float, kIsaAvx2>(p, n, h0, heads, scale, s, out, v0, v1, ck);
 }
 FLASHKDA_TARGET_AVX512 void run_avx512(
     const PrefillParams& p, int64_t n, int64_t h0, int heads, float scale, ChunkScratch<float>& s, float* out,
     int64_t v0, int64_t v1, const CheckpointSink<float>* ck) {
-  forward_sequence_heads<float, true>(p, n, h0, heads, scale, s, out, v0, v1, ck);
+  forward_sequence_heads<float, kIsaAvx512>(p, n, h0, heads, scale, s, out, v0, v1, ck);
 }
 #endif
 
