@@ -666,9 +666,10 @@ void run_default(const PrefillParams& p, int64_t n, int64_t h0, int heads, T sca
 
 // The engine's entry points per instruction set (internal::PrefillLaunch::cpu_isa): the baseline
 // ISA, AVX2 + FMA (the two state products as intrinsics microkernels, the rest vectorised by the
-// compiler at 256 bits) and AVX-512 (the same microkernels, the rest at 512 bits: half the
+// compiler at 256 bits) and AVX-512 (zmm microkernels, the rest at 512 bits: half the
 // instructions for the exponentials, the factors and the small products; the same bits as AVX2).
-// Measured on a 2-core AVX-512 VM: 1.14-1.20x the AVX2 build (docs/DESIGN.md "The CPU backend").
+// Measured on 2-core AVX-512 VMs: 1.14-1.20x the AVX2 build with the ymm microkernels, more with
+// the zmm ones where the FMA units are 512 bits wide (docs/DESIGN.md "The CPU backend").
 #ifdef FLASHKDA_X86_DISPATCH
 FLASHKDA_TARGET_AVX2 void run_avx2(const PrefillParams& p, int64_t n, int64_t h0, int heads,
                                    float scale, ChunkScratch<float>& s, float* out, int64_t v0,
