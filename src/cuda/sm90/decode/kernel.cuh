@@ -678,6 +678,27 @@ struct PersistentLayout {
   }
 };
 
+// A live item's inputs besides its state, into one buffer (cp.async, not committed): the first
+// group's token vectors, the head's dt_bias row and A_log (the last warp; warp 0 stages beta), and
+// for threads below the group's count the scalars of token threadIdx.x (returned).
+template <class TileT>
+__device__ __forceinline__ TokenWords stage_item_inputs(const DecodeArgs& a, const Coord& c, const Span& sp,
+                                                        HeadConsts* consts, StagedToken* staged) {
+  TokenWords words{0u, -1};
+  const int count = min(a.stage_tokens, sp.len);
+  stage_token_vectors<TileT>(a, c, sp.bos, 0, count, staged);
+  if (c.warp == kWarps - 1) {
+    if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
+      cp_async_16(&consts->bias[c.lane], reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
+    } else {
+      consts->bias[c.lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+    if (c.lane == 0 && a.pre.gate != GateForm::kPrecomputed) cp_async_4(&consts->a_log, a.pre.A_log + c.h);
+  }
+  if (threadIdx.x < count) words = load_token_words(a, c, sp.bos, int(threadIdx.x));
+  return words;
+}
+
 // Issues item (c, sp)'s copies into one buffer as one cp.async group (possibly empty, so that
 // wait_group<kPersistentStages - 1> always means "item i's copies have landed"). Returns the scalars of
 // token threadIdx.x for threads below the first group's count.
@@ -695,17 +716,7 @@ __device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const C
 #pragma unroll
       for (int j = 0; j < Row::kChunks; ++j) cp_async_16(dst + Row::column(c.col, j), src + Row::column(c.col, j));
     }
-    const int count = min(a.stage_tokens, sp.len);
-    stage_token_vectors<TileT>(a, c, sp.bos, 0, count, staged);
-    if (c.warp == kWarps - 1) {  // the head's dt_bias row and A_log (warp 0 stages beta)
-      if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
-        cp_async_16(&consts->bias[c.lane], reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
-      } else {
-        consts->bias[c.lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-      if (c.lane == 0 && a.pre.gate != GateForm::kPrecomputed) cp_async_4(&consts->a_log, a.pre.A_log + c.h);
-    }
-    if (threadIdx.x < count) words = load_token_words(a, c, sp.bos, int(threadIdx.x));
+    words = stage_item_inputs<TileT>(a, c, sp, consts, staged);
   }
   cp_async_commit();
   return words;
@@ -877,17 +888,7 @@ __device__ __forceinline__ TokenWords prefetch_item_bulk(const DecodeArgs& a, co
     }
   }
   if (live) {
-    const int count = min(a.stage_tokens, sp.len);
-    stage_token_vectors<TileT>(a, c, sp.bos, 0, count, staged);
-    if (c.warp == kWarps - 1) {
-      if (a.pre.gate != GateForm::kPrecomputed && a.pre.dt_bias != nullptr) {
-        cp_async_16(&consts->bias[c.lane], reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
-      } else {
-        consts->bias[c.lane] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-      }
-      if (c.lane == 0 && a.pre.gate != GateForm::kPrecomputed) cp_async_4(&consts->a_log, a.pre.A_log + c.h);
-    }
-    if (threadIdx.x < count) words = load_token_words(a, c, sp.bos, int(threadIdx.x));
+    words = stage_item_inputs<TileT>(a, c, sp, consts, staged);
   }
   cp_async_commit();
   return words;
