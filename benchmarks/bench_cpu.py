@@ -17,7 +17,11 @@ FLOP counts (multiply-add = 2 FLOPs; preprocessing, exponentials and the decay s
   = 6 C K V + 2 C^2 (K + V) per chunk, i.e. 6 K V + 2 C (K + V) = 106,496 per token and head at 128.
 - token recurrence (docs/SPEC.md §3), per token of one head: S^T k, the rank-1 update, S^T q
   = 3 x 2 K V, plus K V for the decay = 7 K V = 114,688 at K = V = 128.
-The sgemm yardstick is numpy's float32 matmul of two --gemm-n square matrices (2 n^3 FLOPs).
+The sgemm yardstick is numpy's float32 matmul of two --gemm-n square matrices (2 n^3 FLOPs). With
+OpenBLAS it is also timed in a child process per forced kernel family (OPENBLAS_CORETYPE: Haswell,
+and SkylakeX where the processor has AVX-512), since OpenBLAS may pick a narrower family than the
+processor runs (on a 2-core AMD VM with AVX-512 it picked its AVX2 kernels: 233 GFLOP/s, against 460
+with SkylakeX forced); "% of best sgemm" relates to the fastest of them.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import ml_dtypes
@@ -134,6 +139,19 @@ def sgemm_gflops(n, reps):
     b = rng.standard_normal((n, n), np.float32)
     t = timed(lambda: a @ b, reps)
     return 2 * n**3 / t / 1e9
+
+
+def forced_sgemm_gflops(n, reps, coretype):
+    """numpy's sgemm in a child process with OPENBLAS_CORETYPE=coretype (read when OpenBLAS loads)."""
+    code = ("import sys; sys.argv = ['bench_cpu']; import bench_cpu as b; "
+            f"print(b.sgemm_gflops({int(n)}, {int(reps)}))")
+    env = dict(os.environ, OPENBLAS_CORETYPE=coretype)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600,
+                             cwd=os.path.dirname(os.path.abspath(__file__)), check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+    except Exception:  # noqa: BLE001 - any failure: not measured
+        return float("nan")
 
 
 def blas_name():
@@ -258,6 +276,11 @@ def main():
     engine = _internal.cpu_engine_isa()
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     gemm = sgemm_gflops(args.gemm_n, args.reps)
+    forced = {}
+    if "openblas" in blas_name().lower():
+        for coretype in ("Haswell", "SkylakeX") if "avx512f" in isa else ("Haswell",):
+            forced[coretype] = forced_sgemm_gflops(args.gemm_n, args.reps, coretype)
+    best_gemm = max([gemm] + [g for g in forced.values() if g == g])
     chunk_fpt = chunk_flops_per_token(K, V)
     token_fpt = token_flops_per_token(K, V)
 
@@ -279,7 +302,7 @@ def main():
             cpu_gflops = T * H * chunk_fpt / t_cpu / 1e9
             rows.append((T, H, t_cpu * 1e3, cpu_gflops, 100 * cpu_gflops / gemm, t_torch * 1e3, t_torch / t_cpu,
                          t_ref * T / ref_T * 1e3, t_ref * T / ref_T / t_cpu, rel_rms(out_cpu, out_ref),
-                         rel_rms(ht_cpu, ht_ref), t_avx2 * 1e3))
+                         rel_rms(ht_cpu, ht_ref), t_avx2 * 1e3, 100 * cpu_gflops / best_gemm))
             print(f"T={T} H={H}: flashkda {t_cpu * 1e3:.1f} ms, torch {t_torch * 1e3:.1f} ms", flush=True)
     drows = decode_rows(args, args.lower_bound, engine) if args.decode_n else []
 
@@ -289,7 +312,8 @@ def main():
         f"- command: `python benchmarks/bench_cpu.py --T {' '.join(map(str, args.T))} --heads "
         f"{' '.join(map(str, args.heads))} --ref-T {args.ref_T} --reps {args.reps} --gemm-n {args.gemm_n}`",
         f"- sgemm yardstick: numpy float32 matmul {args.gemm_n}x{args.gemm_n} ({blas_name()}): "
-        f"**{gemm:.1f} GFLOP/s**",
+        f"**{gemm:.1f} GFLOP/s**" + "".join(f"; with OPENBLAS_CORETYPE={k} {v:.1f}" for k, v in forced.items())
+        + f"; best {best_gemm:.1f}",
         f"- inputs: one sequence of T tokens, K=V={K}, bf16 q/k/v/g/beta, lower-bound gate ({args.lower_bound}), "
         f"fp32 initial and final state; flashkda times are the median of {args.reps} runs",
         "- torch chunked: `torch_chunked` in this file (chunk 64, fp32, batched over heads; its e^{-G} "
@@ -300,13 +324,13 @@ def main():
         f"- CPU engine: {ENGINES[engine]}" + ("; the AVX2 engine's time on the same inputs beside it (launch field "
                                              "cpu_isa=2, the same bits)" if engine == 3 else ""),
         "",
-        "| T | H | CPU backend ms | GFLOP/s | % of sgemm | torch chunked ms | vs torch | fp64 reference ms (scaled) "
-        "| vs reference | out rel-RMS | state rel-RMS |"
+        "| T | H | CPU backend ms | GFLOP/s | % of sgemm | % of best sgemm | torch chunked ms | vs torch "
+        "| fp64 reference ms (scaled) | vs reference | out rel-RMS | state rel-RMS |"
         + (" AVX2 engine ms | AVX-512 speed-up |" if engine == 3 else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if engine == 3 else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if engine == 3 else ""),
     ]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.0f}% | {r[5]:.0f} | {r[6]:.1f}x "
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.0f}% | {r[12]:.0f}% | {r[5]:.0f} | {r[6]:.1f}x "
                      f"| {r[7]:,.0f} | {r[8]:.1f}x | {r[9]:.1e} | {r[10]:.1e} |"
                      + (f" {r[11]:.1f} | {r[11] / r[2]:.2f}x |" if engine == 3 else ""))
     if drows:
