@@ -155,6 +155,22 @@ struct ChunkScratch {
   T* state_of(int j) { return states.data() + j * Kp * Vp; }
 };
 
+// Asks for rows [tok0, tok0 + n) of head h of q, k, v and g in the cache (n <= 0: nothing), one
+// prefetch per 64-byte line, a chunk ahead of load_chunk.
+FLASHKDA_INLINE void prefetch_chunk(const PrefillParams& p, int64_t h, int64_t tok0, int64_t n, int64_t K, int64_t V) {
+  const int64_t H = p.H;
+  const auto rows = [&](const void* base, size_t elem, int64_t width) {
+    const char* b = static_cast<const char*>(base);
+    for (int64_t i = 0; i < n; ++i) {
+      const char* row = b + ((tok0 + i) * H + h) * width * int64_t(elem);
+      for (int64_t off = 0; off < width * int64_t(elem); off += 64) __builtin_prefetch(row + off, 0, 3);
+    }
+  };
+  const size_t e = p.dtype == DType::kBF16 ? 2 : 4;
+  rows(p.q, e, K), rows(p.k, e, K), rows(p.v, e, V);
+  rows(p.g, p.g_dtype == DType::kBF16 ? 2 : 4, K);
+}
+
 // Rows [tok0, tok0 + n) of head h, preprocessed; gate_a holds the log-decay a (G64 its prefix sums).
 template <typename T>
 FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0, int n,
@@ -640,6 +656,7 @@ FLASHKDA_INLINE void forward_sequence_heads(const PrefillParams& p, int64_t n, i
     for (int j = 0; j < heads; ++j) {
       const int64_t h = h0 + j;
       s.St = s.state_of(j);
+      prefetch_chunk(p, h, tok0 + C, std::min<int64_t>(C, r.eos - tok0 - C), s.K, s.V);
       load_chunk(p, h, tok0, len, host::HeadGate<T>(p.pre, h, s.K), s);
       build_chunk_matrices(s, len, scale);
       state_pass<T, kTiles>(s, len, v_begin, v_end);
