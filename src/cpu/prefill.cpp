@@ -507,9 +507,14 @@ FLASHKDA_TARGET_AVX2 inline void panel_update_avx2(const ChunkScratch<float>& s,
 // cores) this doubles the products' peak over the ymm tiles above; where a 512-bit FMA issues as
 // two 256-bit halves (Zen 4) it only halves their instructions. Every output element is the same
 // fma chain, in the same depth order, as in the AVX2 tiles, so the bits are the AVX2 build's.
-template <int kRows>
+// kLda > 0: the row stride a compile-time constant (then `lda` is unused), so the 16 rows' broadcasts
+// are constant offsets from one pointer; a run-time stride took more address registers than the
+// loop has and reloaded them from the stack every step (the constant: ~1% of the call, eleven
+// alternating pairs at T=4096 H=2 and T=8192 H=16, 2026-12-03).
+template <int kRows, int kLda = 0>
 FLASHKDA_TARGET_AVX512 inline void tile_avx512(__m512 (&acc)[kRows], const float* a, int64_t lda, int64_t lda_d,
                                                const float* b, int64_t ldb, int64_t depth) {
+  if constexpr (kLda > 0) lda = kLda;
 #pragma GCC unroll 2
   for (int64_t d = 0; d < depth; ++d, a += lda_d, b += ldb) {
     const __m512 bd = _mm512_loadu_ps(b);
@@ -524,7 +529,8 @@ FLASHKDA_TARGET_AVX512 inline void reads_rows_avx512(const ChunkScratch<float>& 
   __m512 acc[kRows];
 #pragma GCC unroll 16
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
-  tile_avx512<kRows>(acc, &s.kq_decayed[m0 * s.Kp], s.Kp, 1, St, s.Vp, s.Kp);
+  if (s.Kp == 128) tile_avx512<kRows, 128>(acc, &s.kq_decayed[m0 * s.Kp], s.Kp, 1, St, s.Vp, s.Kp);
+  else tile_avx512<kRows>(acc, &s.kq_decayed[m0 * s.Kp], s.Kp, 1, St, s.Vp, s.Kp);
 #pragma GCC unroll 16
   for (int r = 0; r < kRows; ++r) _mm512_storeu_ps(R[m0 + r], acc[r]);
 }
