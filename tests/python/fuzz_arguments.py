@@ -86,7 +86,13 @@ def corrupt_array(rng, x, kind):
         return x.tolist()
     if kind == 7 and x.size:  # one bad value
         y = x.copy()
-        bad = (np.nan, np.inf, -np.inf, 1e30, -1e30) if x.dtype.kind == "f" else (-5, 10**6, -1, 2**31 - 1)
+        if x.dtype.kind == "f":
+            bad = (np.nan, np.inf, -np.inf, 1e30, -1e30)
+        elif x.dtype.kind == "b":
+            bad = (True, False)
+        else:  # the integer values that fit the dtype (an earlier corruption may have made it uint8 or int32)
+            info = np.iinfo(x.dtype)
+            bad = tuple(v for v in (-5, 10**6, -1, 2**31 - 1) if info.min <= v <= info.max) or (info.max,)
         y.flat[int(rng.integers(x.size))] = bad[int(rng.integers(len(bad)))]
         return y
     if kind == 8 and x.ndim:
