@@ -253,6 +253,8 @@ def _chunk_kda_direct(q, k, v, g, beta, scale, initial_state, output_final_state
         return None
     if A_log is not None and A_log.dim() != 1:
         return None  # the checked path reshapes it
+    if cu_seqlens is not None and cu_seqlens.shape[0] < 1:
+        return None  # the checked path names it (the final state below is sized from it)
     N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     H, K, V = q.shape[2], q.shape[3], v.shape[3]
     out = TorchOps.empty(tuple(v.shape), TorchOps.dtype_name(q), q)

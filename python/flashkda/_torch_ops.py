@@ -73,7 +73,8 @@ def _tensor(q: Tensor, x, name: str):
 
 
 def _num_seqs(q: Tensor, cu_seqlens: Optional[Tensor]) -> int:
-    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    # an empty cu_seqlens is refused by name by the op itself; its fake output stays a valid shape
+    return q.shape[0] if cu_seqlens is None else max(cu_seqlens.shape[0] - 1, 0)
 
 
 def _no_state(q: Tensor) -> Tensor:

@@ -157,3 +157,20 @@ def test_precision_is_checked_by_name(rng):
                      precision=None)
     with pytest.raises(ValueError, match="precision: expected 'precise', 'balanced' or 'fast'"):
         _C.forward(p["q"], p["k"], p["v"], p["g"], p["beta"], out, gate="precomputed", precision="exact")
+
+
+@pytest.mark.parametrize("output_final_state", [False, True])
+def test_empty_cu_seqlens_is_named_on_every_path(rng, output_final_state):
+    """An empty cu_seqlens (no N + 1 entries) is a ValueError naming it, also on the torch direct path,
+    which sized the final state from it first (the argument fuzzer's seed 10401950: a RuntimeError
+    from torch.empty with N = -1)."""
+    torch = pytest.importorskip("torch")
+    from conftest import to_torch
+
+    p = make_problem(rng, T=8)
+    for cu in (np.zeros(0, np.int32), torch.zeros(0, dtype=torch.int32)):
+        for arrays in ("numpy", "torch"):
+            args = {n: p[n] if arrays == "numpy" else to_torch(p[n]) for n in ("q", "k", "v", "g", "beta")}
+            cu_arg = cu if arrays == "torch" or isinstance(cu, np.ndarray) else cu.numpy()
+            with pytest.raises(ValueError, match="cu_seqlens"):
+                flashkda.chunk_kda(**args, cu_seqlens=cu_arg, output_final_state=output_final_state)
