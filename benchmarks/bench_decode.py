@@ -195,7 +195,7 @@ def main():
                     help="skip the ours-vs-fla agreement check (always skipped for pools over 4 GiB)")
     ap.add_argument("--out", default=None, help="write the markdown report here")
     ap.add_argument("--slot-check", action="store_true", help="also ours with the shared-slot check (a candidate)")
-    ap.add_argument("--kernels", type=int, nargs="*", default=[],
+    ap.add_argument("--kernels", type=int, nargs="*", default=[], choices=[0, 1, 2, 3],
                     help="also ours with each kernel forced (internal::DecodeLaunch::persistent)")
     ap.add_argument("--no-fla", action="store_true", help="skip fla (flashkda only)")
     args = ap.parse_args()

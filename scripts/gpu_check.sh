@@ -7,7 +7,7 @@
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy;
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
-#   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, memcheck on
+#   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, the three sanitizers on
 #   them, and a flashkda-only benchmark of the candidates it lists: today the decode kernels at small N);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
@@ -137,7 +137,7 @@ fi
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
 if want pending; then
   step pending-bench
-  python3 benchmarks/bench_decode.py --kernels 1 3 --H 32 96 --N 1 4 8 16 32 64 --T 1 4 --state bf16 --no-check \
+  python3 benchmarks/bench_decode.py --kernels 1 3 --H 32 96 --N 1 4 8 16 32 64 --T 1 4 --state bf16 --no-check --no-fla \
     --out "$OUT/bench_pending_decode.md" 2>&1 | tee -a "$OUT/bench_decode.log" | grep -E "^\| " | sed -n 1,80p || status=1
 fi
 if want bench; then

@@ -14,13 +14,14 @@ dir=/tmp/gpu-detached
 mkdir -p "$dir/out"
 if [ ! -f "$dir/started" ]; then
   touch "$dir/started"
-  OUT="$dir/out" setsid nohup bash scripts/gpu_check.sh "$@" > "$dir/console.log" 2>&1 < /dev/null &
+  # setsid -w: $! is a process that lives as long as the pipeline, whether or not setsid forks
+  OUT="$dir/out" setsid -w nohup bash scripts/gpu_check.sh "$@" > "$dir/console.log" 2>&1 < /dev/null &
   echo $! > "$dir/pid"
   echo "started: scripts/gpu_check.sh $*"
 fi
 # Stop waiting when the pipeline is done, or gone without its done line (killed, or an early
 # exit): waiting out WAIT then would only spend device time.
-alive() { kill -0 "$(cat "$dir/pid" 2>/dev/null)" 2>/dev/null; }
+alive() { [ ! -f "$dir/pid" ] || kill -0 "$(cat "$dir/pid")" 2>/dev/null; }  # no pid file: an older pipeline
 end=$((SECONDS + wait_s))
 while [ $SECONDS -lt $end ] && ! grep -q "^=== done" "$dir/console.log" 2>/dev/null && alive; do sleep 5; done
 mkdir -p "${OUT:-gpu-out}"

@@ -1,8 +1,8 @@
 // CPU prefill backend: the chunk-16 form of docs/SPEC.md §4 with OpenMP over (sequence, head).
 // Per chunk: load and preprocess 16 tokens, build L and Mqk, then one pass over the state's V
 // rows (in blocks of kRows) that reads, solves, writes the output and updates the state while
-// the rows sit in L1. The fp32 engine is compiled twice, for AVX2+FMA and for the baseline ISA,
-// and picked at run time.
+// the rows sit in L1. The fp32 engine is compiled three times, for the baseline ISA, AVX2+FMA and
+// AVX-512 (each with its own register tiles for the state products), and picked at run time.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -163,7 +163,8 @@ FLASHKDA_INLINE void prefetch_chunk(const PrefillParams& p, int64_t h, int64_t t
     const char* b = static_cast<const char*>(base);
     for (int64_t i = 0; i < n; ++i) {
       const char* row = b + ((tok0 + i) * H + h) * width * int64_t(elem);
-      for (int64_t off = 0; off < width * int64_t(elem); off += 64) __builtin_prefetch(row + off, 0, 3);
+      const char* first = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(row) & ~uintptr_t(63));
+      for (const char* line = first; line < row + width * int64_t(elem); line += 64) __builtin_prefetch(line, 0, 3);
     }
   };
   const size_t e = p.dtype == DType::kBF16 ? 2 : 4;

@@ -92,6 +92,8 @@ struct DeviceDecode {
 // Every test runs on each kernel variant: the one-CTA-per-item kernels ("tile"), the persistent
 // kernel with shared-memory prefetch and its bulk-copy variant (kernel.cuh), forced through the
 // internal launch configuration (src/launch_config.h); flashkda::decode picks by state dtype and N·H.
+// The slot-check tests run the persistent kernel in the bulk-copy instances' place where the check
+// is on (the bulk kernel has none).
 internal::DecodeLaunch g_launch;
 void run_decode(const DecodeParams& p, Stream stream = nullptr) { internal::decode(p, g_launch, stream); }
 

@@ -849,7 +849,9 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
   cp_async_wait_all();  // nothing may be in flight into shared memory when the CTA exits
 }
 
-// Bulk-copy variant of the persistent kernel (internal::DecodeLaunch::persistent = 2, a candidate):
+// Bulk-copy variant of the persistent kernel (internal::DecodeLaunch::persistent = 2 with four
+// buffers, 3 with three; a candidate, measured slower than the default except at small batches:
+// docs/DESIGN.md "Decode on sm90"):
 // the same items and token staging, but each item's state rows (one contiguous block of
 // kRowsPerCta x K) arrive by one bulk copy (the TMA unit) completing on the buffer's mbarrier, and
 // leave by one bulk store from the same buffer, so no thread holds a state byte in flight either
@@ -858,8 +860,11 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
 // waits until the store of the item that last used buffer (i + 2) % kRing has read it (item i-2
 // with four buffers, i-1 itself with three), and issues item i+2's copy into it. So two items'
 // loads, and with four buffers up to two items' stores, are in flight while item i computes. Four
-// buffers cost a third CTA an SM (two fit); three wait for each store's read of shared memory.
-// Speculative stores (after each token) still go from registers to global memory. No slot check.
+// buffers cost a CTA an SM (two fit up to ~10 staged tokens, one from 12; three buffers: three up
+// to 5 tokens, two beyond), and three wait for each store's read of shared memory. Speculative
+// stores (after each token) still go from registers to global memory, and a speculative item
+// writes no rows back (so it fences nothing before its buffer is refilled: its reads are ordered
+// by the CTA barriers alone, as in CUTLASS's TMA pipelines). No slot check.
 template <class TileT, typename StateT, int kRing>
 struct BulkLayout {
   static constexpr int kStateBytes = PersistentLayout<TileT, StateT>::kStateBytes;

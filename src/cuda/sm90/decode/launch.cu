@@ -115,7 +115,8 @@ void launch_bulk(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaSt
 }
 
 // bf16 pools with N·H >= kPersistentMinHeads take the persistent kernel (config.h); an internal
-// launch configuration can force either kernel.
+// launch configuration can force any of them (the tile kernels, the persistent kernel or its
+// bulk-copy variant).
 bool use_persistent(bool bf16_state, int64_t num_heads, const internal::DecodeLaunch& config) {
   if (config.persistent >= 0) return config.persistent >= 1;
   return bf16_state && num_heads >= sm90::decode::kPersistentMinHeads;
