@@ -51,9 +51,11 @@ struct PrefillLaunch {
 };
 
 struct DecodeLaunch {
-  int persistent = -1;  // -1 = rule; 0 = the one-CTA-per-item kernels; 1 = the persistent kernel; 2, 3 = its
-                        // bulk-copy variant with four or three buffers (a candidate: state blocks in and
-                        // out by TMA bulk copies; not with check_slots, which then runs the persistent kernel)
+  int persistent = -1;  // -1 = rule (bf16 pools: the bulk-copy kernel with three buffers at N·H = 384-1536,
+                        // the persistent kernel from 2048, else the one-CTA-per-item kernels; fp32 pools:
+                        // the latter); 0 = the one-CTA-per-item kernels; 1 = the persistent kernel; 2, 3 = its
+                        // bulk-copy variant with four or three buffers (state blocks in and out by TMA bulk
+                        // copies; not with check_slots, which then runs the persistent or tile kernel)
   int check_slots = 0;  // GPU, a candidate: 1 = every CTA scans the call's other sequences for a live slot
                         // that its sequence also reads or writes, and on one writes NaN outputs and stores
                         // nothing (both sequences of the shared slot); 0 = no check (docs/DESIGN.md)

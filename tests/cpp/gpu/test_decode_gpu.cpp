@@ -151,6 +151,36 @@ TEST_P(DecodeGpu, LargeBatchUsesLargeTile) {
   run_and_check(o);
 }
 
+// The launcher's own choice (internal::DecodeLaunch::persistent = -1) in each of its N·H ranges for
+// bf16 pools (the tile kernels, the three-buffer bulk-copy kernel from 384, the persistent kernel
+// from 2048) and for fp32 pools: against the reference, and bit for bit the forced kernel of that
+// range.
+TEST(DecodeGpuRule, EachRangeMatchesReferenceAndItsForcedKernel) {
+  if (!cuda_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU decode tests skipped";
+  struct Case { int64_t N, H; DType state; int forced; };
+  for (const Case c : {Case{6, 16, DType::kBF16, 0}, Case{16, 32, DType::kBF16, 3}, Case{16, 96, DType::kBF16, 3},
+                       Case{65, 32, DType::kBF16, 1}, Case{16, 32, DType::kF32, 0}}) {
+    DecodeOptions o;
+    o.N = c.N, o.T = 2, o.H = c.H;
+    o.state_dtype = c.state;
+    o.padding = {1};
+    DecodeProblem prob(o);
+    DeviceDecode dev(prob);
+    g_launch = {};
+    run_decode(dev.params());
+    dev.download();
+    prob.check(kTolBf16, tol_state(prob.opt), "rule N*H=" + std::to_string(c.N * c.H));
+    const std::vector<unsigned char> out_rule = prob.in.out.bytes, pool_rule = prob.pool.bytes;
+    dev.reset();
+    g_launch.persistent = c.forced;
+    run_decode(dev.params());
+    dev.download();
+    g_launch = {};
+    EXPECT_EQ(prob.in.out.bytes, out_rule) << "N*H=" << c.N * c.H;
+    EXPECT_EQ(prob.pool.bytes, pool_rule) << "N*H=" << c.N * c.H;
+  }
+}
+
 // Many items per persistent CTA (N·H·2 items against a grid of a few CTAs per SM) with empty,
 // padded and varlen sequences mixed in, so every branch of its prefetch loop runs between
 // ordinary items; both state dtypes.

@@ -114,9 +114,15 @@ void launch_bulk(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaSt
   FLASHKDA_CHECK_LAUNCH();
 }
 
-// bf16 pools with N·H >= kPersistentMinHeads take the persistent kernel (config.h); an internal
-// launch configuration can force any of them (the tile kernels, the persistent kernel or its
-// bulk-copy variant).
+// bf16 pools with N·H in [kBulkMinHeads, kBulkMaxHeads] take the bulk-copy kernel with three
+// buffers, from kPersistentMinHeads the persistent kernel (config.h); an internal launch
+// configuration can force any of them (the tile kernels, the persistent kernel or its bulk-copy
+// variant). The slot check runs only in the other kernels.
+bool use_bulk(bool bf16_state, int64_t num_heads, const internal::DecodeLaunch& config) {
+  return config.persistent < 0 && bf16_state && num_heads >= sm90::decode::kBulkMinHeads &&
+         num_heads <= sm90::decode::kBulkMaxHeads;
+}
+
 bool use_persistent(bool bf16_state, int64_t num_heads, const internal::DecodeLaunch& config) {
   if (config.persistent >= 0) return config.persistent >= 1;
   return bf16_state && num_heads >= sm90::decode::kPersistentMinHeads;
@@ -129,7 +135,7 @@ void launch_tile_as(const sm90::decode::DecodeArgs& args, int64_t num_heads, con
   const bool large = num_heads >= kLargeTileMinHeads;
   if (config.persistent == 2 && !kCheck) {
     launch_bulk<StateT, 4>(args, num_heads, stream);
-  } else if (config.persistent == 3 && !kCheck) {
+  } else if ((config.persistent == 3 || use_bulk(sizeof(StateT) == 2, num_heads, config)) && !kCheck) {
     launch_bulk<StateT, 3>(args, num_heads, stream);
   } else if (use_persistent(sizeof(StateT) == 2, num_heads, config)) {
     if (large) launch_persistent<StateT, PersistentLargeTile, kCheck>(args, num_heads, stream);
