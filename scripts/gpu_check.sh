@@ -3,12 +3,13 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [pending] [sanitize] [python] [bench] [decode] [profile] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [pending] [sanitize] [python] [bench] [decode] [profile] [v2] [ab]
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy;
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, the three sanitizers on
-#   them, and a flashkda-only benchmark of the candidates it lists: today the decode kernels at small N);
+#   them);
+#   v2 = prefill v2's standalone chunk-32 producer (test_produce32_gpu, then ncu of its kernel);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
@@ -91,13 +92,16 @@ sanitize() {  # name, tool, command...
   shift 2
   compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$tmp" 2>&1
   local rc=$?
-  { echo "=== $name $tool (exit $rc)"; grep -E "SUMMARY|PASSED|FAILED|tests ran" "$tmp"; [ $rc -ne 0 ] && tail -40 "$tmp"; } >> "$san_log"
+  { echo "=== $name $tool (exit $rc)"; grep -E "SUMMARY|PASSED|FAILED|tests ran" "$tmp"
+    # On failure: the first report in full (what and where), then the tail.
+    [ $rc -ne 0 ] && { grep -m1 -A24 -E "^========= (Invalid|Error|Race|Barrier|Uninitialized|Program hit)" "$tmp"; echo ...; tail -20 "$tmp"; }
+  } >> "$san_log"
   if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
 }
 
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  pending_tests=(test_decode_gpu '*Bulk*')  # pairs: binary, filter
+  pending_tests=(test_decode_gpu 'DecodeGpuRule.*' test_produce32_gpu '*-*TimeAtServingShape')  # pairs: binary, filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
@@ -117,7 +121,7 @@ if want sanitize; then
   done
 fi
 
-if want python || want bench || want profile || want decode || want pending; then
+if want python || want bench || want profile || want decode; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
@@ -135,11 +139,6 @@ if want python; then
 fi
 
 export FLA_FLASH_KDA=0 PYTHONUNBUFFERED=1
-if want pending; then
-  step pending-bench
-  python3 benchmarks/bench_decode.py --kernels 1 3 --H 32 96 --N 1 4 8 16 32 64 --T 1 4 --state bf16 --no-check --no-fla \
-    --out "$OUT/bench_pending_decode.md" 2>&1 | tee -a "$OUT/bench_decode.log" | grep -E "^\| " | sed -n 1,80p || status=1
-fi
 if want bench; then
   step bench
   python3 benchmarks/bench_prefill.py --serving --out "$OUT/bench_prefill.md" 2>&1 | tee "$OUT/bench_prefill.log" | tail -45 || status=1
@@ -164,6 +163,19 @@ import bench_prefill as b
 _, H, lens, st = getattr(b, '${c%%:*}')[${c##*:}]; fn = b.run_flashkda(b.make_inputs(H, lens, st), st)[0]; fn(); torch.cuda.synchronize()" \
         >> "$OUT/profile.log" 2>&1 || echo "ncu case $c failed (see profile.log)"
     done
+  fi
+fi
+if want v2; then  # prefill v2's standalone chunk-32 producer: its checks and time, then ncu's counts
+  step v2
+  build-gpu/tests/cpp/test_produce32_gpu 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED|rror" | sed -n 1,40p
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if command -v ncu > /dev/null; then
+    ncu --clock-control none -k regex:produce_kernel -c 1 --section SpeedOfLight --section Occupancy \
+      --section SchedulerStats --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis \
+      --section MemoryWorkloadAnalysis --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum \
+      --print-details all build-gpu/tests/cpp/test_produce32_gpu --gtest_filter='*TimeAtServingShape' > "$OUT/profile.log" 2>&1 ||
+      echo "ncu failed (profile.log)"
+    grep -E "inst_executed|Duration|Registers|Achieved Occupancy|Issue Slots|Executed Ipc|Memory Throughput|DRAM Through|Theoretical Occ|Block Limit|Stall|^ +[A-Z0-9]+ +[0-9,]+$" "$OUT/profile.log" | sed -n 1,80p
   fi
 fi
 if want ab; then

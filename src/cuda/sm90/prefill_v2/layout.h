@@ -1,0 +1,66 @@
+// Prefill v2 (issue 11): shared-memory layouts of one 32-token chunk's operands, as the chunk-32
+// producer writes them (produce.cuh). Host and device code: the GPU test decodes them on the host.
+//
+// Operand tiles of rows x 128 channels (rows = tokens) are wgmma's K-major 128-byte-swizzle layout
+// (CUTLASS SW128): two blocks of 64 channels, each `rows` rows of 128 bytes; the 16-byte granule of
+// 8 channels g (0..7 inside the block) of row r sits at granule position g ^ (r % 8). The same bytes
+// read as an MN-major SW128 operand (channels contiguous) serve the state update's k_restored.
+// 32 x 32 matrices (Mqk, inv_b: rows i, columns j = the reduction index of their products) are
+// K-major 64-byte-swizzle tiles: row i of 64 bytes, granule g (0..3) at position g ^ ((i / 2) % 4).
+// Every tile starts on a 1024-byte boundary (the swizzle atoms' alignment).
+#pragma once
+
+#include <cstdint>
+
+namespace flashkda::cuda::sm90::prefill_v2 {
+
+constexpr int kChunk = 32;     // tokens per chunk
+constexpr int kHeadDim = 128;  // K = V
+constexpr int kThreads = 128;  // the producer: one warpgroup
+
+// Byte offset of element (r, c) (bf16 or fp16) in a rows x 128 SW128 tile.
+__host__ __device__ constexpr int sw128_offset(int rows, int r, int c) {
+  return (c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+}
+// Byte offset of element (i, j) in a 32 x 32 SW64 tile.
+__host__ __device__ constexpr int sw64_offset(int i, int j) {
+  return i * 64 + (((j / 8) ^ ((i / 2) % 4)) * 16) + (j % 8) * 2;
+}
+
+constexpr int kTileBytes = kChunk * kHeadDim * 2;    // 8192: one 32 x 128 16-bit operand
+constexpr int kSmallBytes = kChunk * kChunk * 2;     // 2048: one 32 x 32 16-bit matrix
+
+// One chunk's operands for the recurrence (the precise policy for L2-normalised q, k: k_decayed
+// and q_decayed in fp16, k_restored, Mqk and inv_b split into bf16 hi + lo), then e^Gamma and a
+// flags word. The standalone producer kernel copies it to global memory unchanged.
+struct ChunkOperands {
+  static constexpr int kOffKDecayed = 0;
+  static constexpr int kOffQDecayed = kOffKDecayed + kTileBytes;
+  static constexpr int kOffKRestored = kOffQDecayed + kTileBytes;
+  static constexpr int kOffKRestoredLo = kOffKRestored + kTileBytes;
+  static constexpr int kOffMqk = kOffKRestoredLo + kTileBytes;
+  static constexpr int kOffMqkLo = kOffMqk + kSmallBytes;
+  static constexpr int kOffInvB = kOffMqkLo + kSmallBytes;
+  static constexpr int kOffInvBLo = kOffInvB + kSmallBytes;
+  static constexpr int kOffGamma = kOffInvBLo + kSmallBytes;    // e^{Gamma_c}, fp32
+  static constexpr int kOffFlags = kOffGamma + kHeadDim * 4;     // int32: 1 = a channel's spread too wide
+  static constexpr int kBytes = kOffFlags + 16;
+};
+static_assert(ChunkOperands::kBytes % 16 == 0 && ChunkOperands::kOffMqk % 1024 == 0);
+
+// Scratch of the L / Mqk product: the split operands [k e^{G-mid}; q e^{G-mid}] (64 rows, A) and
+// k e^{mid-G} (32 rows, B), hi and lo each.
+struct ProduceScratch {
+  static constexpr int kOffA = 0;                              // hi, then lo at + 2 kTileBytes
+  static constexpr int kOffB = kOffA + 4 * kTileBytes;         // hi, then lo at + kTileBytes
+  static constexpr int kOffL = kOffB + 2 * kTileBytes;         // fp32 L [32][kLStride]
+  static constexpr int kLStride = 36;
+  static constexpr int kOffX22 = kOffL + kChunk * kLStride * 4;  // fp32 X22 [16][20]
+  static constexpr int kX22Stride = 20;
+  static constexpr int kOffTotals = kOffX22 + 16 * kX22Stride * 4;  // fp32 [4 warps][128] log-decay sums
+  static constexpr int kOffBeta = kOffTotals + 4 * kHeadDim * 4;    // fp32 [32]
+  static constexpr int kOffWide = kOffBeta + kChunk * 4;            // int32
+  static constexpr int kBytes = kOffWide + 16;
+};
+
+}  // namespace flashkda::cuda::sm90::prefill_v2

@@ -1,0 +1,68 @@
+// The chunk-32 producer as a kernel of its own (produce.h): one CTA of 128 threads per (chunk,
+// head), its operands built in shared memory (produce.cuh) and copied out with one bulk copy.
+#include "cuda/sm90/prefill_v2/produce.cuh"
+
+namespace flashkda::cuda::sm90::prefill_v2 {
+namespace {
+
+constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;  // the scratch starts on the next 1024 B
+// + up to 1023 bytes to align it: the dynamic shared array is guaranteed only 16-byte alignment.
+constexpr int kSmemBytes = kRecordSpan + ProduceScratch::kBytes + 1024;
+
+__global__ void __launch_bounds__(kThreads) produce_kernel(const __grid_constant__ ProduceArgs p) {
+  extern __shared__ uint8_t smem_raw[];
+  // Aligned by offsetting the shared array itself, so that every access stays a shared-memory one.
+  uint8_t* const rec = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* const scratch = rec + kRecordSpan;
+  float* const sm_beta = reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta);
+  const int tid = threadIdx.x, h = blockIdx.y;
+  const int64_t chunk = blockIdx.x, row0 = chunk * kChunk;
+  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
+
+  ThreadTile q, k, a;
+  load_chunk(p, h, row0, rows, tid, q, k, a, sm_beta);
+  gate_chunk(p, h, rows, tid, q, k, a);
+  normalise_qk(p, tid & 31, q, k);
+  float gamma[8];
+  const bool wide = scan_log_decay(tid, a, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
+  if (tid < 16) {
+    float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
+    dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
+    dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
+  }
+  if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
+  build_factors(tid, q, k, a, gamma, rec, scratch);
+  fence_proxy_async_shared();
+  __syncthreads();
+
+  float d[16];
+  l_mqk_product(scratch, d);
+  float* const sm_L = reinterpret_cast<float*>(scratch + ProduceScratch::kOffL);
+  store_l_mqk(tid, d, sm_beta, sm_L, rec);
+  __syncthreads();
+  invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec);
+
+  fence_proxy_async_shared();
+  __syncthreads();
+  if (tid == 0) {
+    bulk_store(static_cast<uint8_t*>(p.out) + (chunk * p.H + h) * ChunkOperands::kBytes, rec, ChunkOperands::kBytes);
+    bulk_commit();
+    bulk_wait_read<0>();
+  }
+}
+
+}  // namespace
+
+cudaError_t produce_chunks(const ProduceArgs& args, cudaStream_t stream) {
+  if (args.T <= 0 || args.H <= 0) return cudaSuccess;
+  if (args.q == nullptr || args.k == nullptr || args.g == nullptr || args.beta == nullptr || args.out == nullptr ||
+      (args.gate != GateForm::kPrecomputed && args.A_log == nullptr))
+    return cudaErrorInvalidValue;
+  cudaError_t err = cudaFuncSetAttribute(produce_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const dim3 grid(static_cast<unsigned>((args.T + kChunk - 1) / kChunk), static_cast<unsigned>(args.H));
+  produce_kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace flashkda::cuda::sm90::prefill_v2

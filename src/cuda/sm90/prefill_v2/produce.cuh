@@ -1,0 +1,408 @@
+// Prefill v2's producer (issue 11): one 32-token chunk of one head, by one warpgroup, into the
+// operands the recurrence reads (layout.h ChunkOperands), with SPEC §4's names:
+//
+//   load       q, k, the raw gate and beta of the chunk's rows (rows past the end: zeros)
+//   gate       the log-decay a of each (token, channel), in log2 units (a · log2 e)
+//   normalise  the L2 norms of q and k rows (and q's scale)
+//   scan       G_t = a_0 + ... + a_t down each channel; Gamma = G_31
+//   factors    k_decayed = k e^G, q_decayed = q e^G, k_restored = k e^{Gamma - G}, and the operands
+//              of L and Mqk, k e^{G - mid}, q e^{G - mid} and k e^{mid - G} (mid = Gamma / 2:
+//              every factor within e^{±80} while the spread |Gamma| stays under 160)
+//   l_mqk      [k e^{G-mid}; q e^{G-mid}] (k e^{mid-G})^T as one 64 x 32 wgmma over the 128
+//              channels, split bf16 (hi·hi + hi·lo + lo·hi): L = b_i (row i < 32, i > j), Mqk (i >= j)
+//   invert     inv_b = (I + L)^-1 diag(b) exactly, from the two 16 x 16 fp32 forward
+//              substitutions and X21 = -X22 L21 X11
+//
+// Thread tile: warp w, lane l holds tokens 8w + 4(l / 16) + r (r = 0..3) and channels
+// 8(l % 16) + e (e = 0..7): 16-byte loads and stores of 8 channels, a row's L2 norm over the 16
+// lanes of a half-warp, the scan in registers, across the two halves and across the warps. A
+// chunk whose spread does not fit (|Gamma_c| > 160 for some channel: softplus or precomputed gates)
+// is flagged in ChunkOperands::kOffFlags; the pairwise path it needs is not built yet.
+#pragma once
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+
+#include "common/gate.h"
+#include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/kda_math.cuh"
+#include "cuda/common/math.cuh"
+#include "cuda/common/mma.cuh"
+#include "cuda/sm90/prefill/config.h"
+#include "cuda/sm90/prefill_v2/layout.h"
+#include "cuda/sm90/prefill_v2/produce.h"
+
+namespace flashkda::cuda::sm90::prefill_v2 {
+
+using prefill::ElemType;
+
+constexpr float kLog2e = 1.4426950408889634f;
+// The largest factorised spread |Gamma| in log2 units (e^{±80} = 2^{±115.4}: inside fp32).
+constexpr float kMaxSpreadLog2 = float(prefill::kMaxFactorisedSpread * 1.4426950408889634);
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// gate.h's elementary functions on the MUFU unit (the gates' argument in natural units; the
+// callers scale lower_bound or a_scale by log2 e so that a comes out in log2 units).
+struct ProduceMath {
+  __device__ __forceinline__ static float exp(float x) { return ex2(x * kLog2e); }
+  __device__ __forceinline__ static float quot(float a, float b) {
+    float r;
+    asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(b));
+    return a * r;
+  }
+  __device__ __forceinline__ static float softplus(float x) { return fmaxf(x, 0.f) + __logf(1.f + exp(-fabsf(x))); }
+};
+
+struct ThreadTile {
+  float x[4][8];  // [token r][channel e]
+};
+
+__device__ __forceinline__ int tile_token(int warp, int lane, int r) { return 8 * warp + 4 * (lane >> 4) + r; }
+__device__ __forceinline__ int tile_channel(int lane) { return 8 * (lane & 15); }
+
+__device__ __forceinline__ void load8(const void* base, bool f32, int64_t idx, float (&x)[8]) {
+  if (f32) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx) + 1);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+  } else {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(base) + idx));
+    x[0] = bf16_lo(v.x), x[1] = bf16_hi(v.x), x[2] = bf16_lo(v.y), x[3] = bf16_hi(v.y);
+    x[4] = bf16_lo(v.z), x[5] = bf16_hi(v.z), x[6] = bf16_lo(v.w), x[7] = bf16_hi(v.w);
+  }
+}
+
+// q, k and the raw gate of this thread's rows; rows past the chunk's end re-read the last valid
+// row (all loads issue at once) and are zeroed by gate_chunk. beta (logistic where a logit) into
+// sm_beta by the first 32 threads.
+__device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t row0, int rows, int tid,
+                                           ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta) {
+  const int warp = tid >> 5, lane = tid & 31;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int t = tile_token(warp, lane, r);
+    const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * p.H + h) * kHeadDim + tile_channel(lane);
+    load8(p.q, false, idx, q.x[r]);
+    load8(p.k, false, idx, k.x[r]);
+    load8(p.g, p.g_type == ElemType::kF32, idx, a.x[r]);
+  }
+  if (tid < kChunk) {
+    float b = 0.f;
+    if (tid < rows) {
+      b = load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32);
+      if (p.beta_is_logit) b = sigmoidf_(b);
+    }
+    sm_beta[tid] = b;
+  }
+}
+
+// a <- the log2-decay of each element (0 past the end, where q and k are zeroed too).
+__device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows, int tid, ThreadTile& q,
+                                           ThreadTile& k, ThreadTile& a) {
+  const int warp = tid >> 5, lane = tid & 31;
+  float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (p.dt_bias != nullptr && p.gate != GateForm::kPrecomputed)
+    load8(p.dt_bias, true, int64_t(h) * kHeadDim + tile_channel(lane), bias);
+  const float a_scale = p.gate == GateForm::kPrecomputed ? 0.f : __expf(p.A_log[h]);
+  auto apply = [&](auto log2_decay_of) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const bool valid = tile_token(warp, lane, r) < rows;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        a.x[r][e] = valid ? log2_decay_of(a.x[r][e], bias[e]) : 0.f;
+        if (!valid) q.x[r][e] = k.x[r][e] = 0.f;
+      }
+    }
+  };
+  if (p.gate == GateForm::kLowerBound) {
+    const float lb2 = p.lower_bound * kLog2e;
+    apply([&](float g, float b) { return gate::lower_bound<ProduceMath>(lb2, a_scale, g + b); });
+  } else if (p.gate == GateForm::kSoftplus) {
+    const float a_scale2 = a_scale * kLog2e;
+    apply([&](float g, float b) { return gate::softplus<ProduceMath>(a_scale2, g + b); });
+  } else {
+    apply([&](float g, float) { return g * kLog2e; });
+  }
+}
+
+// q <- scale q / |q|, k <- k / |k| per row (l2norm_qk), else q <- scale q. The eight row sums of a
+// thread (q and k of its four tokens) over the 16 lanes of its half-warp by reduce-scatter: each
+// lane ends with one row's sum, takes its rsqrt, and the eight scales come back by shuffles.
+__device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int lane, ThreadTile& q, ThreadTile& k) {
+  float sq[8];
+  if (p.l2norm_qk) {
+    float s[8];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      s[r] = s[r + 4] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[r] = fmaf(q.x[r][e], q.x[r][e], s[r]), s[r + 4] = fmaf(k.x[r][e], k.x[r][e], s[r + 4]);
+    }
+    const bool b3 = lane & 8, b2 = lane & 4, b1 = lane & 2;
+    float s4[4], s2[2];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s4[i] = (b3 ? s[i + 4] : s[i]) + __shfl_xor_sync(0xffffffffu, b3 ? s[i] : s[i + 4], 8);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) s2[i] = (b2 ? s4[i + 2] : s4[i]) + __shfl_xor_sync(0xffffffffu, b2 ? s4[i] : s4[i + 2], 4);
+    float s1 = (b1 ? s2[1] : s2[0]) + __shfl_xor_sync(0xffffffffu, b1 ? s2[0] : s2[1], 2);
+    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+    // This lane holds row sum slot 4 b3 + 2 b2 + b1 (0-3: q rows, 4-7: k rows).
+    const float inv = rsqrtf(s1 + 1e-6f) * (b3 ? 1.f : p.scale);
+#pragma unroll
+    for (int slot = 0; slot < 8; ++slot)
+      sq[slot] = __shfl_sync(0xffffffffu, inv, (lane & 16) + ((slot >> 2) << 3) + (((slot >> 1) & 1) << 2) + ((slot & 1) << 1));
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) sq[r] = p.scale, sq[r + 4] = 1.f;
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) q.x[r][e] *= sq[r], k.x[r][e] *= sq[r + 4];
+}
+
+// a <- G (the inclusive prefix sums down each channel); gamma <- G_31 of this thread's channels.
+// Returns whether some channel of the chunk spreads beyond the factorised form (all threads
+// agree). sm_totals: [4 warps][128] scratch. Ends with a barrier of the 128 threads.
+__device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&gamma)[8], float* sm_totals) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
+#pragma unroll
+  for (int r = 1; r < 4; ++r)
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a.x[r][e] += a.x[r - 1][e];
+  const bool upper = lane & 16;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float below = __shfl_xor_sync(0xffffffffu, a.x[3][e], 16);
+    if (upper) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a.x[r][e] += below;
+    }
+  }
+  if (upper) {
+    float4* dst = reinterpret_cast<float4*>(sm_totals + warp * kHeadDim + c0);
+    dst[0] = make_float4(a.x[3][0], a.x[3][1], a.x[3][2], a.x[3][3]);
+    dst[1] = make_float4(a.x[3][4], a.x[3][5], a.x[3][6], a.x[3][7]);
+  }
+  __syncthreads();
+  float before[8], total[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) before[e] = total[e] = 0.f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const float4* src = reinterpret_cast<const float4*>(sm_totals + w * kHeadDim + c0);
+    const float4 x0 = src[0], x1 = src[1];
+    const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      if (w < warp) before[e] += x[e];
+      total[e] += x[e];
+    }
+  }
+  bool wide = false;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a.x[r][e] += before[e];
+    gamma[e] = total[e];
+    wide |= !(total[e] >= -kMaxSpreadLog2);  // a NaN gate takes the flag too
+  }
+  return __syncthreads_or(wide);
+}
+
+// Element (r, 8c'..8c'+7) of a rows x 128 SW128 tile: one 16-byte store.
+__device__ __forceinline__ void store_granule(uint8_t* tile, int rows, int r, int c, uint4 v) {
+  *reinterpret_cast<uint4*>(tile + sw128_offset(rows, r, c)) = v;
+}
+template <bool kF16>
+__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
+  return make_uint4(pack_x2<kF16>(x[0], x[1]), pack_x2<kF16>(x[2], x[3]), pack_x2<kF16>(x[4], x[5]),
+                    pack_x2<kF16>(x[6], x[7]));
+}
+// x = hi + lo (bf16, hi truncated: mma.cuh split_bf16x2_trunc) into two tiles.
+__device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, int rows, int r, int c,
+                                            const float (&x)[8]) {
+  uint32_t hi[4], lo[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) split_bf16x2_trunc(x[2 * i], x[2 * i + 1], hi[i], lo[i]);
+  store_granule(hi_tile, rows, r, c, make_uint4(hi[0], hi[1], hi[2], hi[3]));
+  store_granule(lo_tile, rows, r, c, make_uint4(lo[0], lo[1], lo[2], lo[3]));
+}
+
+// The decayed and restored keys, q_decayed and the split operands of L and Mqk, into their tiles
+// (rec: the chunk's ChunkOperands; scratch: ProduceScratch). G and gamma in log2 units.
+__device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, const ThreadTile& k, const ThreadTile& G,
+                                              const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
+  float mid[8], e_mid[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) mid[e] = 0.5f * gamma[e], e_mid[e] = ex2(mid[e]);  // e^{Gamma - mid} = e^{mid}
+  uint8_t* const a_hi = scratch + ProduceScratch::kOffA;
+  uint8_t* const a_lo = a_hi + 2 * kTileBytes;
+  uint8_t* const b_hi = scratch + ProduceScratch::kOffB;
+  uint8_t* const b_lo = b_hi + kTileBytes;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int t = tile_token(warp, lane, r);
+    float op_k[8], op_q[8], op_d[8], kd[8], qd[8], kr[8];
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float up = ex2(G.x[r][e] - mid[e]), down = ex2(mid[e] - G.x[r][e]);
+      op_k[e] = k.x[r][e] * up, op_q[e] = q.x[r][e] * up, op_d[e] = k.x[r][e] * down;
+      kd[e] = op_k[e] * e_mid[e], qd[e] = op_q[e] * e_mid[e], kr[e] = op_d[e] * e_mid[e];
+    }
+    store_granule(rec + ChunkOperands::kOffKDecayed, kChunk, t, c0, pack8<true>(kd));
+    store_granule(rec + ChunkOperands::kOffQDecayed, kChunk, t, c0, pack8<true>(qd));
+    store_split(rec + ChunkOperands::kOffKRestored, rec + ChunkOperands::kOffKRestoredLo, kChunk, t, c0, kr);
+    store_split(a_hi, a_lo, 2 * kChunk, t, c0, op_k);
+    store_split(a_hi, a_lo, 2 * kChunk, kChunk + t, c0, op_q);
+    store_split(b_hi, b_lo, kChunk, t, c0, op_d);
+  }
+}
+
+// K-major SW128 descriptor (layout type 1; SBO = 1024 B between 8-row groups, LBO unused).
+__device__ __forceinline__ uint64_t sw128_desc(const void* p) {
+  const uint32_t a = smem_addr(p);
+  return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+using WgmmaLMqk = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+
+__device__ __forceinline__ void wgmma_l_mqk(uint64_t da, uint64_t db, float (&d)[16], bool accumulate) {
+  WgmmaLMqk::fma(da, db, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14],
+                 d[15], accumulate ? cute::SM90::GMMA::ScaleOut::One : cute::SM90::GMMA::ScaleOut::Zero);
+}
+
+// d = [k e^{G-mid}; q e^{G-mid}] (k e^{mid-G})^T, rows 0-31 the keys', 32-63 the queries'; warp w
+// holds rows 16w + g (+8), columns 8n + 2t (+1) (docs/notes/wgmma.md d). The operand stores must
+// be fenced to the async proxy and behind a barrier.
+__device__ __forceinline__ void l_mqk_product(const uint8_t* scratch, float (&d)[16]) {
+  const uint8_t* const a_hi = scratch + ProduceScratch::kOffA;
+  const uint8_t* const a_lo = a_hi + 2 * kTileBytes;
+  const uint8_t* const b_hi = scratch + ProduceScratch::kOffB;
+  const uint8_t* const b_lo = b_hi + kTileBytes;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(d[i]);
+  cute::warpgroup_arrive();
+#pragma unroll
+  for (int s = 0; s < kHeadDim / 16; ++s) {
+    const int oa = (s / 4) * 2 * kChunk * 128 + (s % 4) * 32, ob = (s / 4) * kChunk * 128 + (s % 4) * 32;
+    wgmma_l_mqk(sw128_desc(a_hi + oa), sw128_desc(b_hi + ob), d, s > 0);
+    wgmma_l_mqk(sw128_desc(a_hi + oa), sw128_desc(b_lo + ob), d, true);
+    wgmma_l_mqk(sw128_desc(a_lo + oa), sw128_desc(b_hi + ob), d, true);
+  }
+  cute::warpgroup_commit_batch();
+  cute::warpgroup_wait<0>();
+#pragma unroll
+  for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+__device__ __forceinline__ void store_bf16(uint8_t* base, int offset, float x) {
+  *reinterpret_cast<__nv_bfloat16*>(base + offset) = __float2bfloat16_rn(x);
+}
+__device__ __forceinline__ void store_split_scalar(uint8_t* hi_tile, uint8_t* lo_tile, int offset, float x) {
+  const float hi = __bfloat162float(__float2bfloat16_rn(x));
+  store_bf16(hi_tile, offset, hi);
+  store_bf16(lo_tile, offset, x - hi);
+}
+
+// Warps 0, 1: L = b_i d (i > j) into sm_L (fp32); warps 2, 3: Mqk = d (i >= j), split, into the
+// record. Followed by a barrier before sm_L is read.
+__device__ __forceinline__ void store_l_mqk(int tid, const float (&d)[16], const float* sm_beta, float* sm_L,
+                                            uint8_t* rec) {
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = 16 * (warp & 1) + g + 8 * half, j = 8 * n + 2 * t4;
+      const float x0 = d[4 * n + 2 * half], x1 = d[4 * n + 2 * half + 1];
+      if (warp < 2) {
+        const float b = sm_beta[i];
+        *reinterpret_cast<float2*>(sm_L + i * ProduceScratch::kLStride + j) =
+            make_float2(i > j ? b * x0 : 0.f, i > j + 1 ? b * x1 : 0.f);
+      } else {
+        uint32_t hi, lo;
+        split_bf16x2(i >= j ? x0 : 0.f, i >= j + 1 ? x1 : 0.f, hi, lo);
+        *reinterpret_cast<uint32_t*>(rec + ChunkOperands::kOffMqk + sw64_offset(i, j)) = hi;
+        *reinterpret_cast<uint32_t*>(rec + ChunkOperands::kOffMqkLo + sw64_offset(i, j)) = lo;
+      }
+    }
+}
+
+// Warp 0: inv_b = X diag(b), X = (I + L)^-1, into the record (split). Lanes 0-15 take column
+// j = lane of X11 = (I + L11)^-1, lanes 16-31 column j = lane - 16 of X22 = (I + L22)^-1, both by
+// fp32 forward substitution (exact for unit lower-triangular matrices, stable for near-collinear
+// keys); then X21 = -X22 (L21 X11), lane (half, j) its rows 8 half .. 8 half + 7 of column j.
+// Warps 1-3 zero the upper-right block. sm_X22: [16][kX22Stride] scratch.
+__device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X22, uint8_t* rec) {
+  const int warp = tid >> 5, lane = tid & 31;
+  uint8_t* const inv_hi = rec + ChunkOperands::kOffInvB;
+  uint8_t* const inv_lo = rec + ChunkOperands::kOffInvBLo;
+  if (warp != 0) {
+    // X12 = 0: rows 0-15, columns 16-31 (granules 2 and 3 of each row, wherever the swizzle puts them).
+    const int u = tid - 32;  // 0..95
+    if (u < 64) {
+      const int tile = u >> 5, i = (u >> 1) & 15, gcol = 2 + (u & 1);
+      uint8_t* base = tile ? inv_lo : inv_hi;
+      *reinterpret_cast<uint4*>(base + sw64_offset(i, 8 * gcol)) = make_uint4(0, 0, 0, 0);
+    }
+    return;
+  }
+  const int half = lane >> 4, j = lane & 15, base = 16 * half;
+  const float* L = sm_L + base * ProduceScratch::kLStride + base;  // this half's diagonal block
+  float x[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float acc = (i == j) ? 1.f : 0.f;
+#pragma unroll
+    for (int m = 0; m < i; ++m) acc = fmaf(-L[i * ProduceScratch::kLStride + m], x[m], acc);
+    x[i] = acc;
+  }
+  // X22's columns to shared memory for the second product; X11's column j to both halves.
+  if (half) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sm_X22[i * ProduceScratch::kX22Stride + j] = x[i];
+  }
+  float x11[16];
+#pragma unroll
+  for (int m = 0; m < 16; ++m) x11[m] = __shfl_sync(0xffffffffu, x[m], j);
+  // T = L21 X11, rows 8 half .. 8 half + 7 of column j.
+  float t_own[8];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const float* row = sm_L + (16 + 8 * half + r) * ProduceScratch::kLStride;
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 0; m < 16; ++m) acc = fmaf(row[m], x11[m], acc);
+    t_own[r] = acc;
+  }
+  float t_all[16];
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const float other = __shfl_xor_sync(0xffffffffu, t_own[r], 16);
+    t_all[r] = half ? other : t_own[r];
+    t_all[8 + r] = half ? t_own[r] : other;
+  }
+  __syncwarp();
+  const float bj = sm_beta[base + j], b_low = sm_beta[j];
+  // X21 rows 8 half + r: -sum_m X22[.][m] T[m][j]; inv_b = X21 b_j.
+#pragma unroll
+  for (int r = 0; r < 8; ++r) {
+    const float* row = sm_X22 + (8 * half + r) * ProduceScratch::kX22Stride;
+    float acc = 0.f;
+#pragma unroll
+    for (int m = 0; m < 16; ++m) acc = fmaf(row[m], t_all[m], acc);
+    store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + 8 * half + r, j), -acc * b_low);
+  }
+  // The diagonal blocks: X11 (lanes 0-15) and X22 (lanes 16-31), column base + j.
+#pragma unroll
+  for (int i = 0; i < 16; ++i) store_split_scalar(inv_hi, inv_lo, sw64_offset(base + i, base + j), x[i] * bj);
+}
+
+}  // namespace flashkda::cuda::sm90::prefill_v2

@@ -1,0 +1,39 @@
+// The chunk-32 producer on its own (issue 11's first measurement: its instructions and time per
+// chunk before a fused kernel is built around it): one CTA of one warpgroup per (chunk, head) of a
+// single sequence, each chunk's operands (layout.h ChunkOperands) copied to global memory. Not part
+// of the public API; the GPU test test_produce32_gpu checks it against fp64 and times it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/sm90/prefill/config.h"
+#include "flashkda/types.h"
+
+namespace flashkda::cuda::sm90::prefill_v2 {
+
+using prefill::ElemType;
+
+struct ProduceArgs {
+  const void* q = nullptr;     // [T, H, 128] bf16
+  const void* k = nullptr;     // [T, H, 128] bf16
+  const void* g = nullptr;     // [T, H, 128] bf16 or fp32 (g_type)
+  const void* beta = nullptr;  // [T, H] bf16 or fp32 (beta_type)
+  const float* A_log = nullptr;    // [H] (not read for precomputed gates)
+  const float* dt_bias = nullptr;  // [H, 128] or null
+  ElemType g_type = ElemType::kBF16, beta_type = ElemType::kBF16;
+  GateForm gate = GateForm::kLowerBound;
+  float lower_bound = -5.f;
+  float scale = 1.f;
+  bool l2norm_qk = true;
+  bool beta_is_logit = true;
+  int64_t T = 0;
+  int H = 0;
+  void* out = nullptr;  // [ceil(T / 32), H] ChunkOperands records
+};
+
+// Launches the producer on `stream`; returns the launch's error.
+cudaError_t produce_chunks(const ProduceArgs& args, cudaStream_t stream);
+
+}  // namespace flashkda::cuda::sm90::prefill_v2
