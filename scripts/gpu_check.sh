@@ -101,7 +101,7 @@ sanitize() {  # name, tool, command...
 
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  pending_tests=(test_decode_gpu 'DecodeGpuRule.*' test_produce32_gpu '*-*TimeAtServingShape')  # pairs: binary, filter
+  pending_tests=()  # pairs: binary, gtest filter (none pending since runs 67-71)
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
@@ -170,12 +170,18 @@ if want v2; then  # prefill v2's standalone chunk-32 producer: its checks and ti
   build-gpu/tests/cpp/test_produce32_gpu 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED|rror" | sed -n 1,40p
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if command -v ncu > /dev/null; then
-    ncu --clock-control none -k regex:produce_kernel -c 1 --section SpeedOfLight --section Occupancy \
-      --section SchedulerStats --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis \
-      --section MemoryWorkloadAnalysis --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum \
-      --print-details all build-gpu/tests/cpp/test_produce32_gpu --gtest_filter='*TimeAtServingShape' > "$OUT/profile.log" 2>&1 ||
-      echo "ncu failed (profile.log)"
-    grep -E "inst_executed|Duration|Registers|Achieved Occupancy|Issue Slots|Executed Ipc|Memory Throughput|DRAM Through|Theoretical Occ|Block Limit|Stall|^ +[A-Z0-9]+ +[0-9,]+$" "$OUT/profile.log" | sed -n 1,80p
+    : > "$OUT/profile.log"
+    # The timing test's launches: 1 check, 20 writing the records, 20 not: profile the first of each kind.
+    for skip in 0 21; do
+      echo "=== produce_kernel, launch-skip $skip ($([ $skip -eq 0 ] && echo writing || echo not writing) the records)" | tee -a "$OUT/profile.log"
+      ncu --clock-control none -k regex:produce_kernel --launch-skip $skip -c 1 --section SpeedOfLight --section Occupancy \
+        --section SchedulerStats --section WarpStateStats --section InstructionStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg,smsp__inst_executed_op_shared_ld.sum,smsp__inst_executed_op_shared_st.sum \
+        --print-details all build-gpu/tests/cpp/test_produce32_gpu --gtest_filter='*TimeAtServingShape' > /tmp/ncu_v2.log 2>&1 ||
+        echo "ncu failed (profile.log)"
+      cat /tmp/ncu_v2.log >> "$OUT/profile.log"
+      grep -E "inst_executed|Duration|Registers|Achieved Occupancy|Issue Slots|Executed Ipc|Memory Throughput|DRAM Through|Theoretical Occ|Block Limit|Stall (Long|Barrier|Wait|Short|Math|MIO)" /tmp/ncu_v2.log | sed -n 1,40p
+    done
   fi
 fi
 if want ab; then

@@ -9,6 +9,7 @@ constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;  // the scra
 // + up to 1023 bytes to align it: the dynamic shared array is guaranteed only 16-byte alignment.
 constexpr int kSmemBytes = kRecordSpan + ProduceScratch::kBytes + 1024;
 
+template <GateForm kGate, bool kF32Gate>
 __global__ void __launch_bounds__(kThreads) produce_kernel(const __grid_constant__ ProduceArgs p) {
   extern __shared__ uint8_t smem_raw[];
   // Aligned by offsetting the shared array itself, so that every access stays a shared-memory one.
@@ -20,9 +21,9 @@ __global__ void __launch_bounds__(kThreads) produce_kernel(const __grid_constant
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
 
   ThreadTile q, k, a;
-  load_chunk(p, h, row0, rows, tid, q, k, a, sm_beta);
-  gate_chunk(p, h, rows, tid, q, k, a);
-  normalise_qk(p, tid & 31, q, k);
+  load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta);
+  gate_chunk<kGate>(p, h, rows, tid, q, k, a);
+  normalise_qk(p, tid, rows, q, k);
   float gamma[8];
   const bool wide = scan_log_decay(tid, a, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
   if (tid < 16) {
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) produce_kernel(const __grid_constant
 
   fence_proxy_async_shared();
   __syncthreads();
-  if (tid == 0) {
+  if (tid == 0 && p.write_records) {
     bulk_store(static_cast<uint8_t*>(p.out) + (chunk * p.H + h) * ChunkOperands::kBytes, rec, ChunkOperands::kBytes);
     bulk_commit();
     bulk_wait_read<0>();
@@ -58,10 +59,17 @@ cudaError_t produce_chunks(const ProduceArgs& args, cudaStream_t stream) {
   if (args.q == nullptr || args.k == nullptr || args.g == nullptr || args.beta == nullptr || args.out == nullptr ||
       (args.gate != GateForm::kPrecomputed && args.A_log == nullptr))
     return cudaErrorInvalidValue;
-  cudaError_t err = cudaFuncSetAttribute(produce_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  const bool f32 = args.g_type == ElemType::kF32;
+  auto kernel = args.gate == GateForm::kLowerBound ? (f32 ? produce_kernel<GateForm::kLowerBound, true>
+                                                          : produce_kernel<GateForm::kLowerBound, false>)
+                : args.gate == GateForm::kSoftplus ? (f32 ? produce_kernel<GateForm::kSoftplus, true>
+                                                          : produce_kernel<GateForm::kSoftplus, false>)
+                                                   : (f32 ? produce_kernel<GateForm::kPrecomputed, true>
+                                                          : produce_kernel<GateForm::kPrecomputed, false>);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((args.T + kChunk - 1) / kChunk), static_cast<unsigned>(args.H));
-  produce_kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();
 }
 

@@ -64,8 +64,9 @@ struct ThreadTile {
 __device__ __forceinline__ int tile_token(int warp, int lane, int r) { return 8 * warp + 4 * (lane >> 4) + r; }
 __device__ __forceinline__ int tile_channel(int lane) { return 8 * (lane & 15); }
 
-__device__ __forceinline__ void load8(const void* base, bool f32, int64_t idx, float (&x)[8]) {
-  if (f32) {
+template <bool kF32>
+__device__ __forceinline__ void load8(const void* base, int64_t idx, float (&x)[8]) {
+  if constexpr (kF32) {
     const float4 a = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx));
     const float4 b = __ldg(reinterpret_cast<const float4*>(static_cast<const float*>(base) + idx) + 1);
     x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
@@ -76,9 +77,10 @@ __device__ __forceinline__ void load8(const void* base, bool f32, int64_t idx, f
   }
 }
 
-// q, k and the raw gate of this thread's rows; rows past the chunk's end re-read the last valid
-// row (all loads issue at once) and are zeroed by gate_chunk. beta (logistic where a logit) into
-// sm_beta by the first 32 threads.
+// q, k and the raw gate (fp32 when kF32Gate, else bf16) of this thread's rows; rows past the
+// chunk's end re-read the last valid row (all loads issue at once) and are zeroed by gate_chunk.
+// beta (logistic where a logit) into sm_beta by the first 32 threads.
+template <bool kF32Gate>
 __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t row0, int rows, int tid,
                                            ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta) {
   const int warp = tid >> 5, lane = tid & 31;
@@ -86,9 +88,9 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
   for (int r = 0; r < 4; ++r) {
     const int t = tile_token(warp, lane, r);
     const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * p.H + h) * kHeadDim + tile_channel(lane);
-    load8(p.q, false, idx, q.x[r]);
-    load8(p.k, false, idx, k.x[r]);
-    load8(p.g, p.g_type == ElemType::kF32, idx, a.x[r]);
+    load8<false>(p.q, idx, q.x[r]);
+    load8<false>(p.k, idx, k.x[r]);
+    load8<kF32Gate>(p.g, idx, a.x[r]);
   }
   if (tid < kChunk) {
     float b = 0.f;
@@ -100,40 +102,43 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
   }
 }
 
-// a <- the log2-decay of each element (0 past the end, where q and k are zeroed too).
+// a <- the log2-decay of each element of gate form kGate (0 past the end: only in a sequence's last
+// chunk; normalise_qk zeroes q and k there).
+template <GateForm kGate>
 __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows, int tid, ThreadTile& q,
                                            ThreadTile& k, ThreadTile& a) {
   const int warp = tid >> 5, lane = tid & 31;
   float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (p.dt_bias != nullptr && p.gate != GateForm::kPrecomputed)
-    load8(p.dt_bias, true, int64_t(h) * kHeadDim + tile_channel(lane), bias);
-  const float a_scale = p.gate == GateForm::kPrecomputed ? 0.f : __expf(p.A_log[h]);
-  auto apply = [&](auto log2_decay_of) {
+  if constexpr (kGate != GateForm::kPrecomputed) {
+    if (p.dt_bias != nullptr) load8<true>(p.dt_bias, int64_t(h) * kHeadDim + tile_channel(lane), bias);
+  }
+  const float a_scale = kGate == GateForm::kPrecomputed ? 0.f : __expf(p.A_log[h]);
+  const float lb2 = p.lower_bound * kLog2e, a_scale2 = a_scale * kLog2e;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const bool valid = tile_token(warp, lane, r) < rows;
+  for (int r = 0; r < 4; ++r)
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        a.x[r][e] = valid ? log2_decay_of(a.x[r][e], bias[e]) : 0.f;
-        if (!valid) q.x[r][e] = k.x[r][e] = 0.f;
-      }
+    for (int e = 0; e < 8; ++e) {
+      const float x = a.x[r][e] + bias[e];
+      if constexpr (kGate == GateForm::kLowerBound) a.x[r][e] = gate::lower_bound<ProduceMath>(lb2, a_scale, x);
+      else if constexpr (kGate == GateForm::kSoftplus) a.x[r][e] = gate::softplus<ProduceMath>(a_scale2, x);
+      else a.x[r][e] = x * kLog2e;
     }
-  };
-  if (p.gate == GateForm::kLowerBound) {
-    const float lb2 = p.lower_bound * kLog2e;
-    apply([&](float g, float b) { return gate::lower_bound<ProduceMath>(lb2, a_scale, g + b); });
-  } else if (p.gate == GateForm::kSoftplus) {
-    const float a_scale2 = a_scale * kLog2e;
-    apply([&](float g, float b) { return gate::softplus<ProduceMath>(a_scale2, g + b); });
-  } else {
-    apply([&](float g, float) { return g * kLog2e; });
+  if (rows < kChunk) {  // uniform: the last chunk of a sequence whose length is not a multiple of 32
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      if (tile_token(warp, lane, r) >= rows) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) a.x[r][e] = 0.f;
+      }
   }
 }
 
-// q <- scale q / |q|, k <- k / |k| per row (l2norm_qk), else q <- scale q. The eight row sums of a
-// thread (q and k of its four tokens) over the 16 lanes of its half-warp by reduce-scatter: each
-// lane ends with one row's sum, takes its rsqrt, and the eight scales come back by shuffles.
-__device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int lane, ThreadTile& q, ThreadTile& k) {
+// q <- scale q / |q|, k <- k / |k| per row (l2norm_qk), else q <- scale q; rows past the end
+// (>= rows) <- 0. The eight row sums of a thread (q and k of its four tokens) over the 16 lanes of
+// its half-warp by reduce-scatter: each lane ends with one row's sum, takes its rsqrt, and the
+// eight scales come back by shuffles.
+__device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int rows, ThreadTile& q, ThreadTile& k) {
+  const int lane = tid & 31;
   float sq[8];
   if (p.l2norm_qk) {
     float s[8];
@@ -159,6 +164,11 @@ __device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int lane, Thr
   } else {
 #pragma unroll
     for (int r = 0; r < 4; ++r) sq[r] = p.scale, sq[r + 4] = 1.f;
+  }
+  if (rows < kChunk) {  // uniform, as in gate_chunk
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+      if (tile_token(tid >> 5, lane, r) >= rows) sq[r] = sq[r + 4] = 0.f;
   }
 #pragma unroll
   for (int r = 0; r < 4; ++r)
@@ -190,27 +200,29 @@ __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&g
     dst[1] = make_float4(a.x[3][4], a.x[3][5], a.x[3][6], a.x[3][7]);
   }
   __syncthreads();
-  float before[8], total[8];
-#pragma unroll
-  for (int e = 0; e < 8; ++e) before[e] = total[e] = 0.f;
+  // Prefix sums of the four warps' totals; this warp adds those before it (warp-uniform choice).
+  float prefix[4][8];
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     const float4* src = reinterpret_cast<const float4*>(sm_totals + w * kHeadDim + c0);
     const float4 x0 = src[0], x1 = src[1];
     const float x[8] = {x0.x, x0.y, x0.z, x0.w, x1.x, x1.y, x1.z, x1.w};
 #pragma unroll
+    for (int e = 0; e < 8; ++e) prefix[w][e] = w == 0 ? x[e] : prefix[w - 1][e] + x[e];
+  }
+  if (warp > 0) {
+#pragma unroll
     for (int e = 0; e < 8; ++e) {
-      if (w < warp) before[e] += x[e];
-      total[e] += x[e];
+      const float before = warp == 1 ? prefix[0][e] : warp == 2 ? prefix[1][e] : prefix[2][e];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a.x[r][e] += before;
     }
   }
   bool wide = false;
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) a.x[r][e] += before[e];
-    gamma[e] = total[e];
-    wide |= !(total[e] >= -kMaxSpreadLog2);  // a NaN gate takes the flag too
+    gamma[e] = prefix[3][e];
+    wide |= !(gamma[e] >= -kMaxSpreadLog2);  // a NaN gate takes the flag too
   }
   return __syncthreads_or(wide);
 }
@@ -289,12 +301,15 @@ __device__ __forceinline__ void l_mqk_product(const uint8_t* scratch, float (&d)
 #pragma unroll
   for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(d[i]);
   cute::warpgroup_arrive();
+  // The k-steps' descriptors: the tiles' own plus the step's byte offset / 16 (no carry out of
+  // the address field: shared addresses stay under 2^18).
+  const uint64_t da_hi = sw128_desc(a_hi), da_lo = sw128_desc(a_lo), db_hi = sw128_desc(b_hi), db_lo = sw128_desc(b_lo);
 #pragma unroll
   for (int s = 0; s < kHeadDim / 16; ++s) {
-    const int oa = (s / 4) * 2 * kChunk * 128 + (s % 4) * 32, ob = (s / 4) * kChunk * 128 + (s % 4) * 32;
-    wgmma_l_mqk(sw128_desc(a_hi + oa), sw128_desc(b_hi + ob), d, s > 0);
-    wgmma_l_mqk(sw128_desc(a_hi + oa), sw128_desc(b_lo + ob), d, true);
-    wgmma_l_mqk(sw128_desc(a_lo + oa), sw128_desc(b_hi + ob), d, true);
+    const int oa = ((s / 4) * 2 * kChunk * 128 + (s % 4) * 32) >> 4, ob = ((s / 4) * kChunk * 128 + (s % 4) * 32) >> 4;
+    wgmma_l_mqk(da_hi + oa, db_hi + ob, d, s > 0);
+    wgmma_l_mqk(da_hi + oa, db_lo + ob, d, true);
+    wgmma_l_mqk(da_lo + oa, db_hi + ob, d, true);
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
@@ -356,12 +371,19 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
   }
   const int half = lane >> 4, j = lane & 15, base = 16 * half;
   const float* L = sm_L + base * ProduceScratch::kLStride + base;  // this half's diagonal block
+  // Rows are read four entries at a time (kLStride and kX22Stride keep them 16-byte aligned).
   float x[16];
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     float acc = (i == j) ? 1.f : 0.f;
 #pragma unroll
-    for (int m = 0; m < i; ++m) acc = fmaf(-L[i * ProduceScratch::kLStride + m], x[m], acc);
+    for (int m4 = 0; m4 < i; m4 += 4) {
+      const float4 l = *reinterpret_cast<const float4*>(L + i * ProduceScratch::kLStride + m4);
+      const float lv[4] = {l.x, l.y, l.z, l.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (m4 + u < i) acc = fmaf(-lv[u], x[m4 + u], acc);
+    }
     x[i] = acc;
   }
   // X22's columns to shared memory for the second product; X11's column j to both halves.
@@ -376,10 +398,14 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
   float t_own[8];
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
-    const float* row = sm_L + (16 + 8 * half + r) * ProduceScratch::kLStride;
+    const float4* row = reinterpret_cast<const float4*>(sm_L + (16 + 8 * half + r) * ProduceScratch::kLStride);
     float acc = 0.f;
 #pragma unroll
-    for (int m = 0; m < 16; ++m) acc = fmaf(row[m], x11[m], acc);
+    for (int m4 = 0; m4 < 4; ++m4) {
+      const float4 l = row[m4];
+      acc = fmaf(l.x, x11[4 * m4], acc), acc = fmaf(l.y, x11[4 * m4 + 1], acc);
+      acc = fmaf(l.z, x11[4 * m4 + 2], acc), acc = fmaf(l.w, x11[4 * m4 + 3], acc);
+    }
     t_own[r] = acc;
   }
   float t_all[16];
@@ -394,10 +420,14 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
   // X21 rows 8 half + r: -sum_m X22[.][m] T[m][j]; inv_b = X21 b_j.
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
-    const float* row = sm_X22 + (8 * half + r) * ProduceScratch::kX22Stride;
+    const float4* row = reinterpret_cast<const float4*>(sm_X22 + (8 * half + r) * ProduceScratch::kX22Stride);
     float acc = 0.f;
 #pragma unroll
-    for (int m = 0; m < 16; ++m) acc = fmaf(row[m], t_all[m], acc);
+    for (int m4 = 0; m4 < 4; ++m4) {
+      const float4 x22 = row[m4];
+      acc = fmaf(x22.x, t_all[4 * m4], acc), acc = fmaf(x22.y, t_all[4 * m4 + 1], acc);
+      acc = fmaf(x22.z, t_all[4 * m4 + 2], acc), acc = fmaf(x22.w, t_all[4 * m4 + 3], acc);
+    }
     store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + 8 * half + r, j), -acc * b_low);
   }
   // The diagonal blocks: X11 (lanes 0-15) and X22 (lanes 16-31), column base + j.

@@ -31,6 +31,9 @@ struct ProduceArgs {
   int64_t T = 0;
   int H = 0;
   void* out = nullptr;  // [ceil(T / 32), H] ChunkOperands records
+  // false: build every record in shared memory but copy none out (the producer's time without the
+  // record traffic, which a fused kernel does not have); out is then not written.
+  bool write_records = true;
 };
 
 // Launches the producer on `stream`; returns the launch's error.
