@@ -9,7 +9,7 @@
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, the three sanitizers on
 #   them);
-#   v2 = prefill v2's standalone chunk-32 producer (test_produce32_gpu, then ncu of its kernel);
+#   v2 = prefill v2's chunk-32 producer and recurrence (test_produce32_gpu, test_prefill32_gpu, then ncu of the producer);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
@@ -101,7 +101,7 @@ sanitize() {  # name, tool, command...
 
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  pending_tests=()  # pairs: binary, gtest filter (none pending since runs 67-71)
+  pending_tests=(test_prefill32_gpu '*-*TimeAtServingShape')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
@@ -167,8 +167,10 @@ _, H, lens, st = getattr(b, '${c%%:*}')[${c##*:}]; fn = b.run_flashkda(b.make_in
 fi
 if want v2; then  # prefill v2's standalone chunk-32 producer: its checks and time, then ncu's counts
   step v2
-  build-gpu/tests/cpp/test_produce32_gpu 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED|rror" | sed -n 1,40p
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  for t in test_produce32_gpu test_prefill32_gpu; do
+    timeout 300 build-gpu/tests/cpp/$t 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED|rror" | sed -n 1,60p
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  done
   if command -v ncu > /dev/null; then
     : > "$OUT/profile.log"
     # The timing test's launches: 1 check, 20 writing the records, 20 not: profile the first of each kind.

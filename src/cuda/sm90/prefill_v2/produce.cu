@@ -15,35 +15,9 @@ __global__ void __launch_bounds__(kThreads) produce_kernel(const __grid_constant
   // Aligned by offsetting the shared array itself, so that every access stays a shared-memory one.
   uint8_t* const rec = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* const scratch = rec + kRecordSpan;
-  float* const sm_beta = reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta);
   const int tid = threadIdx.x, h = blockIdx.y;
-  const int64_t chunk = blockIdx.x, row0 = chunk * kChunk;
-  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
-
-  ThreadTile q, k, a;
-  load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta);
-  gate_chunk<kGate>(p, h, rows, tid, q, k, a);
-  normalise_qk(p, tid, rows, q, k);
-  float gamma[8];
-  const bool wide = scan_log_decay(tid, a, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
-  if (tid < 16) {
-    float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
-    dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
-    dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
-  }
-  if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
-  build_factors(tid, q, k, a, gamma, rec, scratch);
-  fence_proxy_async_shared();
-  __syncthreads();
-
-  float d[16];
-  l_mqk_product(scratch, d);
-  float* const sm_L = reinterpret_cast<float*>(scratch + ProduceScratch::kOffL);
-  store_l_mqk(tid, d, sm_beta, sm_L, rec);
-  __syncthreads();
-  invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec);
-
-  fence_proxy_async_shared();
+  const int64_t chunk = blockIdx.x;
+  produce_chunk<kGate, kF32Gate, CtaSync>(p, h, chunk, tid, rec, scratch);
   __syncthreads();
   if (tid == 0 && p.write_records) {
     bulk_store(static_cast<uint8_t*>(p.out) + (chunk * p.H + h) * ChunkOperands::kBytes, rec, ChunkOperands::kBytes);

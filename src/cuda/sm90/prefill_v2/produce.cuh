@@ -57,6 +57,26 @@ struct ProduceMath {
   __device__ __forceinline__ static float softplus(float x) { return fmaxf(x, 0.f) + __logf(1.f + exp(-fabsf(x))); }
 };
 
+// The producer's barriers: the whole CTA when it runs alone (produce.cu), its own warpgroup's
+// named barrier inside a CTA shared with the recurrence (fused.cu).
+struct CtaSync {
+  __device__ __forceinline__ static void sync() { __syncthreads(); }
+  __device__ __forceinline__ static bool sync_or(bool x) { return __syncthreads_or(x); }
+};
+template <int kId>
+struct WarpgroupSync {  // the 128 threads of one warpgroup, named barrier kId (0 is __syncthreads')
+  __device__ __forceinline__ static void sync() { asm volatile("bar.sync %0, 128;" ::"n"(kId) : "memory"); }
+  __device__ __forceinline__ static bool sync_or(bool x) {
+    int r;
+    asm volatile(
+        "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n selp.s32 %0, 1, 0, q;\n}"
+        : "=r"(r)
+        : "r"(int(x)), "n"(kId)
+        : "memory");
+    return r != 0;
+  }
+};
+
 struct ThreadTile {
   float x[4][8];  // [token r][channel e]
 };
@@ -179,6 +199,7 @@ __device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int 
 // a <- G (the inclusive prefix sums down each channel); gamma <- G_31 of this thread's channels.
 // Returns whether some channel of the chunk spreads beyond the factorised form (all threads
 // agree). sm_totals: [4 warps][128] scratch. Ends with a barrier of the 128 threads.
+template <class Sync>
 __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&gamma)[8], float* sm_totals) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
@@ -199,7 +220,7 @@ __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&g
     dst[0] = make_float4(a.x[3][0], a.x[3][1], a.x[3][2], a.x[3][3]);
     dst[1] = make_float4(a.x[3][4], a.x[3][5], a.x[3][6], a.x[3][7]);
   }
-  __syncthreads();
+  Sync::sync();
   // Prefix sums of the four warps' totals; this warp adds those before it (warp-uniform choice).
   float prefix[4][8];
 #pragma unroll
@@ -224,7 +245,7 @@ __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&g
     gamma[e] = prefix[3][e];
     wide |= !(gamma[e] >= -kMaxSpreadLog2);  // a NaN gate takes the flag too
   }
-  return __syncthreads_or(wide);
+  return Sync::sync_or(wide);
 }
 
 // Element (r, 8c'..8c'+7) of a rows x 128 SW128 tile: one 16-byte store.
@@ -433,6 +454,42 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
   // The diagonal blocks: X11 (lanes 0-15) and X22 (lanes 16-31), column base + j.
 #pragma unroll
   for (int i = 0; i < 16; ++i) store_split_scalar(inv_hi, inv_lo, sw64_offset(base + i, base + j), x[i] * bj);
+}
+
+// One chunk's record (rec, 1024-byte aligned) from its inputs, by the 128 threads tid of one
+// warpgroup, scratch: ProduceScratch (1024-byte aligned). Ends with the record's stores fenced for
+// the async proxy (a bulk copy or a consumer's wgmma may read it after the next barrier or
+// mbarrier arrival).
+template <GateForm kGate, bool kF32Gate, class Sync>
+__device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
+                                              uint8_t* scratch) {
+  float* const sm_beta = reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta);
+  const int64_t row0 = chunk * kChunk;
+  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
+
+  ThreadTile q, k, a;
+  load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta);
+  gate_chunk<kGate>(p, h, rows, tid, q, k, a);
+  normalise_qk(p, tid, rows, q, k);
+  float gamma[8];
+  const bool wide = scan_log_decay<Sync>(tid, a, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
+  if (tid < 16) {
+    float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
+    dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
+    dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
+  }
+  if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
+  build_factors(tid, q, k, a, gamma, rec, scratch);
+  fence_proxy_async_shared();
+  Sync::sync();
+
+  float d[16];
+  l_mqk_product(scratch, d);
+  float* const sm_L = reinterpret_cast<float*>(scratch + ProduceScratch::kOffL);
+  store_l_mqk(tid, d, sm_beta, sm_L, rec);
+  Sync::sync();
+  invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec);
+  fence_proxy_async_shared();
 }
 
 }  // namespace flashkda::cuda::sm90::prefill_v2

@@ -1,0 +1,101 @@
+// The fused chunk-32 prefill (fused.h): grid = H, 384 threads. Warpgroup 0 produces chunk c's
+// record into stage c % 2 of a shared-memory ring (its own named barrier 1 inside produce_chunk,
+// then every producer thread arrives on full[c % 2]); warpgroups 1 and 2 wait for it, run the
+// chunk for value rows 0-63 and 64-127, and every consumer thread arrives on empty[c % 2], which
+// the producer waits for before it writes chunk c + 2 there. setmaxnreg moves registers from the
+// producer (152) to the consumers (176): 152 + 2 x 176 = 504 = 3 x 168, the CTA's allocation at launch.
+#include "cuda/sm90/prefill_v2/consume.cuh"
+#include "cuda/sm90/prefill_v2/fused.h"
+
+namespace flashkda::cuda::sm90::prefill_v2 {
+namespace {
+
+constexpr int kFusedThreads = 3 * kThreads;
+constexpr int kStages = 2;
+constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
+constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
+constexpr int kOffBarriers = kStages * kRecordSpan + kScratchSpan;
+constexpr int kSmemBytes = kOffBarriers + 64 + 1024;  // + full[2], empty[2]; + the 1024-byte alignment
+
+template <int kRegs>
+__device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs)); }
+template <int kRegs>
+__device__ __forceinline__ void reg_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs)); }
+
+template <GateForm kGate, bool kF32Gate>
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedArgs a) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint8_t* const scratch = ring + kStages * kRecordSpan;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + kOffBarriers);
+  uint64_t* const empty = full + kStages;
+  const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
+  const int64_t num_chunks = (a.consume.T + kChunk - 1) / kChunk;
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    reg_dealloc<152>();
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int stage = int(c % kStages);
+      if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
+      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kRecordSpan, scratch);
+      mbarrier_arrive(&full[stage]);
+    }
+  } else {
+    reg_alloc<176>();
+    const ConsumeArgs& p = a.consume;
+    const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
+    const int v_row = 64 * (wg - 1) + 16 * warp + g;
+    float S[64];
+    prefill::load_state_rows(S, p.initial_state, p.initial_state ? ElemType::kF32 : ElemType::kNone,
+                             int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
+    prefill::RowScale rs;
+    float v_next[16];
+    if (num_chunks > 0) load_v_slots(p, 0, h, v_row, t4, v_next);
+    for (int64_t c = 0; c < num_chunks; ++c) {
+      const int stage = int(c % kStages);
+      float v_cur[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) v_cur[i] = v_next[i];
+      if (c + 1 < num_chunks) load_v_slots(p, c + 1, h, v_row, t4, v_next);
+      if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
+      mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
+      consume_chunk(p, h, c, v_row, t4, ring + stage * kRecordSpan, v_cur, S, rs);
+      mbarrier_arrive(&empty[stage]);
+    }
+    if (p.final_state != nullptr)
+      prefill::store_state_rows(S, p.final_state, ElemType::kF32, int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
+  }
+}
+
+template <GateForm kGate, bool kF32Gate>
+cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
+  cudaError_t err =
+      cudaFuncSetAttribute(fused_kernel<kGate, kF32Gate>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  fused_kernel<kGate, kF32Gate><<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmemBytes, stream>>>(args);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
+  const ProduceArgs& pa = args.produce;
+  const ConsumeArgs& ca = args.consume;
+  if (ca.T <= 0 || ca.H <= 0) return cudaSuccess;
+  if (pa.T != ca.T || pa.H != ca.H || pa.q == nullptr || pa.k == nullptr || pa.g == nullptr || pa.beta == nullptr ||
+      (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
+    return cudaErrorInvalidValue;
+  const bool f32 = pa.g_type == ElemType::kF32;
+  if (pa.gate == GateForm::kLowerBound)
+    return f32 ? launch<GateForm::kLowerBound, true>(args, stream) : launch<GateForm::kLowerBound, false>(args, stream);
+  if (pa.gate == GateForm::kSoftplus)
+    return f32 ? launch<GateForm::kSoftplus, true>(args, stream) : launch<GateForm::kSoftplus, false>(args, stream);
+  return f32 ? launch<GateForm::kPrecomputed, true>(args, stream) : launch<GateForm::kPrecomputed, false>(args, stream);
+}
+
+}  // namespace flashkda::cuda::sm90::prefill_v2

@@ -1,0 +1,179 @@
+// Prefill v2 end to end (src/cuda/sm90/prefill_v2): the chunk-32 producer's records then the
+// recurrence over them (produce.h, consume.h: two kernels), and both in one kernel (fused.h),
+// against the fp64 token recurrence (flashkda::reference_forward) on the same bf16 inputs, with
+// NaN-poisoned outputs; and their time beside today's prefill at the many-head serving shape (a
+// measurement, not a check).
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "cuda/sm90/prefill_v2/consume.h"
+#include "cuda/sm90/prefill_v2/fused.h"
+#include "cuda/sm90/prefill_v2/layout.h"
+#include "cuda/sm90/prefill_v2/produce.h"
+#include "device_problem.h"
+#include "kda_test_utils.h"
+
+namespace flashkda::cuda::sm90::prefill_v2 {
+namespace {
+
+using test::DeviceBuffer;
+using test::DeviceProblem;
+using test::KdaInputs;
+using test::KdaOptions;
+using test::StateKind;
+
+bool gpu_available() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) return false;
+  cudaDeviceProp prop{};
+  return cudaGetDeviceProperties(&prop, 0) == cudaSuccess && prop.major == 9;
+}
+
+// Producer + recurrence on the device copies of a problem (one sequence, lower-bound or softplus
+// gates, bf16 inputs, fp32 or no initial state, fp32 final state).
+struct V2Call {
+  DeviceProblem& d;
+  DeviceBuffer records;
+  ProduceArgs pa;
+  ConsumeArgs ca;
+
+  explicit V2Call(DeviceProblem& dp)
+      : d(dp), records(size_t((dp.in.opt.T + kChunk - 1) / kChunk) * dp.in.opt.H * ChunkOperands::kBytes) {
+    const PrefillParams p = d.params();
+    pa.q = p.q, pa.k = p.k, pa.g = p.g, pa.beta = p.beta, pa.A_log = p.pre.A_log, pa.dt_bias = p.pre.dt_bias;
+    pa.g_type = p.g_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
+    pa.beta_type = p.beta_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
+    pa.gate = p.pre.gate, pa.lower_bound = p.pre.lower_bound;
+    pa.scale = p.pre.has_scale ? p.pre.scale : 1.f / std::sqrt(float(kHeadDim));
+    pa.l2norm_qk = p.pre.l2norm_qk, pa.beta_is_logit = p.pre.beta_is_logit;
+    pa.T = p.T, pa.H = int(p.H), pa.out = records.ptr;
+    ca.records = records.ptr, ca.v = p.v, ca.out = p.out, ca.T = p.T, ca.H = int(p.H);
+    ca.initial_state = static_cast<const float*>(p.initial_state);
+    ca.final_state = static_cast<float*>(p.final_state);
+  }
+  void run(bool fused, cudaStream_t stream = nullptr) {
+    if (fused) {
+      ASSERT_EQ(fused_chunks(FusedArgs{pa, ca}, stream), cudaSuccess);
+    } else {
+      ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
+      ASSERT_EQ(consume_chunks(ca, stream), cudaSuccess);
+    }
+  }
+};
+
+// Both paths on one problem: each against the reference, each repeated for the same bits; whether
+// the fused kernel gives the two kernels' bits is reported (the same arithmetic in both).
+void check(KdaInputs& in, double out_bound, double state_bound, const char* what) {
+  SCOPED_TRACE(std::string(what) + ": " + in.describe());
+  const test::Reference ref = test::run_reference(in);
+  DeviceProblem d(in);
+  V2Call v2(d);
+  std::vector<unsigned char> bits[2];
+  for (int fused = 0; fused < 2; ++fused) {
+    SCOPED_TRACE(fused ? "fused kernel" : "producer + recurrence kernels");
+    const std::string name = std::string(fused ? "fused32 " : "prefill32 ") + what;
+    d.poison();
+    v2.run(fused);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    const double e_out = test::rel_rms(in.out.values(), ref.out);
+    const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+    test::report(name + " out", e_out);
+    test::report(name + " state", e_state);
+    EXPECT_LE(e_out, out_bound);
+    EXPECT_LE(e_state, state_bound);
+    EXPECT_TRUE(in.out.guard_intact());
+    bits[fused] = in.out.bytes;
+    d.poison();  // the same bits again (no atomics, no order-dependent sums)
+    v2.run(fused);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    EXPECT_TRUE(bits[fused] == in.out.bytes) << "a repeated call changed the output";
+  }
+  test::report(std::string("fused32 same bits as the two kernels ") + what, bits[0] == bits[1] ? 1.0 : 0.0);
+}
+
+class Prefill32Gpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu_available()) GTEST_SKIP() << "no Hopper (sm_90) CUDA GPU visible: GPU chunk-32 prefill tests skipped";
+  }
+};
+
+TEST_F(Prefill32Gpu, RandomInputsOddLengthWithStates) {
+  KdaOptions o;
+  o.T = 301, o.H = 3, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  check(in, 2e-3, 5e-4, "random T=301 H=3 fp32 states");
+}
+
+TEST_F(Prefill32Gpu, SoftplusGatesNoInitialState) {
+  KdaOptions o;
+  o.T = 200, o.H = 2, o.gate = GateForm::kSoftplus, o.g_min = -8.0, o.g_max = 2.0, o.A_log_min = -2.0,
+  o.A_log_max = -1.0, o.final_state = StateKind::kF32;  // |Gamma| stays under the factorised limit
+  KdaInputs in(o);
+  check(in, 2e-3, 5e-4, "softplus T=200 H=2");
+}
+
+// Long memory: a quarter of the channels with almost no decay (dt_bias far negative).
+TEST_F(Prefill32Gpu, LongMemoryChannels) {
+  KdaOptions o;
+  o.T = 1000, o.H = 2, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  for (int64_t c = 0; c < o.H * o.K; c += 4) in.dt_bias[c] = -30.f;
+  check(in, 2e-3, 5e-4, "long memory T=1000 H=2");
+}
+
+// One key for every token, raw gate -12, beta logit 8 (issue 11's adversarial input, shortened).
+TEST_F(Prefill32Gpu, RepeatedKey) {
+  KdaOptions o;
+  o.T = 2048, o.H = 2, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  const int64_t row = o.H * o.K;
+  for (int64_t i = row; i < o.T * row; ++i) in.k.set(i, in.k.get(i % row));
+  for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
+  for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
+  check(in, 3e-3, 2e-3, "repeated key T=2048 H=2");
+}
+
+// T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default
+// prefill (internal::forward), same inputs, medians of 20 after a warm-up.
+TEST_F(Prefill32Gpu, TimeAtServingShape) {
+  KdaOptions o;
+  o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
+  KdaInputs in(o);
+  DeviceProblem d(in);
+  V2Call v2(d);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start), cudaEventCreate(&stop);
+  auto median_ms = [&](auto&& fn) {
+    fn();
+    std::vector<float> ms(20);
+    for (auto& m : ms) {
+      cudaEventRecord(start);
+      fn();
+      cudaEventRecord(stop);
+      cudaEventSynchronize(stop);
+      cudaEventElapsedTime(&m, start, stop);
+    }
+    std::sort(ms.begin(), ms.end());
+    return double(ms[ms.size() / 2]);
+  };
+  const double t_today = median_ms([&] { d.run(); });
+  const double t_v2 = median_ms([&] { v2.run(false); });
+  const double t_fused = median_ms([&] { v2.run(true); });
+  const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
+  const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::printf("[ measure  ] prefill32 T=8192 H=96: fused %.3f ms; producer + recurrence %.3f ms (producer %.3f, "
+              "recurrence %.3f); today's prefill %.3f ms\n",
+              t_fused, t_v2, t_produce, t_consume, t_today);
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+}
+
+}  // namespace
+}  // namespace flashkda::cuda::sm90::prefill_v2
