@@ -4,6 +4,8 @@
 // chunk for value rows 0-63 and 64-127, and every consumer thread arrives on empty[c % 2], which
 // the producer waits for before it writes chunk c + 2 there. setmaxnreg moves registers from the
 // producer (152) to the consumers (176): 152 + 2 x 176 = 504 = 3 x 168, the CTA's allocation at launch.
+// FusedArgs::stage_inputs: the producer copies chunk c + 1's q, k, g into shared memory by cp.async
+// (issue_chunk_inputs) while it computes chunk c.
 #include "cuda/sm90/prefill_v2/consume.cuh"
 #include "cuda/sm90/prefill_v2/fused.h"
 
@@ -15,14 +17,16 @@ constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kOffBarriers = kStages * kRecordSpan + kScratchSpan;
-constexpr int kSmemBytes = kOffBarriers + 64 + 1024;  // + full[2], empty[2]; + the 1024-byte alignment
+constexpr int kOffStaged = kOffBarriers + 1024;  // two buffers of the producer's staged inputs
+// + full[2], empty[2] (and the staged inputs); + the 1024-byte alignment
+constexpr int kSmemBytes(bool staged) { return (staged ? kOffStaged + 2 * kStagedBytes : kOffBarriers + 64) + 1024; }
 
 template <int kRegs>
 __device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs)); }
 template <int kRegs>
 __device__ __forceinline__ void reg_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs)); }
 
-template <GateForm kGate, bool kF32Gate>
+template <GateForm kGate, bool kF32Gate, bool kStaged>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedArgs a) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
@@ -39,10 +43,24 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     reg_dealloc<152>();
+    uint8_t* const staged = ring + kOffStaged;
+    float beta_next = 0.f;
+    if constexpr (kStaged) {
+      if (num_chunks > 0) beta_next = issue_chunk_inputs<kF32Gate>(a.produce, h, 0, tid, staged);
+      cp_async_commit();
+    }
     for (int64_t c = 0; c < num_chunks; ++c) {
       const int stage = int(c % kStages);
+      const float beta_raw = beta_next;
+      if constexpr (kStaged) {  // chunk c + 1's inputs on their way while chunk c is computed
+        if (c + 1 < num_chunks)
+          beta_next = issue_chunk_inputs<kF32Gate>(a.produce, h, c + 1, tid, staged + ((c + 1) & 1) * kStagedBytes);
+        cp_async_commit();
+        cp_async_wait_group<1>();  // chunk c's (each thread reads only its own granules)
+      }
       if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
-      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kRecordSpan, scratch);
+      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kRecordSpan, scratch,
+                                                       kStaged ? staged + (c & 1) * kStagedBytes : nullptr, beta_raw);
       mbarrier_arrive(&full[stage]);
     }
   } else {
@@ -72,13 +90,17 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   }
 }
 
+template <GateForm kGate, bool kF32Gate, bool kStaged>
+cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
+  auto kernel = fused_kernel<kGate, kF32Gate, kStaged>;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes(kStaged));
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmemBytes(kStaged), stream>>>(args);
+  return cudaGetLastError();
+}
 template <GateForm kGate, bool kF32Gate>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
-  cudaError_t err =
-      cudaFuncSetAttribute(fused_kernel<kGate, kF32Gate>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  fused_kernel<kGate, kF32Gate><<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmemBytes, stream>>>(args);
-  return cudaGetLastError();
+  return args.stage_inputs ? launch<kGate, kF32Gate, true>(args, stream) : launch<kGate, kF32Gate, false>(args, stream);
 }
 
 }  // namespace

@@ -17,6 +17,9 @@ namespace flashkda::cuda::sm90::prefill_v2 {
 struct FusedArgs {
   ProduceArgs produce;  // out (records) unused
   ConsumeArgs consume;  // records unused
+  // The producer's q, k, g of chunk c + 1 copied into shared memory (cp.async) while it computes
+  // chunk c; false: loaded from global memory when the chunk starts.
+  bool stage_inputs = true;
 };
 
 // Launches the fused kernel on `stream`; returns the launch's error.

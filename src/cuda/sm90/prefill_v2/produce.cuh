@@ -23,6 +23,7 @@
 #include <cute/arch/mma_sm90_gmma.hpp>
 
 #include "common/gate.h"
+#include "cuda/common/async_copy.cuh"
 #include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/kda_math.cuh"
 #include "cuda/common/math.cuh"
@@ -120,6 +121,67 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
     }
     sm_beta[tid] = b;
   }
+}
+
+// ---- Inputs staged in shared memory a chunk ahead (the fused kernel's producer) ----
+// A thread's own granules of q, k and the raw gate, copied by cp.async while the previous chunk is
+// computed, so that no global-memory latency sits in the producer's chain. Granule j (q rows 0-3,
+// k rows 0-3, the gate's 4 or 8) of thread tid at j * 128 * 16 + tid * 16: a warp's 16-byte
+// accesses fall on consecutive addresses. beta comes a chunk ahead in a register of threads 0-31.
+constexpr int kStagedGranules = 16;                          // at most (fp32 gates)
+constexpr int kStagedBytes = kStagedGranules * kThreads * 16;  // 32 KB a buffer
+
+__device__ __forceinline__ const uint8_t* staged_granule(const uint8_t* buf, int j, int tid) {
+  return buf + (j * kThreads + tid) * 16;
+}
+
+// Issues this thread's copies of chunk `chunk` into buf (cp.async, not committed) and returns its
+// raw beta (threads 0-31: token tid, 0 past the end; others 0).
+template <bool kF32Gate>
+__device__ __forceinline__ float issue_chunk_inputs(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* buf) {
+  const int warp = tid >> 5, lane = tid & 31;
+  const int64_t row0 = chunk * kChunk;
+  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int t = tile_token(warp, lane, r);
+    const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * p.H + h) * kHeadDim + tile_channel(lane);
+    cp_async_16(const_cast<uint8_t*>(staged_granule(buf, r, tid)), static_cast<const __nv_bfloat16*>(p.q) + idx);
+    cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 4 + r, tid)), static_cast<const __nv_bfloat16*>(p.k) + idx);
+    if constexpr (kF32Gate) {
+      const float* g = static_cast<const float*>(p.g) + idx;
+      cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 8 + 2 * r, tid)), g);
+      cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 9 + 2 * r, tid)), g + 4);
+    } else {
+      cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 8 + r, tid)), static_cast<const __nv_bfloat16*>(p.g) + idx);
+    }
+  }
+  return tid < rows ? load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32) : 0.f;
+}
+
+__device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
+  x[0] = bf16_lo(v.x), x[1] = bf16_hi(v.x), x[2] = bf16_lo(v.y), x[3] = bf16_hi(v.y);
+  x[4] = bf16_lo(v.z), x[5] = bf16_hi(v.z), x[6] = bf16_lo(v.w), x[7] = bf16_hi(v.w);
+}
+
+// load_chunk's result from this thread's staged granules (its copies complete) and the raw beta.
+template <bool kF32Gate>
+__device__ __forceinline__ void load_chunk_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf, float beta_raw,
+                                                  ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta) {
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(staged_granule(buf, r, tid)), q.x[r]);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(staged_granule(buf, 4 + r, tid)), k.x[r]);
+    if constexpr (kF32Gate) {
+      const float4 g0 = *reinterpret_cast<const float4*>(staged_granule(buf, 8 + 2 * r, tid));
+      const float4 g1 = *reinterpret_cast<const float4*>(staged_granule(buf, 9 + 2 * r, tid));
+      a.x[r][0] = g0.x, a.x[r][1] = g0.y, a.x[r][2] = g0.z, a.x[r][3] = g0.w;
+      a.x[r][4] = g1.x, a.x[r][5] = g1.y, a.x[r][6] = g1.z, a.x[r][7] = g1.w;
+    } else {
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(staged_granule(buf, 8 + r, tid)), a.x[r]);
+    }
+  }
+  if (tid < kChunk) sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
 }
 
 // a <- the log2-decay of each element of gate form kGate (0 past the end: only in a sequence's last
@@ -460,15 +522,19 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // warpgroup, scratch: ProduceScratch (1024-byte aligned). Ends with the record's stores fenced for
 // the async proxy (a bulk copy or a consumer's wgmma may read it after the next barrier or
 // mbarrier arrival).
+// staged: the chunk's inputs already in shared memory (issue_chunk_inputs, copies complete) with
+// beta_raw, or null: loaded from global memory here.
 template <GateForm kGate, bool kF32Gate, class Sync>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
-                                              uint8_t* scratch) {
+                                              uint8_t* scratch, const uint8_t* staged = nullptr,
+                                              float beta_raw = 0.f) {
   float* const sm_beta = reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta);
   const int64_t row0 = chunk * kChunk;
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
 
   ThreadTile q, k, a;
-  load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta);
+  if (staged != nullptr) load_chunk_staged<kF32Gate>(p, rows, tid, staged, beta_raw, q, k, a, sm_beta);
+  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta);
   gate_chunk<kGate>(p, h, rows, tid, q, k, a);
   normalise_qk(p, tid, rows, q, k);
   float gamma[8];
