@@ -59,6 +59,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         cp_async_wait_group<1>();  // chunk c's (each thread reads only its own granules)
       }
       if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
+      if (a.time_consumers_only && c >= kStages) {
+        mbarrier_arrive(&full[stage]);
+        continue;
+      }
       produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kRecordSpan, scratch,
                                                        kStaged ? staged + (c & 1) * kStagedBytes : nullptr, beta_raw);
       mbarrier_arrive(&full[stage]);

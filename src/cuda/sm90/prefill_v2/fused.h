@@ -20,6 +20,9 @@ struct FusedArgs {
   // The producer's q, k, g of chunk c + 1 copied into shared memory (cp.async) while it computes
   // chunk c; false: loaded from global memory when the chunk starts.
   bool stage_inputs = true;
+  // Timing only: the producer builds chunks 0 and 1 and then hands the same two stages back
+  // without rebuilding them, so the call takes the consumers' time alone; outputs are meaningless.
+  bool time_consumers_only = false;
 };
 
 // Launches the fused kernel on `stream`; returns the launch's error.
