@@ -83,8 +83,21 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     v2.run(mode);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
-    const double e_out = test::rel_rms(in.out.values(), ref.out);
-    const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+    const std::vector<double> got = in.out.values(), got_state = in.final_state.values();
+    const double e_out = test::rel_rms(got, ref.out);
+    const double e_state = test::rel_rms(got_state, ref.final_state);
+    if (!std::isfinite(e_out) || !std::isfinite(e_state)) {  // where it went non-finite
+      int64_t bad = 0, first = -1;
+      for (size_t i = 0; i < got.size(); ++i)
+        if (!std::isfinite(got[i])) bad += 1, first = first < 0 ? int64_t(i) : first;
+      const int64_t H = in.opt.H, V = in.opt.V;
+      std::printf("[ measure  ] %s: %lld non-finite outputs (reference %lld), the first at token %lld head %lld "
+                  "column %lld; %lld non-finite state entries\n",
+                  name.c_str(), static_cast<long long>(bad), static_cast<long long>(test::count_nonfinite(ref.out)),
+                  static_cast<long long>(first < 0 ? -1 : first / (H * V)),
+                  static_cast<long long>(first < 0 ? -1 : first / V % H), static_cast<long long>(first < 0 ? -1 : first % V),
+                  static_cast<long long>(test::count_nonfinite(got_state)));
+    }
     test::report(name + " out", e_out);
     test::report(name + " state", e_state);
     EXPECT_LE(e_out, out_bound);
@@ -133,15 +146,18 @@ TEST_F(Prefill32Gpu, LongMemoryChannels) {
 }
 
 // One key for every token, raw gate -12, beta logit 8 (issue 11's adversarial input, shortened).
+// (seed 5896445151461294996 went non-finite on every path in run 77; kept as a case.)
 TEST_F(Prefill32Gpu, RepeatedKey) {
-  KdaOptions o;
-  o.T = 2048, o.H = 2, o.final_state = StateKind::kF32;
-  KdaInputs in(o);
-  const int64_t row = o.H * o.K;
-  for (int64_t i = row; i < o.T * row; ++i) in.k.set(i, in.k.get(i % row));
-  for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
-  for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
-  check(in, 3e-3, 2e-3, "repeated key T=2048 H=2");
+  for (uint64_t seed : {uint64_t(5896445151461294996ull), uint64_t(0)}) {
+    KdaOptions o;
+    o.T = 2048, o.H = 2, o.final_state = StateKind::kF32, o.seed = seed;
+    KdaInputs in(o);
+    const int64_t row = o.H * o.K;
+    for (int64_t i = row; i < o.T * row; ++i) in.k.set(i, in.k.get(i % row));
+    for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
+    for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
+    check(in, 3e-3, 2e-3, "repeated key T=2048 H=2");
+  }
 }
 
 // T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default

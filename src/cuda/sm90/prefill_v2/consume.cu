@@ -1,9 +1,9 @@
 // The chunk-32 recurrence over the producer's records (consume.h) as a kernel of its own: grid =
 // (2, H), one warpgroup per CTA owning 64 value rows of the state (consume.cuh's steps). Each
 // chunk's record arrives by one bulk copy into a ring of two stages; v by 2-byte loads of the
-// thread's own elements one chunk ahead. A prototype: the range guard rescales rows at the start,
-// after the first chunk and every 16 chunks, but has no fp32 fallback for a state that leaves
-// fp16's range between two rescalings.
+// thread's own elements one chunk ahead. The range guard as today's K2: rows rescaled at the
+// start, after the first chunk and every 16 chunks, and the fp32 fallback for a chunk whose W^T is
+// not finite (consume_chunk).
 #include "cuda/sm90/prefill_v2/consume.cuh"
 
 namespace flashkda::cuda::sm90::prefill_v2 {

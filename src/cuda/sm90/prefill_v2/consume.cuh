@@ -59,12 +59,37 @@ __device__ __forceinline__ void load_v_slots(const ConsumeArgs& p, int64_t c, in
   }
 }
 
+// W^T (tile = k_decayed) or O^T (tile = q_decayed) of one chunk for this thread's rows in fp32 on
+// the CUDA cores from the fp32 state: the range guard's fallback when S_st left fp16's range
+// (prefill::RowScale). D receives the m64n32 accumulator layout (token 8 n + 2 t4 + (e & 1), row
+// + 8 (e >> 1) at [4 n + e]). Every lane of the warp calls it.
+__device__ __forceinline__ void f16_product_fp32(const float (&S)[64], const uint8_t* tile, float (&D)[16], int t4) {
+#pragma unroll 1
+  for (int t = 0; t < kChunk; ++t) {  // not unrolled (rare path, registers); the slots by select
+    float d0 = 0.f, d1 = 0.f;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int c = 8 * j + 2 * t4;
+      const float2 x = __half22float2(*reinterpret_cast<const __half2*>(tile + sw128_offset(kChunk, t, c)));
+      d0 = fmaf(S[4 * j], x.x, fmaf(S[4 * j + 1], x.y, d0));
+      d1 = fmaf(S[4 * j + 2], x.x, fmaf(S[4 * j + 3], x.y, d1));
+    }
+#pragma unroll
+    for (int x = 1; x <= 2; x <<= 1) d0 += __shfl_xor_sync(0xffffffffu, d0, x), d1 += __shfl_xor_sync(0xffffffffu, d1, x);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const bool mine = t == 8 * (i >> 2) + 2 * t4 + (i & 1);
+      D[i] = mine ? ((i & 2) ? d1 : d0) : D[i];
+    }
+  }
+}
+
 // Chunk c of head h from its record `rec` (shared memory, written and made visible to the async
 // proxy before): out rows of the chunk, and S^T advanced. Returns when every wgmma reading rec has
 // completed. Every thread of the warpgroup calls it.
 __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64_t c, int v_row, int t4,
                                               const uint8_t* rec, const float (&v_cur)[16], float (&S)[64],
-                                              const prefill::RowScale& rs) {
+                                              prefill::RowScale& rs) {
   // W^T and O^T over K = 128 (fp16 S_st, k_decayed, q_decayed).
   uint32_t s_hi[8][4], s_unused[8][4];
   prefill::state_fragments<false, true>(S, s_hi, s_unused);
@@ -82,6 +107,20 @@ __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<1>();
   fence_regs(W);
+  // Range guard: a non-finite W^T means S_st left fp16's range (or an input is not finite); this
+  // warp rescales its rows and redoes W^T in fp32 now, O^T after the warpgroup's wait below.
+  bool o_fp32 = false;
+  {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) sum += W[i];
+    if (__any_sync(0xffffffffu, !(fabsf(sum) <= 3.0e38f))) {
+      rs.renormalise(S);
+      f16_product_fp32(S, rec + ChunkOperands::kOffKDecayed, W, t4);
+      fence_regs(W);
+      o_fp32 = true;
+    }
+  }
 
   // u^T = m v^T - W^T, then U^T = u^T inv_b^T (both split: hi.hi + lo.hi + hi.lo).
 #pragma unroll
@@ -102,6 +141,10 @@ __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
   fence_regs(U), fence_regs(O);
+  if (o_fp32) {
+    f16_product_fp32(S, rec + ChunkOperands::kOffQDecayed, O, t4);
+    fence_regs(O);
+  }
   uint32_t U_hi[2][4], U_lo[2][4];
   split_fragments(U, U_hi, U_lo);
 

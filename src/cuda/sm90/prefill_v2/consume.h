@@ -1,7 +1,7 @@
 // Prefill v2 (issue 11), second step: the chunk-32 recurrence over the producer's records
 // (produce.h), as a kernel of its own, so that the two halves of the fused kernel can be checked
 // and timed before they share a CTA. One sequence, every head; K = V = 128; the precise (fp16)
-// policy with its row-scale range guard, but not the guard's fp32 fallback, and no wide chunks
+// policy with its row-scale range guard and fp32 fallback, no wide chunks
 // (the producer flags them; their pairwise path is not built). Not part of the public API; the GPU
 // test test_produce32_gpu checks producer + recurrence against the fp64 token recurrence and times
 // them beside today's prefill.

@@ -2,10 +2,13 @@
 // record into stage c % 2 of a shared-memory ring (its own named barrier 1 inside produce_chunk,
 // then every producer thread arrives on full[c % 2]); warpgroups 1 and 2 wait for it, run the
 // chunk for value rows 0-63 and 64-127, and every consumer thread arrives on empty[c % 2], which
-// the producer waits for before it writes chunk c + 2 there. setmaxnreg moves registers from the
-// producer (152) to the consumers (176): 152 + 2 x 176 = 504 = 3 x 168, the CTA's allocation at launch.
+// the producer waits for before it writes chunk c + 2 there. All three run at the launch's 168
+// registers: with v read from the stage the consumers fit without spills, and the producer spills
+// least (setmaxnreg 152 / 176 cost the producer ~50 spill instructions a chunk).
 // FusedArgs::stage_inputs: the producer copies chunk c + 1's q, k, g into shared memory by cp.async
-// (issue_chunk_inputs) while it computes chunk c.
+// (issue_chunk_inputs) while it computes chunk c. Each stage also holds the chunk's v rows, which
+// the producer's warp 1 bulk-copies in (a row a lane) as the stage is rebuilt, completing on the
+// same full barrier.
 #include "cuda/sm90/prefill_v2/consume.cuh"
 #include "cuda/sm90/prefill_v2/fused.h"
 
@@ -16,21 +19,23 @@ constexpr int kFusedThreads = 3 * kThreads;
 constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
-constexpr int kOffBarriers = kStages * kRecordSpan + kScratchSpan;
+constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
+constexpr int kStageSpan = kRecordSpan + kVBytes;         // a ring stage: the record, then v
+constexpr int kOffBarriers = kStages * kStageSpan + kScratchSpan;
 constexpr int kOffStaged = kOffBarriers + 1024;  // two buffers of the producer's staged inputs
 // + full[2], empty[2] (and the staged inputs); + the 1024-byte alignment
 constexpr int kSmemBytes(bool staged) { return (staged ? kOffStaged + 2 * kStagedBytes : kOffBarriers + 64) + 1024; }
 
-template <int kRegs>
-__device__ __forceinline__ void reg_dealloc() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs)); }
-template <int kRegs>
-__device__ __forceinline__ void reg_alloc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs)); }
+// Announces `bytes` more to complete on the barrier's current phase, without an arrival.
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+}
 
 template <GateForm kGate, bool kF32Gate, bool kStaged>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedArgs a) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  uint8_t* const scratch = ring + kStages * kRecordSpan;
+  uint8_t* const scratch = ring + kStages * kStageSpan;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + kOffBarriers);
   uint64_t* const empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
@@ -42,7 +47,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   __syncthreads();
 
   if (wg == 0) {
-    reg_dealloc<152>();
     uint8_t* const staged = ring + kOffStaged;
     float beta_next = 0.f;
     if constexpr (kStaged) {
@@ -63,12 +67,22 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         mbarrier_arrive(&full[stage]);
         continue;
       }
-      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kRecordSpan, scratch,
+      if (tid >= 32 && tid < 64) {  // the chunk's v rows into the stage by bulk copies, completing on
+        // full[stage]: a row a lane of warp 1 (warp 0 runs the inverse, the producer's longest chain)
+        const int64_t row0 = c * kChunk;
+        const int rows = a.consume.T - row0 < kChunk ? int(a.consume.T - row0) : kChunk, t = tid - 32;
+        if (t == 0) mbarrier_expect_tx(&full[stage], uint32_t(rows) * kHeadDim * 2);
+        __syncwarp();
+        if (t < rows)
+          bulk_copy(ring + stage * kStageSpan + kRecordSpan + t * kHeadDim * 2,
+                    static_cast<const __nv_bfloat16*>(a.consume.v) + ((row0 + t) * a.consume.H + h) * kHeadDim,
+                    kHeadDim * 2, &full[stage]);
+      }
+      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kStageSpan, scratch,
                                                        kStaged ? staged + (c & 1) * kStagedBytes : nullptr, beta_raw);
       mbarrier_arrive(&full[stage]);
     }
   } else {
-    reg_alloc<176>();
     const ConsumeArgs& p = a.consume;
     const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
     const int v_row = 64 * (wg - 1) + 16 * warp + g;
@@ -76,17 +90,19 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     prefill::load_state_rows(S, p.initial_state, p.initial_state ? ElemType::kF32 : ElemType::kNone,
                              int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
     prefill::RowScale rs;
-    float v_next[16];
-    if (num_chunks > 0) load_v_slots(p, 0, h, v_row, t4, v_next);
     for (int64_t c = 0; c < num_chunks; ++c) {
       const int stage = int(c % kStages);
-      float v_cur[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) v_cur[i] = v_next[i];
-      if (c + 1 < num_chunks) load_v_slots(p, c + 1, h, v_row, t4, v_next);
       if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
       mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
-      consume_chunk(p, h, c, v_row, t4, ring + stage * kRecordSpan, v_cur, S, rs);
+      // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
+      const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * kStageSpan + kRecordSpan);
+      float v_cur[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {
+        const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
+        v_cur[i] = c * kChunk + t < p.T ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
+      }
+      consume_chunk(p, h, c, v_row, t4, ring + stage * kStageSpan, v_cur, S, rs);
       mbarrier_arrive(&empty[stage]);
     }
     if (p.final_state != nullptr)

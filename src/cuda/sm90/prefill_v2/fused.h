@@ -2,8 +2,8 @@
 // record never leaving shared memory. One CTA of three warpgroups per head of one sequence: a
 // producer (produce.cuh) fills a ring of two record stages, two consumers (consume.cuh, 64 value
 // rows of the state each) run the recurrence over them, handing stages back and forth on
-// mbarriers. The same scope as consume.h (one sequence, the precise policy without the range
-// guard's fp32 fallback, no wide chunks). Not part of the public API; the GPU test
+// mbarriers. The same scope as consume.h (one sequence, the precise policy with its range guard, no
+// wide chunks). Not part of the public API; the GPU test
 // test_prefill32_gpu checks it against the fp64 token recurrence and times it.
 #pragma once
 
