@@ -433,6 +433,19 @@ __device__ __forceinline__ void store_l_mqk(int tid, const float (&d)[16], const
     }
 }
 
+// sum_m row[m] x[m] over 16 entries, in order; row 16-byte aligned (read four at a time).
+__device__ __forceinline__ float dot16(const float* row, const float (&x)[16]) {
+  const float4* r4 = reinterpret_cast<const float4*>(row);
+  float acc = 0.f;
+#pragma unroll
+  for (int m4 = 0; m4 < 4; ++m4) {
+    const float4 l = r4[m4];
+    acc = fmaf(l.x, x[4 * m4], acc), acc = fmaf(l.y, x[4 * m4 + 1], acc);
+    acc = fmaf(l.z, x[4 * m4 + 2], acc), acc = fmaf(l.w, x[4 * m4 + 3], acc);
+  }
+  return acc;
+}
+
 // Warp 0: inv_b = X diag(b), X = (I + L)^-1, into the record (split). Lanes 0-15 take column
 // j = lane of X11 = (I + L11)^-1, lanes 16-31 column j = lane - 16 of X22 = (I + L22)^-1, both by
 // fp32 forward substitution (exact for unit lower-triangular matrices, stable for near-collinear
@@ -481,15 +494,7 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
   float t_own[8];
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
-    const float4* row = reinterpret_cast<const float4*>(sm_L + (16 + 8 * half + r) * ProduceScratch::kLStride);
-    float acc = 0.f;
-#pragma unroll
-    for (int m4 = 0; m4 < 4; ++m4) {
-      const float4 l = row[m4];
-      acc = fmaf(l.x, x11[4 * m4], acc), acc = fmaf(l.y, x11[4 * m4 + 1], acc);
-      acc = fmaf(l.z, x11[4 * m4 + 2], acc), acc = fmaf(l.w, x11[4 * m4 + 3], acc);
-    }
-    t_own[r] = acc;
+    t_own[r] = dot16(sm_L + (16 + 8 * half + r) * ProduceScratch::kLStride, x11);
   }
   float t_all[16];
 #pragma unroll
@@ -503,14 +508,7 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
   // X21 rows 8 half + r: -sum_m X22[.][m] T[m][j]; inv_b = X21 b_j.
 #pragma unroll
   for (int r = 0; r < 8; ++r) {
-    const float4* row = reinterpret_cast<const float4*>(sm_X22 + (8 * half + r) * ProduceScratch::kX22Stride);
-    float acc = 0.f;
-#pragma unroll
-    for (int m4 = 0; m4 < 4; ++m4) {
-      const float4 x22 = row[m4];
-      acc = fmaf(x22.x, t_all[4 * m4], acc), acc = fmaf(x22.y, t_all[4 * m4 + 1], acc);
-      acc = fmaf(x22.z, t_all[4 * m4 + 2], acc), acc = fmaf(x22.w, t_all[4 * m4 + 3], acc);
-    }
+    const float acc = dot16(sm_X22 + (8 * half + r) * ProduceScratch::kX22Stride, t_all);
     store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + 8 * half + r, j), -acc * b_low);
   }
   // The diagonal blocks: X11 (lanes 0-15) and X22 (lanes 16-31), column base + j.
