@@ -103,6 +103,7 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     EXPECT_LE(e_out, out_bound);
     EXPECT_LE(e_state, state_bound);
     EXPECT_TRUE(in.out.guard_intact());
+    EXPECT_TRUE(in.final_state.guard_intact());
     bits[mode] = in.out.bytes;
     d.poison();  // the same bits again (no atomics, no order-dependent sums)
     v2.run(mode);
@@ -161,7 +162,8 @@ TEST_F(Prefill32Gpu, RepeatedKey) {
 }
 
 // T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default
-// prefill (internal::forward), same inputs, medians of 20 after a warm-up.
+// prefill (internal::forward), same inputs, medians of 20 after a warm-up; first the three v2 paths'
+// outputs compared bit for bit.
 TEST_F(Prefill32Gpu, TimeAtServingShape) {
   KdaOptions o;
   o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
@@ -183,6 +185,17 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     std::sort(ms.begin(), ms.end());
     return double(ms[ms.size() / 2]);
   };
+  // The three paths' outputs at this shape, bit for bit (no reference: too long for the host).
+  std::vector<unsigned char> bits[3];
+  for (int mode = 0; mode < 3; ++mode) {
+    d.poison();
+    v2.run(mode);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    bits[mode] = in.out.bytes;
+  }
+  EXPECT_TRUE(bits[0] == bits[1] && bits[0] == bits[2]) << "the fused kernels' output differs from the two kernels'";
+  EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
   const double t_today = median_ms([&] { d.run(); });
   const double t_v2 = median_ms([&] { v2.run(0); });
   const double t_fused = median_ms([&] { v2.run(1); });

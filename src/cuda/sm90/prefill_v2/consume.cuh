@@ -87,9 +87,11 @@ __device__ __forceinline__ void f16_product_fp32(const float (&S)[64], const uin
 // Chunk c of head h from its record `rec` (shared memory, written and made visible to the async
 // proxy before): out rows of the chunk, and S^T advanced. Returns when every wgmma reading rec has
 // completed. Every thread of the warpgroup calls it.
+// v_at(i): v^T of this thread's accumulator slot i (token 8 (i >> 2) + 2 t4 + (i & 1), row
+// v_row + 8 ((i >> 1) & 1)), read once W^T is in (so that v holds no registers across the wgmmas).
+template <class VAt>
 __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64_t c, int v_row, int t4,
-                                              const uint8_t* rec, const float (&v_cur)[16], float (&S)[64],
-                                              prefill::RowScale& rs) {
+                                              const uint8_t* rec, VAt&& v_at, float (&S)[64], prefill::RowScale& rs) {
   // W^T and O^T over K = 128 (fp16 S_st, k_decayed, q_decayed).
   uint32_t s_hi[8][4], s_unused[8][4];
   prefill::state_fragments<false, true>(S, s_hi, s_unused);
@@ -105,11 +107,13 @@ __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64
 #pragma unroll
   for (int s = 0; s < 8; ++s) wgmma<WgmmaF16N32>(s_hi[s], d_qd + kstep128(s), O, s > 0);
   cute::warpgroup_commit_batch();
-  cute::warpgroup_wait<1>();
-  fence_regs(W);
+  // Both batches: the U product below would queue behind O^T anyway (a warpgroup's wgmmas run in
+  // order), and holding O^T's operands in flight through the fallback's registers would make
+  // ptxas serialise every wgmma of the fused kernel (C7512).
+  cute::warpgroup_wait<0>();
+  fence_regs(W), fence_regs(O);
   // Range guard: a non-finite W^T means S_st left fp16's range (or an input is not finite); this
-  // warp rescales its rows and redoes W^T in fp32 now, O^T after the warpgroup's wait below.
-  bool o_fp32 = false;
+  // warp rescales its rows and redoes W^T and O^T in fp32.
   {
     float sum = 0.f;
 #pragma unroll
@@ -117,14 +121,14 @@ __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64
     if (__any_sync(0xffffffffu, !(fabsf(sum) <= 3.0e38f))) {
       rs.renormalise(S);
       f16_product_fp32(S, rec + ChunkOperands::kOffKDecayed, W, t4);
-      fence_regs(W);
-      o_fp32 = true;
+      f16_product_fp32(S, rec + ChunkOperands::kOffQDecayed, O, t4);
+      fence_regs(W), fence_regs(O);
     }
   }
 
   // u^T = m v^T - W^T, then U^T = u^T inv_b^T (both split: hi.hi + lo.hi + hi.lo).
 #pragma unroll
-  for (int i = 0; i < 16; ++i) W[i] = fmaf(v_cur[i], rs.m[(i >> 1) & 1], -W[i]);
+  for (int i = 0; i < 16; ++i) W[i] = fmaf(v_at(i), rs.m[(i >> 1) & 1], -W[i]);
   uint32_t u_hi[2][4], u_lo[2][4];
   split_fragments(W, u_hi, u_lo);
   const uint64_t d_inv = sw64_desc(rec + ChunkOperands::kOffInvB), d_inv_lo = sw64_desc(rec + ChunkOperands::kOffInvBLo);
@@ -140,11 +144,7 @@ __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
-  fence_regs(U), fence_regs(O);
-  if (o_fp32) {
-    f16_product_fp32(S, rec + ChunkOperands::kOffQDecayed, O, t4);
-    fence_regs(O);
-  }
+  fence_regs(U);
   uint32_t U_hi[2][4], U_lo[2][4];
   split_fragments(U, U_hi, U_lo);
 

@@ -71,6 +71,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         // full[stage]: a row a lane of warp 1 (warp 0 runs the inverse, the producer's longest chain)
         const int64_t row0 = c * kChunk;
         const int rows = a.consume.T - row0 < kChunk ? int(a.consume.T - row0) : kChunk, t = tid - 32;
+        // The consumers' last reads of this stage's v were generic-proxy loads, ordered before
+        // here by the empty barrier; the copies write through the async proxy.
+        fence_proxy_async_shared();
         if (t == 0) mbarrier_expect_tx(&full[stage], uint32_t(rows) * kHeadDim * 2);
         __syncwarp();
         if (t < rows)
@@ -96,13 +99,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
       const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * kStageSpan + kRecordSpan);
-      float v_cur[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
+      const int rows = p.T - c * kChunk < kChunk ? int(p.T - c * kChunk) : kChunk;
+      auto v_at = [&](int i) {
         const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
-        v_cur[i] = c * kChunk + t < p.T ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
-      }
-      consume_chunk(p, h, c, v_row, t4, ring + stage * kStageSpan, v_cur, S, rs);
+        return t < rows ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
+      };
+      consume_chunk(p, h, c, v_row, t4, ring + stage * kStageSpan, v_at, S, rs);
       mbarrier_arrive(&empty[stage]);
     }
     if (p.final_state != nullptr)
