@@ -50,7 +50,9 @@ __global__ void __launch_bounds__(kThreads, 1) consume_kernel(const __grid_const
     if (tid == 0 && c + 1 < num_chunks) issue(c + 1);
     if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
     mbarrier_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
-    consume_chunk(p, h, c, v_row, t4, ring + (c % kStages) * kRecordSpan, [&](int i) { return v_cur[i]; }, S, rs);
+    __nv_bfloat16 o[16];
+    consume_chunk(p, h, c, v_row, t4, ring + (c % kStages) * kRecordSpan, [&](int i) { return v_cur[i]; }, S, rs, o);
+    store_out_slots(p, h, c, v_row, t4, o);
   }
   if (p.final_state != nullptr)
     prefill::store_state_rows(S, p.final_state, ElemType::kF32, int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);

@@ -85,13 +85,15 @@ __device__ __forceinline__ void f16_product_fp32(const float (&S)[64], const uin
 }
 
 // Chunk c of head h from its record `rec` (shared memory, written and made visible to the async
-// proxy before): out rows of the chunk, and S^T advanced. Returns when every wgmma reading rec has
-// completed. Every thread of the warpgroup calls it.
+// proxy before): the output of this thread's slots into out (the same slots as v_at's), and S^T
+// advanced. Returns when every wgmma reading rec has completed. Every thread of the warpgroup
+// calls it.
 // v_at(i): v^T of this thread's accumulator slot i (token 8 (i >> 2) + 2 t4 + (i & 1), row
 // v_row + 8 ((i >> 1) & 1)), read once W^T is in (so that v holds no registers across the wgmmas).
 template <class VAt>
 __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64_t c, int v_row, int t4,
-                                              const uint8_t* rec, VAt&& v_at, float (&S)[64], prefill::RowScale& rs) {
+                                              const uint8_t* rec, VAt&& v_at, float (&S)[64], prefill::RowScale& rs,
+                                              __nv_bfloat16 (&out)[16]) {
   // W^T and O^T over K = 128 (fp16 S_st, k_decayed, q_decayed).
   uint32_t s_hi[8][4], s_unused[8][4];
   prefill::state_fragments<false, true>(S, s_hi, s_unused);
@@ -179,13 +181,19 @@ __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64
   cute::warpgroup_wait<0>();
   fence_regs(S), fence_regs(O);
 
-  // out = O_st / m, bf16, rows of the sequence only.
+  // The output O_st / m of this thread's slots, rounded to bf16 (the caller stores them).
+#pragma unroll
+  for (int i = 0; i < 16; ++i) out[i] = __float2bfloat16_rn(O[i] * rs.inv[(i >> 1) & 1]);
+}
+
+// The output slots of consume_chunk straight to global memory (2-byte stores; rows of the sequence only).
+__device__ __forceinline__ void store_out_slots(const ConsumeArgs& p, int h, int64_t c, int v_row, int t4,
+                                                const __nv_bfloat16 (&o)[16]) {
   __nv_bfloat16* const out = static_cast<__nv_bfloat16*>(p.out);
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     const int64_t t = c * kChunk + 8 * (i >> 2) + 2 * t4 + (i & 1);
-    const int half = (i >> 1) & 1;
-    if (t < p.T) out[(t * p.H + h) * kHeadDim + v_row + 8 * half] = __float2bfloat16_rn(O[i] * rs.inv[half]);
+    if (t < p.T) out[(t * p.H + h) * kHeadDim + v_row + 8 * ((i >> 1) & 1)] = o[i];
   }
 }
 

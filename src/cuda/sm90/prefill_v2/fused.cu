@@ -104,7 +104,23 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
         return t < rows ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
       };
-      consume_chunk(p, h, c, v_row, t4, ring + stage * kStageSpan, v_at, S, rs);
+      __nv_bfloat16 o[16];
+      consume_chunk(p, h, c, v_row, t4, ring + stage * kStageSpan, v_at, S, rs, o);
+      // The output through the stage's v: each slot's bf16 where this thread read its v (no other
+      // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
+      // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
+      __nv_bfloat16* const vw = const_cast<__nv_bfloat16*>(vs);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) vw[(8 * (i >> 2) + 2 * t4 + (i & 1)) * kHeadDim + v_row + 8 * ((i >> 1) & 1)] = o[i];
+      __syncwarp();
+      const int col = 64 * (wg - 1) + 16 * warp;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int unit = lane + 32 * u, t = unit >> 1, part = unit & 1;
+        if (t < rows)
+          *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
+                                    8 * part) = *reinterpret_cast<const uint4*>(vw + t * kHeadDim + col + 8 * part);
+      }
       mbarrier_arrive(&empty[stage]);
     }
     if (p.final_state != nullptr)
