@@ -3,6 +3,8 @@
 // slots on the copy.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap (a type only: nothing links the driver)
+
 #include <cstdint>
 
 namespace flashkda::cuda {
@@ -37,6 +39,18 @@ __device__ __forceinline__ void bulk_copy(void* smem_dst, const void* gmem_src, 
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           smem_addr(smem_dst)),
       "l"(gmem_src), "r"(bytes), "r"(smem_addr(bar))
+      : "memory");
+}
+
+// The box at coordinates (c0, c1, c2) of a 3-D tensor map (in kernel parameter space: a
+// __grid_constant__ argument's member) into this CTA's shared memory (128-byte aligned),
+// completing on bar with the box's whole size (elements outside the tensor arrive as zeros).
+__device__ __forceinline__ void tensor_copy_3d(void* smem_dst, const CUtensorMap* map, int c0, int c1, int c2,
+                                               uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
       : "memory");
 }
 

@@ -202,9 +202,48 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_staged = median_ms([&] { v2.run(2); });
   FusedArgs consumers_only{v2.pa, v2.ca, false};
   consumers_only.time_consumers_only = true;
+  double t_regs[2];
+  for (int staged = 0; staged < 2; ++staged) {
+    FusedArgs split{v2.pa, v2.ca, staged == 1};
+    split.producer_regs = true;
+    t_regs[staged] = median_ms([&] { ASSERT_EQ(fused_chunks(split, nullptr), cudaSuccess); });
+    d.poison();
+    ASSERT_EQ(fused_chunks(split, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    EXPECT_TRUE(in.out.bytes == bits[0]) << "setmaxnreg 184 / 160, staged " << staged << ": other bits";
+  }
+  std::printf("[ measure  ] prefill32 T=8192 H=96 with setmaxnreg 184 / 160: fused %.3f ms, staged %.3f ms\n", t_regs[0],
+              t_regs[1]);
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
+  // Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads), inputs
+  // loaded by the producer's threads and staged by bulk copies.
+  long long* clocks = nullptr;
+  ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * o.H), cudaSuccess);
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool staged = variant & 1, regs = variant & 2;
+    FusedArgs clocked{v2.pa, v2.ca, staged};
+    clocked.phase_clocks = clocks;
+    clocked.producer_regs = regs;
+    ASSERT_EQ(fused_chunks(clocked, nullptr), cudaSuccess);
+    std::vector<long long> sums(size_t(kPhaseClocks) * o.H);
+    ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    const char* names[kPhaseClocks] = {"empty wait", "load", "normalise", "scan", "factors", "L/Mqk wgmma",
+                                       "L/Mqk stores", "inverse", "arrive+loop", "gate", "full wait", "recurrence",
+                                       "out stores+release", "", "", "chunks"};
+    std::printf("[ measure  ] fused kernel%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
+                staged ? " (staged inputs)" : "", regs ? " (setmaxnreg 184 / 160)" : "");
+    for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12}) {
+      double mean = 0;
+      for (int h = 0; h < o.H; ++h)
+        mean += double(sums[size_t(h) * kPhaseClocks + i]) / double(sums[size_t(h) * kPhaseClocks + 15]);
+      std::printf(" %s %.0f%s", names[i], mean / o.H, i == 8 ? "; consumers:" : i == 12 ? "" : ",");
+    }
+    std::printf("\n");
+  }
+  cudaFree(clocks);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::printf("[ measure  ] prefill32 T=8192 H=96: fused %.3f ms, fused with staged inputs %.3f ms, the fused "
               "kernel's consumers alone %.3f ms; producer + recurrence %.3f ms (producer %.3f, recurrence %.3f); "

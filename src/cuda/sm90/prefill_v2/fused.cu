@@ -5,10 +5,12 @@
 // the producer waits for before it writes chunk c + 2 there. All three run at the launch's 168
 // registers: with v read from the stage the consumers fit without spills, and the producer spills
 // least (setmaxnreg 152 / 176 cost the producer ~50 spill instructions a chunk).
-// FusedArgs::stage_inputs: the producer copies chunk c + 1's q, k, g into shared memory by cp.async
-// (issue_chunk_inputs) while it computes chunk c. Each stage also holds the chunk's v rows, which
-// the producer's warp 1 bulk-copies in (a row a lane) as the stage is rebuilt, completing on the
-// same full barrier.
+// Each stage also holds the chunk's v rows, which one thread of the producer's warp 1 copies in by
+// TMA (a tensor copy of the chunk's 32 rows; the maps of q, k, g and v are built per call) as the
+// stage is rebuilt, completing on the same full barrier. FusedArgs::stage_inputs: the same thread
+// copies chunk c + 1's q, k, g rows into shared memory (issue_chunk_rows) while chunk c is computed.
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
 #include "cuda/sm90/prefill_v2/consume.cuh"
 #include "cuda/sm90/prefill_v2/fused.h"
 
@@ -23,16 +25,47 @@ constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, 
 constexpr int kStageSpan = kRecordSpan + kVBytes;         // a ring stage: the record, then v
 constexpr int kOffBarriers = kStages * kStageSpan + kScratchSpan;
 constexpr int kOffStaged = kOffBarriers + 1024;  // two buffers of the producer's staged inputs
-// + full[2], empty[2] (and the staged inputs); + the 1024-byte alignment
-constexpr int kSmemBytes(bool staged) { return (staged ? kOffStaged + 2 * kStagedBytes : kOffBarriers + 64) + 1024; }
+// + full[2], empty[2], staged_full[2] (and the staged inputs); + the 1024-byte alignment
+constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
+constexpr int kSmemBytes(bool staged) {
+  return (staged ? kOffStaged + 2 * kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
+}
+
+// FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
+struct PhaseMarks {
+  long long* sums;  // shared memory; null: off
+  long long* last;
+  __device__ __forceinline__ void operator()(int i) const {
+    if (sums != nullptr) {
+      const long long t = clock64();
+      sums[i] += t - *last;
+      *last = t;
+    }
+  }
+};
 
 // Announces `bytes` more to complete on the barrier's current phase, without an arrival.
 __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
-template <GateForm kGate, bool kF32Gate, bool kStaged>
-__global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedArgs a) {
+// The kernel's parameters: the caller's arguments and the TMA maps of its inputs' rows.
+struct FusedParams {
+  ChunkRowMaps maps;
+  FusedArgs a;
+};
+
+// FusedArgs::producer_regs: the producer's registers after setmaxnreg, and the consumers'.
+// setmaxnreg.inc only takes registers that the CTA already holds (the launch's count for all 384
+// threads) and the consumers gave back: asking for more waits forever (run 84: 192 / 160 hung).
+constexpr int kProducerRegs = 184, kConsumerRegs = 160;
+constexpr int kLaunchRegs = 168;  // __launch_bounds__(384, 1): 65 536 / 384, rounded down to 8
+static_assert(kThreads * kProducerRegs + 2 * kThreads * kConsumerRegs <= 3 * kThreads * kLaunchRegs,
+              "the producer would wait for registers no one frees");
+
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false>
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
+  const FusedArgs& a = params.a;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* const scratch = ring + kStages * kStageSpan;
@@ -41,51 +74,70 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
   const int64_t num_chunks = (a.consume.T + kChunk - 1) / kChunk;
   if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
+      mbarrier_init(&empty[kStages + s], 1);  // the staged inputs' buffer s: lane 0 of warp 1 and the bytes
+    }
     fence_mbarrier_init();
   }
+  long long* const clock_sums = reinterpret_cast<long long*>(ring + kOffClocks);
+  if (kClock && tid < kPhaseClocks) clock_sums[tid] = 0;
   __syncthreads();
+  long long last_clock = kClock ? clock64() : 0;
 
   if (wg == 0) {
+    if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
     uint8_t* const staged = ring + kOffStaged;
-    float beta_next = 0.f;
+    uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffers (issue_chunk_rows)
+    // Chunk c + 1's rows are copied while chunk c is computed; in time_consumers_only, only chunks 0 and 1.
+    const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
+    float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
+    load_gate_consts<kGate>(a.produce, h, tid, sm_gate);
+    WarpgroupSync<1>::sync();
+    // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
+    float beta_next = load_beta_raw(a.produce, h, 0, tid);
     if constexpr (kStaged) {
-      if (num_chunks > 0) beta_next = issue_chunk_inputs<kF32Gate>(a.produce, h, 0, tid, staged);
-      cp_async_commit();
+      if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, &staged_full[0]);
     }
     for (int64_t c = 0; c < num_chunks; ++c) {
       const int stage = int(c % kStages);
       const float beta_raw = beta_next;
-      if constexpr (kStaged) {  // chunk c + 1's inputs on their way while chunk c is computed
-        if (c + 1 < num_chunks)
-          beta_next = issue_chunk_inputs<kF32Gate>(a.produce, h, c + 1, tid, staged + ((c + 1) & 1) * kStagedBytes);
-        cp_async_commit();
-        cp_async_wait_group<1>();  // chunk c's (each thread reads only its own granules)
+      if (c + 1 < staged_chunks) {
+        // Buffer (c + 1) % 2 was last read in chunk c - 1's load, before its scan's barrier.
+        if (kStaged && tid == 32)
+          issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged + ((c + 1) & 1) * kStagedBytes,
+                                     &staged_full[(c + 1) & 1]);
+        beta_next = load_beta_raw(a.produce, h, c + 1, tid);
       }
       if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
+      mark(0);
       if (a.time_consumers_only && c >= kStages) {
         mbarrier_arrive(&full[stage]);
         continue;
       }
-      if (tid >= 32 && tid < 64) {  // the chunk's v rows into the stage by bulk copies, completing on
-        // full[stage]: a row a lane of warp 1 (warp 0 runs the inverse, the producer's longest chain)
-        const int64_t row0 = c * kChunk;
-        const int rows = a.consume.T - row0 < kChunk ? int(a.consume.T - row0) : kChunk, t = tid - 32;
-        // The consumers' last reads of this stage's v were generic-proxy loads, ordered before
-        // here by the empty barrier; the copies write through the async proxy.
+      if (tid == 32) {  // the chunk's v rows into the stage by one tensor copy, completing on full[stage]
+        // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
+        // accesses of this stage's v were generic-proxy loads and stores, ordered before here by
+        // the empty barrier; the copy writes through the async proxy.
         fence_proxy_async_shared();
-        if (t == 0) mbarrier_expect_tx(&full[stage], uint32_t(rows) * kHeadDim * 2);
-        __syncwarp();
-        if (t < rows)
-          bulk_copy(ring + stage * kStageSpan + kRecordSpan + t * kHeadDim * 2,
-                    static_cast<const __nv_bfloat16*>(a.consume.v) + ((row0 + t) * a.consume.H + h) * kHeadDim,
-                    kHeadDim * 2, &full[stage]);
+        mbarrier_expect_tx(&full[stage], kVBytes);
+        tensor_copy_3d(ring + stage * kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(c * kChunk), &full[stage]);
       }
+      if constexpr (kStaged) mbarrier_wait(&staged_full[c & 1], uint32_t(c >> 1) & 1);
       produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kStageSpan, scratch,
-                                                       kStaged ? staged + (c & 1) * kStagedBytes : nullptr, beta_raw);
+                                                       kStaged ? staged + (c & 1) * kStagedBytes : nullptr, beta_raw,
+                                                       sm_gate, true, mark);
       mbarrier_arrive(&full[stage]);
+      mark(8);
+    }
+    if (kClock && tid == 0) {
+      for (int i = 0; i < 10; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
+      a.phase_clocks[int64_t(h) * kPhaseClocks + 15] = num_chunks;
     }
   } else {
+    if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    const PhaseMarks mark{kClock && tid == kThreads ? clock_sums : nullptr, &last_clock};
     const ConsumeArgs& p = a.consume;
     const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
     const int v_row = 64 * (wg - 1) + 16 * warp + g;
@@ -97,6 +149,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       const int stage = int(c % kStages);
       if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
       mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
+      mark(10);
       // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
       const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * kStageSpan + kRecordSpan);
       const int rows = p.T - c * kChunk < kChunk ? int(p.T - c * kChunk) : kChunk;
@@ -106,6 +159,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       };
       __nv_bfloat16 o[16];
       consume_chunk(p, h, c, v_row, t4, ring + stage * kStageSpan, v_at, S, rs, o);
+      mark(11);
       // The output through the stage's v: each slot's bf16 where this thread read its v (no other
       // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
       // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
@@ -122,18 +176,59 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
                                     8 * part) = *reinterpret_cast<const uint4*>(vw + t * kHeadDim + col + 8 * part);
       }
       mbarrier_arrive(&empty[stage]);
+      mark(12);
     }
+    if (kClock && tid == kThreads)
+      for (int i = 10; i < 13; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
     if (p.final_state != nullptr)
       prefill::store_state_rows(S, p.final_state, ElemType::kF32, int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
   }
 }
 
-template <GateForm kGate, bool kF32Gate, bool kStaged>
+// cuTensorMapEncodeTiled from the driver, found once through the runtime (nothing links libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// [T, H, 128] (bf16, or fp32 when f32) as boxes of {128 channels, 1 head, 32 tokens}.
+bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int H) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0) return false;
+  const cuuint64_t elem = f32 ? 4 : 2;
+  const cuuint64_t dims[3] = {cuuint64_t(kHeadDim), cuuint64_t(H), cuuint64_t(T)};
+  const cuuint64_t strides[2] = {kHeadDim * elem, cuuint64_t(H) * kHeadDim * elem};
+  const cuuint32_t box[3] = {cuuint32_t(kHeadDim), 1, cuuint32_t(kChunk)}, element_strides[3] = {1, 1, 1};
+  return encode(map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
+                dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
-  auto kernel = fused_kernel<kGate, kF32Gate, kStaged>;
+  FusedParams params{};
+  params.a = args;
+  const ProduceArgs& pa = args.produce;
+  if (!chunk_rows_map(&params.maps.q, pa.q, false, pa.T, pa.H) || !chunk_rows_map(&params.maps.k, pa.k, false, pa.T, pa.H) ||
+      !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H) ||
+      !chunk_rows_map(&params.maps.v, args.consume.v, false, pa.T, pa.H))
+    return cudaErrorInvalidValue;
+  auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes(kStaged));
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmemBytes(kStaged), stream>>>(args);
+  if constexpr (kRegSplit) {  // the split must fit the registers the launch gives the CTA (else: a hang)
+    cudaFuncAttributes attr{};
+    if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
+    if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
+  }
+  kernel<<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmemBytes(kStaged), stream>>>(params);
   return cudaGetLastError();
 }
 template <GateForm kGate, bool kF32Gate>
@@ -151,6 +246,19 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
+  if (args.phase_clocks != nullptr) {
+    if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
+    if (args.producer_regs)
+      return args.stage_inputs ? launch<GateForm::kLowerBound, false, true, true, true>(args, stream)
+                               : launch<GateForm::kLowerBound, false, false, true, true>(args, stream);
+    return args.stage_inputs ? launch<GateForm::kLowerBound, false, true, true>(args, stream)
+                             : launch<GateForm::kLowerBound, false, false, true>(args, stream);
+  }
+  if (args.producer_regs) {  // a candidate: lower-bound bf16 gates only
+    if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
+    return args.stage_inputs ? launch<GateForm::kLowerBound, false, true, false, true>(args, stream)
+                             : launch<GateForm::kLowerBound, false, false, false, true>(args, stream);
+  }
   if (pa.gate == GateForm::kLowerBound)
     return f32 ? launch<GateForm::kLowerBound, true>(args, stream) : launch<GateForm::kLowerBound, false>(args, stream);
   if (pa.gate == GateForm::kSoftplus)

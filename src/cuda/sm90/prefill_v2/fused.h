@@ -17,13 +17,26 @@ namespace flashkda::cuda::sm90::prefill_v2 {
 struct FusedArgs {
   ProduceArgs produce;  // out (records) unused
   ConsumeArgs consume;  // records unused
-  // The producer's q, k, g of chunk c + 1 copied into shared memory (cp.async) while it computes
-  // chunk c; false: loaded from global memory when the chunk starts.
+  // The producer's q, k, g rows of chunk c + 1 bulk-copied into shared memory by its warp 1 while
+  // chunk c is computed (beta a chunk ahead in registers); false: loaded from global memory when
+  // the chunk starts.
   bool stage_inputs = true;
   // Timing only: the producer builds chunks 0 and 1 and then hands the same two stages back
   // without rebuilding them, so the call takes the consumers' time alone; outputs are meaningless.
   bool time_consumers_only = false;
+  // Timing only: where the kernel's cycles go. Non-null: [H][kPhaseClocks] sums of clock64()
+  // differences over the chunks, written at the end (lower-bound bf16 gates only; other calls with
+  // it are refused). Producer (its thread 0, in the inverse's warp): 0 the wait for an empty stage,
+  // 1 load (staged inputs: the wait for them), 9 gate, 2 normalise, 3 scan, 4 factors, 5 L/Mqk
+  // product, 6 their stores, 7 inverse, 8 the rest of the loop; consumers (warpgroup 1's thread 0):
+  // 10 the wait for a full stage, 11 the chunk's recurrence, 12 the output stores and release;
+  // 15 the chunks.
+  long long* phase_clocks = nullptr;
+  // A candidate (lower-bound bf16 gates only): setmaxnreg gives the producer 184 registers and the
+  // consumers 160 (false: all at the launch's 168).
+  bool producer_regs = false;
 };
+constexpr int kPhaseClocks = 16;
 
 // Launches the fused kernel on `stream`; returns the launch's error.
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);

@@ -60,7 +60,8 @@ struct ProduceScratch {
   static constexpr int kOffTotals = kOffX22 + 16 * kX22Stride * 4;  // fp32 [4 warps][128] log-decay sums
   static constexpr int kOffBeta = kOffTotals + 4 * kHeadDim * 4;    // fp32 [32]
   static constexpr int kOffWide = kOffBeta + kChunk * 4;            // int32
-  static constexpr int kBytes = kOffWide + 16;
+  static constexpr int kOffGate = kOffWide + 16;                    // fp32 [128] dt_bias, a_scale (fused.cu)
+  static constexpr int kBytes = kOffGate + (kHeadDim + 4) * 4;
 };
 
 }  // namespace flashkda::cuda::sm90::prefill_v2

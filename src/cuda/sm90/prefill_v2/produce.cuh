@@ -78,6 +78,12 @@ struct WarpgroupSync {  // the 128 threads of one warpgroup, named barrier kId (
   }
 };
 
+// Timing only: produce_chunk calls mark(i) after its step i (fused.cu's phase clocks); by default
+// nothing.
+struct NoMarks {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+
 struct ThreadTile {
   float x[4][8];  // [token r][channel e]
 };
@@ -101,9 +107,11 @@ __device__ __forceinline__ void load8(const void* base, int64_t idx, float (&x)[
 // q, k and the raw gate (fp32 when kF32Gate, else bf16) of this thread's rows; rows past the
 // chunk's end re-read the last valid row (all loads issue at once) and are zeroed by gate_chunk.
 // beta (logistic where a logit) into sm_beta by the first 32 threads.
+// beta_ahead: the raw beta already loaded (load_beta_raw, a chunk ahead), else loaded here.
 template <bool kF32Gate>
 __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t row0, int rows, int tid,
-                                           ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta) {
+                                           ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta,
+                                           bool beta_ahead, float beta_raw) {
   const int warp = tid >> 5, lane = tid & 31;
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -116,7 +124,7 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
   if (tid < kChunk) {
     float b = 0.f;
     if (tid < rows) {
-      b = load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32);
+      b = beta_ahead ? beta_raw : load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32);
       if (p.beta_is_logit) b = sigmoidf_(b);
     }
     sm_beta[tid] = b;
@@ -124,39 +132,41 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
 }
 
 // ---- Inputs staged in shared memory a chunk ahead (the fused kernel's producer) ----
-// A thread's own granules of q, k and the raw gate, copied by cp.async while the previous chunk is
-// computed, so that no global-memory latency sits in the producer's chain. Granule j (q rows 0-3,
-// k rows 0-3, the gate's 4 or 8) of thread tid at j * 128 * 16 + tid * 16: a warp's 16-byte
-// accesses fall on consecutive addresses. beta comes a chunk ahead in a register of threads 0-31.
-constexpr int kStagedGranules = 16;                          // at most (fp32 gates)
-constexpr int kStagedBytes = kStagedGranules * kThreads * 16;  // 32 KB a buffer
+// Chunk c + 1's q, k and raw gate rows, copied by the TMA unit (a tensor copy each, issued by one
+// thread, completing on an mbarrier) while chunk c is computed, so that no global-memory latency
+// sits in the producer's chain and no thread holds an address for it. A buffer holds [32][128]
+// bf16 q, then k, then the gate ([32][128] bf16 or fp32), rows in token order; rows past the
+// chunk's end are zeros. (Run 80: one bulk copy a row, issued by a warp's lanes, cost the producer
+// ~3 400 cycles a chunk in issue.)
+constexpr int kStagedQ = 0, kStagedK = kTileBytes, kStagedG = 2 * kTileBytes;
+constexpr int kStagedBytes = 2 * kTileBytes + kChunk * kHeadDim * 4;  // 32 KB a buffer (fp32 gates)
 
-__device__ __forceinline__ const uint8_t* staged_granule(const uint8_t* buf, int j, int tid) {
-  return buf + (j * kThreads + tid) * 16;
+// The tensor maps of the inputs a fused kernel copies by TMA: [T, H, 128] as a 3-D tensor of
+// boxes {128, 1, 32}, i.e. the 32 rows of one head and chunk (fused.cu builds them).
+struct ChunkRowMaps {
+  CUtensorMap q, k, g, v;
+};
+
+// Issues (one thread) the copies of chunk `chunk`'s q, k and gate rows into buf, completing on
+// bar (one arrival, this thread's, with the bytes to expect; rows past the end arrive as zeros,
+// which the gate and the norms zero again). Generic reads of buf must be ordered before this call
+// (a barrier), which fences them against the copies' async-proxy writes.
+template <bool kF32Gate>
+__device__ __forceinline__ void issue_chunk_rows(const ChunkRowMaps& maps, int h, int64_t chunk, uint8_t* buf,
+                                                 uint64_t* bar) {
+  fence_proxy_async_shared();
+  mbarrier_arrive_expect_tx(bar, 2 * kTileBytes + kChunk * kHeadDim * (kF32Gate ? 4 : 2));
+  const int row0 = int(chunk * kChunk);
+  tensor_copy_3d(buf + kStagedQ, &maps.q, 0, h, row0, bar);
+  tensor_copy_3d(buf + kStagedK, &maps.k, 0, h, row0, bar);
+  tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
 }
 
-// Issues this thread's copies of chunk `chunk` into buf (cp.async, not committed) and returns its
-// raw beta (threads 0-31: token tid, 0 past the end; others 0).
-template <bool kF32Gate>
-__device__ __forceinline__ float issue_chunk_inputs(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* buf) {
-  const int warp = tid >> 5, lane = tid & 31;
+// The raw beta of token tid of chunk `chunk` (threads 0-31; 0 past the end), loaded a chunk ahead.
+__device__ __forceinline__ float load_beta_raw(const ProduceArgs& p, int h, int64_t chunk, int tid) {
   const int64_t row0 = chunk * kChunk;
-  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int t = tile_token(warp, lane, r);
-    const int64_t idx = ((row0 + (t < rows ? t : rows - 1)) * p.H + h) * kHeadDim + tile_channel(lane);
-    cp_async_16(const_cast<uint8_t*>(staged_granule(buf, r, tid)), static_cast<const __nv_bfloat16*>(p.q) + idx);
-    cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 4 + r, tid)), static_cast<const __nv_bfloat16*>(p.k) + idx);
-    if constexpr (kF32Gate) {
-      const float* g = static_cast<const float*>(p.g) + idx;
-      cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 8 + 2 * r, tid)), g);
-      cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 9 + 2 * r, tid)), g + 4);
-    } else {
-      cp_async_16(const_cast<uint8_t*>(staged_granule(buf, 8 + r, tid)), static_cast<const __nv_bfloat16*>(p.g) + idx);
-    }
-  }
-  return tid < rows ? load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32) : 0.f;
+  return tid < kChunk && row0 + tid < p.T ? load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32)
+                                          : 0.f;
 }
 
 __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
@@ -164,21 +174,23 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
   x[4] = bf16_lo(v.z), x[5] = bf16_hi(v.z), x[6] = bf16_lo(v.w), x[7] = bf16_hi(v.w);
 }
 
-// load_chunk's result from this thread's staged granules (its copies complete) and the raw beta.
+// load_chunk's result from a staged buffer (its copies complete) and the raw beta.
 template <bool kF32Gate>
 __device__ __forceinline__ void load_chunk_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf, float beta_raw,
                                                   ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(staged_granule(buf, r, tid)), q.x[r]);
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(staged_granule(buf, 4 + r, tid)), k.x[r]);
+    const int t = tile_token(warp, lane, r);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q.x[r]);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k.x[r]);
     if constexpr (kF32Gate) {
-      const float4 g0 = *reinterpret_cast<const float4*>(staged_granule(buf, 8 + 2 * r, tid));
-      const float4 g1 = *reinterpret_cast<const float4*>(staged_granule(buf, 9 + 2 * r, tid));
+      const float4* g = reinterpret_cast<const float4*>(buf + kStagedG + (t * kHeadDim + c0) * 4);
+      const float4 g0 = g[0], g1 = g[1];
       a.x[r][0] = g0.x, a.x[r][1] = g0.y, a.x[r][2] = g0.z, a.x[r][3] = g0.w;
       a.x[r][4] = g1.x, a.x[r][5] = g1.y, a.x[r][6] = g1.z, a.x[r][7] = g1.w;
     } else {
-      unpack_bf16x8(*reinterpret_cast<const uint4*>(staged_granule(buf, 8 + r, tid)), a.x[r]);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedG + (t * kHeadDim + c0) * 2), a.x[r]);
     }
   }
   if (tid < kChunk) sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
@@ -186,15 +198,35 @@ __device__ __forceinline__ void load_chunk_staged(const ProduceArgs& p, int rows
 
 // a <- the log2-decay of each element of gate form kGate (0 past the end: only in a sequence's last
 // chunk; normalise_qk zeroes q and k there).
+// The head's gate constants: dt_bias (0 where absent) and e^{A_log[h]}, read by gate_chunk from
+// global memory or, in a kernel that walks many chunks of one head, once into shared memory
+// (sm_gate: [128] dt_bias, then a_scale; followed by a barrier before use).
+template <GateForm kGate>
+__device__ __forceinline__ void load_gate_consts(const ProduceArgs& p, int h, int tid, float* sm_gate) {
+  if constexpr (kGate != GateForm::kPrecomputed) {
+    sm_gate[tid] = p.dt_bias != nullptr ? p.dt_bias[int64_t(h) * kHeadDim + tid] : 0.f;
+    if (tid == 0) sm_gate[kHeadDim] = __expf(p.A_log[h]);
+  }
+}
+
 template <GateForm kGate>
 __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows, int tid, ThreadTile& q,
-                                           ThreadTile& k, ThreadTile& a) {
+                                           ThreadTile& k, ThreadTile& a, const float* sm_gate) {
   const int warp = tid >> 5, lane = tid & 31;
   float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float a_scale = 0.f;
   if constexpr (kGate != GateForm::kPrecomputed) {
-    if (p.dt_bias != nullptr) load8<true>(p.dt_bias, int64_t(h) * kHeadDim + tile_channel(lane), bias);
+    if (sm_gate != nullptr) {
+      const float4* b = reinterpret_cast<const float4*>(sm_gate + tile_channel(lane));
+      const float4 b0 = b[0], b1 = b[1];
+      bias[0] = b0.x, bias[1] = b0.y, bias[2] = b0.z, bias[3] = b0.w, bias[4] = b1.x, bias[5] = b1.y, bias[6] = b1.z,
+      bias[7] = b1.w;
+      a_scale = sm_gate[kHeadDim];
+    } else {
+      if (p.dt_bias != nullptr) load8<true>(p.dt_bias, int64_t(h) * kHeadDim + tile_channel(lane), bias);
+      a_scale = __expf(p.A_log[h]);
+    }
   }
-  const float a_scale = kGate == GateForm::kPrecomputed ? 0.f : __expf(p.A_log[h]);
   const float lb2 = p.lower_bound * kLog2e, a_scale2 = a_scale * kLog2e;
 #pragma unroll
   for (int r = 0; r < 4; ++r)
@@ -520,23 +552,30 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // warpgroup, scratch: ProduceScratch (1024-byte aligned). Ends with the record's stores fenced for
 // the async proxy (a bulk copy or a consumer's wgmma may read it after the next barrier or
 // mbarrier arrival).
-// staged: the chunk's inputs already in shared memory (issue_chunk_inputs, copies complete) with
-// beta_raw, or null: loaded from global memory here.
-template <GateForm kGate, bool kF32Gate, class Sync>
+// staged: the chunk's inputs already in shared memory (issue_chunk_rows, copies complete) with
+// beta_raw (load_beta_raw), or null: loaded from global memory here.
+// sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
+// beta_ahead (with inputs not staged): beta_raw holds the chunk's raw beta (load_beta_raw).
+template <GateForm kGate, bool kF32Gate, class Sync, class Marks = NoMarks>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                               uint8_t* scratch, const uint8_t* staged = nullptr,
-                                              float beta_raw = 0.f) {
+                                              float beta_raw = 0.f, const float* sm_gate = nullptr,
+                                              bool beta_ahead = false, const Marks& mark = Marks{}) {
   float* const sm_beta = reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta);
   const int64_t row0 = chunk * kChunk;
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
 
   ThreadTile q, k, a;
   if (staged != nullptr) load_chunk_staged<kF32Gate>(p, rows, tid, staged, beta_raw, q, k, a, sm_beta);
-  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta);
-  gate_chunk<kGate>(p, h, rows, tid, q, k, a);
+  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_raw);
+  mark(1);
+  gate_chunk<kGate>(p, h, rows, tid, q, k, a, sm_gate);
+  mark(9);
   normalise_qk(p, tid, rows, q, k);
+  mark(2);
   float gamma[8];
   const bool wide = scan_log_decay<Sync>(tid, a, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
+  mark(3);
   if (tid < 16) {
     float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
     dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
@@ -546,14 +585,18 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   build_factors(tid, q, k, a, gamma, rec, scratch);
   fence_proxy_async_shared();
   Sync::sync();
+  mark(4);
 
   float d[16];
   l_mqk_product(scratch, d);
+  mark(5);
   float* const sm_L = reinterpret_cast<float*>(scratch + ProduceScratch::kOffL);
   store_l_mqk(tid, d, sm_beta, sm_L, rec);
   Sync::sync();
+  mark(6);
   invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec);
   fence_proxy_async_shared();
+  mark(7);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
