@@ -56,10 +56,16 @@ struct V2Call {
     ca.final_state = static_cast<float*>(p.final_state);
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
-  // inputs staged a chunk ahead.
+  // inputs staged a chunk ahead; the candidates (lower-bound bf16 gates only, candidates()): 3 fused
+  // with setmaxnreg 184 / 160, 4 fused with the consumers inverting, 5 both.
+  static constexpr int kModes = 6;
+  bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
-      ASSERT_EQ(fused_chunks(FusedArgs{pa, ca, mode == 2}, stream), cudaSuccess);
+      FusedArgs f{pa, ca, mode == 2};
+      f.producer_regs = mode == 3 || mode == 5;
+      f.consumer_inverse = mode >= 4;
+      ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
       ASSERT_EQ(consume_chunks(ca, stream), cudaSuccess);
@@ -74,9 +80,13 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
   const test::Reference ref = test::run_reference(in);
   DeviceProblem d(in);
   V2Call v2(d);
-  std::vector<unsigned char> bits[3];
-  const char* names[3] = {"prefill32 ", "fused32 ", "fused32 staged "};
-  for (int mode = 0; mode < 3; ++mode) {
+  std::vector<unsigned char> bits[V2Call::kModes];
+  const char* names[V2Call::kModes] = {"prefill32 ",         "fused32 ",           "fused32 staged ",
+                                       "fused32 setmaxnreg ", "fused32 inverting consumers ",
+                                       "fused32 inverting consumers, setmaxnreg "};
+  const int modes = v2.candidates() ? V2Call::kModes : 3;
+  int same = 0;
+  for (int mode = 0; mode < modes; ++mode) {
     SCOPED_TRACE(names[mode]);
     const std::string name = std::string(names[mode]) + what;
     d.poison();
@@ -110,9 +120,10 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
     EXPECT_TRUE(bits[mode] == in.out.bytes) << "a repeated call changed the output";
+    if (mode > 0) same += bits[mode] == bits[0];
   }
-  test::report(std::string("fused32 same bits as the two kernels ") + what,
-               (bits[0] == bits[1]) + (bits[0] == bits[2]));
+  test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(modes - 1) + ") " + what,
+               same);
 }
 
 class Prefill32Gpu : public ::testing::Test {
@@ -186,15 +197,16 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     return double(ms[ms.size() / 2]);
   };
   // The three paths' outputs at this shape, bit for bit (no reference: too long for the host).
-  std::vector<unsigned char> bits[3];
-  for (int mode = 0; mode < 3; ++mode) {
+  std::vector<unsigned char> bits[V2Call::kModes];
+  for (int mode = 0; mode < V2Call::kModes; ++mode) {
     d.poison();
     v2.run(mode);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
     bits[mode] = in.out.bytes;
   }
-  EXPECT_TRUE(bits[0] == bits[1] && bits[0] == bits[2]) << "the fused kernels' output differs from the two kernels'";
+  for (int mode = 1; mode < V2Call::kModes; ++mode)
+    EXPECT_TRUE(bits[0] == bits[mode]) << "fused mode " << mode << ": the output differs from the two kernels'";
   EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
   const double t_today = median_ms([&] { d.run(); });
   const double t_v2 = median_ms([&] { v2.run(0); });
@@ -202,19 +214,11 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_staged = median_ms([&] { v2.run(2); });
   FusedArgs consumers_only{v2.pa, v2.ca, false};
   consumers_only.time_consumers_only = true;
-  double t_regs[2];
-  for (int staged = 0; staged < 2; ++staged) {
-    FusedArgs split{v2.pa, v2.ca, staged == 1};
-    split.producer_regs = true;
-    t_regs[staged] = median_ms([&] { ASSERT_EQ(fused_chunks(split, nullptr), cudaSuccess); });
-    d.poison();
-    ASSERT_EQ(fused_chunks(split, nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    d.download();
-    EXPECT_TRUE(in.out.bytes == bits[0]) << "setmaxnreg 184 / 160, staged " << staged << ": other bits";
-  }
-  std::printf("[ measure  ] prefill32 T=8192 H=96 with setmaxnreg 184 / 160: fused %.3f ms, staged %.3f ms\n", t_regs[0],
-              t_regs[1]);
+  double t_mode[V2Call::kModes];
+  for (int mode = 3; mode < V2Call::kModes; ++mode) t_mode[mode] = median_ms([&] { v2.run(mode); });
+  std::printf("[ measure  ] prefill32 T=8192 H=96 candidates: setmaxnreg 184 / 160 %.3f ms, inverting consumers %.3f ms, "
+              "both %.3f ms\n",
+              t_mode[3], t_mode[4], t_mode[5]);
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
@@ -222,20 +226,22 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   // loaded by the producer's threads and staged by bulk copies.
   long long* clocks = nullptr;
   ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * o.H), cudaSuccess);
-  for (int variant = 0; variant < 4; ++variant) {
-    const bool staged = variant & 1, regs = variant & 2;
+  for (int variant = 0; variant < 6; ++variant) {
+    const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
+    if (staged && cinv) continue;
     FusedArgs clocked{v2.pa, v2.ca, staged};
     clocked.phase_clocks = clocks;
     clocked.producer_regs = regs;
+    clocked.consumer_inverse = cinv;
     ASSERT_EQ(fused_chunks(clocked, nullptr), cudaSuccess);
     std::vector<long long> sums(size_t(kPhaseClocks) * o.H);
     ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
     const char* names[kPhaseClocks] = {"empty wait", "load", "normalise", "scan", "factors", "L/Mqk wgmma",
                                        "L/Mqk stores", "inverse", "arrive+loop", "gate", "full wait", "recurrence",
-                                       "out stores+release", "", "", "chunks"};
-    std::printf("[ measure  ] fused kernel%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
-                staged ? " (staged inputs)" : "", regs ? " (setmaxnreg 184 / 160)" : "");
-    for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 7, 8, 10, 11, 12}) {
+                                       "out stores+release", "inverse", "", "chunks"};
+    std::printf("[ measure  ] fused kernel%s%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
+                staged ? " (staged inputs)" : "", regs ? " (setmaxnreg 184 / 160)" : "", cinv ? " (inverting consumers)" : "");
+    for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 7, 8, 10, 13, 11, 12}) {
       double mean = 0;
       for (int h = 0; h < o.H; ++h)
         mean += double(sums[size_t(h) * kPhaseClocks + i]) / double(sums[size_t(h) * kPhaseClocks + 15]);

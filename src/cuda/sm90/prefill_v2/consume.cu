@@ -51,7 +51,8 @@ __global__ void __launch_bounds__(kThreads, 1) consume_kernel(const __grid_const
     if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
     mbarrier_wait(&full[c % kStages], uint32_t(c / kStages) & 1);
     __nv_bfloat16 o[16];
-    consume_chunk(p, h, c, v_row, t4, ring + (c % kStages) * kRecordSpan, [&](int i) { return v_cur[i]; }, S, rs, o);
+    const uint8_t* const rec = ring + (c % kStages) * kRecordSpan;
+    consume_chunk(p, h, c, v_row, t4, rec, rec + ChunkOperands::kOffInvB, [&](int i) { return v_cur[i]; }, S, rs, o);
     store_out_slots(p, h, c, v_row, t4, o);
   }
   if (p.final_state != nullptr)

@@ -90,10 +90,12 @@ __device__ __forceinline__ void f16_product_fp32(const float (&S)[64], const uin
 // calls it.
 // v_at(i): v^T of this thread's accumulator slot i (token 8 (i >> 2) + 2 t4 + (i & 1), row
 // v_row + 8 ((i >> 1) & 1)), read once W^T is in (so that v holds no registers across the wgmmas).
+// inv: inv_b's split SW64 tiles (hi, then lo kSmallBytes after it): the record's
+// (rec + ChunkOperands::kOffInvB), or the warpgroup's own where it inverts (fused.cu).
 template <class VAt>
 __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64_t c, int v_row, int t4,
-                                              const uint8_t* rec, VAt&& v_at, float (&S)[64], prefill::RowScale& rs,
-                                              __nv_bfloat16 (&out)[16]) {
+                                              const uint8_t* rec, const uint8_t* inv, VAt&& v_at, float (&S)[64],
+                                              prefill::RowScale& rs, __nv_bfloat16 (&out)[16]) {
   // W^T and O^T over K = 128 (fp16 S_st, k_decayed, q_decayed).
   uint32_t s_hi[8][4], s_unused[8][4];
   prefill::state_fragments<false, true>(S, s_hi, s_unused);
@@ -133,7 +135,7 @@ __device__ __forceinline__ void consume_chunk(const ConsumeArgs& p, int h, int64
   for (int i = 0; i < 16; ++i) W[i] = fmaf(v_at(i), rs.m[(i >> 1) & 1], -W[i]);
   uint32_t u_hi[2][4], u_lo[2][4];
   split_fragments(W, u_hi, u_lo);
-  const uint64_t d_inv = sw64_desc(rec + ChunkOperands::kOffInvB), d_inv_lo = sw64_desc(rec + ChunkOperands::kOffInvBLo);
+  const uint64_t d_inv = sw64_desc(inv), d_inv_lo = sw64_desc(inv + kSmallBytes);
   float U[16];
 #pragma unroll
   for (int s = 0; s < 2; ++s) fence_regs(u_hi[s]), fence_regs(u_lo[s]);

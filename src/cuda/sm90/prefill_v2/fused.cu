@@ -22,14 +22,25 @@ constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
-constexpr int kStageSpan = kRecordSpan + kVBytes;         // a ring stage: the record, then v
-constexpr int kOffBarriers = kStages * kStageSpan + kScratchSpan;
-constexpr int kOffStaged = kOffBarriers + 1024;  // two buffers of the producer's staged inputs
-// + full[2], empty[2], staged_full[2] (and the staged inputs); + the 1024-byte alignment
-constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
-constexpr int kSmemBytes(bool staged) {
-  return (staged ? kOffStaged + 2 * kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
-}
+// Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
+// and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
+// warpgroup's inv_b (split SW64 tiles) and forward-substitution scratch, the barriers (and the
+// phase clocks' sums), the staged inputs.
+template <bool kStaged, bool kConsumerInv>
+struct SmemLayout {
+  static constexpr int kOffLBeta = kRecordSpan + kVBytes;  // in a stage
+  static constexpr int kStageSpan = (kOffLBeta + (kConsumerInv ? kLBetaBytes : 0) + 1023) & ~1023;
+  static constexpr int kOffScratch = kStages * kStageSpan;
+  static constexpr int kInvSpan = 6144;  // inv hi, lo (2 KB each), X22 [16][kX22Stride] fp32
+  static constexpr int kOffInv = kOffScratch + kScratchSpan;
+  static constexpr int kOffBarriers = kOffInv + (kConsumerInv ? 2 * kInvSpan : 0);
+  static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
+  static constexpr int kOffStaged = kOffBarriers + 1024;  // two buffers of the producer's staged inputs
+  // + full[2], empty[2], staged_full[2]; + the 1024-byte alignment
+  static constexpr int kBytes = (kStaged ? kOffStaged + 2 * kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
+  static_assert(2 * kSmallBytes + 16 * ProduceScratch::kX22Stride * 4 <= kInvSpan);
+  static_assert(kBytes <= 227 * 1024);
+};
 
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
 struct PhaseMarks {
@@ -63,13 +74,14 @@ constexpr int kLaunchRegs = 168;  // __launch_bounds__(384, 1): 65 536 / 384, ro
 static_assert(kThreads * kProducerRegs + 2 * kThreads * kConsumerRegs <= 3 * kThreads * kLaunchRegs,
               "the producer would wait for registers no one frees");
 
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false>
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
+  using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  uint8_t* const scratch = ring + kStages * kStageSpan;
-  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + kOffBarriers);
+  uint8_t* const scratch = ring + L::kOffScratch;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   uint64_t* const empty = full + kStages;
   const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
   const int64_t num_chunks = (a.consume.T + kChunk - 1) / kChunk;
@@ -80,7 +92,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     }
     fence_mbarrier_init();
   }
-  long long* const clock_sums = reinterpret_cast<long long*>(ring + kOffClocks);
+  long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
   if (kClock && tid < kPhaseClocks) clock_sums[tid] = 0;
   __syncthreads();
   long long last_clock = kClock ? clock64() : 0;
@@ -88,7 +100,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
-    uint8_t* const staged = ring + kOffStaged;
+    uint8_t* const staged = ring + L::kOffStaged;
     uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffers (issue_chunk_rows)
     // Chunk c + 1's rows are copied while chunk c is computed; in time_consumers_only, only chunks 0 and 1.
     const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
@@ -122,12 +134,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         // the empty barrier; the copy writes through the async proxy.
         fence_proxy_async_shared();
         mbarrier_expect_tx(&full[stage], kVBytes);
-        tensor_copy_3d(ring + stage * kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(c * kChunk), &full[stage]);
+        tensor_copy_3d(ring + stage * L::kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(c * kChunk), &full[stage]);
       }
       if constexpr (kStaged) mbarrier_wait(&staged_full[c & 1], uint32_t(c >> 1) & 1);
-      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>>(a.produce, h, c, tid, ring + stage * kStageSpan, scratch,
-                                                       kStaged ? staged + (c & 1) * kStagedBytes : nullptr, beta_raw,
-                                                       sm_gate, true, mark);
+      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv>(
+          a.produce, h, c, tid, ring + stage * L::kStageSpan, scratch, kStaged ? staged + (c & 1) * kStagedBytes : nullptr,
+          beta_raw, sm_gate, true, reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark);
       mbarrier_arrive(&full[stage]);
       mark(8);
     }
@@ -145,20 +157,38 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     prefill::load_state_rows(S, p.initial_state, p.initial_state ? ElemType::kF32 : ElemType::kNone,
                              int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
     prefill::RowScale rs;
+    // kConsumerInv: this warpgroup's inv_b, which its warp 0 builds from each chunk's L while the
+    // other warps wait at the warpgroup's named barrier (2 or 3; the producer's is 1). X12 = 0 once.
+    uint8_t* const own_inv = ring + L::kOffInv + (wg - 1) * L::kInvSpan;
+    if constexpr (kConsumerInv) {
+      if ((ctid & 127) < 64) invert_zero_upper(ctid & 127, own_inv, own_inv + kSmallBytes);
+      fence_proxy_async_shared();
+    }
     for (int64_t c = 0; c < num_chunks; ++c) {
       const int stage = int(c % kStages);
       if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
       mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       mark(10);
+      if constexpr (kConsumerInv) {
+        if (warp == 0) {
+          const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
+          invert_warp(lane, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), own_inv,
+                      own_inv + kSmallBytes);
+          fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
+        }
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+        mark(13);
+      }
       // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
-      const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * kStageSpan + kRecordSpan);
+      const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * L::kStageSpan + kRecordSpan);
       const int rows = p.T - c * kChunk < kChunk ? int(p.T - c * kChunk) : kChunk;
       auto v_at = [&](int i) {
         const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
         return t < rows ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
       };
       __nv_bfloat16 o[16];
-      consume_chunk(p, h, c, v_row, t4, ring + stage * kStageSpan, v_at, S, rs, o);
+      consume_chunk(p, h, c, v_row, t4, ring + stage * L::kStageSpan,
+                    kConsumerInv ? own_inv : ring + stage * L::kStageSpan + ChunkOperands::kOffInvB, v_at, S, rs, o);
       mark(11);
       // The output through the stage's v: each slot's bf16 where this thread read its v (no other
       // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
@@ -179,7 +209,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       mark(12);
     }
     if (kClock && tid == kThreads)
-      for (int i = 10; i < 13; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
+      for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
     if (p.final_state != nullptr)
       prefill::store_state_rows(S, p.final_state, ElemType::kF32, int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
   }
@@ -211,7 +241,8 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false>
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
+          bool kConsumerInv = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -220,15 +251,16 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
       !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H) ||
       !chunk_rows_map(&params.maps.v, args.consume.v, false, pa.T, pa.H))
     return cudaErrorInvalidValue;
-  auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes(kStaged));
+  auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv>;
+  constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   if constexpr (kRegSplit) {  // the split must fit the registers the launch gives the CTA (else: a hang)
     cudaFuncAttributes attr{};
     if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
     if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
   }
-  kernel<<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmemBytes(kStaged), stream>>>(params);
+  kernel<<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 template <GateForm kGate, bool kF32Gate>
@@ -246,6 +278,15 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
+  if (args.consumer_inverse) {  // a candidate: lower-bound bf16 gates, inputs not staged
+    if (pa.gate != GateForm::kLowerBound || f32 || args.stage_inputs) return cudaErrorInvalidValue;
+    constexpr GateForm kLB = GateForm::kLowerBound;
+    if (args.phase_clocks != nullptr)
+      return args.producer_regs ? launch<kLB, false, false, true, true, true>(args, stream)
+                                : launch<kLB, false, false, true, false, true>(args, stream);
+    return args.producer_regs ? launch<kLB, false, false, false, true, true>(args, stream)
+                              : launch<kLB, false, false, false, false, true>(args, stream);
+  }
   if (args.phase_clocks != nullptr) {
     if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
     if (args.producer_regs)

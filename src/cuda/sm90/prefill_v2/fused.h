@@ -29,12 +29,16 @@ struct FusedArgs {
   // it are refused). Producer (its thread 0, in the inverse's warp): 0 the wait for an empty stage,
   // 1 load (staged inputs: the wait for them), 9 gate, 2 normalise, 3 scan, 4 factors, 5 L/Mqk
   // product, 6 their stores, 7 inverse, 8 the rest of the loop; consumers (warpgroup 1's thread 0):
-  // 10 the wait for a full stage, 11 the chunk's recurrence, 12 the output stores and release;
-  // 15 the chunks.
+  // 10 the wait for a full stage, 13 the inverse (consumer_inverse), 11 the chunk's recurrence,
+  // 12 the output stores and release; 15 the chunks.
   long long* phase_clocks = nullptr;
   // A candidate (lower-bound bf16 gates only): setmaxnreg gives the producer 184 registers and the
   // consumers 160 (false: all at the launch's 168).
   bool producer_regs = false;
+  // A candidate (lower-bound bf16 gates, inputs not staged): the producer leaves inv_b to the
+  // consumers (it writes L and beta into the stage and arrives); warp 0 of each consumer warpgroup
+  // inverts the chunk's (I + L) into its warpgroup's own tiles before the recurrence.
+  bool consumer_inverse = false;
 };
 constexpr int kPhaseClocks = 16;
 

@@ -478,25 +478,21 @@ __device__ __forceinline__ float dot16(const float* row, const float (&x)[16]) {
   return acc;
 }
 
-// Warp 0: inv_b = X diag(b), X = (I + L)^-1, into the record (split). Lanes 0-15 take column
+// inv_b = X diag(b), X = (I + L)^-1, as a split SW64 pair (inv_hi, inv_lo: the record's, or a
+// consumer warpgroup's own). invert_zero_upper: thread u (0..63) zeroes one granule of the
+// upper-right block X12 = 0 (rows 0-15, columns 16-31: granules 2 and 3 of each row, wherever the
+// swizzle puts them; nothing else writes there). invert_warp, one warp: lanes 0-15 take column
 // j = lane of X11 = (I + L11)^-1, lanes 16-31 column j = lane - 16 of X22 = (I + L22)^-1, both by
 // fp32 forward substitution (exact for unit lower-triangular matrices, stable for near-collinear
 // keys); then X21 = -X22 (L21 X11), lane (half, j) its rows 8 half .. 8 half + 7 of column j.
-// Warps 1-3 zero the upper-right block. sm_X22: [16][kX22Stride] scratch.
-__device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X22, uint8_t* rec) {
-  const int warp = tid >> 5, lane = tid & 31;
-  uint8_t* const inv_hi = rec + ChunkOperands::kOffInvB;
-  uint8_t* const inv_lo = rec + ChunkOperands::kOffInvBLo;
-  if (warp != 0) {
-    // X12 = 0: rows 0-15, columns 16-31 (granules 2 and 3 of each row, wherever the swizzle puts them).
-    const int u = tid - 32;  // 0..95
-    if (u < 64) {
-      const int tile = u >> 5, i = (u >> 1) & 15, gcol = 2 + (u & 1);
-      uint8_t* base = tile ? inv_lo : inv_hi;
-      *reinterpret_cast<uint4*>(base + sw64_offset(i, 8 * gcol)) = make_uint4(0, 0, 0, 0);
-    }
-    return;
-  }
+// sm_L: fp32 L [32][kLStride] (b_i L, strictly lower), sm_beta: [32], sm_X22: [16][kX22Stride].
+__device__ __forceinline__ void invert_zero_upper(int u, uint8_t* inv_hi, uint8_t* inv_lo) {
+  const int tile = u >> 5, i = (u >> 1) & 15, gcol = 2 + (u & 1);
+  *reinterpret_cast<uint4*>((tile ? inv_lo : inv_hi) + sw64_offset(i, 8 * gcol)) = make_uint4(0, 0, 0, 0);
+}
+
+__device__ __forceinline__ void invert_warp(int lane, const float* sm_L, const float* sm_beta, float* sm_X22,
+                                            uint8_t* inv_hi, uint8_t* inv_lo) {
   const int half = lane >> 4, j = lane & 15, base = 16 * half;
   const float* L = sm_L + base * ProduceScratch::kLStride + base;  // this half's diagonal block
   // Rows are read four entries at a time (kLStride and kX22Stride keep them 16-byte aligned).
@@ -548,6 +544,17 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
   for (int i = 0; i < 16; ++i) store_split_scalar(inv_hi, inv_lo, sw64_offset(base + i, base + j), x[i] * bj);
 }
 
+// The record's inv_b by the producer's warpgroup: warp 0 inverts, warps 1-3 zero X12.
+__device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X22, uint8_t* rec) {
+  uint8_t* const inv_hi = rec + ChunkOperands::kOffInvB;
+  uint8_t* const inv_lo = rec + ChunkOperands::kOffInvBLo;
+  if (tid >= 32) {
+    if (tid < 96) invert_zero_upper(tid - 32, inv_hi, inv_lo);
+    return;
+  }
+  invert_warp(tid, sm_L, sm_beta, sm_X22, inv_hi, inv_lo);
+}
+
 // One chunk's record (rec, 1024-byte aligned) from its inputs, by the 128 threads tid of one
 // warpgroup, scratch: ProduceScratch (1024-byte aligned). Ends with the record's stores fenced for
 // the async proxy (a bulk copy or a consumer's wgmma may read it after the next barrier or
@@ -556,12 +563,19 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // beta_raw (load_beta_raw), or null: loaded from global memory here.
 // sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
 // beta_ahead (with inputs not staged): beta_raw holds the chunk's raw beta (load_beta_raw).
-template <GateForm kGate, bool kF32Gate, class Sync, class Marks = NoMarks>
+// kInvert false: the record's inv_b is left to its consumers; L (fp32, [32][kLStride]) and beta
+// ([32]) go to l_beta instead of the scratch (L, then beta at kLBetaOffBeta floats), and the call
+// ends after their stores (fenced for the async proxy, no barrier).
+constexpr int kLBetaOffBeta = kChunk * ProduceScratch::kLStride;
+constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
+template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, class Marks = NoMarks>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                               uint8_t* scratch, const uint8_t* staged = nullptr,
                                               float beta_raw = 0.f, const float* sm_gate = nullptr,
-                                              bool beta_ahead = false, const Marks& mark = Marks{}) {
-  float* const sm_beta = reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta);
+                                              bool beta_ahead = false, float* l_beta = nullptr,
+                                              const Marks& mark = Marks{}) {
+  float* const sm_beta =
+      kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
   const int64_t row0 = chunk * kChunk;
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
 
@@ -590,8 +604,13 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   float d[16];
   l_mqk_product(scratch, d);
   mark(5);
-  float* const sm_L = reinterpret_cast<float*>(scratch + ProduceScratch::kOffL);
+  float* const sm_L = kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffL) : l_beta;
   store_l_mqk(tid, d, sm_beta, sm_L, rec);
+  if constexpr (!kInvert) {
+    fence_proxy_async_shared();  // Mqk's tiles (the consumers' wgmma operands)
+    mark(6);
+    return;
+  }
   Sync::sync();
   mark(6);
   invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec);
