@@ -56,15 +56,24 @@ struct V2Call {
     ca.final_state = static_cast<float*>(p.final_state);
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
-  // inputs staged a chunk ahead; the candidates (lower-bound bf16 gates only, candidates()): 3 fused
-  // with setmaxnreg 184 / 160, 4 fused with the consumers inverting, 5 both.
-  static constexpr int kModes = 6;
+  // inputs staged by TMA; the candidates (lower-bound bf16 gates only, candidates()), fused with
+  // 3: setmaxnreg 184 / 160, 4: the consumers inverting, 5: both, 6: both and staged inputs,
+  // 7: setmaxnreg and staged inputs.
+  static constexpr int kModes = 8;
+  static constexpr const char* kNames[kModes] = {"prefill32 ",
+                                                 "fused32 ",
+                                                 "fused32 staged ",
+                                                 "fused32 setmaxnreg ",
+                                                 "fused32 inverting consumers ",
+                                                 "fused32 inverting consumers, setmaxnreg ",
+                                                 "fused32 staged, inverting consumers, setmaxnreg ",
+                                                 "fused32 staged, setmaxnreg "};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
-      FusedArgs f{pa, ca, mode == 2};
-      f.producer_regs = mode == 3 || mode == 5;
-      f.consumer_inverse = mode >= 4;
+      FusedArgs f{pa, ca, mode == 2 || mode >= 6};
+      f.producer_regs = mode == 3 || mode >= 5;
+      f.consumer_inverse = mode >= 4 && mode <= 6;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -81,9 +90,7 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
   DeviceProblem d(in);
   V2Call v2(d);
   std::vector<unsigned char> bits[V2Call::kModes];
-  const char* names[V2Call::kModes] = {"prefill32 ",         "fused32 ",           "fused32 staged ",
-                                       "fused32 setmaxnreg ", "fused32 inverting consumers ",
-                                       "fused32 inverting consumers, setmaxnreg "};
+  const auto& names = V2Call::kNames;
   const int modes = v2.candidates() ? V2Call::kModes : 3;
   int same = 0;
   for (int mode = 0; mode < modes; ++mode) {
@@ -214,11 +221,9 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_staged = median_ms([&] { v2.run(2); });
   FusedArgs consumers_only{v2.pa, v2.ca, false};
   consumers_only.time_consumers_only = true;
-  double t_mode[V2Call::kModes];
-  for (int mode = 3; mode < V2Call::kModes; ++mode) t_mode[mode] = median_ms([&] { v2.run(mode); });
-  std::printf("[ measure  ] prefill32 T=8192 H=96 candidates: setmaxnreg 184 / 160 %.3f ms, inverting consumers %.3f ms, "
-              "both %.3f ms\n",
-              t_mode[3], t_mode[4], t_mode[5]);
+  std::printf("[ measure  ] prefill32 T=8192 H=96 candidates (ms):");
+  for (int mode = 3; mode < V2Call::kModes; ++mode)
+    std::printf(" %s%.3f%s", V2Call::kNames[mode], median_ms([&] { v2.run(mode); }), mode + 1 < V2Call::kModes ? ";" : "\n");
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
@@ -226,9 +231,8 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   // loaded by the producer's threads and staged by bulk copies.
   long long* clocks = nullptr;
   ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * o.H), cudaSuccess);
-  for (int variant = 0; variant < 6; ++variant) {
+  for (int variant = 0; variant < 8; ++variant) {
     const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
-    if (staged && cinv) continue;
     FusedArgs clocked{v2.pa, v2.ca, staged};
     clocked.phase_clocks = clocks;
     clocked.producer_regs = regs;

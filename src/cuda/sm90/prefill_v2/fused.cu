@@ -2,13 +2,14 @@
 // record into stage c % 2 of a shared-memory ring (its own named barrier 1 inside produce_chunk,
 // then every producer thread arrives on full[c % 2]); warpgroups 1 and 2 wait for it, run the
 // chunk for value rows 0-63 and 64-127, and every consumer thread arrives on empty[c % 2], which
-// the producer waits for before it writes chunk c + 2 there. All three run at the launch's 168
-// registers: with v read from the stage the consumers fit without spills, and the producer spills
-// least (setmaxnreg 152 / 176 cost the producer ~50 spill instructions a chunk).
+// the producer waits for before it writes chunk c + 2 there. By default all three run at the
+// launch's 168 registers (FusedArgs::producer_regs: setmaxnreg 184 / 160).
 // Each stage also holds the chunk's v rows, which one thread of the producer's warp 1 copies in by
 // TMA (a tensor copy of the chunk's 32 rows; the maps of q, k, g and v are built per call) as the
 // stage is rebuilt, completing on the same full barrier. FusedArgs::stage_inputs: the same thread
-// copies chunk c + 1's q, k, g rows into shared memory (issue_chunk_rows) while chunk c is computed.
+// copies chunk c + 1's q, k, g rows into one shared buffer (issue_chunk_rows) once chunk c's
+// factors have read it for the last time; the producer reads q and k from there where it uses
+// them instead of holding them in registers.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "cuda/sm90/prefill_v2/consume.cuh"
@@ -35,9 +36,9 @@ struct SmemLayout {
   static constexpr int kOffInv = kOffScratch + kScratchSpan;
   static constexpr int kOffBarriers = kOffInv + (kConsumerInv ? 2 * kInvSpan : 0);
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
-  static constexpr int kOffStaged = kOffBarriers + 1024;  // two buffers of the producer's staged inputs
-  // + full[2], empty[2], staged_full[2]; + the 1024-byte alignment
-  static constexpr int kBytes = (kStaged ? kOffStaged + 2 * kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
+  static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
+  // + full[2], empty[2], staged_full; + the 1024-byte alignment
+  static constexpr int kBytes = (kStaged ? kOffStaged + kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
   static_assert(2 * kSmallBytes + 16 * ProduceScratch::kX22Stride * 4 <= kInvSpan);
   static_assert(kBytes <= 227 * 1024);
 };
@@ -88,8 +89,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
-      mbarrier_init(&empty[kStages + s], 1);  // the staged inputs' buffer s: lane 0 of warp 1 and the bytes
     }
+    mbarrier_init(&empty[kStages], 1);  // the staged inputs' buffer: its issuing thread and the bytes
     fence_mbarrier_init();
   }
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
@@ -101,8 +102,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
     uint8_t* const staged = ring + L::kOffStaged;
-    uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffers (issue_chunk_rows)
-    // Chunk c + 1's rows are copied while chunk c is computed; in time_consumers_only, only chunks 0 and 1.
+    uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffer (issue_chunk_rows)
+    // Chunk c + 1's rows are copied once chunk c's factors have read the buffer for the last time
+    // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
     const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
     float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
     load_gate_consts<kGate>(a.produce, h, tid, sm_gate);
@@ -110,18 +112,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
     float beta_next = load_beta_raw(a.produce, h, 0, tid);
     if constexpr (kStaged) {
-      if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, &staged_full[0]);
+      if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full);
     }
     for (int64_t c = 0; c < num_chunks; ++c) {
       const int stage = int(c % kStages);
       const float beta_raw = beta_next;
-      if (c + 1 < staged_chunks) {
-        // Buffer (c + 1) % 2 was last read in chunk c - 1's load, before its scan's barrier.
-        if (kStaged && tid == 32)
-          issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged + ((c + 1) & 1) * kStagedBytes,
-                                     &staged_full[(c + 1) & 1]);
-        beta_next = load_beta_raw(a.produce, h, c + 1, tid);
-      }
+      if (c + 1 < staged_chunks) beta_next = load_beta_raw(a.produce, h, c + 1, tid);
       if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
       mark(0);
       if (a.time_consumers_only && c >= kStages) {
@@ -136,10 +132,13 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         mbarrier_expect_tx(&full[stage], kVBytes);
         tensor_copy_3d(ring + stage * L::kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(c * kChunk), &full[stage]);
       }
-      if constexpr (kStaged) mbarrier_wait(&staged_full[c & 1], uint32_t(c >> 1) & 1);
-      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv>(
-          a.produce, h, c, tid, ring + stage * L::kStageSpan, scratch, kStaged ? staged + (c & 1) * kStagedBytes : nullptr,
-          beta_raw, sm_gate, true, reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark);
+      if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(c) & 1);
+      const auto refill = [&] {
+        if (kStaged && tid == 32 && c + 1 < staged_chunks) issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full);
+      };
+      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv, kStaged>(
+          a.produce, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_raw, sm_gate, true,
+          reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark, refill);
       mbarrier_arrive(&full[stage]);
       mark(8);
     }
@@ -268,6 +267,16 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   return args.stage_inputs ? launch<kGate, kF32Gate, true>(args, stream) : launch<kGate, kF32Gate, false>(args, stream);
 }
 
+template <bool kStaged>
+cudaError_t launch_inverting(const FusedArgs& args, cudaStream_t stream) {
+  constexpr GateForm kLB = GateForm::kLowerBound;
+  if (args.phase_clocks != nullptr)
+    return args.producer_regs ? launch<kLB, false, kStaged, true, true, true>(args, stream)
+                              : launch<kLB, false, kStaged, true, false, true>(args, stream);
+  return args.producer_regs ? launch<kLB, false, kStaged, false, true, true>(args, stream)
+                            : launch<kLB, false, kStaged, false, false, true>(args, stream);
+}
+
 }  // namespace
 
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
@@ -278,14 +287,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
-  if (args.consumer_inverse) {  // a candidate: lower-bound bf16 gates, inputs not staged
-    if (pa.gate != GateForm::kLowerBound || f32 || args.stage_inputs) return cudaErrorInvalidValue;
-    constexpr GateForm kLB = GateForm::kLowerBound;
-    if (args.phase_clocks != nullptr)
-      return args.producer_regs ? launch<kLB, false, false, true, true, true>(args, stream)
-                                : launch<kLB, false, false, true, false, true>(args, stream);
-    return args.producer_regs ? launch<kLB, false, false, false, true, true>(args, stream)
-                              : launch<kLB, false, false, false, false, true>(args, stream);
+  if (args.consumer_inverse) {  // a candidate: lower-bound bf16 gates
+    if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
+    return args.stage_inputs ? launch_inverting<true>(args, stream) : launch_inverting<false>(args, stream);
   }
   if (args.phase_clocks != nullptr) {
     if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;

@@ -17,9 +17,9 @@ namespace flashkda::cuda::sm90::prefill_v2 {
 struct FusedArgs {
   ProduceArgs produce;  // out (records) unused
   ConsumeArgs consume;  // records unused
-  // The producer's q, k, g rows of chunk c + 1 bulk-copied into shared memory by its warp 1 while
-  // chunk c is computed (beta a chunk ahead in registers); false: loaded from global memory when
-  // the chunk starts.
+  // The producer's q, k, g rows of chunk c + 1 copied by TMA into one shared buffer once chunk c's
+  // factors are built (beta a chunk ahead in registers), and q, k read from there where they are
+  // used; false: loaded from global memory into registers when the chunk starts.
   bool stage_inputs = true;
   // Timing only: the producer builds chunks 0 and 1 and then hands the same two stages back
   // without rebuilding them, so the call takes the consumers' time alone; outputs are meaningless.
@@ -35,7 +35,7 @@ struct FusedArgs {
   // A candidate (lower-bound bf16 gates only): setmaxnreg gives the producer 184 registers and the
   // consumers 160 (false: all at the launch's 168).
   bool producer_regs = false;
-  // A candidate (lower-bound bf16 gates, inputs not staged): the producer leaves inv_b to the
+  // A candidate (lower-bound bf16 gates): the producer leaves inv_b to the
   // consumers (it writes L and beta into the stage and arrives); warp 0 of each consumer warpgroup
   // inverts the chunk's (I + L) into its warpgroup's own tiles before the recurrence.
   bool consumer_inverse = false;

@@ -174,16 +174,16 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
   x[4] = bf16_lo(v.z), x[5] = bf16_hi(v.z), x[6] = bf16_lo(v.w), x[7] = bf16_hi(v.w);
 }
 
-// load_chunk's result from a staged buffer (its copies complete) and the raw beta.
+// From a staged buffer (its copies complete): the raw gate of this thread's rows into a, and beta
+// (from beta_raw). q and k stay in the buffer: qk_row_scales_staged and build_factors_staged read
+// them where they are used, so the producer holds one tile of registers instead of three.
 template <bool kF32Gate>
-__device__ __forceinline__ void load_chunk_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf, float beta_raw,
-                                                  ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta) {
+__device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf,
+                                                 float beta_raw, ThreadTile& a, float* sm_beta) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int t = tile_token(warp, lane, r);
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q.x[r]);
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k.x[r]);
     if constexpr (kF32Gate) {
       const float4* g = reinterpret_cast<const float4*>(buf + kStagedG + (t * kHeadDim + c0) * 4);
       const float4 g0 = g[0], g1 = g[1];
@@ -196,8 +196,6 @@ __device__ __forceinline__ void load_chunk_staged(const ProduceArgs& p, int rows
   if (tid < kChunk) sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
 }
 
-// a <- the log2-decay of each element of gate form kGate (0 past the end: only in a sequence's last
-// chunk; normalise_qk zeroes q and k there).
 // The head's gate constants: dt_bias (0 where absent) and e^{A_log[h]}, read by gate_chunk from
 // global memory or, in a kernel that walks many chunks of one head, once into shared memory
 // (sm_gate: [128] dt_bias, then a_scale; followed by a barrier before use).
@@ -247,21 +245,14 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
   }
 }
 
-// q <- scale q / |q|, k <- k / |k| per row (l2norm_qk), else q <- scale q; rows past the end
-// (>= rows) <- 0. The eight row sums of a thread (q and k of its four tokens) over the 16 lanes of
-// its half-warp by reduce-scatter: each lane ends with one row's sum, takes its rsqrt, and the
-// eight scales come back by shuffles.
-__device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int rows, ThreadTile& q, ThreadTile& k) {
+// The row scales of q and k: sq[r] = scale / |q_r| and sq[r + 4] = 1 / |k_r| for this thread's
+// four tokens (l2norm_qk; else scale and 1), 0 past the end (>= rows). s: the eight row sums of
+// squares of this thread's part of the rows; the sums over the 16 lanes of the half-warp by
+// reduce-scatter: each lane ends with one row's sum, takes its rsqrt, and the eight scales come
+// back by shuffles.
+__device__ __forceinline__ void qk_row_scales(const ProduceArgs& p, int tid, int rows, const float (&s)[8], float (&sq)[8]) {
   const int lane = tid & 31;
-  float sq[8];
   if (p.l2norm_qk) {
-    float s[8];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      s[r] = s[r + 4] = 0.f;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s[r] = fmaf(q.x[r][e], q.x[r][e], s[r]), s[r + 4] = fmaf(k.x[r][e], k.x[r][e], s[r + 4]);
-    }
     const bool b3 = lane & 8, b2 = lane & 4, b1 = lane & 2;
     float s4[4], s2[2];
 #pragma unroll
@@ -284,10 +275,43 @@ __device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int 
     for (int r = 0; r < 4; ++r)
       if (tile_token(tid >> 5, lane, r) >= rows) sq[r] = sq[r + 4] = 0.f;
   }
+}
+
+// q <- scale q / |q|, k <- k / |k| per row (l2norm_qk), else q <- scale q; rows past the end
+// (>= rows) <- 0.
+__device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int rows, ThreadTile& q, ThreadTile& k) {
+  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, sq[8];
+  if (p.l2norm_qk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[r] = fmaf(q.x[r][e], q.x[r][e], s[r]), s[r + 4] = fmaf(k.x[r][e], k.x[r][e], s[r + 4]);
+  }
+  qk_row_scales(p, tid, rows, s, sq);
 #pragma unroll
   for (int r = 0; r < 4; ++r)
 #pragma unroll
     for (int e = 0; e < 8; ++e) q.x[r][e] *= sq[r], k.x[r][e] *= sq[r + 4];
+}
+
+// The staged form (inputs in shared memory, read where they are used): this thread's row scales
+// from the buffer's q and k rows, the same sums in the same order as normalise_qk's.
+__device__ __forceinline__ void qk_row_scales_staged(const ProduceArgs& p, int tid, int rows, const uint8_t* buf,
+                                                     float (&sq)[8]) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
+  float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  if (p.l2norm_qk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = tile_token(warp, lane, r);
+      float q[8], k[8];
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) s[r] = fmaf(q[e], q[e], s[r]), s[r + 4] = fmaf(k[e], k[e], s[r + 4]);
+    }
+  }
+  qk_row_scales(p, tid, rows, s, sq);
 }
 
 // a <- G (the inclusive prefix sums down each channel); gamma <- G_31 of this thread's channels.
@@ -362,33 +386,60 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
 }
 
 // The decayed and restored keys, q_decayed and the split operands of L and Mqk, into their tiles
-// (rec: the chunk's ChunkOperands; scratch: ProduceScratch). G and gamma in log2 units.
-__device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, const ThreadTile& k, const ThreadTile& G,
-                                              const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
-  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
-  float mid[8], e_mid[8];
+// (rec: the chunk's ChunkOperands; scratch: ProduceScratch). G and gamma in log2 units. factor_row:
+// token t's eight channels from c0 (q, k normalised); build_factors: this thread's four tokens.
+struct FactorScales {
+  float mid[8], e_mid[8];  // Gamma / 2 and e^{Gamma - mid} = e^{mid}
+  __device__ __forceinline__ explicit FactorScales(const float (&gamma)[8]) {
 #pragma unroll
-  for (int e = 0; e < 8; ++e) mid[e] = 0.5f * gamma[e], e_mid[e] = ex2(mid[e]);  // e^{Gamma - mid} = e^{mid}
+    for (int e = 0; e < 8; ++e) mid[e] = 0.5f * gamma[e], e_mid[e] = ex2(mid[e]);
+  }
+};
+
+__device__ __forceinline__ void factor_row(int t, int c0, const float (&q)[8], const float (&k)[8], const float (&G)[8],
+                                           const FactorScales& f, uint8_t* rec, uint8_t* scratch) {
   uint8_t* const a_hi = scratch + ProduceScratch::kOffA;
   uint8_t* const a_lo = a_hi + 2 * kTileBytes;
   uint8_t* const b_hi = scratch + ProduceScratch::kOffB;
   uint8_t* const b_lo = b_hi + kTileBytes;
+  float op_k[8], op_q[8], op_d[8], kd[8], qd[8], kr[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    const float up = ex2(G[e] - f.mid[e]), down = ex2(f.mid[e] - G[e]);
+    op_k[e] = k[e] * up, op_q[e] = q[e] * up, op_d[e] = k[e] * down;
+    kd[e] = op_k[e] * f.e_mid[e], qd[e] = op_q[e] * f.e_mid[e], kr[e] = op_d[e] * f.e_mid[e];
+  }
+  store_granule(rec + ChunkOperands::kOffKDecayed, kChunk, t, c0, pack8<true>(kd));
+  store_granule(rec + ChunkOperands::kOffQDecayed, kChunk, t, c0, pack8<true>(qd));
+  store_split(rec + ChunkOperands::kOffKRestored, rec + ChunkOperands::kOffKRestoredLo, kChunk, t, c0, kr);
+  store_split(a_hi, a_lo, 2 * kChunk, t, c0, op_k);
+  store_split(a_hi, a_lo, 2 * kChunk, kChunk + t, c0, op_q);
+  store_split(b_hi, b_lo, kChunk, t, c0, op_d);
+}
+
+__device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, const ThreadTile& k, const ThreadTile& G,
+                                              const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
+  const FactorScales f(gamma);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) factor_row(tile_token(warp, lane, r), c0, q.x[r], k.x[r], G.x[r], f, rec, scratch);
+}
+
+// The staged form: q and k read from the buffer row by row and scaled (sq: qk_row_scales_staged)
+// as normalise_qk would have scaled them.
+__device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf, const float (&sq)[8], const ThreadTile& G,
+                                                     const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
+  const FactorScales f(gamma);
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int t = tile_token(warp, lane, r);
-    float op_k[8], op_q[8], op_d[8], kd[8], qd[8], kr[8];
+    float q[8], k[8];
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k);
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float up = ex2(G.x[r][e] - mid[e]), down = ex2(mid[e] - G.x[r][e]);
-      op_k[e] = k.x[r][e] * up, op_q[e] = q.x[r][e] * up, op_d[e] = k.x[r][e] * down;
-      kd[e] = op_k[e] * e_mid[e], qd[e] = op_q[e] * e_mid[e], kr[e] = op_d[e] * e_mid[e];
-    }
-    store_granule(rec + ChunkOperands::kOffKDecayed, kChunk, t, c0, pack8<true>(kd));
-    store_granule(rec + ChunkOperands::kOffQDecayed, kChunk, t, c0, pack8<true>(qd));
-    store_split(rec + ChunkOperands::kOffKRestored, rec + ChunkOperands::kOffKRestoredLo, kChunk, t, c0, kr);
-    store_split(a_hi, a_lo, 2 * kChunk, t, c0, op_k);
-    store_split(a_hi, a_lo, 2 * kChunk, kChunk + t, c0, op_q);
-    store_split(b_hi, b_lo, kChunk, t, c0, op_d);
+    for (int e = 0; e < 8; ++e) q[e] *= sq[r], k[e] *= sq[r + 4];
+    factor_row(t, c0, q, k, G.x[r], f, rec, scratch);
   }
 }
 
@@ -559,33 +610,40 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // warpgroup, scratch: ProduceScratch (1024-byte aligned). Ends with the record's stores fenced for
 // the async proxy (a bulk copy or a consumer's wgmma may read it after the next barrier or
 // mbarrier arrival).
-// staged: the chunk's inputs already in shared memory (issue_chunk_rows, copies complete) with
-// beta_raw (load_beta_raw), or null: loaded from global memory here.
+// kStaged: the chunk's inputs already in shared memory at `staged` (issue_chunk_rows, copies
+// complete), read where they are used; after the factors' barrier no thread reads them again and
+// after_factors() runs (the fused kernel refills the buffer there). Else loaded from global memory.
+// beta_raw: the chunk's raw beta (load_beta_raw) where staged or beta_ahead, else loaded here.
 // sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
-// beta_ahead (with inputs not staged): beta_raw holds the chunk's raw beta (load_beta_raw).
 // kInvert false: the record's inv_b is left to its consumers; L (fp32, [32][kLStride]) and beta
 // ([32]) go to l_beta instead of the scratch (L, then beta at kLBetaOffBeta floats), and the call
 // ends after their stores (fenced for the async proxy, no barrier).
 constexpr int kLBetaOffBeta = kChunk * ProduceScratch::kLStride;
 constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
-template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, class Marks = NoMarks>
+struct NoAfter {
+  __device__ __forceinline__ void operator()() const {}
+};
+template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
+          class AfterFactors = NoAfter>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                               uint8_t* scratch, const uint8_t* staged = nullptr,
                                               float beta_raw = 0.f, const float* sm_gate = nullptr,
                                               bool beta_ahead = false, float* l_beta = nullptr,
-                                              const Marks& mark = Marks{}) {
+                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
   float* const sm_beta =
       kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
   const int64_t row0 = chunk * kChunk;
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
 
-  ThreadTile q, k, a;
-  if (staged != nullptr) load_chunk_staged<kF32Gate>(p, rows, tid, staged, beta_raw, q, k, a, sm_beta);
+  ThreadTile q, k, a;  // q, k unused where staged
+  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_raw, a, sm_beta);
   else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_raw);
   mark(1);
   gate_chunk<kGate>(p, h, rows, tid, q, k, a, sm_gate);
   mark(9);
-  normalise_qk(p, tid, rows, q, k);
+  float sq[8];
+  if constexpr (kStaged) qk_row_scales_staged(p, tid, rows, staged, sq);
+  else normalise_qk(p, tid, rows, q, k);
   mark(2);
   float gamma[8];
   const bool wide = scan_log_decay<Sync>(tid, a, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
@@ -596,9 +654,11 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
     dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
   }
   if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
-  build_factors(tid, q, k, a, gamma, rec, scratch);
+  if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, gamma, rec, scratch);
+  else build_factors(tid, q, k, a, gamma, rec, scratch);
   fence_proxy_async_shared();
   Sync::sync();
+  after_factors();
   mark(4);
 
   float d[16];
