@@ -294,23 +294,31 @@ __device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int 
     for (int e = 0; e < 8; ++e) q.x[r][e] *= sq[r], k.x[r][e] *= sq[r + 4];
 }
 
+// fn(r, t, q, k) for each of this thread's four tokens t (r = 0..3) with its q and k (channels
+// tile_channel(lane) .. + 7) read from a staged buffer.
+template <class Fn>
+__device__ __forceinline__ void for_staged_rows(const uint8_t* buf, int tid, Fn&& fn) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int t = tile_token(warp, lane, r);
+    float q[8], k[8];
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k);
+    fn(r, t, q, k);
+  }
+}
+
 // The staged form (inputs in shared memory, read where they are used): this thread's row scales
 // from the buffer's q and k rows, the same sums in the same order as normalise_qk's.
 __device__ __forceinline__ void qk_row_scales_staged(const ProduceArgs& p, int tid, int rows, const uint8_t* buf,
                                                      float (&sq)[8]) {
-  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
   float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (p.l2norm_qk) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = tile_token(warp, lane, r);
-      float q[8], k[8];
-      unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q);
-      unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k);
+  if (p.l2norm_qk)
+    for_staged_rows(buf, tid, [&](int r, int, const float (&q)[8], const float (&k)[8]) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) s[r] = fmaf(q[e], q[e], s[r]), s[r + 4] = fmaf(k[e], k[e], s[r + 4]);
-    }
-  }
+    });
   qk_row_scales(p, tid, rows, s, sq);
 }
 
@@ -429,18 +437,12 @@ __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, cons
 // as normalise_qk would have scaled them.
 __device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf, const float (&sq)[8], const ThreadTile& G,
                                                      const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
-  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
   const FactorScales f(gamma);
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const int t = tile_token(warp, lane, r);
-    float q[8], k[8];
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q);
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k);
+  for_staged_rows(buf, tid, [&](int r, int t, float (&q)[8], float (&k)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) q[e] *= sq[r], k[e] *= sq[r + 4];
-    factor_row(t, c0, q, k, G.x[r], f, rec, scratch);
-  }
+    factor_row(t, tile_channel(tid & 31), q, k, G.x[r], f, rec, scratch);
+  });
 }
 
 // K-major SW128 descriptor (layout type 1; SBO = 1024 B between 8-row groups, LBO unused).
