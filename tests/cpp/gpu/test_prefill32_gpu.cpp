@@ -1,8 +1,8 @@
 // Prefill v2 end to end (src/cuda/sm90/prefill_v2): the chunk-32 producer's records then the
 // recurrence over them (produce.h, consume.h: two kernels), and both in one kernel (fused.h),
 // against the fp64 token recurrence (flashkda::reference_forward) on the same bf16 inputs, with
-// NaN-poisoned outputs; and their time beside today's prefill at the many-head serving shape (a
-// measurement, not a check).
+// NaN-poisoned outputs, every fused path with the two kernels' output bits; and their time beside
+// today's prefill at the many-head serving shape (a measurement, not a check of speed).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -58,8 +58,8 @@ struct V2Call {
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
   // inputs staged by TMA; the candidates (lower-bound bf16 gates only, candidates()), fused with
   // 3: setmaxnreg 184 / 160, 4: the consumers inverting, 5: both, 6: both and staged inputs,
-  // 7: setmaxnreg and staged inputs.
-  static constexpr int kModes = 8;
+  // 7: setmaxnreg and staged inputs, 8: the consumers inverting and staged inputs.
+  static constexpr int kModes = 9;
   static constexpr const char* kNames[kModes] = {"prefill32 ",
                                                  "fused32 ",
                                                  "fused32 staged ",
@@ -67,13 +67,14 @@ struct V2Call {
                                                  "fused32 inverting consumers ",
                                                  "fused32 inverting consumers, setmaxnreg ",
                                                  "fused32 staged, inverting consumers, setmaxnreg ",
-                                                 "fused32 staged, setmaxnreg "};
+                                                 "fused32 staged, setmaxnreg ",
+                                                 "fused32 staged, inverting consumers "};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
       FusedArgs f{pa, ca, mode == 2 || mode >= 6};
-      f.producer_regs = mode == 3 || mode >= 5;
-      f.consumer_inverse = mode >= 4 && mode <= 6;
+      f.producer_regs = mode == 3 || mode == 5 || mode == 6 || mode == 7;
+      f.consumer_inverse = mode == 4 || mode == 5 || mode == 6 || mode == 8;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -82,8 +83,9 @@ struct V2Call {
   }
 };
 
-// Every path on one problem: each against the reference, each repeated for the same bits; whether
-// the fused kernels give the two kernels' bits is reported (the same arithmetic in all).
+// Every path on one problem: each against the reference, each repeated for the same bits, and every
+// fused path with the two kernels' output bits (the same arithmetic in all; rows past the end do
+// not reach the outputs of the rows before them).
 void check(KdaInputs& in, double out_bound, double state_bound, const char* what) {
   SCOPED_TRACE(std::string(what) + ": " + in.describe());
   const test::Reference ref = test::run_reference(in);
@@ -127,7 +129,10 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
     EXPECT_TRUE(bits[mode] == in.out.bytes) << "a repeated call changed the output";
-    if (mode > 0) same += bits[mode] == bits[0];
+    if (mode > 0) {
+      same += bits[mode] == bits[0];
+      EXPECT_TRUE(bits[mode] == bits[0]) << "the output differs from the two kernels'";
+    }
   }
   test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(modes - 1) + ") " + what,
                same);
@@ -180,7 +185,7 @@ TEST_F(Prefill32Gpu, RepeatedKey) {
 }
 
 // T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default
-// prefill (internal::forward), same inputs, medians of 20 after a warm-up; first the three v2 paths'
+// prefill (internal::forward), same inputs, medians of 20 after a warm-up; first every v2 path's
 // outputs compared bit for bit.
 TEST_F(Prefill32Gpu, TimeAtServingShape) {
   KdaOptions o;
@@ -203,7 +208,7 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     std::sort(ms.begin(), ms.end());
     return double(ms[ms.size() / 2]);
   };
-  // The three paths' outputs at this shape, bit for bit (no reference: too long for the host).
+  // Every path's outputs at this shape, bit for bit (no reference: too long for the host).
   std::vector<unsigned char> bits[V2Call::kModes];
   for (int mode = 0; mode < V2Call::kModes; ++mode) {
     d.poison();
@@ -211,10 +216,10 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
     bits[mode] = in.out.bytes;
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0) << V2Call::kNames[mode];
   }
   for (int mode = 1; mode < V2Call::kModes; ++mode)
     EXPECT_TRUE(bits[0] == bits[mode]) << "fused mode " << mode << ": the output differs from the two kernels'";
-  EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
   const double t_today = median_ms([&] { d.run(); });
   const double t_v2 = median_ms([&] { v2.run(0); });
   const double t_fused = median_ms([&] { v2.run(1); });
@@ -227,8 +232,8 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
-  // Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads), inputs
-  // loaded by the producer's threads and staged by bulk copies.
+  // Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) in eight
+  // variants (inputs loaded or staged by TMA, setmaxnreg or not, the consumers inverting or not).
   long long* clocks = nullptr;
   ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * o.H), cudaSuccess);
   for (int variant = 0; variant < 8; ++variant) {

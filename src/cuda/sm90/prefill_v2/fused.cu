@@ -61,6 +61,13 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
+// Named barrier 1 + wg of consumer warpgroup wg (1 or 2), 128 threads; immediate ids (a register
+// id makes ptxas reserve all 16 barriers).
+__device__ __forceinline__ void consumer_wg_sync(int wg) {
+  if (wg == 1) asm volatile("bar.sync 2, 128;" ::: "memory");
+  else asm volatile("bar.sync 3, 128;" ::: "memory");
+}
+
 // The kernel's parameters: the caller's arguments and the TMA maps of its inputs' rows.
 struct FusedParams {
   ChunkRowMaps maps;
@@ -90,7 +97,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
     }
-    mbarrier_init(&empty[kStages], 1);  // the staged inputs' buffer: its issuing thread and the bytes
+    mbarrier_init(full + 2 * kStages, 1);  // the staged inputs' buffer: its issuing thread and the bytes
     fence_mbarrier_init();
   }
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
@@ -102,7 +109,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
     uint8_t* const staged = ring + L::kOffStaged;
-    uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffer (issue_chunk_rows)
+    uint64_t* const staged_full = full + 2 * kStages;  // the staged inputs' buffer (issue_chunk_rows)
     // Chunk c + 1's rows are copied once chunk c's factors have read the buffer for the last time
     // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
     const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
@@ -169,13 +176,17 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       mark(10);
       if constexpr (kConsumerInv) {
+        // Every warp of the warpgroup is past chunk c - 1's U product (its reads of own_inv) before
+        // warp 0 rewrites the tiles: a wgmma completing in one warp is not documented to mean the
+        // whole warpgroup's operand reads are done.
+        consumer_wg_sync(wg);
         if (warp == 0) {
           const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
           invert_warp(lane, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), own_inv,
                       own_inv + kSmallBytes);
           fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
         }
-        asm volatile("bar.sync %0, 128;" ::"r"(1 + wg) : "memory");
+        consumer_wg_sync(wg);
         mark(13);
       }
       // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
@@ -204,6 +215,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
           *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
                                     8 * part) = *reinterpret_cast<const uint4*>(vw + t * kHeadDim + col + 8 * part);
       }
+      // This thread's generic writes of the stage's v (the output slots) before the producer's
+      // TMA overwrites them: fenced by each writing thread, then released by its arrival.
+      fence_proxy_async_shared();
       mbarrier_arrive(&empty[stage]);
       mark(12);
     }
@@ -246,9 +260,10 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
   const ProduceArgs& pa = args.produce;
-  if (!chunk_rows_map(&params.maps.q, pa.q, false, pa.T, pa.H) || !chunk_rows_map(&params.maps.k, pa.k, false, pa.T, pa.H) ||
-      !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H) ||
-      !chunk_rows_map(&params.maps.v, args.consume.v, false, pa.T, pa.H))
+  if (!chunk_rows_map(&params.maps.v, args.consume.v, false, pa.T, pa.H)) return cudaErrorInvalidValue;
+  if (kStaged && (!chunk_rows_map(&params.maps.q, pa.q, false, pa.T, pa.H) ||
+                  !chunk_rows_map(&params.maps.k, pa.k, false, pa.T, pa.H) ||
+                  !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H)))
     return cudaErrorInvalidValue;
   auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv>;
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;

@@ -20,7 +20,7 @@ struct FusedArgs {
   // The producer's q, k, g rows of chunk c + 1 copied by TMA into one shared buffer once chunk c's
   // factors are built (beta a chunk ahead in registers), and q, k read from there where they are
   // used; false: loaded from global memory into registers when the chunk starts.
-  bool stage_inputs = true;
+  bool stage_inputs = false;
   // Timing only: the producer builds chunks 0 and 1 and then hands the same two stages back
   // without rebuilding them, so the call takes the consumers' time alone; outputs are meaningless.
   bool time_consumers_only = false;
