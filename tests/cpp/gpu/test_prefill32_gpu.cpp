@@ -56,25 +56,28 @@ struct V2Call {
     ca.final_state = static_cast<float*>(p.final_state);
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
-  // inputs staged by TMA; the candidates (lower-bound bf16 gates only, candidates()), fused with
-  // 3: setmaxnreg 184 / 160, 4: the consumers inverting, 5: both, 6: both and staged inputs,
-  // 7: setmaxnreg and staged inputs, 8: the consumers inverting and staged inputs.
+  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
+  struct Mode {
+    const char* name;
+    bool staged, producer_regs, consumer_inverse;
+  };
   static constexpr int kModes = 9;
-  static constexpr const char* kNames[kModes] = {"prefill32 ",
-                                                 "fused32 ",
-                                                 "fused32 staged ",
-                                                 "fused32 setmaxnreg ",
-                                                 "fused32 inverting consumers ",
-                                                 "fused32 inverting consumers, setmaxnreg ",
-                                                 "fused32 staged, inverting consumers, setmaxnreg ",
-                                                 "fused32 staged, setmaxnreg ",
-                                                 "fused32 staged, inverting consumers "};
+  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false},
+                                              {"fused32 ", false, false, false},
+                                              {"fused32 staged ", true, false, false},
+                                              {"fused32 setmaxnreg ", false, true, false},
+                                              {"fused32 inverting consumers ", false, false, true},
+                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true},
+                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true},
+                                              {"fused32 staged, setmaxnreg ", true, true, false},
+                                              {"fused32 staged, inverting consumers ", true, false, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
-      FusedArgs f{pa, ca, mode == 2 || mode >= 6};
-      f.producer_regs = mode == 3 || mode == 5 || mode == 6 || mode == 7;
-      f.consumer_inverse = mode == 4 || mode == 5 || mode == 6 || mode == 8;
+      const Mode& m = kModeTable[mode];
+      FusedArgs f{pa, ca, m.staged};
+      f.producer_regs = m.producer_regs;
+      f.consumer_inverse = m.consumer_inverse;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -92,12 +95,11 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
   DeviceProblem d(in);
   V2Call v2(d);
   std::vector<unsigned char> bits[V2Call::kModes];
-  const auto& names = V2Call::kNames;
   const int modes = v2.candidates() ? V2Call::kModes : 3;
   int same = 0;
   for (int mode = 0; mode < modes; ++mode) {
-    SCOPED_TRACE(names[mode]);
-    const std::string name = std::string(names[mode]) + what;
+    SCOPED_TRACE(V2Call::kModeTable[mode].name);
+    const std::string name = std::string(V2Call::kModeTable[mode].name) + what;
     d.poison();
     v2.run(mode);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -216,7 +218,7 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
     bits[mode] = in.out.bytes;
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0) << V2Call::kNames[mode];
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0) << V2Call::kModeTable[mode].name;
   }
   for (int mode = 1; mode < V2Call::kModes; ++mode)
     EXPECT_TRUE(bits[0] == bits[mode]) << "fused mode " << mode << ": the output differs from the two kernels'";
@@ -228,7 +230,7 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   consumers_only.time_consumers_only = true;
   std::printf("[ measure  ] prefill32 T=8192 H=96 candidates (ms):");
   for (int mode = 3; mode < V2Call::kModes; ++mode)
-    std::printf(" %s%.3f%s", V2Call::kNames[mode], median_ms([&] { v2.run(mode); }), mode + 1 < V2Call::kModes ? ";" : "\n");
+    std::printf(" %s%.3f%s", V2Call::kModeTable[mode].name, median_ms([&] { v2.run(mode); }), mode + 1 < V2Call::kModes ? ";" : "\n");
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });

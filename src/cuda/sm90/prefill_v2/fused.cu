@@ -91,13 +91,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   uint64_t* const empty = full + kStages;
+  uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffer (issue_chunk_rows)
   const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
   const int64_t num_chunks = (a.consume.T + kChunk - 1) / kChunk;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
     }
-    mbarrier_init(full + 2 * kStages, 1);  // the staged inputs' buffer: its issuing thread and the bytes
+    mbarrier_init(staged_full, 1);  // its issuing thread and the bytes
     fence_mbarrier_init();
   }
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
@@ -109,7 +110,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
     uint8_t* const staged = ring + L::kOffStaged;
-    uint64_t* const staged_full = full + 2 * kStages;  // the staged inputs' buffer (issue_chunk_rows)
     // Chunk c + 1's rows are copied once chunk c's factors have read the buffer for the last time
     // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
     const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
@@ -282,14 +282,20 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   return args.stage_inputs ? launch<kGate, kF32Gate, true>(args, stream) : launch<kGate, kF32Gate, false>(args, stream);
 }
 
-template <bool kStaged>
-cudaError_t launch_inverting(const FusedArgs& args, cudaStream_t stream) {
-  constexpr GateForm kLB = GateForm::kLowerBound;
-  if (args.phase_clocks != nullptr)
-    return args.producer_regs ? launch<kLB, false, kStaged, true, true, true>(args, stream)
-                              : launch<kLB, false, kStaged, true, false, true>(args, stream);
-  return args.producer_regs ? launch<kLB, false, kStaged, false, true, true>(args, stream)
-                            : launch<kLB, false, kStaged, false, false, true>(args, stream);
+// The candidates and the phase clocks (lower-bound bf16 gates only): each of FusedArgs' four flags
+// (stage_inputs, phase_clocks, producer_regs, consumer_inverse) as a template argument in turn.
+template <bool... kFlags>
+cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
+  constexpr int kDone = sizeof...(kFlags);
+  if constexpr (kDone == 4) {
+    return launch<GateForm::kLowerBound, false, kFlags...>(args, stream);
+  } else {
+    const bool flag = kDone == 0 ? args.stage_inputs
+                    : kDone == 1 ? args.phase_clocks != nullptr
+                    : kDone == 2 ? args.producer_regs
+                                 : args.consumer_inverse;
+    return flag ? launch_lower_bound<kFlags..., true>(args, stream) : launch_lower_bound<kFlags..., false>(args, stream);
+  }
 }
 
 }  // namespace
@@ -302,22 +308,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
-  if (args.consumer_inverse) {  // a candidate: lower-bound bf16 gates
+  if (args.phase_clocks != nullptr || args.producer_regs || args.consumer_inverse) {
     if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
-    return args.stage_inputs ? launch_inverting<true>(args, stream) : launch_inverting<false>(args, stream);
-  }
-  if (args.phase_clocks != nullptr) {
-    if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
-    if (args.producer_regs)
-      return args.stage_inputs ? launch<GateForm::kLowerBound, false, true, true, true>(args, stream)
-                               : launch<GateForm::kLowerBound, false, false, true, true>(args, stream);
-    return args.stage_inputs ? launch<GateForm::kLowerBound, false, true, true>(args, stream)
-                             : launch<GateForm::kLowerBound, false, false, true>(args, stream);
-  }
-  if (args.producer_regs) {  // a candidate: lower-bound bf16 gates only
-    if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
-    return args.stage_inputs ? launch<GateForm::kLowerBound, false, true, false, true>(args, stream)
-                             : launch<GateForm::kLowerBound, false, false, false, true>(args, stream);
+    return launch_lower_bound(args, stream);
   }
   if (pa.gate == GateForm::kLowerBound)
     return f32 ? launch<GateForm::kLowerBound, true>(args, stream) : launch<GateForm::kLowerBound, false>(args, stream);
