@@ -182,6 +182,11 @@ def check_agreement(case):
     return rel(out_ours, out_fla), rel(pool_ours, pool_fla)
 
 
+def fmt_diff(x):
+    """An agreement figure, or "skipped" where the check did not run (--no-check, no fla, pools over 4 GiB)."""
+    return "skipped" if x != x else f"{x:.1e}"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--H", type=int, nargs="+", default=[32, 96])
@@ -244,7 +249,7 @@ def main():
                     row = (f"| {H} | {state} | {N} | {T} | {t_ours * 1e6:.1f} ({e_ours * 1e6:.1f}) "
                            f"| {t_fla * 1e6:.1f} ({e_fla * 1e6:.1f}) | {t_fla / t_ours:.2f}× "
                            f"| {bw_ours / 1e12:.2f} | {100 * bw_ours / copy_bw:.0f}% | {bw_fla / 1e12:.2f} "
-                           f"| {diff_out:.1e} | {diff_state:.1e} |")
+                           f"| {fmt_diff(diff_out)} | {fmt_diff(diff_state)} |")
                     if args.slot_check and ours:
                         t_chk = time_graph(lambda: call_ours_checked(case), args.inner, args.outer)
                         row += f" {t_chk * 1e6:.1f} | {t_chk / t_ours:.3f} |"
