@@ -143,6 +143,10 @@ struct ChunkScratch {
   T b[C];
   T L[C * C];
   T Mqk[C * C];
+  // Per chunk, shared by every panel (chunk_solve_factors): A = (I + L)^{-1} diag(b) and
+  // W = Mqk A, both lower-triangular, rows and columns [0, n).
+  alignas(32) T A[C * C];
+  alignas(32) T W[C * C];
 
   ChunkScratch(int64_t K_, int64_t V_)
       : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), Vp((V_ + kLane - 1) / kLane * kLane),
@@ -428,6 +432,54 @@ FLASHKDA_INLINE void panel_update(const ChunkScratch<T>& s, int n, T* St, const 
   }
 }
 
+// The chunk's solve, once for all its panels: X = (I + L)^{-1} by forward substitution on the
+// identity (16 right-hand sides at once, as the panels solved theirs; exact for unit
+// lower-triangular L and stable for near-collinear keys: test_chunk_form's InverseSolve),
+// A = X diag(b) and W = Mqk A. A panel then takes U = A d and O = R_q + W d with d = v - R_k:
+// two small products on register tiles instead of a forward substitution and a triangular
+// product per panel, each a chain of dependent FMAs (~14% of the engine's time, perf, 2026-12-04).
+// Row i of A and W depends on rows <= i only, so a token's output still depends on no later token.
+template <typename T>
+FLASHKDA_INLINE void chunk_solve_factors(ChunkScratch<T>& s, int n) {
+  alignas(32) T X[C][C];
+  for (int i = 0; i < C; ++i)
+#pragma omp simd
+    for (int j = 0; j < C; ++j) X[i][j] = T(i == j ? 1 : 0);
+  solve_unit_lower<T, C>(s.L, &X[0][0], n);
+  for (int i = 0; i < n; ++i)
+#pragma omp simd
+    for (int l = 0; l < C; ++l) s.A[i * C + l] = X[i][l] * s.b[l];
+  for (int i = 0; i < n; ++i) {
+    T w[C] = {};
+    for (int m = 0; m <= i; ++m) {
+      const T mq = s.Mqk[i * C + m];
+#pragma omp simd
+      for (int l = 0; l < C; ++l) w[l] += mq * s.A[m * C + l];
+    }
+#pragma omp simd
+    for (int l = 0; l < C; ++l) s.W[i * C + l] = w[l];
+  }
+}
+
+// U = A d and o = R_q + W d for the panel's rows [0, n) (A, W lower-triangular: row i sums over
+// l <= i); o goes to s.o at columns v0 ..; generic version.
+template <typename T>
+FLASHKDA_INLINE void panel_solve_output(ChunkScratch<T>& s, int n, int64_t v0, const T (&D)[C][kPanel],
+                                        const T (&R)[2 * C][kPanel], T (&U)[C][kPanel]) {
+  for (int i = 0; i < n; ++i) {
+    T u[kPanel] = {}, o[kPanel];
+#pragma omp simd
+    for (int w = 0; w < kPanel; ++w) o[w] = R[C + i][w];
+    for (int l = 0; l <= i; ++l) {
+      const T a = s.A[i * C + l], m = s.W[i * C + l];
+#pragma omp simd
+      for (int w = 0; w < kPanel; ++w) u[w] += a * D[l][w], o[w] += m * D[l][w];
+    }
+#pragma omp simd
+    for (int w = 0; w < kPanel; ++w) U[i][w] = u[w], s.o[i * s.Vp + v0 + w] = o[w];
+  }
+}
+
 #ifdef FLASHKDA_X86_DISPATCH
 // The same two products written with AVX2 intrinsics: the compiler keeps the generic versions'
 // accumulators in memory when it turns their final copies into memcpy (measured: 0.4 FMA per cycle
@@ -500,6 +552,55 @@ FLASHKDA_TARGET_AVX2 inline void panel_update_avx2(const ChunkScratch<float>& s,
   for (; Kp - c0 >= 10; c0 += 6) update_rows_avx2<6>(s, n, St, c0, U);
   for (; c0 + 4 <= Kp; c0 += 4) update_rows_avx2<4>(s, n, St, c0, U);
   for (; c0 < Kp; ++c0) update_rows_avx2<1>(s, n, St, c0, U);
+}
+
+// One depth step l of solve_output_rows_avx2 for rows r >= r_first (A, W: column l of the tile's rows).
+template <int kRows>
+FLASHKDA_TARGET_AVX2 inline __attribute__((always_inline)) void solve_output_step_avx2(
+    const float* A, const float* W, const float* d, int r_first, __m256 (&ul)[kRows], __m256 (&uh)[kRows],
+    __m256 (&ol)[kRows], __m256 (&oh)[kRows]) {
+  const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+#pragma GCC unroll 8
+  for (int r = r_first; r < kRows; ++r) {
+    const __m256 a = _mm256_broadcast_ss(A + r * C), m = _mm256_broadcast_ss(W + r * C);
+    ul[r] = _mm256_fmadd_ps(a, d0, ul[r]), uh[r] = _mm256_fmadd_ps(a, d1, uh[r]);
+    ol[r] = _mm256_fmadd_ps(m, d0, ol[r]), oh[r] = _mm256_fmadd_ps(m, d1, oh[r]);
+  }
+}
+
+// panel_solve_output on AVX2 register tiles: kRows rows of U and of o (4 ymm a row: 12
+// accumulators at 3 rows), the full depth l < i0 for every row, then the triangle row by row;
+// each step 2 loads of d_l and 2 kRows broadcasts for 4 kRows FMAs. The AVX-512 build runs it too
+// (the same bits in both).
+template <int kRows>
+FLASHKDA_TARGET_AVX2 inline void solve_output_rows_avx2(ChunkScratch<float>& s, int i0, int64_t v0,
+                                                        const float (&D)[C][kPanel],
+                                                        const float (&R)[2 * C][kPanel], float (&U)[C][kPanel]) {
+  __m256 ul[kRows], uh[kRows], ol[kRows], oh[kRows];
+  const float* A = s.A + i0 * C;
+  const float* W = s.W + i0 * C;
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    ul[r] = uh[r] = _mm256_setzero_ps();
+    ol[r] = _mm256_loadu_ps(R[C + i0 + r]), oh[r] = _mm256_loadu_ps(R[C + i0 + r] + 8);
+  }
+  for (int l = 0; l < i0; ++l) solve_output_step_avx2<kRows>(A + l, W + l, D[l], 0, ul, uh, ol, oh);
+#pragma GCC unroll 8
+  for (int dl = 0; dl < kRows; ++dl) solve_output_step_avx2<kRows>(A + i0 + dl, W + i0 + dl, D[i0 + dl], dl, ul, uh, ol, oh);
+  float* o = s.o.data() + v0;
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_ps(U[i0 + r], ul[r]), _mm256_storeu_ps(U[i0 + r] + 8, uh[r]);
+    _mm256_storeu_ps(o + (i0 + r) * s.Vp, ol[r]), _mm256_storeu_ps(o + (i0 + r) * s.Vp + 8, oh[r]);
+  }
+}
+
+FLASHKDA_TARGET_AVX2 inline void panel_solve_output_avx2(ChunkScratch<float>& s, int n, int64_t v0,
+                                                         const float (&D)[C][kPanel],
+                                                         const float (&R)[2 * C][kPanel], float (&U)[C][kPanel]) {
+  int i = 0;
+  for (; i + 3 <= n; i += 3) solve_output_rows_avx2<3>(s, i, v0, D, R, U);
+  for (; i < n; ++i) solve_output_rows_avx2<1>(s, i, v0, D, R, U);
 }
 
 // The same two products with AVX-512: one zmm holds a row's 16 panel columns, so a tile of kRows
@@ -586,25 +687,19 @@ FLASHKDA_INLINE void state_panel(ChunkScratch<T>& s, int n, int64_t v0) {
 #endif
     panel_reads(s, n, St, R);
 
-  // U = (I + L)^{-1} u, then o = qd . S + Mqk U.
+  // d = v - R_k; U = (I + L)^{-1} diag(b) d = A d, o = qd . S + Mqk U = R_q + W d.
+  alignas(32) T D[C][kPanel];
   alignas(32) T U[C][kPanel];
   for (int i = 0; i < n; ++i) {
 #pragma omp simd
-    for (int w = 0; w < kPanel; ++w) U[i][w] = s.b[i] * (s.v[i * Vp + v0 + w] - R[i][w]);
+    for (int w = 0; w < kPanel; ++w) D[i][w] = s.v[i * Vp + v0 + w] - R[i][w];
   }
-  solve_unit_lower<T, kPanel>(s.L, &U[0][0], n);
-  for (int i = 0; i < n; ++i) {
-    T o[kPanel];
-#pragma omp simd
-    for (int w = 0; w < kPanel; ++w) o[w] = R[C + i][w];
-    for (int l = 0; l <= i; ++l) {
-      const T m = s.Mqk[i * C + l];
-#pragma omp simd
-      for (int w = 0; w < kPanel; ++w) o[w] += m * U[l][w];
-    }
-#pragma omp simd
-    for (int w = 0; w < kPanel; ++w) s.o[i * Vp + v0 + w] = o[w];
-  }
+#ifdef FLASHKDA_X86_DISPATCH
+  if constexpr ((kTiles == kIsaAvx512 || kTiles == kIsaAvx2) && std::is_same_v<T, float>)
+    panel_solve_output_avx2(s, n, v0, D, R, U);
+  else
+#endif
+    panel_solve_output(s, n, v0, D, R, U);
 
 #ifdef FLASHKDA_X86_DISPATCH
   if constexpr (kTiles == kIsaAvx512 && std::is_same_v<T, float>) panel_update_avx512(s, n, St, U);
@@ -617,6 +712,7 @@ FLASHKDA_INLINE void state_panel(ChunkScratch<T>& s, int n, int64_t v0) {
 // The panels [v_begin, v_end) of the state, one chunk.
 template <typename T, int kTiles>
 FLASHKDA_INLINE void state_pass(ChunkScratch<T>& s, int n, int64_t v_begin, int64_t v_end) {
+  chunk_solve_factors(s, n);
   for (int64_t v0 = v_begin; v0 < v_end; v0 += kPanel) state_panel<T, kTiles>(s, n, v0);
 }
 
