@@ -248,11 +248,11 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     std::vector<long long> sums(size_t(kPhaseClocks) * o.H);
     ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
     const char* names[kPhaseClocks] = {"empty wait", "load", "normalise", "scan", "factors", "L/Mqk wgmma",
-                                       "L/Mqk stores", "inverse", "arrive+loop", "gate", "full wait", "recurrence",
-                                       "out stores+release", "inverse", "", "chunks"};
+                                       "L/Mqk stores", "inverse products and stores", "arrive+loop", "gate", "full wait",
+                                       "recurrence", "out stores+release", "inverse", "inverse substitution", "chunks"};
     std::printf("[ measure  ] fused kernel%s%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
                 staged ? " (staged inputs)" : "", regs ? " (setmaxnreg 184 / 160)" : "", cinv ? " (inverting consumers)" : "");
-    for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 7, 8, 10, 13, 11, 12}) {
+    for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 14, 7, 8, 10, 13, 11, 12}) {
       double mean = 0;
       for (int h = 0; h < o.H; ++h)
         mean += double(sums[size_t(h) * kPhaseClocks + i]) / double(sums[size_t(h) * kPhaseClocks + 15]);

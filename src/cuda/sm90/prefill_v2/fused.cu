@@ -151,6 +151,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     }
     if (kClock && tid == 0) {
       for (int i = 0; i < 10; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
+      a.phase_clocks[int64_t(h) * kPhaseClocks + 14] = clock_sums[14];
       a.phase_clocks[int64_t(h) * kPhaseClocks + 15] = num_chunks;
     }
   } else {

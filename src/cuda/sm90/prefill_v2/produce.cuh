@@ -544,8 +544,10 @@ __device__ __forceinline__ void invert_zero_upper(int u, uint8_t* inv_hi, uint8_
   *reinterpret_cast<uint4*>((tile ? inv_lo : inv_hi) + sw64_offset(i, 8 * gcol)) = make_uint4(0, 0, 0, 0);
 }
 
+// mark(14) (timing only) after the forward substitutions.
+template <class Mark = NoMarks>
 __device__ __forceinline__ void invert_warp(int lane, const float* sm_L, const float* sm_beta, float* sm_X22,
-                                            uint8_t* inv_hi, uint8_t* inv_lo) {
+                                            uint8_t* inv_hi, uint8_t* inv_lo, const Mark& mark = Mark{}) {
   const int half = lane >> 4, j = lane & 15, base = 16 * half;
   const float* L = sm_L + base * ProduceScratch::kLStride + base;  // this half's diagonal block
   // Rows are read four entries at a time (kLStride and kX22Stride keep them 16-byte aligned).
@@ -563,6 +565,7 @@ __device__ __forceinline__ void invert_warp(int lane, const float* sm_L, const f
     }
     x[i] = acc;
   }
+  mark(14);
   // X22's columns to shared memory for the second product; X11's column j to both halves.
   if (half) {
 #pragma unroll
@@ -598,14 +601,16 @@ __device__ __forceinline__ void invert_warp(int lane, const float* sm_L, const f
 }
 
 // The record's inv_b by the producer's warpgroup: warp 0 inverts, warps 1-3 zero X12.
-__device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X22, uint8_t* rec) {
+template <class Mark>
+__device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X22, uint8_t* rec,
+                                       const Mark& mark) {
   uint8_t* const inv_hi = rec + ChunkOperands::kOffInvB;
   uint8_t* const inv_lo = rec + ChunkOperands::kOffInvBLo;
   if (tid >= 32) {
     if (tid < 96) invert_zero_upper(tid - 32, inv_hi, inv_lo);
     return;
   }
-  invert_warp(tid, sm_L, sm_beta, sm_X22, inv_hi, inv_lo);
+  invert_warp(tid, sm_L, sm_beta, sm_X22, inv_hi, inv_lo, mark);
 }
 
 // One chunk's record (rec, 1024-byte aligned) from its inputs, by the 128 threads tid of one
@@ -675,7 +680,7 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   }
   Sync::sync();
   mark(6);
-  invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec);
+  invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec, mark);
   fence_proxy_async_shared();
   mark(7);
 }
