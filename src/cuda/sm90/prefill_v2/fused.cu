@@ -32,14 +32,14 @@ struct SmemLayout {
   static constexpr int kOffLBeta = kRecordSpan + kVBytes;  // in a stage
   static constexpr int kStageSpan = (kOffLBeta + (kConsumerInv ? kLBetaBytes : 0) + 1023) & ~1023;
   static constexpr int kOffScratch = kStages * kStageSpan;
-  static constexpr int kInvSpan = 6144;  // inv hi, lo (2 KB each), X22 [16][kX22Stride] fp32
+  static constexpr int kInvSpan = 8192;  // inv hi, lo (2 KB each), invert_warpgroup's scratch
   static constexpr int kOffInv = kOffScratch + kScratchSpan;
   static constexpr int kOffBarriers = kOffInv + (kConsumerInv ? 2 * kInvSpan : 0);
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
   static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
   // + full[2], empty[2], staged_full; + the 1024-byte alignment
   static constexpr int kBytes = (kStaged ? kOffStaged + kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
-  static_assert(2 * kSmallBytes + 16 * ProduceScratch::kX22Stride * 4 <= kInvSpan);
+  static_assert(2 * kSmallBytes + ProduceScratch::kInvScratchBytes <= kInvSpan);
   static_assert(kBytes <= 227 * 1024);
 };
 
@@ -164,8 +164,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     prefill::load_state_rows(S, p.initial_state, p.initial_state ? ElemType::kF32 : ElemType::kNone,
                              int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
     prefill::RowScale rs;
-    // kConsumerInv: this warpgroup's inv_b, which its warp 0 builds from each chunk's L while the
-    // other warps wait at the warpgroup's named barrier (2 or 3; the producer's is 1). X12 = 0 once.
+    // kConsumerInv: this warpgroup's inv_b, which it builds from each chunk's L (invert_warpgroup,
+    // with the warpgroup's named barrier: 2 or 3; the producer's is 1). X12 = 0 once.
     uint8_t* const own_inv = ring + L::kOffInv + (wg - 1) * L::kInvSpan;
     if constexpr (kConsumerInv) {
       if ((ctid & 127) < 64) invert_zero_upper(ctid & 127, own_inv, own_inv + kSmallBytes);
@@ -181,12 +181,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         // warp 0 rewrites the tiles: a wgmma completing in one warp is not documented to mean the
         // whole warpgroup's operand reads are done.
         consumer_wg_sync(wg);
-        if (warp == 0) {
-          const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-          invert_warp(lane, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), own_inv,
-                      own_inv + kSmallBytes);
-          fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
-        }
+        const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
+        invert_warpgroup(ctid & 127, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
+                         own_inv, own_inv + kSmallBytes, false, [wg] { consumer_wg_sync(wg); });
+        fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
         consumer_wg_sync(wg);
         mark(13);
       }

@@ -55,9 +55,10 @@ struct ProduceScratch {
   static constexpr int kOffB = kOffA + 4 * kTileBytes;         // hi, then lo at + kTileBytes
   static constexpr int kOffL = kOffB + 2 * kTileBytes;         // fp32 L [32][kLStride]
   static constexpr int kLStride = 36;
-  static constexpr int kOffX22 = kOffL + kChunk * kLStride * 4;  // fp32 X22 [16][20]
+  static constexpr int kOffX22 = kOffL + kChunk * kLStride * 4;  // fp32 X11, X22, T, each [16][20]
   static constexpr int kX22Stride = 20;
-  static constexpr int kOffTotals = kOffX22 + 16 * kX22Stride * 4;  // fp32 [4 warps][128] log-decay sums
+  static constexpr int kInvScratchBytes = 3 * 16 * kX22Stride * 4;  // invert_warpgroup's
+  static constexpr int kOffTotals = kOffX22 + kInvScratchBytes;     // fp32 [4 warps][128] log-decay sums
   static constexpr int kOffBeta = kOffTotals + 4 * kHeadDim * 4;    // fp32 [32]
   static constexpr int kOffWide = kOffBeta + kChunk * 4;            // int32
   static constexpr int kOffGate = kOffWide + 16;                    // fp32 [128] dt_bias, a_scale (fused.cu)

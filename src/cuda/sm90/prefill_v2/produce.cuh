@@ -532,85 +532,85 @@ __device__ __forceinline__ float dot16(const float* row, const float (&x)[16]) {
 }
 
 // inv_b = X diag(b), X = (I + L)^-1, as a split SW64 pair (inv_hi, inv_lo: the record's, or a
-// consumer warpgroup's own). invert_zero_upper: thread u (0..63) zeroes one granule of the
-// upper-right block X12 = 0 (rows 0-15, columns 16-31: granules 2 and 3 of each row, wherever the
-// swizzle puts them; nothing else writes there). invert_warp, one warp: lanes 0-15 take column
-// j = lane of X11 = (I + L11)^-1, lanes 16-31 column j = lane - 16 of X22 = (I + L22)^-1, both by
-// fp32 forward substitution (exact for unit lower-triangular matrices, stable for near-collinear
-// keys); then X21 = -X22 (L21 X11), lane (half, j) its rows 8 half .. 8 half + 7 of column j.
-// sm_L: fp32 L [32][kLStride] (b_i L, strictly lower), sm_beta: [32], sm_X22: [16][kX22Stride].
+// consumer warpgroup's own), by the 128 threads of one warpgroup. invert_zero_upper: thread u
+// (0..63) zeroes one granule of the upper-right block X12 = 0 (rows 0-15, columns 16-31: granules 2
+// and 3 of each row, wherever the swizzle puts them; nothing else writes there).
+// invert_warpgroup: warp 0's lanes 0-15 take column j = lane of X11 = (I + L11)^-1, lanes 16-31
+// column j = lane - 16 of X22 = (I + L22)^-1, both by fp32 forward substitution (exact for unit
+// lower-triangular matrices, stable for near-collinear keys), into sm_X; then every thread (j =
+// u % 16, rows 2 (u / 16) and the next) forms T = L21 X11 and, after a barrier, X21 = -X22 T for
+// its two rows of column j, and stores its rows of X11, X22 and X21 times b_j. The substitutions
+// are a fifth of the work (run 87: ~555 of ~2 950 cycles a chunk on one warp); the products and
+// the stores spread over the warpgroup. Each entry is the same fma chain in the same order as when
+// one warp did it all, so the bits are unchanged. sm_L: fp32 L [32][kLStride] (b_i L, strictly
+// lower), sm_beta: [32], sm_X: ProduceScratch::kInvScratchBytes (X11, X22, T: [16][kX22Stride]).
+// sync(): the warpgroup's barrier; the caller fences and synchronises after it.
 __device__ __forceinline__ void invert_zero_upper(int u, uint8_t* inv_hi, uint8_t* inv_lo) {
   const int tile = u >> 5, i = (u >> 1) & 15, gcol = 2 + (u & 1);
   *reinterpret_cast<uint4*>((tile ? inv_lo : inv_hi) + sw64_offset(i, 8 * gcol)) = make_uint4(0, 0, 0, 0);
 }
 
-// mark(14) (timing only) after the forward substitutions.
-template <class Mark = NoMarks>
-__device__ __forceinline__ void invert_warp(int lane, const float* sm_L, const float* sm_beta, float* sm_X22,
-                                            uint8_t* inv_hi, uint8_t* inv_lo, const Mark& mark = Mark{}) {
-  const int half = lane >> 4, j = lane & 15, base = 16 * half;
-  const float* L = sm_L + base * ProduceScratch::kLStride + base;  // this half's diagonal block
-  // Rows are read four entries at a time (kLStride and kX22Stride keep them 16-byte aligned).
-  float x[16];
+template <class SyncFn, class Mark = NoMarks>
+__device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, const float* sm_beta, float* sm_X,
+                                                 uint8_t* inv_hi, uint8_t* inv_lo, bool zero_upper,
+                                                 const SyncFn& sync, const Mark& mark = Mark{}) {
+  constexpr int kS = ProduceScratch::kX22Stride;
+  float* const sm_X11 = sm_X;
+  float* const sm_X22 = sm_X + 16 * kS;
+  float* const sm_T = sm_X + 32 * kS;
+  if (tid < 32) {
+    const int half = tid >> 4, j = tid & 15, base = 16 * half;
+    const float* L = sm_L + base * ProduceScratch::kLStride + base;  // this half's diagonal block
+    // Rows are read four entries at a time (kLStride and kX22Stride keep them 16-byte aligned).
+    float x[16];
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    float acc = (i == j) ? 1.f : 0.f;
+    for (int i = 0; i < 16; ++i) {
+      float acc = (i == j) ? 1.f : 0.f;
 #pragma unroll
-    for (int m4 = 0; m4 < i; m4 += 4) {
-      const float4 l = *reinterpret_cast<const float4*>(L + i * ProduceScratch::kLStride + m4);
-      const float lv[4] = {l.x, l.y, l.z, l.w};
+      for (int m4 = 0; m4 < i; m4 += 4) {
+        const float4 l = *reinterpret_cast<const float4*>(L + i * ProduceScratch::kLStride + m4);
+        const float lv[4] = {l.x, l.y, l.z, l.w};
 #pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (m4 + u < i) acc = fmaf(-lv[u], x[m4 + u], acc);
+        for (int u = 0; u < 4; ++u)
+          if (m4 + u < i) acc = fmaf(-lv[u], x[m4 + u], acc);
+      }
+      x[i] = acc;
     }
-    x[i] = acc;
+    float* const out = half ? sm_X22 : sm_X11;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) out[i * kS + j] = x[i];
+    mark(14);
+  } else if (zero_upper && tid < 96) {
+    invert_zero_upper(tid - 32, inv_hi, inv_lo);
   }
-  mark(14);
-  // X22's columns to shared memory for the second product; X11's column j to both halves.
-  if (half) {
+  sync();
+  const int j = tid & 15, r0 = 2 * (tid >> 4);
+  float col[16];
 #pragma unroll
-    for (int i = 0; i < 16; ++i) sm_X22[i * ProduceScratch::kX22Stride + j] = x[i];
+  for (int m = 0; m < 16; ++m) col[m] = sm_X11[m * kS + j];
+  const float b_low = sm_beta[j], b_high = sm_beta[16 + j];
+#pragma unroll
+  for (int r = r0; r < r0 + 2; ++r) {
+    sm_T[r * kS + j] = dot16(sm_L + (16 + r) * ProduceScratch::kLStride, col);
+    store_split_scalar(inv_hi, inv_lo, sw64_offset(r, j), col[r] * b_low);
+    store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, 16 + j), sm_X22[r * kS + j] * b_high);
   }
-  float x11[16];
+  sync();
 #pragma unroll
-  for (int m = 0; m < 16; ++m) x11[m] = __shfl_sync(0xffffffffu, x[m], j);
-  // T = L21 X11, rows 8 half .. 8 half + 7 of column j.
-  float t_own[8];
+  for (int m = 0; m < 16; ++m) col[m] = sm_T[m * kS + j];
 #pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    t_own[r] = dot16(sm_L + (16 + 8 * half + r) * ProduceScratch::kLStride, x11);
+  for (int r = r0; r < r0 + 2; ++r) {
+    const float acc = dot16(sm_X22 + r * kS, col);
+    store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, j), -acc * b_low);
   }
-  float t_all[16];
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const float other = __shfl_xor_sync(0xffffffffu, t_own[r], 16);
-    t_all[r] = half ? other : t_own[r];
-    t_all[8 + r] = half ? t_own[r] : other;
-  }
-  __syncwarp();
-  const float bj = sm_beta[base + j], b_low = sm_beta[j];
-  // X21 rows 8 half + r: -sum_m X22[.][m] T[m][j]; inv_b = X21 b_j.
-#pragma unroll
-  for (int r = 0; r < 8; ++r) {
-    const float acc = dot16(sm_X22 + (8 * half + r) * ProduceScratch::kX22Stride, t_all);
-    store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + 8 * half + r, j), -acc * b_low);
-  }
-  // The diagonal blocks: X11 (lanes 0-15) and X22 (lanes 16-31), column base + j.
-#pragma unroll
-  for (int i = 0; i < 16; ++i) store_split_scalar(inv_hi, inv_lo, sw64_offset(base + i, base + j), x[i] * bj);
 }
 
-// The record's inv_b by the producer's warpgroup: warp 0 inverts, warps 1-3 zero X12.
-template <class Mark>
-__device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X22, uint8_t* rec,
+// The record's inv_b by the producer's warpgroup (X12 zeroed every chunk).
+template <class Sync, class Mark>
+__device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X, uint8_t* rec,
                                        const Mark& mark) {
-  uint8_t* const inv_hi = rec + ChunkOperands::kOffInvB;
-  uint8_t* const inv_lo = rec + ChunkOperands::kOffInvBLo;
-  if (tid >= 32) {
-    if (tid < 96) invert_zero_upper(tid - 32, inv_hi, inv_lo);
-    return;
-  }
-  invert_warp(tid, sm_L, sm_beta, sm_X22, inv_hi, inv_lo, mark);
+  invert_warpgroup(tid, sm_L, sm_beta, sm_X, rec + ChunkOperands::kOffInvB, rec + ChunkOperands::kOffInvBLo, true,
+                   [] { Sync::sync(); }, mark);
 }
 
 // One chunk's record (rec, 1024-byte aligned) from its inputs, by the 128 threads tid of one
@@ -680,7 +680,7 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   }
   Sync::sync();
   mark(6);
-  invert(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec, mark);
+  invert<Sync>(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec, mark);
   fence_proxy_async_shared();
   mark(7);
 }
