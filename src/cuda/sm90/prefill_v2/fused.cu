@@ -32,9 +32,9 @@ struct SmemLayout {
   static constexpr int kOffLBeta = kRecordSpan + kVBytes;  // in a stage
   static constexpr int kStageSpan = (kOffLBeta + (kConsumerInv ? kLBetaBytes : 0) + 1023) & ~1023;
   static constexpr int kOffScratch = kStages * kStageSpan;
-  static constexpr int kInvSpan = 8192;  // inv hi, lo (2 KB each), invert_warpgroup's scratch
+  static constexpr int kInvSpan = 8192;  // inv hi, lo (2 KB each), invert_warpgroup's scratch: one, shared
   static constexpr int kOffInv = kOffScratch + kScratchSpan;
-  static constexpr int kOffBarriers = kOffInv + (kConsumerInv ? 2 * kInvSpan : 0);
+  static constexpr int kOffBarriers = kOffInv + (kConsumerInv ? kInvSpan : 0);
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
   static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
   // + full[2], empty[2], staged_full; + the 1024-byte alignment
@@ -61,12 +61,9 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
   asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
 
-// Named barrier 1 + wg of consumer warpgroup wg (1 or 2), 128 threads; immediate ids (a register
-// id makes ptxas reserve all 16 barriers).
-__device__ __forceinline__ void consumer_wg_sync(int wg) {
-  if (wg == 1) asm volatile("bar.sync 2, 128;" ::: "memory");
-  else asm volatile("bar.sync 3, 128;" ::: "memory");
-}
+// Named barrier 2: both consumer warpgroups (256 threads; the producer's is 1). An immediate id (a
+// register id makes ptxas reserve all 16 barriers).
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
 
 // The kernel's parameters: the caller's arguments and the TMA maps of its inputs' rows.
 struct FusedParams {
@@ -164,11 +161,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     prefill::load_state_rows(S, p.initial_state, p.initial_state ? ElemType::kF32 : ElemType::kNone,
                              int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
     prefill::RowScale rs;
-    // kConsumerInv: this warpgroup's inv_b, which it builds from each chunk's L (invert_warpgroup,
-    // with the warpgroup's named barrier: 2 or 3; the producer's is 1). X12 = 0 once.
-    uint8_t* const own_inv = ring + L::kOffInv + (wg - 1) * L::kInvSpan;
+    // kConsumerInv: the consumers' inv_b, which both warpgroups build together from each chunk's L
+    // and both read (invert_warpgroup over 256 threads, named barrier 2). X12 = 0 once.
+    uint8_t* const own_inv = ring + L::kOffInv;
     if constexpr (kConsumerInv) {
-      if ((ctid & 127) < 64) invert_zero_upper(ctid & 127, own_inv, own_inv + kSmallBytes);
+      if (ctid < 64) invert_zero_upper(ctid, own_inv, own_inv + kSmallBytes);
       fence_proxy_async_shared();
     }
     for (int64_t c = 0; c < num_chunks; ++c) {
@@ -177,15 +174,15 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       mark(10);
       if constexpr (kConsumerInv) {
-        // Every warp of the warpgroup is past chunk c - 1's U product (its reads of own_inv) before
-        // warp 0 rewrites the tiles: a wgmma completing in one warp is not documented to mean the
-        // whole warpgroup's operand reads are done.
-        consumer_wg_sync(wg);
+        // Every consumer warp is past chunk c - 1's U product (its reads of own_inv) before the
+        // tiles are rewritten: a wgmma completing in one warp is not documented to mean the whole
+        // warpgroup's operand reads are done.
+        consumers_sync();
         const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-        invert_warpgroup(ctid & 127, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
-                         own_inv, own_inv + kSmallBytes, false, [wg] { consumer_wg_sync(wg); });
+        invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
+                              own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
         fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
-        consumer_wg_sync(wg);
+        consumers_sync();
         mark(13);
       }
       // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).

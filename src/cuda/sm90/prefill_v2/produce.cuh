@@ -550,11 +550,14 @@ __device__ __forceinline__ void invert_zero_upper(int u, uint8_t* inv_hi, uint8_
   *reinterpret_cast<uint4*>((tile ? inv_lo : inv_hi) + sw64_offset(i, 8 * gcol)) = make_uint4(0, 0, 0, 0);
 }
 
-template <class SyncFn, class Mark = NoMarks>
+// kThreadsInv: 128 (one warpgroup, two rows a thread) or 256 (both consumer warpgroups, one row).
+template <int kThreadsInv = 128, class SyncFn, class Mark = NoMarks>
 __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, const float* sm_beta, float* sm_X,
                                                  uint8_t* inv_hi, uint8_t* inv_lo, bool zero_upper,
                                                  const SyncFn& sync, const Mark& mark = Mark{}) {
+  static_assert(kThreadsInv == 128 || kThreadsInv == 256);
   constexpr int kS = ProduceScratch::kX22Stride;
+  constexpr int kRowsPer = 256 / kThreadsInv;
   float* const sm_X11 = sm_X;
   float* const sm_X22 = sm_X + 16 * kS;
   float* const sm_T = sm_X + 32 * kS;
@@ -584,13 +587,13 @@ __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, con
     invert_zero_upper(tid - 32, inv_hi, inv_lo);
   }
   sync();
-  const int j = tid & 15, r0 = 2 * (tid >> 4);
+  const int j = tid & 15, r0 = kRowsPer * (tid >> 4);
   float col[16];
 #pragma unroll
   for (int m = 0; m < 16; ++m) col[m] = sm_X11[m * kS + j];
   const float b_low = sm_beta[j], b_high = sm_beta[16 + j];
 #pragma unroll
-  for (int r = r0; r < r0 + 2; ++r) {
+  for (int r = r0; r < r0 + kRowsPer; ++r) {
     sm_T[r * kS + j] = dot16(sm_L + (16 + r) * ProduceScratch::kLStride, col);
     store_split_scalar(inv_hi, inv_lo, sw64_offset(r, j), col[r] * b_low);
     store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, 16 + j), sm_X22[r * kS + j] * b_high);
@@ -599,7 +602,7 @@ __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, con
 #pragma unroll
   for (int m = 0; m < 16; ++m) col[m] = sm_T[m * kS + j];
 #pragma unroll
-  for (int r = r0; r < r0 + 2; ++r) {
+  for (int r = r0; r < r0 + kRowsPer; ++r) {
     const float acc = dot16(sm_X22 + r * kS, col);
     store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, j), -acc * b_low);
   }
