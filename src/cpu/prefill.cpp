@@ -118,9 +118,12 @@ struct EngineMath {
   FLASHKDA_INLINE static T quot(T a, T b) { return a / b; }
 };
 
-// Per-thread scratch for one 16-token chunk of one head. Channel arrays have stride Kp and value
-// arrays stride Vp (K and V rounded up to kLane); the padding holds zeros that never change the
-// result. Rows of a partial chunk past its end are zeroed (k_decayed, q_decayed, k_restored, b).
+// Per-thread scratch for one 16-token chunk of one head. Channel arrays have stride Kp (K rounded
+// up to kLane) and value arrays stride Vp (V rounded up to kLane, plus one panel: a state row of
+// 128 fp32 is 512 bytes, so a panel's 128 rows would fall in 8 of a 32 KB 8-way L1's 64 sets and
+// evict each other between the products' passes; padded, in all of them: 1.03-1.04x on a 2-core
+// Zen 3, nine alternating pairs, 2026-12-04). The padding holds zeros that never change the result.
+// Rows of a partial chunk past its end are zeroed (k_decayed, q_decayed, k_restored, b).
 template <typename T>
 struct ChunkScratch {
   int64_t K, Kp, V, Vp;
@@ -149,7 +152,7 @@ struct ChunkScratch {
   alignas(32) T W[C * C];
 
   ChunkScratch(int64_t K_, int64_t V_)
-      : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), Vp((V_ + kLane - 1) / kLane * kLane),
+      : K(K_), Kp((K_ + kLane - 1) / kLane * kLane), V(V_), Vp((V_ + kLane - 1) / kLane * kLane + kLane),
         q(C * Kp, T(0)), k(C * Kp, T(0)), v(C * Vp, T(0)), gate_a(C * Kp, T(0)), G64(C * Kp, 0.0),
         kq_decayed(2 * C * Kp, T(0)), k_restored(C * Kp, T(0)), decay_total(Kp, T(1)), mid(Kp, 0.0),
         decay_mid(Kp, T(0)), e_mid(Kp, T(0)), e_row(Kp), k_decayed_s(C * Kp), q_decayed_s(C * Kp),
