@@ -369,6 +369,8 @@ def implementations(args):
     if args.skip_variants:  # transition skipping on the former chunk bound, each token's max_c e^a
         impls.append(("flashkda token bound",
                       lambda x, s: run_flashkda(x, s, launch=dict(skip_bound=-1))))
+    if args.candidates or args.fused_v2:  # prefill v2's fused kernel where it serves the call, else today's
+        impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
@@ -461,7 +463,11 @@ def main():
                     help="also the internal variants: the precise mode with the bf16 split of the state in place of "
                          "its fp16 policy (docs/DESIGN.md 'Precision as an option'), and segments without "
                          "transition skipping (docs/DESIGN.md 'Segments', runs), and K2's record stream by every "
-                         "thread's cp.async in place of bulk copies (internal record_copy -1)")
+                         "thread's cp.async in place of bulk copies (internal record_copy -1), and prefill v2's fused "
+                         "kernel (--fused-v2)")
+    ap.add_argument("--fused-v2", action="store_true",
+                    help="also flashkda through prefill v2's fused chunk-32 kernel where it serves the call (one "
+                         "sequence, the lower-bound gate, fp32 states: internal fused_v2 1), today's kernels elsewhere")
     ap.add_argument("--skip-variants", action="store_true",
                     help="also segments without transition skipping and transition skipping on the former chunk "
                          "bound, the product of each token's max_c e^a (internal skip_transitions -1, skip_bound -1; "

@@ -16,6 +16,7 @@
 #include "cuda/sm90/prefill_v2/produce.h"
 #include "device_problem.h"
 #include "kda_test_utils.h"
+#include "launch_config.h"
 
 namespace flashkda::cuda::sm90::prefill_v2 {
 namespace {
@@ -183,6 +184,53 @@ TEST_F(Prefill32Gpu, RepeatedKey) {
     for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
     for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
     check(in, 3e-3, 2e-3, "repeated key T=2048 H=2");
+  }
+}
+
+// internal::PrefillLaunch::fused_v2 = 1 (a candidate): the library's prefill runs the fused kernel
+// where it serves the call, with the bits of the kernel called directly with its best flags (staged
+// inputs, inverting consumers, setmaxnreg) and the reference's accuracy; where it does not (a bf16
+// final state, two sequences, the fast mode), today's kernels with the default launch's bits.
+std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* direct = nullptr) {
+  d.poison();
+  if (direct != nullptr) direct->run(6);
+  else d.run();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d.download();
+  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+  return bits;
+}
+
+TEST_F(Prefill32Gpu, LaunchOptionRunsTheFusedKernelWhereItServes) {
+  internal::PrefillLaunch fused;
+  fused.fused_v2 = 1;
+  {
+    KdaOptions o;
+    o.T = 301, o.H = 3, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    const test::Reference ref = test::run_reference(in);
+    DeviceProblem d(in, fused);
+    ASSERT_TRUE(fused_serves(d.params()));
+    const std::vector<unsigned char> through_launch = run_bits(in, d);
+    EXPECT_LE(test::rel_rms(in.out.values(), ref.out), 2e-3);
+    EXPECT_LE(test::rel_rms(in.final_state.values(), ref.final_state), 5e-4);
+    ASSERT_TRUE(V2Call::kModeTable[6].staged && V2Call::kModeTable[6].producer_regs &&
+                V2Call::kModeTable[6].consumer_inverse);
+    V2Call direct(d);
+    EXPECT_TRUE(through_launch == run_bits(in, d, &direct)) << "the launch option's bits differ from the kernel's";
+  }
+  for (int variant = 0; variant < 3; ++variant) {
+    KdaOptions o;
+    o.T = 301, o.H = 3, o.final_state = variant == 0 ? StateKind::kBF16 : StateKind::kF32;
+    if (variant == 1) o.seqlens = {100, 201};
+    if (variant == 2) o.precision = Precision::kFast;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d_fused(in, fused), d_default(in);
+    EXPECT_FALSE(fused_serves(d_fused.params()));
+    EXPECT_TRUE(run_bits(in, d_fused) == run_bits(in, d_default)) << "a call the fused kernel does not serve changed";
   }
 }
 

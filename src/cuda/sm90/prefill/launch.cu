@@ -11,6 +11,7 @@
 #include "cuda/sm90/prefill/launch.h"
 #include "cuda/sm90/prefill/prepare_kernel.cuh"
 #include "cuda/sm90/prefill/segment_kernels.cuh"
+#include "cuda/sm90/prefill_v2/fused.h"
 
 namespace flashkda::cuda::sm90::prefill {
 
@@ -359,6 +360,10 @@ int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
+  if (launch.fused_v2 > 0 && sm90::prefill_v2::fused_serves(p)) {  // a candidate (launch_config.h)
+    FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_prefill(p, stream));
+    return;
+  }
   const int64_t N = detail::num_sequences(p);
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);

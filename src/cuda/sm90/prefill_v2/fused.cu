@@ -12,6 +12,8 @@
 // them instead of holding them in registers.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
+#include "backend.h"
+
 #include "cuda/sm90/prefill_v2/consume.cuh"
 #include "cuda/sm90/prefill_v2/fused.h"
 
@@ -313,6 +315,32 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
   if (pa.gate == GateForm::kSoftplus)
     return f32 ? launch<GateForm::kSoftplus, true>(args, stream) : launch<GateForm::kSoftplus, false>(args, stream);
   return f32 ? launch<GateForm::kPrecomputed, true>(args, stream) : launch<GateForm::kPrecomputed, false>(args, stream);
+}
+
+bool fused_serves(const PrefillParams& p) {
+  return p.cu_seqlens == nullptr && p.B == 1 && p.T > 0 && p.K == kHeadDim && p.V == kHeadDim &&
+         p.dtype == DType::kBF16 && p.g_dtype == DType::kBF16 && p.pre.gate == GateForm::kLowerBound &&
+         p.pre.l2norm_qk && p.precision == Precision::kPrecise && p.state_pool == nullptr &&
+         p.checkpoint_every == 0 && (p.initial_state == nullptr || p.initial_state_dtype == DType::kF32) &&
+         (p.final_state == nullptr || p.final_state_dtype == DType::kF32);
+}
+
+cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream) {
+  FusedArgs f;
+  ProduceArgs& pa = f.produce;
+  pa.q = p.q, pa.k = p.k, pa.g = p.g, pa.beta = p.beta, pa.A_log = p.pre.A_log, pa.dt_bias = p.pre.dt_bias;
+  pa.g_type = ElemType::kBF16;
+  pa.beta_type = p.beta_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
+  pa.gate = p.pre.gate, pa.lower_bound = p.pre.lower_bound;
+  pa.scale = detail::effective_scale(p.pre, p.K);
+  pa.l2norm_qk = p.pre.l2norm_qk, pa.beta_is_logit = p.pre.beta_is_logit;
+  pa.T = p.T, pa.H = int(p.H);
+  ConsumeArgs& ca = f.consume;
+  ca.v = p.v, ca.out = p.out, ca.T = p.T, ca.H = int(p.H);
+  ca.initial_state = static_cast<const float*>(p.initial_state);
+  ca.final_state = static_cast<float*>(p.final_state);
+  f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
+  return fused_chunks(f, stream);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill_v2

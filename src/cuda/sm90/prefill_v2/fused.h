@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include "cuda/sm90/prefill_v2/consume.h"
+#include "flashkda/params.h"
 #include "cuda/sm90/prefill_v2/produce.h"
 
 namespace flashkda::cuda::sm90::prefill_v2 {
@@ -44,5 +45,12 @@ constexpr int kPhaseClocks = 16;
 
 // Launches the fused kernel on `stream`; returns the launch's error.
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
+
+// The fused kernel as a prefill (internal::PrefillLaunch::fused_v2): whether it serves a validated
+// call (one sequence, K = V = 128, bf16 q, k, v and g, the lower-bound gate with L2-normalised q and
+// k, the precise mode, fp32 initial and final states or none, no pool, no checkpoints), and the
+// call through it with its best candidate flags (staged inputs, inverting consumers, setmaxnreg).
+bool fused_serves(const PrefillParams& p);
+cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
