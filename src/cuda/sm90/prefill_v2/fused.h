@@ -37,8 +37,9 @@ struct FusedArgs {
   // consumers 160 (false: all at the launch's 168).
   bool producer_regs = false;
   // A candidate (lower-bound bf16 gates): the producer leaves inv_b to the
-  // consumers (it writes L and beta into the stage and arrives); warp 0 of each consumer warpgroup
-  // inverts the chunk's (I + L) into its warpgroup's own tiles before the recurrence.
+  // consumers (it writes L and beta into the stage and arrives); both consumer warpgroups build
+  // one inv_b from the chunk's (I + L) before the recurrence (produce.cuh invert_warpgroup, 256
+  // threads), which both then read.
   bool consumer_inverse = false;
 };
 constexpr int kPhaseClocks = 16;

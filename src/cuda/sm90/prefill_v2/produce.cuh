@@ -532,14 +532,15 @@ __device__ __forceinline__ float dot16(const float* row, const float (&x)[16]) {
 }
 
 // inv_b = X diag(b), X = (I + L)^-1, as a split SW64 pair (inv_hi, inv_lo: the record's, or a
-// consumer warpgroup's own), by the 128 threads of one warpgroup. invert_zero_upper: thread u
+// the consumers' own), by the 128 threads of one warpgroup or the 256 of both consumer warpgroups
+// (kThreadsInv). invert_zero_upper: thread u
 // (0..63) zeroes one granule of the upper-right block X12 = 0 (rows 0-15, columns 16-31: granules 2
 // and 3 of each row, wherever the swizzle puts them; nothing else writes there).
 // invert_warpgroup: warp 0's lanes 0-15 take column j = lane of X11 = (I + L11)^-1, lanes 16-31
 // column j = lane - 16 of X22 = (I + L22)^-1, both by fp32 forward substitution (exact for unit
-// lower-triangular matrices, stable for near-collinear keys), into sm_X; then every thread (j =
-// u % 16, rows 2 (u / 16) and the next) forms T = L21 X11 and, after a barrier, X21 = -X22 T for
-// its two rows of column j, and stores its rows of X11, X22 and X21 times b_j. The substitutions
+// lower-triangular matrices, stable for near-collinear keys), into sm_X; then every thread u (column
+// j = u % 16, 256 / kThreadsInv rows from that times u / 16) forms its rows of T = L21 X11 and,
+// after a barrier, of X21 = -X22 T, and stores its rows of X11, X22 and X21 times b_j. The substitutions
 // are a fifth of the work (run 87: ~555 of ~2 950 cycles a chunk on one warp); the products and
 // the stores spread over the warpgroup. Each entry is the same fma chain in the same order as when
 // one warp did it all, so the bits are unchanged. sm_L: fp32 L [32][kLStride] (b_i L, strictly
