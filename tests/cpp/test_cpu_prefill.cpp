@@ -5,6 +5,8 @@
 // baseline ISA, AVX2 + FMA, AVX-512), skipping, with the reason, those the processor lacks.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -286,6 +288,40 @@ TEST_P(CpuPrefill, NonFiniteGatesPropagate) {
     EXPECT_EQ(nonfinite_head(fs, 0, o.V * o.K, 1), 0) << "the other head is affected";
     EXPECT_EQ(nonfinite_head(out, 0, o.V, o.T), 0);
   }
+}
+
+// Causality: a token's output depends on no later token. A NaN in v of token 20 (row 4 of the chunk
+// of tokens 16-31, so in the middle of a register tile of the panel's U and O products) leaves every
+// output of tokens 0-19 bit for bit as it was, and the other head's outputs and state entirely;
+// the affected head's later outputs turn non-finite. (A tile that summed its rows to the full depth
+// of the tile, relying on A and W being zero above the diagonal, would pass 0 * NaN up to rows
+// 18 and 19.)
+TEST_P(CpuPrefill, LaterTokensDoNotReachEarlierOutputs) {
+  KdaOptions o = fp32_options();
+  o.T = 40, o.H = 2;
+  KdaInputs in(o);
+  in.poison_outputs();
+  run_cpu(in.params());
+  const std::vector<double> clean_out = in.out.values(), clean_state = in.final_state.values();
+  in.v.set((20 * o.H + 1) * o.V + 5, NAN);  // token 20, head 1, value column 5
+  in.poison_outputs();
+  run_cpu(in.params());
+  const std::vector<double> out = in.out.values(), state = in.final_state.values();
+  int64_t changed_early = 0, changed_other_head = 0, nonfinite_late = 0;
+  for (int64_t t = 0; t < o.T; ++t)
+    for (int64_t h = 0; h < o.H; ++h)
+      for (int64_t c = 0; c < o.V; ++c) {
+        const size_t i = size_t((t * o.H + h) * o.V + c);
+        const bool same = std::memcmp(&out[i], &clean_out[i], sizeof(double)) == 0;
+        if (h == 0) changed_other_head += same ? 0 : 1;
+        else if (t < 20) changed_early += same ? 0 : 1;
+        else nonfinite_late += std::isfinite(out[i]) ? 0 : 1;
+      }
+  EXPECT_EQ(changed_early, 0) << "outputs of tokens before the NaN changed";
+  EXPECT_EQ(changed_other_head, 0) << "the other head's outputs changed";
+  EXPECT_GT(nonfinite_late, 0) << "the NaN did not reach the head's later outputs";
+  for (size_t i = 0; i < size_t(o.V * o.K); ++i)
+    EXPECT_EQ(std::memcmp(&state[i], &clean_state[i], sizeof(double)), 0) << "the other head's final state changed";
 }
 
 // The AVX2 and AVX-512 engines run the same arithmetic in the same order (the channel loops' 16
