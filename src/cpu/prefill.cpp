@@ -110,6 +110,30 @@ FLASHKDA_INLINE float engine_exp(float x) {
   return __builtin_bit_cast(float, out);
 }
 
+// e^x for |x| <= kMaxFactorisedShift (80) or NaN, the shifted factors' exponent: the same range
+// reduction and polynomial as engine_exp (the same bits for every such x), without its overflow and
+// NaN masks and with 2^n in one factor (e^{±80} and every 2^n on the way are normal floats). x is
+// clamped only where n is formed (no float-to-int conversion of a NaN), so a NaN reaches r and the
+// result.
+FLASHKDA_INLINE double engine_exp_shift(double x) { return std::exp(x); }
+FLASHKDA_INLINE float engine_exp_shift(float x) {
+  constexpr int32_t kLo = float_order_key(__builtin_bit_cast(int32_t, -88.0f));
+  constexpr int32_t kHi = float_order_key(__builtin_bit_cast(int32_t, 88.0f));
+  const int32_t key = std::min(std::max(float_order_key(__builtin_bit_cast(int32_t, x)), kLo), kHi);
+  const float xc = __builtin_bit_cast(float, float_order_key(key));
+  const int32_t ni = int32_t(xc * 1.44269504088896341f + 128.5f) - 128;
+  const float n = float(ni);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  return y * __builtin_bit_cast(float, (ni + 127) << 23);
+}
+
 // The engine's elementary functions for the lower-bound gate (gate.h via host::HeadGate::row):
 // the vectorisable exp above and true division.
 template <typename T>
@@ -348,7 +372,7 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
       T* kis = &s.k_inv_s[i * Kp];
 #pragma omp simd
       for (int64_t c = 0; c < K; ++c) {
-        const T up = engine_exp(T(Gi[c] - s.mid[c]));
+        const T up = engine_exp_shift(T(Gi[c] - s.mid[c]));
         const T down = T(1) / up;
         kds[c] = ki[c] * up;
         qds[c] = qi[c] * up;
