@@ -73,7 +73,23 @@ namespace {
 // loop with them does not vectorise.
 constexpr int32_t float_order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
 
-// e^x for the engine's channel loops, written so the compiler vectorises it. float: range
+// The exp kernels' shared core: n = round(xn / ln2) (xn: x clamped to a range where the
+// conversion is defined), r = x - n ln2 in two parts, and e^r by a degree-6 polynomial (Cephes
+// expf coefficients); returns e^r and sets ni = n. The caller applies 2^n.
+FLASHKDA_INLINE float exp_reduced(float xn, float x, int32_t& ni) {
+  ni = int32_t(xn * 1.44269504088896341f + 128.5f) - 128;  // round(xn / ln2); argument > 0
+  const float n = float(ni);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  return p * r * r + r + 1.0f;
+}
+
+// e^x for the engine's channel loops, written so the compiler vectorises it. float: exp_reduced's range
 // reduction x = n ln2 + r, |r| <= ln2/2, degree-6 polynomial (Cephes expf coefficients; measured
 // <= 1.5 ulp), 2^n applied in two halves so results down to the subnormal range stay correct;
 // like std::exp, NaN gives NaN and arguments beyond the float range +inf (a NaN or +inf gate
@@ -92,16 +108,8 @@ FLASHKDA_INLINE float engine_exp(float x) {
   const int32_t over_mask = -std::min(std::max(std::max(raw_key, 0) - kOver, 0), 1);
   const int32_t key = std::min(std::max(raw_key, kLo), kHi);
   x = __builtin_bit_cast(float, float_order_key(key));
-  const int32_t ni = int32_t(x * 1.44269504088896341f + 128.5f) - 128;  // round(x / ln2); argument > 0
-  const float n = float(ni);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
+  int32_t ni;
+  const float y = exp_reduced(x, x, ni);
   const int32_t n1 = ni >> 1, n2 = ni - n1;  // each in [-75, 64]: 2^n1 and 2^n2 are normal floats
   const float e = y * __builtin_bit_cast(float, (n1 + 127) << 23) * __builtin_bit_cast(float, (n2 + 127) << 23);
   int32_t out = __builtin_bit_cast(int32_t, e);
@@ -121,16 +129,8 @@ FLASHKDA_INLINE float engine_exp_shift(float x) {
   constexpr int32_t kHi = float_order_key(__builtin_bit_cast(int32_t, 88.0f));
   const int32_t key = std::min(std::max(float_order_key(__builtin_bit_cast(int32_t, x)), kLo), kHi);
   const float xc = __builtin_bit_cast(float, float_order_key(key));
-  const int32_t ni = int32_t(xc * 1.44269504088896341f + 128.5f) - 128;
-  const float n = float(ni);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
+  int32_t ni;
+  const float y = exp_reduced(xc, x, ni);
   return y * __builtin_bit_cast(float, (ni + 127) << 23);
 }
 
