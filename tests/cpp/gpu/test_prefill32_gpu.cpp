@@ -44,17 +44,9 @@ struct V2Call {
 
   explicit V2Call(DeviceProblem& dp)
       : d(dp), records(size_t((dp.in.opt.T + kChunk - 1) / kChunk) * dp.in.opt.H * ChunkOperands::kBytes) {
-    const PrefillParams p = d.params();
-    pa.q = p.q, pa.k = p.k, pa.g = p.g, pa.beta = p.beta, pa.A_log = p.pre.A_log, pa.dt_bias = p.pre.dt_bias;
-    pa.g_type = p.g_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
-    pa.beta_type = p.beta_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
-    pa.gate = p.pre.gate, pa.lower_bound = p.pre.lower_bound;
-    pa.scale = p.pre.has_scale ? p.pre.scale : 1.f / std::sqrt(float(kHeadDim));
-    pa.l2norm_qk = p.pre.l2norm_qk, pa.beta_is_logit = p.pre.beta_is_logit;
-    pa.T = p.T, pa.H = int(p.H), pa.out = records.ptr;
-    ca.records = records.ptr, ca.v = p.v, ca.out = p.out, ca.T = p.T, ca.H = int(p.H);
-    ca.initial_state = static_cast<const float*>(p.initial_state);
-    ca.final_state = static_cast<float*>(p.final_state);
+    const FusedArgs f = fused_args(d.params());
+    pa = f.produce, ca = f.consume;
+    pa.out = records.ptr, ca.records = records.ptr;
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
   // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).

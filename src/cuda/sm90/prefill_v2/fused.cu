@@ -325,11 +325,11 @@ bool fused_serves(const PrefillParams& p) {
          (p.final_state == nullptr || p.final_state_dtype == DType::kF32);
 }
 
-cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream) {
+FusedArgs fused_args(const PrefillParams& p) {
   FusedArgs f;
   ProduceArgs& pa = f.produce;
   pa.q = p.q, pa.k = p.k, pa.g = p.g, pa.beta = p.beta, pa.A_log = p.pre.A_log, pa.dt_bias = p.pre.dt_bias;
-  pa.g_type = ElemType::kBF16;
+  pa.g_type = p.g_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
   pa.beta_type = p.beta_dtype == DType::kF32 ? ElemType::kF32 : ElemType::kBF16;
   pa.gate = p.pre.gate, pa.lower_bound = p.pre.lower_bound;
   pa.scale = detail::effective_scale(p.pre, p.K);
@@ -339,6 +339,11 @@ cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream) {
   ca.v = p.v, ca.out = p.out, ca.T = p.T, ca.H = int(p.H);
   ca.initial_state = static_cast<const float*>(p.initial_state);
   ca.final_state = static_cast<float*>(p.final_state);
+  return f;
+}
+
+cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream) {
+  FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   return fused_chunks(f, stream);
 }

@@ -53,5 +53,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // call through it with its best candidate flags (staged inputs, inverting consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream);
+// The kernels' arguments for a call of one sequence (records unset, the candidate flags off).
+FusedArgs fused_args(const PrefillParams& p);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
