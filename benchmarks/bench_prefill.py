@@ -102,11 +102,14 @@ def run_flashkda(x, with_state, precision="precise", launch=None):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
     launch = launch or {}
+    # The fused kernel serves one sequence without cu_seqlens (the host cannot read device offsets);
+    # a single sequence's cu_seqlens [0, T] name the same call.
+    cu = None if launch.get("fused_v2") and x["cu_seqlens"].numel() == 2 else x["cu_seqlens"]
 
     def call():
         with _internal.launch(**launch):
             flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
-                         LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"],
+                         LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=cu,
                          precision=precision)
 
     return call, lambda: (out[0], ht)

@@ -61,10 +61,11 @@ struct DecodeLaunch {
                         // the persistent kernel from 2048, else the one-CTA-per-item kernels; fp32 pools:
                         // the latter); 0 = the one-CTA-per-item kernels; 1 = the persistent kernel; 2, 3 = its
                         // bulk-copy variant with four or three buffers (state blocks in and out by TMA bulk
-                        // copies; not with check_slots, which then runs the persistent or tile kernel)
-  int check_slots = 0;  // GPU, a candidate: 1 = every CTA scans the call's other sequences for a live slot
-                        // that its sequence also reads or writes, and on one writes NaN outputs and stores
-                        // nothing (both sequences of the shared slot); 0 = no check (docs/DESIGN.md)
+                        // copies)
+  int check_slots = 0;  // GPU: 0 = rule (the slot check in every call of two or more sequences: every CTA
+                        // finds whether another sequence reads or writes a live slot that its sequence also
+                        // uses, and on one writes NaN outputs and stores nothing, both sequences of the
+                        // shared slot); 1 = the check always; -1 = never (docs/DESIGN.md "Serving prefill")
   int cpu_isa = 0;  // CPU: as PrefillLaunch::cpu_isa
 };
 

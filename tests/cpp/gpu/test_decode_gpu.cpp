@@ -360,21 +360,22 @@ TEST_P(DecodeGpu, RepeatRunsAreBitIdentical) {
   EXPECT_EQ(prob.pool.bytes, pool1);
 }
 
-// The slot check (internal::DecodeLaunch::check_slots, a candidate): out and pool after one call
-// with and without it, on the same problem.
+// The slot check (internal::DecodeLaunch::check_slots: 0 the rule, on from two sequences; 1 always;
+// -1 never): out and pool after one call without it and one with check_slots = `on`, on the same
+// problem.
 struct CheckedAndUnchecked {
   std::vector<unsigned char> out_off, pool_off, out_on, pool_on;
 };
-CheckedAndUnchecked run_with_and_without_slot_check(DecodeProblem& prob) {
+CheckedAndUnchecked run_with_and_without_slot_check(DecodeProblem& prob, int on) {
   CheckedAndUnchecked r;
   DeviceDecode dev(prob);
-  for (const int check : {0, 1}) {
+  for (const int check : {-1, on}) {
     dev.reset();
     g_launch.check_slots = check;
     run_decode(dev.params());
     dev.download();
-    (check ? r.out_on : r.out_off) = prob.in.out.bytes;
-    (check ? r.pool_on : r.pool_off) = prob.pool.bytes;
+    (check >= 0 ? r.out_on : r.out_off) = prob.in.out.bytes;
+    (check >= 0 ? r.pool_on : r.pool_off) = prob.pool.bytes;
   }
   g_launch.check_slots = 0;
   return r;
@@ -400,20 +401,26 @@ TEST_P(DecodeGpu, SlotCheckChangesNoValidCall) {
       prob.indices[3 * 3 + 2] = int32_t(prob.P);
     }
     if (i == 4) prob.indices[1] = prob.indices[0];  // sequence 1 is empty
-    const CheckedAndUnchecked r = run_with_and_without_slot_check(prob);
-    EXPECT_EQ(r.out_on, r.out_off) << "case " << i;
-    EXPECT_EQ(r.pool_on, r.pool_off) << "case " << i;
-    EXPECT_EQ(count_nonfinite(prob.in.out.values()), 0) << "case " << i;
+    for (const int on : {1, 0}) {
+      const CheckedAndUnchecked r = run_with_and_without_slot_check(prob, on);
+      EXPECT_EQ(r.out_on, r.out_off) << "case " << i << ", check_slots " << on;
+      EXPECT_EQ(r.pool_on, r.pool_off) << "case " << i << ", check_slots " << on;
+      EXPECT_EQ(count_nonfinite(prob.in.out.values()), 0) << "case " << i << ", check_slots " << on;
+    }
   }
 }
 
 // Two sequences that read or write one live slot (a race without the check): with it, both write
 // NaN outputs and store nothing (every slot either names unchanged), and every other sequence's
 // outputs and slots are what the unchecked call gives them. Plain (two start slots) and
-// speculative (one sequence's store slot is another's start slot), both state dtypes.
+// speculative (one sequence's store slot is another's start slot), both state dtypes; the check
+// forced and by the default rule.
 TEST_P(DecodeGpu, SlotCheckPoisonsSequencesThatShareASlot) {
+  for (const int on : {1, 0})
   for (const bool speculative : {false, true})
     for (const DType state : {DType::kF32, DType::kBF16}) {
+      SCOPED_TRACE(std::string("check_slots ") + std::to_string(on) + (speculative ? ", speculative" : "") +
+                   (state == DType::kBF16 ? ", bf16 pool" : ", fp32 pool"));
       DecodeOptions o;
       o.N = 6, o.T = 3, o.H = 2, o.state_dtype = state;
       if (speculative) o.speculative = true, o.indices_stride = 3, o.accepted = {1, 2, 3, 1, 2, 3};
@@ -432,7 +439,7 @@ TEST_P(DecodeGpu, SlotCheckPoisonsSequencesThatShareASlot) {
       for (const int64_t n : {a, b})
         for (int64_t t = 0; t < stride; ++t)
           if (prob.indices[n * stride + t] >= 0) touched.push_back(prob.indices[n * stride + t]);
-      const CheckedAndUnchecked r = run_with_and_without_slot_check(prob);
+      const CheckedAndUnchecked r = run_with_and_without_slot_check(prob, on);
       const size_t row = size_t(o.H) * o.V * 2, slot = size_t(prob.slice) * dtype_size(state);
       for (int64_t n = 0; n < prob.N; ++n) {
         const size_t lo = size_t(prob.bos[n]) * row, hi = size_t(prob.bos[n] + prob.len[n]) * row;

@@ -864,7 +864,8 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
 // to 5 tokens, two beyond), and three wait for each store's read of shared memory. Speculative
 // stores (after each token) still go from registers to global memory, and a speculative item
 // writes no rows back (so it fences nothing before its buffer is refilled: its reads are ordered
-// by the CTA barriers alone, as in CUTLASS's TMA pipelines). No slot check.
+// by the CTA barriers alone, as in CUTLASS's TMA pipelines). kCheckSlots: the slot check, by the
+// persistent kernel's table (mark_shared_slots, in the ring before the first copy).
 template <class TileT, typename StateT, int kRing>
 struct BulkLayout {
   static constexpr int kStateBytes = PersistentLayout<TileT, StateT>::kStateBytes;
@@ -899,9 +900,11 @@ __device__ __forceinline__ TokenWords prefetch_item_bulk(const DecodeArgs& a, co
   return words;
 }
 
-template <typename StateT, class TileT, int kRing>
+template <typename StateT, class TileT, int kRing, bool kCheckSlots = false>
 __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_kernel(const DecodeArgs a, int64_t items) {
   static_assert(kRing == 3 || kRing == 4, "items i..i+2 in flight, plus one store with four buffers");
+  static_assert(BulkLayout<TileT, StateT, kRing>::bytes(1) >= PersistentLayout<TileT, StateT>::bytes(1),
+                "the slot table (SlotTable) borrows a ring of the persistent kernel's size");
   constexpr int kRows = TileT::kRowsPerThread;
   using Layout = BulkLayout<TileT, StateT, kRing>;
   __shared__ WarpScratch scratch[kWarps];
@@ -925,6 +928,8 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
   const int64_t step = gridDim.x;
   int64_t x = blockIdx.x;  // the launcher keeps gridDim.x <= items
   Span sp0 = span_at(x), sp1 = span_at(x + step);
+  const uint32_t* marked = nullptr;  // the slot check's table (null: scan per item), as in the persistent kernel
+  if constexpr (kCheckSlots) marked = mark_shared_slots<TileT, StateT>(a, smem);
   TokenWords w0 = prefetch(x, sp0, 0);
   TokenWords w1{0u, -1};
   if (x + step < items) w1 = prefetch(x + step, sp1, 1);
@@ -946,15 +951,26 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
     if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);
     else cp_async_commit();
     const Span sp3 = span_at(x + 3 * step);
-    cp_async_wait_group<2>();                         // this thread's token copies of item i have landed
+    const bool live = sp0.len > 0 && sp0.slot >= 0;
+    // The slot check: this thread's share of whether item i's sequence uses a slot that another
+    // sequence uses (before the waits, so its loads overlap them).
+    bool meets = false;
+    if constexpr (kCheckSlots) {
+      const int64_t n = coord_of<TileT>(a, x).n;
+      meets = live && (marked != nullptr ? uses_a_marked_slot(a, n, sp0, w0, marked) : shares_a_slot(a, n, sp0));
+    }
+    cp_async_wait_group<2>();                           // this thread's token copies of item i have landed
     mbarrier_wait(&full[b], uint32_t(i / kRing) & 1u);  // and item i's state block
-    __syncthreads();                                  // and everyone's token copies
+    bool shared = false;
+    if constexpr (kCheckSlots) shared = __syncthreads_or(meets);  // and everyone's token copies and answers
+    else __syncthreads();                                          // and everyone's token copies
 
     const Coord c = coord_of<TileT>(a, x);
     StateT* const rows = state0 + b * Layout::kStateElems;
     store_to = nullptr;
     if (sp0.len > 0 && sp0.slot < 0) fill_outputs<TileT>(a, c, sp0);
-    if (sp0.len > 0 && sp0.slot >= 0) {
+    if (shared) fill_outputs<TileT>(a, c, sp0, kBf16NaN);  // and nothing stored: the slots keep their contents
+    if (live && !shared) {
       float state[kRows][kKPerLane];
 #pragma unroll
       for (int r = 0; r < kRows; ++r) {

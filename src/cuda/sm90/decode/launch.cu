@@ -88,28 +88,28 @@ void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, 
 template <typename StateT>
 using BulkTile = std::conditional_t<sizeof(StateT) == 2, sm90::decode::PersistentLargeTile, sm90::decode::BulkSmallTile>;
 
-template <typename StateT, int kRing>
+template <typename StateT, int kRing, bool kCheck>
 int bulk_ctas_per_sm(int stage_tokens, size_t smem) {
   static std::atomic<int> cache[sm90::decode::kMaxTokens + 1] = {};
   int n = cache[stage_tokens].load(std::memory_order_relaxed);
   if (n == 0) {
     FLASHKDA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &n, sm90::decode::decode_bulk_kernel<StateT, BulkTile<StateT>, kRing>, sm90::decode::kThreads, smem));
+        &n, sm90::decode::decode_bulk_kernel<StateT, BulkTile<StateT>, kRing, kCheck>, sm90::decode::kThreads, smem));
     n = std::max(n, 1);
     cache[stage_tokens].store(n, std::memory_order_relaxed);
   }
   return n;
 }
 
-template <typename StateT, int kRing>
+template <typename StateT, int kRing, bool kCheck>
 void launch_bulk(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
   using namespace sm90::decode;
   using TileT = BulkTile<StateT>;
   const int64_t items = num_heads * TileT::kCtasPerHead;
   const size_t smem = BulkLayout<TileT, StateT, kRing>::bytes(args.stage_tokens);
-  auto kernel = decode_bulk_kernel<StateT, TileT, kRing>;
+  auto kernel = decode_bulk_kernel<StateT, TileT, kRing, kCheck>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-  const int64_t grid = std::min<int64_t>(items, int64_t(sm_count()) * bulk_ctas_per_sm<StateT, kRing>(args.stage_tokens, smem));
+  const int64_t grid = std::min<int64_t>(items, int64_t(sm_count()) * bulk_ctas_per_sm<StateT, kRing, kCheck>(args.stage_tokens, smem));
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args, items);
   FLASHKDA_CHECK_LAUNCH();
 }
@@ -117,7 +117,7 @@ void launch_bulk(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaSt
 // bf16 pools with N·H in [kBulkMinHeads, kBulkMaxHeads] take the bulk-copy kernel with three
 // buffers, from kPersistentMinHeads the persistent kernel (config.h); an internal launch
 // configuration can force any of them (the tile kernels, the persistent kernel or its bulk-copy
-// variant). The slot check runs only in the other kernels.
+// variant).
 bool use_bulk(bool bf16_state, int64_t num_heads, const internal::DecodeLaunch& config) {
   return config.persistent < 0 && bf16_state && num_heads >= sm90::decode::kBulkMinHeads &&
          num_heads <= sm90::decode::kBulkMaxHeads;
@@ -133,10 +133,10 @@ void launch_tile_as(const sm90::decode::DecodeArgs& args, int64_t num_heads, con
                     cudaStream_t stream) {
   using namespace sm90::decode;
   const bool large = num_heads >= kLargeTileMinHeads;
-  if (config.persistent == 2 && !kCheck) {
-    launch_bulk<StateT, 4>(args, num_heads, stream);
-  } else if ((config.persistent == 3 || use_bulk(sizeof(StateT) == 2, num_heads, config)) && !kCheck) {
-    launch_bulk<StateT, 3>(args, num_heads, stream);
+  if (config.persistent == 2) {
+    launch_bulk<StateT, 4, kCheck>(args, num_heads, stream);
+  } else if (config.persistent == 3 || use_bulk(sizeof(StateT) == 2, num_heads, config)) {
+    launch_bulk<StateT, 3, kCheck>(args, num_heads, stream);
   } else if (use_persistent(sizeof(StateT) == 2, num_heads, config)) {
     if (large) launch_persistent<StateT, PersistentLargeTile, kCheck>(args, num_heads, stream);
     else launch_persistent<StateT, SmallTile, kCheck>(args, num_heads, stream);
@@ -147,12 +147,17 @@ void launch_tile_as(const sm90::decode::DecodeArgs& args, int64_t num_heads, con
   }
 }
 
-// internal::DecodeLaunch::check_slots = 1 (a candidate) runs the kernels with the slot check
-// (kernel.cuh shares_a_slot), the others without it.
+// The slot check (kernel.cuh: a sequence that shares a live slot with another gets NaN outputs and
+// stores nothing) runs wherever two or more sequences could share a slot: by the rule in every call
+// of N >= 2 (internal::DecodeLaunch::check_slots = 0); 1 forces it, -1 leaves it out.
+bool checks_slots(int64_t num_seqs, const internal::DecodeLaunch& config) {
+  return config.check_slots > 0 || (config.check_slots == 0 && num_seqs >= 2);
+}
+
 template <typename StateT>
-void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, const internal::DecodeLaunch& config,
-                 cudaStream_t stream) {
-  if (config.check_slots == 1) launch_tile_as<StateT, true>(args, num_heads, config, stream);
+void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, int64_t num_seqs,
+                 const internal::DecodeLaunch& config, cudaStream_t stream) {
+  if (checks_slots(num_seqs, config)) launch_tile_as<StateT, true>(args, num_heads, config, stream);
   else launch_tile_as<StateT, false>(args, num_heads, config, stream);
 }
 
@@ -166,9 +171,9 @@ void decode(const DecodeParams& p, const internal::DecodeLaunch& config, Stream 
   const int64_t num_heads = p.num_seqs * p.H;
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.state_dtype == DType::kF32) {
-    launch_tile<float>(args, num_heads, config, s);
+    launch_tile<float>(args, num_heads, p.num_seqs, config, s);
   } else {
-    launch_tile<__nv_bfloat16>(args, num_heads, config, s);
+    launch_tile<__nv_bfloat16>(args, num_heads, p.num_seqs, config, s);
   }
 }
 
