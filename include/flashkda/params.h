@@ -82,8 +82,9 @@ struct DecodeParams {
   // or with indices_stride == 1 / no num_accepted_tokens the one slot of sequence n (read and
   // written). A negative start slot marks a padding entry: nothing is read or written for it
   // (its outputs are set to zero); a negative slot for token t skips that store only. Two sequences
-  // may not name one live slot: the CPU backend throws naming both; on the GPU (indices unchecked
-  // there) that slot's contents are undefined and nothing else changes (docs/SPEC.md §5).
+  // may not name one live slot: the CPU backend throws naming both; on the GPU (indices on the
+  // device) every sequence that shares a live slot gets NaN outputs and stores nothing, so those
+  // slots keep their contents, and every other sequence runs as usual (docs/SPEC.md §5).
   const int32_t* state_indices = nullptr;  // [N] or [N, indices_stride]
   int64_t indices_stride = 1;
   const int32_t* num_accepted_tokens = nullptr;  // [N] or null: start slot = indices[n, acc-1]

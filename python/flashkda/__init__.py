@@ -239,7 +239,8 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
       ssm_state_indices[n, num_accepted_tokens[n] - 1]. Without initial_state the states start at
       zero and final_state is a new [N, ...] float32 tensor (when output_final_state). Two
       sequences may not name one live slot: on the CPU that raises ValueError naming both; on the
-      GPU (indices unchecked there) that slot's contents are undefined (docs/SPEC.md §5).
+      GPU (indices on the device, no host sync) both sequences get NaN outputs and store nothing,
+      their slots keep their contents, the other sequences run as usual (docs/SPEC.md §5).
     out: optional output buffer [.., V] of q's dtype, written in place.
 
     The positional order is fla 0.6.0's (allow_neg_eigval=True raises NotImplementedError); the

@@ -202,6 +202,31 @@ def test_fused_recurrent_kv_pool_gathered_slots(rng, bf16):
     assert np.array_equal(got[[1, 2, 3, 4]], pool_vk[[1, 2, 3, 4]])
 
 
+@pytest.mark.parametrize("state_v_first", [True, False])
+def test_fused_recurrent_shared_slot_poisons_both_sequences(rng, bf16, state_v_first):
+    # Two live sequences naming one slot (the CPU refuses it by name; the GPU cannot read device
+    # indices on the host): both get NaN outputs and store nothing, the padding entry between them
+    # gets zeros, the third sequence runs as usual, and no slot changes but the third's.
+    N, P = 4, 6
+    p, t, pool_vk = decode_problem(rng, bf16, N, 1, P)
+    idx = np.array([3, -1, 3, 5], np.int32)
+    pool = to_torch(pool_vk if state_v_first else np.ascontiguousarray(np.swapaxes(pool_vk, -1, -2)), "cuda")
+    before = pool.clone()
+    o, _ = flashkda.fused_recurrent_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=pool,
+                                        use_qk_l2norm_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                                        state_v_first=state_v_first, ssm_state_indices=to_torch(idx, "cuda"),
+                                        **gate_kwargs(p, t))
+    got = to_numpy(o).astype(np.float32)
+    assert np.isnan(got[[0, 2]]).all(), "the sequences that share slot 3"
+    assert (got[1] == 0).all(), "the padding entry"
+    ref_o, ref_pool = kda_decode(p["q"], p["k"], p["v"], p["g"], p["beta"], pool_vk, np.array([-1, -1, -1, 5], np.int32),
+                                 l2norm=True, beta_logit=True, **p.ref_kwargs())
+    assert rel_rms(got[3], ref_o[3]) <= TOL_O
+    for s in range(P):
+        if s != 5:
+            assert torch.equal(pool[s], before[s]), f"slot {s} changed"
+
+
 # ---- CUDA graphs --------------------------------------------------------------------------------
 
 
