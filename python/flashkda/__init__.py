@@ -220,7 +220,7 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                         output_final_state=False, use_qk_l2norm_in_kernel=False, use_gate_in_kernel=False,
                         use_beta_sigmoid_in_kernel=False, allow_neg_eigval=False, lower_bound=None,
                         state_v_first=False, cu_seqlens=None, *, ssm_state_indices=None, num_accepted_tokens=None,
-                        inplace_final_state=None, out=None, **kwargs):
+                        inplace_final_state=None, out=None, check_slots=True, **kwargs):
     """Token-by-token KDA (decode), fla's `fused_recurrent_kda(_fwd)` semantics. Returns (out, final_state).
 
     Shapes and gate/beta/scale options as in chunk_kda; q: [N, T, H, K] (T = 1..16 tokens per step),
@@ -242,6 +242,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
       GPU (indices on the device, no host sync) both sequences get NaN outputs and store nothing,
       their slots keep their contents, the other sequences run as usual (docs/SPEC.md §5).
     out: optional output buffer [.., V] of q's dtype, written in place.
+    check_slots: False leaves out the GPU's shared-slot check (0-12% of a decode step) for a caller
+      that guarantees distinct live slots, as serving engines' slot allocators do; a shared slot's
+      contents are then undefined. The CPU checks on the host either way.
 
     The positional order is fla 0.6.0's (allow_neg_eigval=True raises NotImplementedError); the
     serving arguments are keywords. The kernels keep states as [P, H, V, K]; with other layouts
@@ -261,7 +264,8 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
                  use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, use_gate_in_kernel=use_gate_in_kernel,
                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, lower_bound=lower_bound,
                  state_v_first=state_v_first, cu_seqlens=cu_seqlens, ssm_state_indices=ssm_state_indices,
-                 num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state, out=out)
+                 num_accepted_tokens=num_accepted_tokens, inplace_final_state=inplace_final_state, out=out,
+                 check_slots=check_slots)
     if not use_op:
         return _impl.fused_recurrent_kda(ops_for(q), **args)
     ht = _torch_ops.fused_recurrent_kda(args)

@@ -397,7 +397,7 @@ def _long_sequences(ops, T, cu, N):
 
 
 def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_gate, beta_sigmoid, lower_bound,
-                   cu_seqlens, idx, acc, out):
+                   cu_seqlens, idx, acc, out, check_slots):
     """The serving call's fast path (torch tensors, a [P, H, V, K] pool updated in place through
     int32 indices): flashkda._C checks every shape, dtype, device and contiguity before any work.
     Returns None when it refuses or the call needs the checked path's conversions."""
@@ -419,7 +419,8 @@ def _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, pool, l2norm, use_ga
     if out is None:
         out = TorchOps.empty(tuple(v.shape), TorchOps.dtype_name(q), q)
     pre = Preprocess(form, A_log, dt_bias, lb, bool(l2norm), bool(beta_sigmoid), _scale(scale))
-    _launch.decode(TorchOps, q, k, v, g, beta, out, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu_seqlens)
+    _launch.decode(TorchOps, q, k, v, g, beta, out, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu_seqlens,
+                   check_slots=check_slots)
     return out, pool
 
 
@@ -487,13 +488,13 @@ def fused_recurrent_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array
                         lower_bound: Optional[float] = None, state_v_first: bool = False,
                         cu_seqlens: Optional[Array] = None, ssm_state_indices: Optional[Array] = None,
                         num_accepted_tokens: Optional[Array] = None, inplace_final_state: bool = False,
-                        out: Optional[Array] = None):
+                        out: Optional[Array] = None, check_slots: bool = True):
     """Returns (out, final_state); see flashkda.fused_recurrent_kda for the state semantics."""
     if (ops is TorchOps and inplace_final_state and state_v_first and initial_state is not None
             and ssm_state_indices is not None):
         res = _decode_direct(q, k, v, g, beta, A_log, dt_bias, scale, initial_state, use_qk_l2norm_in_kernel,
                              use_gate_in_kernel, use_beta_sigmoid_in_kernel, lower_bound, cu_seqlens,
-                             ssm_state_indices, num_accepted_tokens, out)
+                             ssm_state_indices, num_accepted_tokens, out, bool(check_slots))
         if res is not None:
             return res
     (q, k, v, g, beta), cu, N, (form, A_log, dt_bias, lb) = _checked_inputs(
@@ -597,7 +598,8 @@ def fused_recurrent_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array
     else:
         if idx is None:
             idx = ops.arange_i32(N, q)
-        _launch.decode(ops, q, k, v, g, beta, out_c, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu)
+        _launch.decode(ops, q, k, v, g, beta, out_c, pool, idx, pre, num_accepted_tokens=acc, cu_seqlens=cu,
+                       check_slots=bool(check_slots))
 
     if out_c is not out:
         ops.copy_(out, out_c)

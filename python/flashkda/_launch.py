@@ -81,11 +81,12 @@ def forward(ops, q, k, v, g, beta, out, pre: Preprocess, initial_state=None, fin
 
 
 def decode(ops, q, k, v, g, beta, out, state_pool, state_indices, pre: Preprocess, num_accepted_tokens=None,
-           cu_seqlens=None):
+           cu_seqlens=None, check_slots=True):
     """flashkda::decode on checked, contiguous arrays; updates state_pool ([P,H,V,K]) in place."""
     args = [ops.to_ext(x) for x in (q, k, v, g, beta, out, state_pool, state_indices)]
     kw = pre.ext_kwargs(ops)
-    kw.update(num_accepted_tokens=ops.to_ext(num_accepted_tokens), cu_seqlens=ops.to_ext(cu_seqlens))
+    kw.update(num_accepted_tokens=ops.to_ext(num_accepted_tokens), cu_seqlens=ops.to_ext(cu_seqlens),
+              check_slots=check_slots)
     kw.update(_config.get("decode", {}))
     if ops is TorchOps and q.is_cuda:
         _cuda_call(q, lambda stream, torch: _C.decode(*args, stream=stream, **kw))

@@ -515,8 +515,9 @@ void decode(const InArray& q_, const InArray& k_, const InArray& v_, const InArr
             const OutArray& out_, const OutArray& state_pool_, const InArray& state_indices_,
             OptIn num_accepted_tokens_, OptIn cu_seqlens_, OptIn A_log, OptIn dt_bias, const std::string& gate,
             float lower_bound, bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, uintptr_t stream,
-            bool u16_is_bf16, int persistent, int check_slots, int cpu_isa) {
+            bool check_slots, bool u16_is_bf16, int persistent, int internal_check_slots, int cpu_isa) {
   DecodeParams p;
+  p.check_slots = check_slots;
   View q = view_in("q", q_, u16_is_bf16);
   expect_rank(q, 4, "[N, T, H, K] (or [1, total, H, K] with cu_seqlens)");
   expect_float(q);
@@ -581,7 +582,7 @@ void decode(const InArray& q_, const InArray& k_, const InArray& v_, const InArr
   p.q = q.data, p.k = k.data, p.v = v.data, p.g = g.data, p.beta = beta.data, p.out = out.data;
   p.dtype = q.dtype, p.g_dtype = g.dtype, p.beta_dtype = beta.dtype;
   nb::gil_scoped_release nogil;
-  internal::decode(p, {persistent, check_slots, cpu_isa}, reinterpret_cast<Stream>(stream));
+  internal::decode(p, {persistent, internal_check_slots, cpu_isa}, reinterpret_cast<Stream>(stream));
 }
 
 }  // namespace
@@ -673,7 +674,7 @@ NB_MODULE(_C, m) {
         arg("state_indices"), nb::kw_only(), arg("num_accepted_tokens").none() = nb::none(),
         arg("cu_seqlens").none() = nb::none(), arg("A_log").none() = nb::none(), arg("dt_bias").none() = nb::none(),
         arg("gate") = "lower_bound", arg("lower_bound") = -5.0f, arg("l2norm_qk") = true,
-        arg("beta_is_logit") = true, arg("scale").none() = nb::none(), arg("stream") = 0,
+        arg("beta_is_logit") = true, arg("scale").none() = nb::none(), arg("stream") = 0, arg("check_slots") = true,
         arg("u16_is_bf16") = false, arg("_persistent") = -1, arg("_check_slots") = 0, arg("_cpu_isa") = 0,
         "One decode step (docs/SPEC.md §5): updates the named slots of state_pool [P,H,V,K] in place, writes out.");
 }

@@ -341,6 +341,27 @@ TEST(DecodeCpuErrors, IndicesAcceptedAndCuSeqlens) {
   expect_arg_error(vprob, p, "longest sequence (3)");
 }
 
+// Two sequences naming one live slot: refused naming both positions, whatever check_slots says
+// (it leaves out only the GPU's device-side check; the CPU reads the indices on the host).
+TEST(DecodeCpuErrors, SharedLiveSlotIsRefusedNamingBoth) {
+  DecodeOptions o;
+  o.N = 3;
+  DecodeProblem prob(o);
+  for (const bool check : {true, false}) {
+    DecodeParams p = prob.params();
+    p.check_slots = check;
+    std::vector<int32_t> shared = prob.indices;
+    shared[2] = shared[0];
+    p.state_indices = shared.data();
+    expect_arg_error(prob, p, "state_indices[0, 0] and state_indices[2, 0] both name slot " + std::to_string(shared[0]));
+    shared[1] = -1, shared[2] = -1;  // padding entries may repeat
+    p = prob.params(), p.check_slots = check, p.state_indices = shared.data();
+    EXPECT_NO_THROW(decode(p));
+    prob.in.out.bytes.assign(prob.in.out.bytes.size(), 0);
+    prob.pool.bytes = prob.pool_before.bytes;
+  }
+}
+
 TEST(DecodeCpuErrors, EmptyBatchIsANoOp) {
   DecodeOptions o;
   o.N = 2, o.T = 1;

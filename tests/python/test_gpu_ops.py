@@ -227,6 +227,20 @@ def test_fused_recurrent_shared_slot_poisons_both_sequences(rng, bf16, state_v_f
             assert torch.equal(pool[s], before[s]), f"slot {s} changed"
 
 
+def test_fused_recurrent_check_slots_false_gives_the_same_bits(rng, bf16):
+    # The caller's opt-out of the shared-slot check (distinct slots guaranteed): the unchecked
+    # kernels, whose results on valid calls are the checked ones bit for bit.
+    N, P = 5, 8
+    p, t, pool_vk = decode_problem(rng, bf16, N, 1, P)
+    idx = to_torch(np.array([6, 0, -1, 3, 2], np.int32), "cuda")
+    pools, outs = [], []
+    for check in (True, False):
+        pool = to_torch(pool_vk, "cuda")
+        o, _ = decode(p, t, pool, ssm_state_indices=idx, check_slots=check)
+        pools.append(pool), outs.append(o)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
+
+
 # ---- CUDA graphs --------------------------------------------------------------------------------
 
 

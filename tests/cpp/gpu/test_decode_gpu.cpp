@@ -382,10 +382,11 @@ CheckedAndUnchecked run_with_and_without_slot_check(DecodeProblem& prob, int on)
 }
 
 // With no slot shared, the check changes nothing, bit for bit: plain and speculative calls, padding
-// (negative indices repeat), out-of-range slots and accepted counts, empty sequences, and an empty
-// sequence naming a live sequence's slot (it touches nothing).
+// (negative indices repeat), out-of-range slots and accepted counts, empty sequences, an empty
+// sequence naming a live sequence's slot (it touches nothing), and a speculative sequence that names
+// one slot for two of its tokens (its own, not shared).
 TEST_P(DecodeGpu, SlotCheckChangesNoValidCall) {
-  std::vector<DecodeOptions> cases(5);
+  std::vector<DecodeOptions> cases(6);
   cases[0].N = 5, cases[0].T = 3, cases[0].H = 3;
   cases[1].N = 7, cases[1].H = 2, cases[1].state_dtype = DType::kBF16, cases[1].padding = {0, 3, 5};
   cases[2].N = 4, cases[2].T = 3, cases[2].H = 2, cases[2].speculative = true, cases[2].indices_stride = 4;
@@ -393,6 +394,8 @@ TEST_P(DecodeGpu, SlotCheckChangesNoValidCall) {
   cases[3].N = 5, cases[3].T = 3, cases[3].H = 2, cases[3].speculative = true, cases[3].indices_stride = 3;
   cases[3].accepted = {1, 2, 3, 1, 2};
   cases[4].H = 2, cases[4].seqlens = {2, 0, 3, 0, 1}, cases[4].padding = {4};
+  cases[5].N = 3, cases[5].T = 3, cases[5].H = 2, cases[5].speculative = true, cases[5].indices_stride = 3;
+  cases[5].accepted = {1, 2, 1};
   for (size_t i = 0; i < cases.size(); ++i) {
     DecodeProblem prob(cases[i]);
     if (i == 3) {  // OutOfRangeIndicesAreSkipped's indices
@@ -401,11 +404,22 @@ TEST_P(DecodeGpu, SlotCheckChangesNoValidCall) {
       prob.indices[3 * 3 + 2] = int32_t(prob.P);
     }
     if (i == 4) prob.indices[1] = prob.indices[0];  // sequence 1 is empty
+    if (i == 5) prob.indices[0 * 3 + 1] = prob.indices[0 * 3 + 0];  // one sequence names a slot for two tokens
     for (const int on : {1, 0}) {
       const CheckedAndUnchecked r = run_with_and_without_slot_check(prob, on);
       EXPECT_EQ(r.out_on, r.out_off) << "case " << i << ", check_slots " << on;
       EXPECT_EQ(r.pool_on, r.pool_off) << "case " << i << ", check_slots " << on;
       EXPECT_EQ(count_nonfinite(prob.in.out.values()), 0) << "case " << i << ", check_slots " << on;
+      if (on == 0) {  // the caller's opt-out (DecodeParams::check_slots = false): the unchecked call's bits
+        DeviceDecode dev(prob);
+        dev.reset();
+        DecodeParams p = dev.params();
+        p.check_slots = false;
+        run_decode(p);
+        dev.download();
+        EXPECT_EQ(prob.in.out.bytes, r.out_off) << "case " << i << ", DecodeParams::check_slots = false";
+        EXPECT_EQ(prob.pool.bytes, r.pool_off) << "case " << i << ", DecodeParams::check_slots = false";
+      }
     }
   }
 }

@@ -425,8 +425,8 @@ __device__ __forceinline__ void fill_outputs(const DecodeArgs& a, const Coord& c
 }
 constexpr uint16_t kBf16NaN = 0x7fc0;
 
-// The slot check (a candidate: internal::DecodeLaunch::check_slots; docs/DESIGN.md "Serving
-// prefill"): sequence n is poisoned when a slot it reads or writes is also read or written by another
+// The slot check (the rule in calls of two or more sequences: internal::DecodeLaunch::check_slots;
+// docs/DESIGN.md "Serving prefill"): sequence n is poisoned when a slot it reads or writes is also read or written by another
 // sequence m of the call, the race that the CPU backend refuses by name. The uses of a live
 // sequence (len > 0, start slot in [0, P)) are its start slot and, speculative, the store slots of
 // tokens t < min(len, indices_stride) that lie in [0, P); other sequences use nothing. The relation
@@ -571,7 +571,7 @@ __device__ __forceinline__ bool shares_a_slot(const DecodeArgs& a, int64_t n, co
 // Runs every token of one item on the state in registers: outputs, speculative stores, the final
 // store. Tokens stage in groups of the stage capacity (one group unless the input is invalid:
 // more than 16 tokens); kFirstGroupStaged: the caller has staged the first group already.
-// kCheckSlots (with !kFirstGroupStaged): the slot check (a candidate) scans while the first group
+// kCheckSlots (with !kFirstGroupStaged): the slot check scans while the first group
 // and the state are in flight, and on a shared slot the outputs are NaN and nothing is stored.
 // shared_rows (the bulk-copy kernel): the final state goes into this shared-memory copy of the
 // CTA's rows instead of global memory (speculative stores still go to global memory).
@@ -630,8 +630,8 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
   }
 }
 
-// One CTA per work item (grid = N * H * kCtasPerHead). kCheckSlots: the slot check (a candidate,
-// internal::DecodeLaunch::check_slots), compiled only into the kernels that run it.
+// One CTA per work item (grid = N * H * kCtasPerHead). kCheckSlots: the slot check
+// (internal::DecodeLaunch::check_slots), compiled only into the kernels that run it.
 template <typename StateT, class TileT, bool kCheckSlots = false>
 __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(const DecodeArgs a) {
   constexpr int kRows = TileT::kRowsPerThread;
@@ -817,7 +817,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);
     else cp_async_commit();
     const Span sp3 = span_at(x + 3 * step);
-    bool shared = false;  // the slot check (a candidate): on a shared slot NaN outputs, no store
+    bool shared = false;  // the slot check: on a shared slot NaN outputs, no store
     if constexpr (kCheckSlots) {
       const int64_t n = coord_of<TileT>(a, x).n;
       const bool meets = sp0.len > 0 && sp0.slot >= 0 &&

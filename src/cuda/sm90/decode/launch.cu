@@ -148,16 +148,17 @@ void launch_tile_as(const sm90::decode::DecodeArgs& args, int64_t num_heads, con
 }
 
 // The slot check (kernel.cuh: a sequence that shares a live slot with another gets NaN outputs and
-// stores nothing) runs wherever two or more sequences could share a slot: by the rule in every call
-// of N >= 2 (internal::DecodeLaunch::check_slots = 0); 1 forces it, -1 leaves it out.
-bool checks_slots(int64_t num_seqs, const internal::DecodeLaunch& config) {
-  return config.check_slots > 0 || (config.check_slots == 0 && num_seqs >= 2);
+// stores nothing) runs wherever two or more sequences could share a slot, unless the caller says
+// they do not (DecodeParams::check_slots = false): the rule (internal::DecodeLaunch::check_slots =
+// 0); 1 forces it, -1 leaves it out.
+bool checks_slots(const DecodeParams& p, const internal::DecodeLaunch& config) {
+  return config.check_slots > 0 || (config.check_slots == 0 && p.check_slots && p.num_seqs >= 2);
 }
 
 template <typename StateT>
-void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, int64_t num_seqs,
+void launch_tile(const sm90::decode::DecodeArgs& args, int64_t num_heads, bool check,
                  const internal::DecodeLaunch& config, cudaStream_t stream) {
-  if (checks_slots(num_seqs, config)) launch_tile_as<StateT, true>(args, num_heads, config, stream);
+  if (check) launch_tile_as<StateT, true>(args, num_heads, config, stream);
   else launch_tile_as<StateT, false>(args, num_heads, config, stream);
 }
 
@@ -171,9 +172,9 @@ void decode(const DecodeParams& p, const internal::DecodeLaunch& config, Stream 
   const int64_t num_heads = p.num_seqs * p.H;
   const auto s = static_cast<cudaStream_t>(stream);
   if (p.state_dtype == DType::kF32) {
-    launch_tile<float>(args, num_heads, p.num_seqs, config, s);
+    launch_tile<float>(args, num_heads, checks_slots(p, config), config, s);
   } else {
-    launch_tile<__nv_bfloat16>(args, num_heads, p.num_seqs, config, s);
+    launch_tile<__nv_bfloat16>(args, num_heads, checks_slots(p, config), config, s);
   }
 }
 
