@@ -86,10 +86,6 @@ struct DecodeParams {
   // device) every sequence that shares a live slot gets NaN outputs and stores nothing, so those
   // slots keep their contents, and every other sequence runs as usual (docs/SPEC.md §5).
   const int32_t* state_indices = nullptr;  // [N] or [N, indices_stride]
-  // GPU: false leaves out that device-side check (0-12% of a decode step, docs/BENCHMARKS.md) for a
-  // caller that guarantees distinct live slots; a shared slot's contents are then undefined. The
-  // CPU backend checks on the host either way.
-  bool check_slots = true;
   int64_t indices_stride = 1;
   const int32_t* num_accepted_tokens = nullptr;  // [N] or null: start slot = indices[n, acc-1]
 
@@ -100,6 +96,12 @@ struct DecodeParams {
   int64_t T = 0;  // tokens per sequence without cu_seqlens (1..16); total tokens with it
   int64_t H = 0, K = 128, V = 128;
   Preprocess pre;
+
+  // GPU: false leaves out the device-side check for two sequences naming one live slot (see
+  // state_indices; 0-12% of a decode step, docs/BENCHMARKS.md) for a caller that guarantees
+  // distinct live slots; a shared slot's contents are then undefined. The CPU backend checks the
+  // indices on the host either way.
+  bool check_slots = true;
 };
 
 }  // namespace flashkda

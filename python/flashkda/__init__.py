@@ -242,9 +242,10 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
       GPU (indices on the device, no host sync) both sequences get NaN outputs and store nothing,
       their slots keep their contents, the other sequences run as usual (docs/SPEC.md §5).
     out: optional output buffer [.., V] of q's dtype, written in place.
-    check_slots: False leaves out the GPU's shared-slot check (0-12% of a decode step) for a caller
-      that guarantees distinct live slots, as serving engines' slot allocators do; a shared slot's
-      contents are then undefined. The CPU checks on the host either way.
+    check_slots: False leaves out the GPU decode kernels' shared-slot check (0-12% of a decode step)
+      for a caller that guarantees distinct live slots, as serving engines' slot allocators do; a
+      shared slot's contents are then undefined. The CPU checks on the host either way, and inputs
+      longer than a decode step (the serving prefill through the pool) are checked always.
 
     The positional order is fla 0.6.0's (allow_neg_eigval=True raises NotImplementedError); the
     serving arguments are keywords. The kernels keep states as [P, H, V, K]; with other layouts

@@ -132,11 +132,6 @@ class NumpyOps:
         first[order] = order[run]
         return first.astype(np.int32)
 
-    @staticmethod
-    def seq_of_token(cu, total, like):
-        """Sequence index of every token position of packed sequences."""
-        return np.searchsorted(np.asarray(cu)[1:], np.arange(total), side="right")
-
     @classmethod
     def as_index_array(cls, x, like, name):
         return np.ascontiguousarray(np.asarray(x))
@@ -274,12 +269,6 @@ class TorchOps:
         first = torch.empty_like(order)
         first[order] = order[run]
         return first.to(torch.int32)
-
-    @staticmethod
-    def seq_of_token(cu, total, like):
-        torch = _torch()
-        return torch.searchsorted(cu[1:].contiguous(), torch.arange(total, device=like.device, dtype=cu.dtype),
-                                  right=True)
 
     @staticmethod
     def as_index_array(x, like, name):

@@ -470,16 +470,6 @@ def _scatter_slots(ops, pool, idx, sub, state_v_first, local=None):
     ops.put_rows_(pool, target, values if state_v_first else ops.swap_last2(values))
 
 
-def _zero_padding_outputs(ops, out, idx, cu):
-    """Outputs of padding entries (negative slot) are zero, as the decode kernels write them."""
-    live = idx.reshape(idx.shape[0], -1)[:, 0] >= 0
-    if cu is None:
-        mask = live.reshape((-1,) + (1,) * (out.ndim - 1))
-    else:
-        mask = live[ops.seq_of_token(cu, out.shape[1], out)].reshape((1, -1) + (1,) * (out.ndim - 2))
-    ops.copy_(out, ops.where(mask, out, ops.zeros(tuple(out.shape), ops.dtype_name(out), out)))
-
-
 def fused_recurrent_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array,
                         A_log: Optional[Array] = None, dt_bias: Optional[Array] = None,
                         scale: Optional[float] = None, initial_state: Optional[Array] = None,
@@ -582,19 +572,17 @@ def fused_recurrent_kda(ops, q: Array, k: Array, v: Array, g: Array, beta: Array
 
     if long_steps:
         # Longer than a decode step: the chunked forward computes the same recurrence, from and into
-        # each sequence's slot (the slot n without indices; padding entries read zeros, write nothing).
+        # each sequence's slot: the slot n without indices, else the serving prefill on the pool
+        # (SPEC §9: padding entries read and write nothing and output zeros; two sequences naming
+        # one live slot are refused by name on the CPU, NaN outputs and an untouched pool on the GPU).
         if idx is None:
-            h0 = pool[:N]
-        else:
-            h0 = ops.take_rows(pool, ops.where(idx >= 0, idx, 0))
-        ht = ops.empty((N, H, V, K), ops.dtype_name(pool), q)
-        _launch.forward(ops, q, k, v, g, beta, out_c, pre, initial_state=ops.contiguous(h0), final_state=ht,
-                        cu_seqlens=cu)
-        if idx is None:
+            ht = ops.empty((N, H, V, K), ops.dtype_name(pool), q)
+            _launch.forward(ops, q, k, v, g, beta, out_c, pre, initial_state=ops.contiguous(pool[:N]),
+                            final_state=ht, cu_seqlens=cu)
             ops.copy_(pool[:N], ht)
         else:
-            _scatter_slots(ops, pool, idx, ht, True)
-            _zero_padding_outputs(ops, out_c, idx, cu)
+            _launch.forward(ops, q, k, v, g, beta, out_c, pre, cu_seqlens=cu,
+                            serving=dict(state_pool=pool, state_indices=ops.contiguous(idx.reshape(-1))))
     else:
         if idx is None:
             idx = ops.arange_i32(N, q)

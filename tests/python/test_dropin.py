@@ -202,6 +202,17 @@ def test_first_equal_maps_each_entry_to_the_first_equal_one(rng, fw):
     assert fw.np(fw.ops.first_equal(fw(np.zeros(0, np.int32)))).shape == (0,)
 
 
+@pytest.mark.parametrize("state_v_first", [True, False])
+def test_duplicate_live_slots_are_refused_in_long_steps(rng, fw, state_v_first):
+    # T > 16 runs the chunked forward through the pool (the serving prefill): the same refusal
+    p = make_problem(rng, B=3, T=20, H=H, K=K, V=V, gate="precomputed")
+    pool = fw(np.zeros((4, H, V, K) if state_v_first else (4, H, K, V), np.float32))
+    with pytest.raises(ValueError, match=r"state_indices\[0(, 0)?\] and state_indices\[2(, 0)?\] both name slot 3"):
+        flashkda.fused_recurrent_kda(*fw.args(p), initial_state=pool, state_v_first=state_v_first,
+                                     ssm_state_indices=fw(np.array([3, -1, 3], np.int32)))
+    np.testing.assert_array_equal(fw.np(pool), 0)
+
+
 @pytest.mark.parametrize("check_slots", [True, False])
 @pytest.mark.parametrize("state_v_first", [True, False])
 def test_duplicate_live_slots_are_refused_naming_both(rng, fw, state_v_first, check_slots):

@@ -202,13 +202,15 @@ def test_fused_recurrent_kv_pool_gathered_slots(rng, bf16):
     assert np.array_equal(got[[1, 2, 3, 4]], pool_vk[[1, 2, 3, 4]])
 
 
+@pytest.mark.parametrize("T", [1, 20])
 @pytest.mark.parametrize("state_v_first", [True, False])
-def test_fused_recurrent_shared_slot_poisons_both_sequences(rng, bf16, state_v_first):
+def test_fused_recurrent_shared_slot_poisons_both_sequences(rng, bf16, state_v_first, T):
     # Two live sequences naming one slot (the CPU refuses it by name; the GPU cannot read device
     # indices on the host): both get NaN outputs and store nothing, the padding entry between them
-    # gets zeros, the third sequence runs as usual, and no slot changes but the third's.
+    # gets zeros, the third sequence runs as usual, and no slot changes but the third's. T = 20 is
+    # longer than a decode step: the serving prefill through the pool, which checks the same.
     N, P = 4, 6
-    p, t, pool_vk = decode_problem(rng, bf16, N, 1, P)
+    p, t, pool_vk = decode_problem(rng, bf16, N, T, P)
     idx = np.array([3, -1, 3, 5], np.int32)
     pool = to_torch(pool_vk if state_v_first else np.ascontiguousarray(np.swapaxes(pool_vk, -1, -2)), "cuda")
     before = pool.clone()
@@ -239,6 +241,10 @@ def test_fused_recurrent_check_slots_false_gives_the_same_bits(rng, bf16):
         o, _ = decode(p, t, pool, ssm_state_indices=idx, check_slots=check)
         pools.append(pool), outs.append(o)
     assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
+    # and the flag reaches the kernels: a shared slot without the check gives finite outputs
+    o, _ = decode(p, t, to_torch(pool_vk, "cuda"), ssm_state_indices=to_torch(np.array([6, 0, -1, 6, 2], np.int32),
+                                                                              "cuda"), check_slots=False)
+    assert torch.isfinite(o.float()).all()
 
 
 # ---- CUDA graphs --------------------------------------------------------------------------------

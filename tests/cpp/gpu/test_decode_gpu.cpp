@@ -92,8 +92,6 @@ struct DeviceDecode {
 // Every test runs on each kernel variant: the one-CTA-per-item kernels ("tile"), the persistent
 // kernel with shared-memory prefetch and its bulk-copy variant (kernel.cuh), forced through the
 // internal launch configuration (src/launch_config.h); flashkda::decode picks by state dtype and N·H.
-// The slot-check tests run the persistent kernel in the bulk-copy instances' place where the check
-// is on (the bulk kernel has none).
 internal::DecodeLaunch g_launch;
 void run_decode(const DecodeParams& p, Stream stream = nullptr) { internal::decode(p, g_launch, stream); }
 
@@ -472,6 +470,15 @@ TEST_P(DecodeGpu, SlotCheckPoisonsSequencesThatShareASlot) {
         EXPECT_TRUE(std::equal(r.pool_on.begin() + s * slot, r.pool_on.begin() + (s + 1) * slot,
                                expected.begin() + s * slot))
             << "slot " << s << (shared ? " (named by the sharing sequences) written" : " differs");
+      }
+      if (on == 0) {  // the caller's opt-out (DecodeParams::check_slots = false) reaches the kernels: no NaN
+        DeviceDecode dev(prob);
+        dev.reset();
+        DecodeParams p = dev.params();
+        p.check_slots = false;
+        run_decode(p);
+        dev.download();
+        EXPECT_EQ(count_nonfinite(prob.in.out.values()), 0) << "DecodeParams::check_slots = false";
       }
     }
 }

@@ -738,7 +738,9 @@ __device__ __forceinline__ bool is_marked(const uint32_t* marked, int32_t s) {
 }
 
 // Builds the table with the whole CTA; returns it, or null where the pool does not fit.
-template <class TileT, typename StateT>
+// kAsyncRefill: the ring is refilled through the async proxy (the bulk-copy kernel's TMA copies),
+// so the owners' generic writes are fenced against it before the barrier that hands the ring over.
+template <class TileT, typename StateT, bool kAsyncRefill = false>
 __device__ __forceinline__ const uint32_t* mark_shared_slots(const DecodeArgs& a, void* ring) {
   constexpr int kSlots = SlotTable<TileT, StateT>::kSlots;
   __shared__ uint32_t marked[kSlots / 32];
@@ -753,6 +755,7 @@ __device__ __forceinline__ const uint32_t* mark_shared_slots(const DecodeArgs& a
     if (first != -1 && first != int32_t(m)) atomicOr(marked + s / 32, 1u << (s % 32));
     return false;
   });
+  if constexpr (kAsyncRefill) fence_proxy_async_shared();
   __syncthreads();  // the table is complete, the ring free for the first prefetch
   return marked;
 }
@@ -818,18 +821,19 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     else cp_async_commit();
     const Span sp3 = span_at(x + 3 * step);
     bool shared = false;  // the slot check: on a shared slot NaN outputs, no store
+    Coord c;  // the item's place (64-bit divisions by H): formed once, with the check before the waits
     if constexpr (kCheckSlots) {
-      const int64_t n = coord_of<TileT>(a, x).n;
+      c = coord_of<TileT>(a, x);
       const bool meets = sp0.len > 0 && sp0.slot >= 0 &&
-                         (marked != nullptr ? uses_a_marked_slot(a, n, sp0, w0, marked) : shares_a_slot(a, n, sp0));
+                         (marked != nullptr ? uses_a_marked_slot(a, c.n, sp0, w0, marked) : shares_a_slot(a, c.n, sp0));
       cp_async_wait_group<kStages - 1>();
       shared = __syncthreads_or(meets);
     } else {
       cp_async_wait_group<kStages - 1>();  // this thread's copies of item i have landed
       __syncthreads();  // and everyone's
+      c = coord_of<TileT>(a, x);
     }
 
-    const Coord c = coord_of<TileT>(a, x);
     if (sp0.len > 0 && sp0.slot < 0) fill_outputs<TileT>(a, c, sp0);
     if (shared) fill_outputs<TileT>(a, c, sp0, kBf16NaN);
     if (sp0.len > 0 && sp0.slot >= 0 && !shared) {
@@ -929,7 +933,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
   int64_t x = blockIdx.x;  // the launcher keeps gridDim.x <= items
   Span sp0 = span_at(x), sp1 = span_at(x + step);
   const uint32_t* marked = nullptr;  // the slot check's table (null: scan per item), as in the persistent kernel
-  if constexpr (kCheckSlots) marked = mark_shared_slots<TileT, StateT>(a, smem);
+  if constexpr (kCheckSlots) marked = mark_shared_slots<TileT, StateT, true>(a, smem);
   TokenWords w0 = prefetch(x, sp0, 0);
   TokenWords w1{0u, -1};
   if (x + step < items) w1 = prefetch(x + step, sp1, 1);
@@ -955,17 +959,18 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
     // The slot check: this thread's share of whether item i's sequence uses a slot that another
     // sequence uses (before the waits, so its loads overlap them).
     bool meets = false;
+    Coord c;  // the item's place (64-bit divisions by H): formed once, with the check before the waits
     if constexpr (kCheckSlots) {
-      const int64_t n = coord_of<TileT>(a, x).n;
-      meets = live && (marked != nullptr ? uses_a_marked_slot(a, n, sp0, w0, marked) : shares_a_slot(a, n, sp0));
+      c = coord_of<TileT>(a, x);
+      meets = live && (marked != nullptr ? uses_a_marked_slot(a, c.n, sp0, w0, marked) : shares_a_slot(a, c.n, sp0));
     }
     cp_async_wait_group<2>();                           // this thread's token copies of item i have landed
     mbarrier_wait(&full[b], uint32_t(i / kRing) & 1u);  // and item i's state block
     bool shared = false;
     if constexpr (kCheckSlots) shared = __syncthreads_or(meets);  // and everyone's token copies and answers
     else __syncthreads();                                          // and everyone's token copies
+    if constexpr (!kCheckSlots) c = coord_of<TileT>(a, x);
 
-    const Coord c = coord_of<TileT>(a, x);
     StateT* const rows = state0 + b * Layout::kStateElems;
     store_to = nullptr;
     if (sp0.len > 0 && sp0.slot < 0) fill_outputs<TileT>(a, c, sp0);
