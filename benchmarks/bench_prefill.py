@@ -222,6 +222,25 @@ def layouts(C, H, sms):
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
+def fused_sweep_rows(reps):
+    """Issue 11's fused chunk-32 kernel against today's kernels on one sequence across head counts
+    (internal fused_v2 1; docs/DESIGN.md "Prefill v2"): where one CTA a head fills the GPU well
+    enough for the fused kernel to win, the data for a per-shape rule. Random gates, fp32 states."""
+    rows = ["", "The fused chunk-32 kernel against today's kernels, one sequence (random gates, fp32 states; "
+            "CUDA-graph medians, ms):", "", "| T | H | flashkda | fused v2 | fused / flashkda |", "|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)
+    for T in (2048, 8192, 32768):
+        for H in (48, 64, 80, 96, 112, 128, 160):
+            x = make_inputs(H, [T], True)
+            ours = time_graph_ms(run_flashkda(x, True)[0], reps=reps)
+            fused = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=1))[0], reps=reps)
+            rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
+            print(rows[-1], flush=True)
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
 def layouts_sweep_rows(reps, cases=""):
     """Transition skipping's layouts: the default call against the same call without skipping and with
     the candidate layouts of `layouts` (segments and pieces forced), one sequence at few heads, both
@@ -484,6 +503,9 @@ def main():
     ap.add_argument("--serving", action="store_true", help="also the serving prefill's cost (pool, checkpoints)")
     ap.add_argument("--runs-sweep", action="store_true",
                     help="also transition skipping's piece lengths and warm-ups (docs/DESIGN.md 'Segments')")
+    ap.add_argument("--fused-sweep", action="store_true",
+                    help="also the fused chunk-32 kernel against today's kernels on one sequence at T = 2048, 8192, "
+                         "32768 and H = 48-160 (docs/DESIGN.md 'Prefill v2'): the data for a per-shape rule")
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
@@ -540,6 +562,8 @@ def main():
         lines += runs_sweep_rows(args.reps, args.cases)
     if args.layouts_sweep:
         lines += layouts_sweep_rows(args.reps, args.cases)
+    if args.fused_sweep:
+        lines += fused_sweep_rows(args.reps)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]
