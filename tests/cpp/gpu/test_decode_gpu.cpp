@@ -379,6 +379,17 @@ CheckedAndUnchecked run_with_and_without_slot_check(DecodeProblem& prob, int on)
   return r;
 }
 
+// One call with the caller's opt-out (DecodeParams::check_slots = false) and the launch's defaults;
+// out and pool land in prob.
+void run_without_the_caller_check(DecodeProblem& prob) {
+  DeviceDecode dev(prob);
+  dev.reset();
+  DecodeParams p = dev.params();
+  p.check_slots = false;
+  run_decode(p);
+  dev.download();
+}
+
 // With no slot shared, the check changes nothing, bit for bit: plain and speculative calls, padding
 // (negative indices repeat), out-of-range slots and accepted counts, empty sequences, an empty
 // sequence naming a live sequence's slot (it touches nothing), and a speculative sequence that names
@@ -409,12 +420,7 @@ TEST_P(DecodeGpu, SlotCheckChangesNoValidCall) {
       EXPECT_EQ(r.pool_on, r.pool_off) << "case " << i << ", check_slots " << on;
       EXPECT_EQ(count_nonfinite(prob.in.out.values()), 0) << "case " << i << ", check_slots " << on;
       if (on == 0) {  // the caller's opt-out (DecodeParams::check_slots = false): the unchecked call's bits
-        DeviceDecode dev(prob);
-        dev.reset();
-        DecodeParams p = dev.params();
-        p.check_slots = false;
-        run_decode(p);
-        dev.download();
+        run_without_the_caller_check(prob);
         EXPECT_EQ(prob.in.out.bytes, r.out_off) << "case " << i << ", DecodeParams::check_slots = false";
         EXPECT_EQ(prob.pool.bytes, r.pool_off) << "case " << i << ", DecodeParams::check_slots = false";
       }
@@ -472,12 +478,7 @@ TEST_P(DecodeGpu, SlotCheckPoisonsSequencesThatShareASlot) {
             << "slot " << s << (shared ? " (named by the sharing sequences) written" : " differs");
       }
       if (on == 0) {  // the caller's opt-out (DecodeParams::check_slots = false) reaches the kernels: no NaN
-        DeviceDecode dev(prob);
-        dev.reset();
-        DecodeParams p = dev.params();
-        p.check_slots = false;
-        run_decode(p);
-        dev.download();
+        run_without_the_caller_check(prob);
         EXPECT_EQ(count_nonfinite(prob.in.out.values()), 0) << "DecodeParams::check_slots = false";
       }
     }
