@@ -426,11 +426,11 @@ __device__ __forceinline__ void fill_outputs(const DecodeArgs& a, const Coord& c
 constexpr uint16_t kBf16NaN = 0x7fc0;
 
 // The slot check (the rule in calls of two or more sequences: internal::DecodeLaunch::check_slots;
-// docs/DESIGN.md "Serving prefill"): sequence n is poisoned when a slot it reads or writes is also read or written by another
-// sequence m of the call, the race that the CPU backend refuses by name. The uses of a live
-// sequence (len > 0, start slot in [0, P)) are its start slot and, speculative, the store slots of
-// tokens t < min(len, indices_stride) that lie in [0, P); other sequences use nothing. The relation
-// is symmetric, so every sequence of a shared slot sees it.
+// docs/DESIGN.md "Serving prefill"): sequence n is poisoned when a slot it reads or writes is also
+// read or written by another sequence m of the call, the race that the CPU backend refuses by name.
+// The uses of a live sequence (len > 0, start slot in [0, P)) are its start slot and, speculative,
+// the store slots of tokens t < min(len, indices_stride) that lie in [0, P); other sequences use
+// nothing. The relation is symmetric, so every sequence of a shared slot sees it.
 
 __device__ __forceinline__ int32_t index_at(const DecodeArgs& a, int64_t n, int64_t t) {
   return __ldg(a.state_indices + n * a.indices_stride + t);
