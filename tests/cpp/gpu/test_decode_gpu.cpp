@@ -432,15 +432,19 @@ TEST_P(DecodeGpu, SlotCheckChangesNoValidCall) {
 // NaN outputs and store nothing (every slot either names unchanged), and every other sequence's
 // outputs and slots are what the unchecked call gives them. Plain (two start slots) and
 // speculative (one sequence's store slot is another's start slot), both state dtypes; the check
-// forced and by the default rule.
+// forced and by the default rule. And once with a pool of 14 000 slots, past the persistent and
+// bulk-copy kernels' slot table (13 536 slots at most), where they scan per item instead.
 TEST_P(DecodeGpu, SlotCheckPoisonsSequencesThatShareASlot) {
+  for (const int64_t extra_slots : {int64_t(5), int64_t(14000)})
   for (const int on : {1, 0})
   for (const bool speculative : {false, true})
     for (const DType state : {DType::kF32, DType::kBF16}) {
+      const bool large = extra_slots > 5;
+      if (large && (on != 0 || state != DType::kBF16)) continue;  // the rule on bf16 pools: 450 MB each
       SCOPED_TRACE(std::string("check_slots ") + std::to_string(on) + (speculative ? ", speculative" : "") +
-                   (state == DType::kBF16 ? ", bf16 pool" : ", fp32 pool"));
+                   (state == DType::kBF16 ? ", bf16 pool" : ", fp32 pool") + (large ? ", 14 000 slots" : ""));
       DecodeOptions o;
-      o.N = 6, o.T = 3, o.H = 2, o.state_dtype = state;
+      o.N = 6, o.T = 3, o.H = large ? 1 : 2, o.state_dtype = state, o.extra_slots = extra_slots;
       if (speculative) o.speculative = true, o.indices_stride = 3, o.accepted = {1, 2, 3, 1, 2, 3};
       DecodeProblem prob(o);
       const int64_t stride = o.indices_stride;
