@@ -3,14 +3,15 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [pending] [sanitize] [python] [bench] [decode] [profile] [v2] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [pending] [sanitize] [python] [bench] [decode] [fused] [profile] [v2] [ab]
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy;
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, the three sanitizers on
 #   them);
 #   v2 = prefill v2's chunk-32 producer and recurrence (test_produce32_gpu, test_prefill32_gpu, then ncu of the producer);
-#   decode = the decode benchmark (extra arguments in $DECODE_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   decode = the decode benchmark (extra arguments in $DECODE_ARGS); fused = prefill v2's fused
+#   kernel against today's kernels across head counts (bench_prefill.py --fused-sweep); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -122,7 +123,7 @@ if want sanitize; then
   done
 fi
 
-if want python || want bench || want profile || want decode; then
+if want python || want bench || want profile || want decode || want fused; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
@@ -148,6 +149,11 @@ if want decode; then
   step bench-decode
   # shellcheck disable=SC2086  # DECODE_ARGS: extra arguments, split on spaces
   python3 benchmarks/bench_decode.py ${DECODE_ARGS:-} 2>&1 | tee "$OUT/bench_decode.log" | tail -40 || status=1
+fi
+if want fused; then
+  step fused-sweep
+  python3 benchmarks/bench_prefill.py --fused-sweep --table none --no-accuracy --no-peers 2>&1 |
+    tee "$OUT/bench_fused.log" | tail -25 || status=1
 fi
 if want profile; then
   step profile
