@@ -15,7 +15,8 @@ bandwidth (read + write) measured in the same run.
     FLA_FLASH_KDA=0 python benchmarks/bench_decode.py --out decode.md
 
 --slot-check adds our decode without the shared-slot check (internal::DecodeLaunch::check_slots = -1;
-the default checks every call of two or more sequences) and the default's time against it: the check's cost. --kernels 0 1 2 3 adds our decode with each kernel forced
+the default checks every call of two or more sequences) and the default's time against it: the
+check's cost. --kernels 0 1 2 3 adds our decode with each kernel forced
 (internal::DecodeLaunch::persistent: 0 the tile kernels, 1 the persistent kernel, 2 and 3 its
 bulk-copy variant with four and three buffers): time, % copy, and whether out and pool are the
 default's bit for bit.

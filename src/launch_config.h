@@ -63,10 +63,10 @@ struct DecodeLaunch {
                         // bulk-copy variant with four or three buffers (state blocks in and out by TMA bulk
                         // copies)
   int check_slots = 0;  // GPU: 0 = rule (the slot check in every call of two or more sequences that
-                        // DecodeParams::check_slots does not turn off: every CTA
-                        // finds whether another sequence reads or writes a live slot that its sequence also
-                        // uses, and on one writes NaN outputs and stores nothing, both sequences of the
-                        // shared slot); 1 = the check always; -1 = never (docs/DESIGN.md "Serving prefill")
+                        // DecodeParams::check_slots does not turn off: every CTA finds whether another
+                        // sequence reads or writes a live slot that its sequence also uses, and on one writes
+                        // NaN outputs and stores nothing, both sequences of the shared slot); 1 = the check
+                        // always; -1 = never (docs/DESIGN.md "Serving prefill")
   int cpu_isa = 0;  // CPU: as PrefillLaunch::cpu_isa
 };
 
