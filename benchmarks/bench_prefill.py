@@ -102,9 +102,9 @@ def run_flashkda(x, with_state, precision="precise", launch=None):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
     launch = launch or {}
-    # The fused kernel serves one sequence without cu_seqlens (the host cannot read device offsets);
-    # a single sequence's cu_seqlens [0, T] name the same call.
-    cu = None if launch.get("fused_v2") and x["cu_seqlens"].numel() == 2 else x["cu_seqlens"]
+    # One sequence goes without cu_seqlens, as a [1, T, H, K] call names it (the fused kernel's rule
+    # serves only such calls: the host cannot read device offsets).
+    cu = None if x["cu_seqlens"].numel() == 2 else x["cu_seqlens"]
 
     def call():
         with _internal.launch(**launch):
@@ -224,15 +224,16 @@ def layouts(C, H, sms):
 
 def fused_sweep_rows(reps):
     """Issue 11's fused chunk-32 kernel against today's kernels on one sequence across head counts
-    (internal fused_v2 1; docs/DESIGN.md "Prefill v2"): where one CTA a head fills the GPU well
-    enough for the fused kernel to win, the data for a per-shape rule. Random gates, fp32 states."""
+    (internal fused_v2 1 against -1; docs/DESIGN.md "Prefill v2"): where one CTA a head fills the GPU
+    well enough for the fused kernel to win, the data behind the rule (launch.cu fused_by_rule).
+    Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, one sequence (random gates, fp32 states; "
-            "CUDA-graph medians, ms):", "", "| T | H | flashkda | fused v2 | fused / flashkda |", "|---|---|---|---|---|"]
+            "CUDA-graph medians, ms):", "", "| T | H | chunk-16 kernels | fused v2 | fused / chunk-16 |", "|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for T in (2048, 8192, 32768):
         for H in (48, 64, 80, 96, 112, 128, 160):
             x = make_inputs(H, [T], True)
-            ours = time_graph_ms(run_flashkda(x, True)[0], reps=reps)
+            ours = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=-1))[0], reps=reps)
             fused = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=1))[0], reps=reps)
             rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
             print(rows[-1], flush=True)
@@ -391,8 +392,9 @@ def implementations(args):
     if args.skip_variants:  # transition skipping on the former chunk bound, each token's max_c e^a
         impls.append(("flashkda token bound",
                       lambda x, s: run_flashkda(x, s, launch=dict(skip_bound=-1))))
-    if args.candidates or args.fused_v2:  # prefill v2's fused kernel where it serves the call, else today's
+    if args.candidates or args.fused_v2:  # prefill v2's fused kernel wherever it serves the call, and never
         impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
+        impls.append(("flashkda chunk-16", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=-1))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
@@ -488,8 +490,9 @@ def main():
                          "thread's cp.async in place of bulk copies (internal record_copy -1), and prefill v2's fused "
                          "kernel (--fused-v2)")
     ap.add_argument("--fused-v2", action="store_true",
-                    help="also flashkda through prefill v2's fused chunk-32 kernel where it serves the call (one "
-                         "sequence, the lower-bound gate, fp32 states: internal fused_v2 1), today's kernels elsewhere")
+                    help="also flashkda through prefill v2's fused chunk-32 kernel wherever it serves the call (one "
+                         "sequence, the lower-bound gate, fp32 states: internal fused_v2 1; the rule runs it from "
+                         "H >= 2/3 of the SMs), and through the chunk-16 kernels only (fused_v2 -1)")
     ap.add_argument("--skip-variants", action="store_true",
                     help="also segments without transition skipping and transition skipping on the former chunk "
                          "bound, the product of each token's max_c e^a (internal skip_transitions -1, skip_bound -1; "

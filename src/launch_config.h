@@ -48,12 +48,13 @@ struct PrefillLaunch {
                        // the chunk's own (max_c e^Gamma_c + 2 sum_ij |inv_b_ij| |k_restored_i| |k_decayed_j|);
                        // -1 = the token bound only; 0 = rule (1 for pieces of up to 64 chunks, else -1;
                        // docs/DESIGN.md "Segments")
-  int fused_v2 = 0;  // GPU, a candidate: 1 = prefill v2's fused chunk-32 kernel (one CTA of three warpgroups a
-                     // head, no record in global memory; the best of its candidates: staged inputs, the
-                     // consumers inverting, setmaxnreg 184 / 160) for the calls it serves
-                     // (prefill_v2::fused_serves: one sequence, K = V = 128, bf16 q/k/v/g, the lower-bound
-                     // gate with L2-normalised q and k, the precise mode, fp32 states or none, no pool and
-                     // no checkpoints), today's kernels for the rest; 0 = rule (today's kernels)
+  int fused_v2 = 0;  // GPU: prefill v2's fused chunk-32 kernel (one CTA of three warpgroups a head, no record in
+                     // global memory; staged inputs, the consumers inverting, setmaxnreg 184 / 160) for the
+                     // calls it serves (prefill_v2::fused_serves: one sequence without cu_seqlens, K = V = 128,
+                     // bf16 q/k/v/g, the lower-bound gate with L2-normalised q and k, the precise mode, fp32
+                     // states or none, no pool and no checkpoints), today's kernels for the rest: 1 = wherever
+                     // it serves, -1 = never, 0 = rule (where it serves, from 2048 tokens and H >= 2/3 of the
+                     // SMs: one CTA a head takes one head's chain whatever H is; docs/DESIGN.md "Prefill v2")
 };
 
 struct DecodeLaunch {

@@ -240,7 +240,9 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
       zero and final_state is a new [N, ...] float32 tensor (when output_final_state). Two
       sequences may not name one live slot: on the CPU that raises ValueError naming both; on the
       GPU (indices on the device, no host sync) both sequences get NaN outputs and store nothing,
-      their slots keep their contents, the other sequences run as usual (docs/SPEC.md §5).
+      their slots keep their contents, the other sequences run as usual (docs/SPEC.md §5); in a
+      call longer than a decode step (the serving prefill through the pool) every output is NaN
+      and no slot is written (§9).
     out: optional output buffer [.., V] of q's dtype, written in place.
     check_slots: False leaves out the GPU decode kernels' shared-slot check (0-12% of a decode step)
       for a caller that guarantees distinct live slots, as serving engines' slot allocators do; a

@@ -206,9 +206,10 @@ def test_fused_recurrent_kv_pool_gathered_slots(rng, bf16):
 @pytest.mark.parametrize("state_v_first", [True, False])
 def test_fused_recurrent_shared_slot_poisons_both_sequences(rng, bf16, state_v_first, T):
     # Two live sequences naming one slot (the CPU refuses it by name; the GPU cannot read device
-    # indices on the host): both get NaN outputs and store nothing, the padding entry between them
-    # gets zeros, the third sequence runs as usual, and no slot changes but the third's. T = 20 is
-    # longer than a decode step: the serving prefill through the pool, which checks the same.
+    # indices on the host). A decode step (T = 1): both get NaN outputs and store nothing, the
+    # padding entry between them gets zeros, the third sequence runs as usual, and no slot changes
+    # but the third's (SPEC §5). T = 20 is longer than a decode step: the serving prefill through
+    # the pool, whose check poisons the whole call and leaves every slot as it was (SPEC §9).
     N, P = 4, 6
     p, t, pool_vk = decode_problem(rng, bf16, N, T, P)
     idx = np.array([3, -1, 3, 5], np.int32)
@@ -219,6 +220,11 @@ def test_fused_recurrent_shared_slot_poisons_both_sequences(rng, bf16, state_v_f
                                         state_v_first=state_v_first, ssm_state_indices=to_torch(idx, "cuda"),
                                         **gate_kwargs(p, t))
     got = to_numpy(o).astype(np.float32)
+    if T > 16:
+        assert np.isnan(got).all(), "a shared slot in the serving prefill poisons the whole call"
+        for s in range(P):
+            assert torch.equal(pool[s], before[s]), f"slot {s} changed"
+        return
     assert np.isnan(got[[0, 2]]).all(), "the sequences that share slot 3"
     assert (got[1] == 0).all(), "the padding entry"
     ref_o, ref_pool = kda_decode(p["q"], p["k"], p["v"], p["g"], p["beta"], pool_vk, np.array([-1, -1, -1, 5], np.int32),

@@ -179,7 +179,7 @@ TEST_F(Prefill32Gpu, RepeatedKey) {
   }
 }
 
-// internal::PrefillLaunch::fused_v2 = 1 (a candidate): the library's prefill runs the fused kernel
+// internal::PrefillLaunch::fused_v2 = 1 (wherever it serves): the library's prefill runs the fused kernel
 // where it serves the call, with the bits of the kernel called directly with its best flags (staged
 // inputs, inverting consumers, setmaxnreg) and the reference's accuracy; where it does not (a bf16
 // final state, two sequences, the fast mode), today's kernels with the default launch's bits.
@@ -226,6 +226,107 @@ TEST_F(Prefill32Gpu, LaunchOptionRunsTheFusedKernelWhereItServes) {
   }
 }
 
+// The rule (fused_v2 = 0, launch.cu fused_by_rule): the fused kernel where it serves a call of at least
+// 2048 tokens with H >= 2/3 of the SMs, today's kernels below either edge. The two paths give different
+// bits (chunk 32 against 16), so each side of each edge shows which one ran.
+TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const int64_t h_min = (2 * int64_t(sms) + 2) / 3;  // the least H with 3 H >= 2 SMs
+  internal::PrefillLaunch always, never;
+  always.fused_v2 = 1, never.fused_v2 = -1;
+  struct Case {
+    int64_t T, H;
+    bool fused;
+  };
+  for (const Case c : {Case{2048, h_min, true}, Case{2048, h_min - 1, false}, Case{2047, h_min, false}}) {
+    KdaOptions o;
+    o.T = c.T, o.H = c.H, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32, o.seed = 5;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d_rule(in), d_always(in, always), d_never(in, never);
+    ASSERT_TRUE(fused_serves(d_rule.params()));
+    const std::vector<unsigned char> rule = run_bits(in, d_rule), fused = run_bits(in, d_always),
+                                     today = run_bits(in, d_never);
+    EXPECT_FALSE(fused == today) << "the fused kernel and today's kernels gave the same bits";
+    EXPECT_TRUE(rule == (c.fused ? fused : today)) << (c.fused ? "the rule did not run the fused kernel"
+                                                               : "the rule ran the fused kernel");
+  }
+}
+
+// The fused kernel through the library's call as the other prefill paths are tested: a NaN gate
+// reaches its head's final state and no other head's; a CUDA graph's replays give the eager call's
+// bits.
+TEST_F(Prefill32Gpu, FusedNonFiniteGateAndGraphReplay) {
+  internal::PrefillLaunch always;
+  always.fused_v2 = 1;
+  {
+    KdaOptions o;
+    o.T = 40, o.H = 2, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    in.g.set((20 * o.H + 1) * o.K + 3, double(NAN));  // token 20, head 1, channel 3
+    DeviceProblem d(in, always);
+    ASSERT_TRUE(fused_serves(d.params()));
+    run_bits(in, d);
+    const std::vector<double> fs = in.final_state.values();
+    int64_t bad0 = 0, bad1 = 0;
+    for (int64_t i = 0; i < o.V * o.K; ++i) {
+      bad0 += std::isfinite(fs[i]) ? 0 : 1;
+      bad1 += std::isfinite(fs[o.V * o.K + i]) ? 0 : 1;
+    }
+    EXPECT_GT(bad1, 0) << "a NaN gate left its head's final state finite";
+    EXPECT_EQ(bad0, 0) << "a NaN gate reached another head";
+  }
+  {
+    KdaOptions o;
+    o.T = 301, o.H = 3, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    DeviceProblem d(in, always);
+    const std::vector<unsigned char> eager = run_bits(in, d);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    d.poison();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    cudaGraph_t graph;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    d.run(stream);  // must not synchronise or allocate: capture would fail
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int i = 0; i < 2; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    d.download();
+    std::vector<unsigned char> replayed(in.out.bytes.begin(), in.out.bytes.end());
+    replayed.insert(replayed.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+    EXPECT_TRUE(eager == replayed) << "a graph replay's bits differ from the eager call's";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+}
+
+// A sequence of 131072 tokens through the fused kernel (4096 chunks in one CTA's chain).
+TEST_F(Prefill32Gpu, FusedVeryLongSequence131072) {
+  internal::PrefillLaunch always;
+  always.fused_v2 = 1;
+  {
+    KdaOptions o;
+    o.T = 131072, o.H = 1, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    const test::Reference ref = test::run_reference(in);
+    DeviceProblem d(in, always);
+    ASSERT_TRUE(fused_serves(d.params()));
+    run_bits(in, d);
+    const double e_out = test::rel_rms(in.out.values(), ref.out);
+    const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+    test::report("fused32 launch T=131072 out", e_out);
+    test::report("fused32 launch T=131072 state", e_state);
+    EXPECT_LE(e_out, 2e-3);
+    EXPECT_LE(e_state, 5e-4);
+  }
+}
+
 // T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default
 // prefill (internal::forward), same inputs, medians of 20 after a warm-up; first every v2 path's
 // outputs compared bit for bit.
@@ -233,7 +334,9 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   KdaOptions o;
   o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
   KdaInputs in(o);
-  DeviceProblem d(in);
+  internal::PrefillLaunch today;  // the chunk-16 kernels (the rule would run the fused kernel here)
+  today.fused_v2 = -1;
+  DeviceProblem d(in, today);
   V2Call v2(d);
   cudaEvent_t start, stop;
   cudaEventCreate(&start), cudaEventCreate(&stop);
