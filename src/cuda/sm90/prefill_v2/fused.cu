@@ -73,6 +73,41 @@ struct FusedParams {
   FusedArgs a;
 };
 
+// kSeqs (FusedArgs::num_seqs, cu_seqlens): sequence n's first token and length, from the device
+// cu_seqlens or the uniform length; false when the call's cu_seqlens are invalid (cu[0] != 0,
+// cu[N] != T, a decrease: every thread of the CTA agrees, one __syncthreads_or).
+__device__ __forceinline__ int64_t cu_entry(const FusedArgs& a, int64_t i) {
+  return a.cu_seqlens_64 ? static_cast<const int64_t*>(a.cu_seqlens)[i] : static_cast<const int32_t*>(a.cu_seqlens)[i];
+}
+__device__ __forceinline__ bool sequence_span(const FusedArgs& a, int64_t n, int64_t& bos, int64_t& len) {
+  const int64_t N = a.num_seqs, total = a.produce.T;
+  if (a.cu_seqlens == nullptr) {
+    len = total / N, bos = n * len;
+    return true;
+  }
+  int bad = 0;
+  for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
+    const int64_t c = cu_entry(a, i);
+    bad |= (i == 0 && c != 0) || (i == N && c != total) || (i < N && cu_entry(a, i + 1) < c);
+  }
+  if (__syncthreads_or(bad)) return false;
+  bos = cu_entry(a, n), len = cu_entry(a, n + 1) - bos;
+  return true;
+}
+
+// Invalid cu_seqlens: out and final_state filled with NaN, a disjoint share by each CTA (as the
+// chunk-16 kernels do: loud, never silent garbage).
+__device__ __noinline__ void poison_fused_outputs(const FusedArgs& a) {
+  const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
+  const int64_t first = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+  const float nan = __int_as_float(0x7fc00000);
+  const int64_t n_out = a.consume.T * a.consume.H * kHeadDim;
+  for (int64_t i = first; i < n_out; i += threads) static_cast<__nv_bfloat16*>(a.consume.out)[i] = __float2bfloat16(nan);
+  if (a.consume.final_state == nullptr) return;
+  const int64_t n_state = a.num_seqs * a.consume.H * kHeadDim * kHeadDim;
+  for (int64_t i = first; i < n_state; i += threads) a.consume.final_state[i] = nan;
+}
+
 // FusedArgs::producer_regs: the producer's registers after setmaxnreg, and the consumers'.
 // setmaxnreg.inc only takes registers that the CTA already holds (the launch's count for all 384
 // threads) and the consumers gave back: asking for more waits forever (run 84: 192 / 160 hung).
@@ -81,10 +116,37 @@ constexpr int kLaunchRegs = 168;  // __launch_bounds__(384, 1): 65 536 / 384, ro
 static_assert(kThreads * kProducerRegs + 2 * kThreads * kConsumerRegs <= 3 * kThreads * kLaunchRegs,
               "the producer would wait for registers no one frees");
 
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false>
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
+          bool kSeqs = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
+  // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
+  // state (the TMA maps keep the call's rows: their coordinates add bos); else the call's own.
+  int64_t bos = 0, seq_len = a.consume.T;
+  ProduceArgs seq_produce = a.produce;
+  ConsumeArgs seq_consume = a.consume;
+  if constexpr (kSeqs) {
+    const int64_t n = blockIdx.y;
+    if (!sequence_span(a, n, bos, seq_len)) {
+      poison_fused_outputs(a);
+      return;
+    }
+    const int64_t H = a.consume.H, row = H * kHeadDim;
+    const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2, b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
+    seq_produce.q = static_cast<const __nv_bfloat16*>(a.produce.q) + bos * row;
+    seq_produce.k = static_cast<const __nv_bfloat16*>(a.produce.k) + bos * row;
+    seq_produce.g = static_cast<const uint8_t*>(a.produce.g) + bos * row * g_elem;
+    seq_produce.beta = static_cast<const uint8_t*>(a.produce.beta) + bos * H * b_elem;
+    seq_produce.T = seq_len;
+    seq_consume.v = static_cast<const __nv_bfloat16*>(a.consume.v) + bos * row;
+    seq_consume.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
+    seq_consume.T = seq_len;
+    const int64_t state = n * H * kHeadDim * kHeadDim;
+    if (a.consume.initial_state != nullptr) seq_consume.initial_state = a.consume.initial_state + state;
+    if (a.consume.final_state != nullptr) seq_consume.final_state = a.consume.final_state + state;
+  }
+  const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* const scratch = ring + L::kOffScratch;
@@ -92,7 +154,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   uint64_t* const empty = full + kStages;
   uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffer (issue_chunk_rows)
   const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
-  const int64_t num_chunks = (a.consume.T + kChunk - 1) / kChunk;
+  const int64_t num_chunks = (seq_len + kChunk - 1) / kChunk;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
@@ -113,17 +175,17 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
     const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
     float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
-    load_gate_consts<kGate>(a.produce, h, tid, sm_gate);
+    load_gate_consts<kGate>(pa, h, tid, sm_gate);
     WarpgroupSync<1>::sync();
     // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
-    float beta_next = load_beta_raw(a.produce, h, 0, tid);
+    float beta_next = load_beta_raw(pa, h, 0, tid);
     if constexpr (kStaged) {
-      if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full);
+      if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
     }
     for (int64_t c = 0; c < num_chunks; ++c) {
       const int stage = int(c % kStages);
       const float beta_raw = beta_next;
-      if (c + 1 < staged_chunks) beta_next = load_beta_raw(a.produce, h, c + 1, tid);
+      if (c + 1 < staged_chunks) beta_next = load_beta_raw(pa, h, c + 1, tid);
       if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
       mark(0);
       if (a.time_consumers_only && c >= kStages) {
@@ -136,14 +198,15 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         // the empty barrier; the copy writes through the async proxy.
         fence_proxy_async_shared();
         mbarrier_expect_tx(&full[stage], kVBytes);
-        tensor_copy_3d(ring + stage * L::kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(c * kChunk), &full[stage]);
+        tensor_copy_3d(ring + stage * L::kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
       }
       if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(c) & 1);
       const auto refill = [&] {
-        if (kStaged && tid == 32 && c + 1 < staged_chunks) issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full);
+        if (kStaged && tid == 32 && c + 1 < staged_chunks)
+          issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
       };
       produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv, kStaged>(
-          a.produce, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_raw, sm_gate, true,
+          pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_raw, sm_gate, true,
           reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark, refill);
       mbarrier_arrive(&full[stage]);
       mark(8);
@@ -156,7 +219,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     const PhaseMarks mark{kClock && tid == kThreads ? clock_sums : nullptr, &last_clock};
-    const ConsumeArgs& p = a.consume;
+    const ConsumeArgs& p = kSeqs ? seq_consume : a.consume;
     const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
     const int v_row = 64 * (wg - 1) + 16 * warp + g;
     float S[64];
@@ -253,7 +316,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false>
+          bool kConsumerInv = false, bool kSeqs = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -263,7 +326,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
                   !chunk_rows_map(&params.maps.k, pa.k, false, pa.T, pa.H) ||
                   !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H)))
     return cudaErrorInvalidValue;
-  auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv>;
+  auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs>;
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
@@ -272,7 +335,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
     if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
   }
-  kernel<<<static_cast<unsigned>(args.consume.H), kFusedThreads, kSmem, stream>>>(params);
+  const dim3 grid(static_cast<unsigned>(args.consume.H), static_cast<unsigned>(kSeqs ? args.num_seqs : 1));
+  kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 template <GateForm kGate, bool kF32Gate>
@@ -306,6 +370,13 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
+  if (args.num_seqs != 1 || args.cu_seqlens != nullptr) {  // several sequences: the rule's flags only
+    if (args.num_seqs < 1 || args.num_seqs > 65535 || pa.T % (args.cu_seqlens ? 1 : args.num_seqs) != 0 ||
+        pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
+        !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only)
+      return cudaErrorInvalidValue;
+    return launch<GateForm::kLowerBound, false, true, false, true, true, true>(args, stream);
+  }
   if (args.phase_clocks != nullptr || args.producer_regs || args.consumer_inverse) {
     if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
     return launch_lower_bound(args, stream);
@@ -318,7 +389,8 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
 }
 
 bool fused_serves(const PrefillParams& p) {
-  return p.cu_seqlens == nullptr && p.B == 1 && p.T > 0 && p.K == kHeadDim && p.V == kHeadDim &&
+  const int64_t N = detail::num_sequences(p);
+  return N >= 1 && N <= 65535 && p.B * p.T > 0 && p.K == kHeadDim && p.V == kHeadDim &&
          p.dtype == DType::kBF16 && p.g_dtype == DType::kBF16 && p.pre.gate == GateForm::kLowerBound &&
          p.pre.l2norm_qk && p.precision == Precision::kPrecise && p.state_pool == nullptr &&
          p.checkpoint_every == 0 && (p.initial_state == nullptr || p.initial_state_dtype == DType::kF32) &&
@@ -334,11 +406,13 @@ FusedArgs fused_args(const PrefillParams& p) {
   pa.gate = p.pre.gate, pa.lower_bound = p.pre.lower_bound;
   pa.scale = detail::effective_scale(p.pre, p.K);
   pa.l2norm_qk = p.pre.l2norm_qk, pa.beta_is_logit = p.pre.beta_is_logit;
-  pa.T = p.T, pa.H = int(p.H);
+  pa.T = p.B * p.T, pa.H = int(p.H);
   ConsumeArgs& ca = f.consume;
-  ca.v = p.v, ca.out = p.out, ca.T = p.T, ca.H = int(p.H);
+  ca.v = p.v, ca.out = p.out, ca.T = p.B * p.T, ca.H = int(p.H);
   ca.initial_state = static_cast<const float*>(p.initial_state);
   ca.final_state = static_cast<float*>(p.final_state);
+  f.num_seqs = detail::num_sequences(p);
+  f.cu_seqlens = p.cu_seqlens, f.cu_seqlens_64 = p.cu_seqlens_dtype == DType::kI64;
   return f;
 }
 

@@ -148,15 +148,17 @@ struct ChunkRowMaps {
 };
 
 // Issues (one thread) the copies of chunk `chunk`'s q, k and gate rows into buf, completing on
-// bar (one arrival, this thread's, with the bytes to expect; rows past the end arrive as zeros,
-// which the gate and the norms zero again). Generic reads of buf must be ordered before this call
-// (a barrier), which fences them against the copies' async-proxy writes.
+// bar (one arrival, this thread's, with the bytes to expect). The sequence starts at row token0
+// of the maps; rows past the end of the maps arrive as zeros, rows past the sequence's end inside
+// them as the next sequence's: the gate, the norms and the factors zero both by selection.
+// Generic reads of buf must be ordered before this call (a barrier), which fences them against
+// the copies' async-proxy writes.
 template <bool kF32Gate>
 __device__ __forceinline__ void issue_chunk_rows(const ChunkRowMaps& maps, int h, int64_t chunk, uint8_t* buf,
-                                                 uint64_t* bar) {
+                                                 uint64_t* bar, int64_t token0 = 0) {
   fence_proxy_async_shared();
   mbarrier_arrive_expect_tx(bar, 2 * kTileBytes + kChunk * kHeadDim * (kF32Gate ? 4 : 2));
-  const int row0 = int(chunk * kChunk);
+  const int row0 = int(token0 + chunk * kChunk);
   tensor_copy_3d(buf + kStagedQ, &maps.q, 0, h, row0, bar);
   tensor_copy_3d(buf + kStagedK, &maps.k, 0, h, row0, bar);
   tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
@@ -434,13 +436,19 @@ __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, cons
 }
 
 // The staged form: q and k read from the buffer row by row and scaled (sq: qk_row_scales_staged)
-// as normalise_qk would have scaled them.
-__device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf, const float (&sq)[8], const ThreadTile& G,
-                                                     const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
+// as normalise_qk would have scaled them; rows past the end (>= rows) zero by selection, since the
+// buffer may hold another sequence's rows there, non-finite ones included.
+__device__ __forceinline__ void build_factors_staged(int tid, int rows, const uint8_t* buf, const float (&sq)[8],
+                                                     const ThreadTile& G, const float (&gamma)[8], uint8_t* rec,
+                                                     uint8_t* scratch) {
   const FactorScales f(gamma);
   for_staged_rows(buf, tid, [&](int r, int t, float (&q)[8], float (&k)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) q[e] *= sq[r], k[e] *= sq[r + 4];
+    if (rows < kChunk && t >= rows) {  // uniform across the CTA's chunks but the last
+#pragma unroll
+      for (int e = 0; e < 8; ++e) q[e] = 0.f, k[e] = 0.f;
+    }
     factor_row(t, tile_channel(tid & 31), q, k, G.x[r], f, rec, scratch);
   });
 }
@@ -665,7 +673,7 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
     dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
   }
   if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
-  if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, gamma, rec, scratch);
+  if constexpr (kStaged) build_factors_staged(tid, rows, staged, sq, a, gamma, rec, scratch);
   else build_factors(tid, q, k, a, gamma, rec, scratch);
   fence_proxy_async_shared();
   Sync::sync();
