@@ -242,6 +242,26 @@ def fused_sweep_rows(reps):
     return rows
 
 
+def fused_batch_sweep_rows(reps):
+    """The fused chunk-32 kernel over several sequences (grid H x N, device cu_seqlens; internal
+    fused_v2 1 against -1) across head counts and batch shapes: the data for a rule beyond one
+    sequence (launch.cu fused_by_rule). Random gates, fp32 states."""
+    rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens (random "
+            "gates, fp32 states; CUDA-graph medians, ms):", "",
+            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | fused / chunk-16 |", "|---|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)
+    for N, T in ((16, 512), (8, 1024), (8, 2048), (4, 4096)):
+        for H in (12, 16, 32, 64, 96):
+            x = make_inputs(H, [T] * N, True)
+            ours = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=-1))[0], reps=reps)
+            fused = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=1))[0], reps=reps)
+            rows.append(f"| {N} x {T} | {H} | {N * H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
+            print(rows[-1], flush=True)
+            del x
+            torch.cuda.empty_cache()
+    return rows
+
+
 def layouts_sweep_rows(reps, cases=""):
     """Transition skipping's layouts: the default call against the same call without skipping and with
     the candidate layouts of `layouts` (segments and pieces forced), one sequence at few heads, both
@@ -509,6 +529,9 @@ def main():
     ap.add_argument("--fused-sweep", action="store_true",
                     help="also the fused chunk-32 kernel against today's kernels on one sequence at T = 2048, 8192, "
                          "32768 and H = 48-160 (docs/DESIGN.md 'Prefill v2'): the data for a per-shape rule")
+    ap.add_argument("--fused-batch-sweep", action="store_true",
+                    help="also the fused chunk-32 kernel against today's kernels on batches through device "
+                         "cu_seqlens (16 x 512 to 4 x 4096 tokens, H = 12-96): the data for a rule beyond one sequence")
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
@@ -567,6 +590,8 @@ def main():
         lines += layouts_sweep_rows(args.reps, args.cases)
     if args.fused_sweep:
         lines += fused_sweep_rows(args.reps)
+    if args.fused_batch_sweep:
+        lines += fused_batch_sweep_rows(args.reps)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

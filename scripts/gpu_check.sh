@@ -12,7 +12,8 @@
 #   them);
 #   v2 = prefill v2's chunk-32 producer and recurrence (test_produce32_gpu, test_prefill32_gpu, then ncu of the producer);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); fused = prefill v2's fused
-#   kernel against today's kernels across head counts (bench_prefill.py --fused-sweep); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   kernel against today's kernels across head counts and batches (bench_prefill.py --fused-sweep
+#   --fused-batch-sweep); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -104,7 +105,7 @@ sanitize() {  # name, tool, command...
 
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  pending_tests=(test_prefill32_gpu '*RuleRunsTheFused*:*FusedNonFinite*:*LaunchOption*')  # pairs: binary, gtest filter
+  pending_tests=(test_prefill32_gpu '*FusedServesBatchesAndVarlen*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
@@ -155,7 +156,7 @@ if want decode; then
 fi
 if want fused; then
   step fused-sweep
-  python3 benchmarks/bench_prefill.py --fused-sweep --table none --no-accuracy --no-peers 2>&1 |
+  python3 benchmarks/bench_prefill.py --fused-sweep --fused-batch-sweep --table none --no-accuracy --no-peers 2>&1 |
     tee "$OUT/bench_fused.log" | tail -25 || status=1
 fi
 if want profile; then
