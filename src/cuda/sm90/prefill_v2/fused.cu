@@ -25,6 +25,7 @@ constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
+constexpr int kSeqArgsBytes = int(sizeof(ProduceArgs) + sizeof(ConsumeArgs)) + 8;  // + the first token
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
 // and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
 // warpgroup's inv_b (split SW64 tiles) and forward-substitution scratch, the barriers (and the
@@ -38,6 +39,7 @@ struct SmemLayout {
   static constexpr int kOffInv = kOffScratch + kScratchSpan;
   static constexpr int kOffBarriers = kOffInv + (kConsumerInv ? kInvSpan : 0);
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
+  static constexpr int kOffSeqArgs = kOffClocks + kPhaseClocks * 8;  // FusedArgs::num_seqs: the CTA's sequence
   static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
   // + full[2], empty[2], staged_full; + the 1024-byte alignment
   static constexpr int kBytes = (kStaged ? kOffStaged + kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
@@ -121,32 +123,6 @@ template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSpl
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
-  // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
-  // state (the TMA maps keep the call's rows: their coordinates add bos); else the call's own.
-  int64_t bos = 0, seq_len = a.consume.T;
-  ProduceArgs seq_produce = a.produce;
-  ConsumeArgs seq_consume = a.consume;
-  if constexpr (kSeqs) {
-    const int64_t n = blockIdx.y;
-    if (!sequence_span(a, n, bos, seq_len)) {
-      poison_fused_outputs(a);
-      return;
-    }
-    const int64_t H = a.consume.H, row = H * kHeadDim;
-    const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2, b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
-    seq_produce.q = static_cast<const __nv_bfloat16*>(a.produce.q) + bos * row;
-    seq_produce.k = static_cast<const __nv_bfloat16*>(a.produce.k) + bos * row;
-    seq_produce.g = static_cast<const uint8_t*>(a.produce.g) + bos * row * g_elem;
-    seq_produce.beta = static_cast<const uint8_t*>(a.produce.beta) + bos * H * b_elem;
-    seq_produce.T = seq_len;
-    seq_consume.v = static_cast<const __nv_bfloat16*>(a.consume.v) + bos * row;
-    seq_consume.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
-    seq_consume.T = seq_len;
-    const int64_t state = n * H * kHeadDim * kHeadDim;
-    if (a.consume.initial_state != nullptr) seq_consume.initial_state = a.consume.initial_state + state;
-    if (a.consume.final_state != nullptr) seq_consume.final_state = a.consume.final_state + state;
-  }
-  const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint8_t* const scratch = ring + L::kOffScratch;
@@ -154,7 +130,46 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   uint64_t* const empty = full + kStages;
   uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffer (issue_chunk_rows)
   const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
-  const int64_t num_chunks = (seq_len + kChunk - 1) / kChunk;
+  // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
+  // state (the TMA maps keep the call's rows: their coordinates add bos); else the call's own. The
+  // shifted arguments live in shared memory (the free bytes between the clocks and the staged
+  // buffer), read where they are used, so that the loops hold no more registers than the
+  // one-sequence kernel's (held in registers they cost ptxas 136 bytes of spills).
+  static_assert(!kSeqs || (kStaged && L::kOffSeqArgs + kSeqArgsBytes <= L::kOffStaged), "no room for the sequence's arguments");
+  ProduceArgs& seq_produce = *reinterpret_cast<ProduceArgs*>(ring + L::kOffSeqArgs);
+  ConsumeArgs& seq_consume = *reinterpret_cast<ConsumeArgs*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs));
+  int64_t& seq_bos = *reinterpret_cast<int64_t*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs));
+  if constexpr (kSeqs) {
+    const int64_t n = blockIdx.y;
+    int64_t bos = 0, len = 0;
+    if (!sequence_span(a, n, bos, len)) {
+      poison_fused_outputs(a);
+      return;
+    }
+    if (tid == 0) {
+      const int64_t H = a.consume.H, row = H * kHeadDim;
+      const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
+      const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
+      ProduceArgs sp = a.produce;
+      sp.q = static_cast<const __nv_bfloat16*>(a.produce.q) + bos * row;
+      sp.k = static_cast<const __nv_bfloat16*>(a.produce.k) + bos * row;
+      sp.g = static_cast<const uint8_t*>(a.produce.g) + bos * row * g_elem;
+      sp.beta = static_cast<const uint8_t*>(a.produce.beta) + bos * H * b_elem;
+      sp.T = len;
+      ConsumeArgs sc = a.consume;
+      sc.v = static_cast<const __nv_bfloat16*>(a.consume.v) + bos * row;
+      sc.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
+      sc.T = len;
+      const int64_t state = n * H * kHeadDim * kHeadDim;
+      if (a.consume.initial_state != nullptr) sc.initial_state = a.consume.initial_state + state;
+      if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
+      seq_produce = sp, seq_consume = sc, seq_bos = bos;
+    }
+  }
+  const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
+  if constexpr (kSeqs) __syncthreads();  // the sequence's arguments
+  const int64_t bos = kSeqs ? seq_bos : 0;
+  const int64_t num_chunks = ((kSeqs ? seq_produce.T : a.consume.T) + kChunk - 1) / kChunk;
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
