@@ -251,7 +251,7 @@ def fused_batch_sweep_rows(reps):
             "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | fused / chunk-16 |", "|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for N, T in ((16, 512), (8, 1024), (8, 2048), (4, 4096)):
-        for H in (12, 16, 32, 64, 96):
+        for H in (12, 16, 24, 32, 64, 96):
             x = make_inputs(H, [T] * N, True)
             ours = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=-1))[0], reps=reps)
             fused = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=1))[0], reps=reps)
