@@ -371,8 +371,11 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
   if (launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p) && (launch.fused_v2 > 0 || fused_by_rule(p))) {
-    FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_prefill(p, stream));
-    return;
+    const cudaError_t err = sm90::prefill_v2::fused_prefill(p, stream);
+    if (err == cudaSuccess) return;
+    // Under the rule, a fused kernel that cannot start here (its register split or the driver's
+    // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
+    if (launch.fused_v2 > 0) FLASHKDA_CUDA_CHECK(err);
   }
   const int64_t N = detail::num_sequences(p);
   auto* ws = static_cast<uint8_t*>(workspace);

@@ -25,6 +25,9 @@ constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
+// The most sequences in a fused call: each CTA reads all of cu_seqlens to check it (H N^2 reads in
+// all), and the grid's y dimension holds at most 65 535.
+constexpr int64_t kMaxFusedSeqs = 4096;
 constexpr int kSeqArgsBytes = int(sizeof(ProduceArgs) + sizeof(ConsumeArgs)) + 8;  // + the first token
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
 // and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
@@ -386,7 +389,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr) {  // several sequences: the rule's flags only
-    if (args.num_seqs < 1 || args.num_seqs > 65535 || pa.T % (args.cu_seqlens ? 1 : args.num_seqs) != 0 ||
+    if (args.num_seqs < 1 || args.num_seqs > kMaxFusedSeqs || pa.T % (args.cu_seqlens ? 1 : args.num_seqs) != 0 ||
         pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
         !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only)
       return cudaErrorInvalidValue;
@@ -405,7 +408,8 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
 
 bool fused_serves(const PrefillParams& p) {
   const int64_t N = detail::num_sequences(p);
-  return N >= 1 && N <= 65535 && p.B * p.T > 0 && p.K == kHeadDim && p.V == kHeadDim &&
+  return N >= 1 && N <= kMaxFusedSeqs && p.B * p.T > 0 && p.B * p.T < (int64_t(1) << 31) && p.K == kHeadDim &&
+         p.V == kHeadDim &&
          p.dtype == DType::kBF16 && p.g_dtype == DType::kBF16 && p.pre.gate == GateForm::kLowerBound &&
          p.pre.l2norm_qk && p.precision == Precision::kPrecise && p.state_pool == nullptr &&
          p.checkpoint_every == 0 && (p.initial_state == nullptr || p.initial_state_dtype == DType::kF32) &&

@@ -18,15 +18,6 @@ namespace flashkda::cuda::sm90::prefill_v2 {
 struct FusedArgs {
   ProduceArgs produce;  // out (records) unused
   ConsumeArgs consume;  // records unused
-  // Several sequences (a grid of H x num_seqs CTAs, CTA (h, n) walking sequence n's chunks): the
-  // device cu_seqlens [num_seqs + 1] (int32, or int64 with cu_seqlens_64), or null for num_seqs
-  // sequences of produce.T / num_seqs tokens each; produce.T and consume.T are the total tokens,
-  // the states [num_seqs, H, V, K]. Invalid cu_seqlens (cu[0] != 0, cu[num_seqs] != T, a decrease)
-  // fill out and final_state with NaN. Only with the rule's flags below (stage_inputs,
-  // producer_regs, consumer_inverse) and lower-bound bf16 gates; other calls with it are refused.
-  int64_t num_seqs = 1;
-  const void* cu_seqlens = nullptr;
-  bool cu_seqlens_64 = false;
   // The producer's q, k, g rows of chunk c + 1 copied by TMA into one shared buffer once chunk c's
   // factors are built (beta a chunk ahead in registers), and q, k read from there where they are
   // used; false: loaded from global memory into registers when the chunk starts.
@@ -50,6 +41,16 @@ struct FusedArgs {
   // one inv_b from the chunk's (I + L) before the recurrence (produce.cuh invert_warpgroup, 256
   // threads), which both then read.
   bool consumer_inverse = false;
+  // Several sequences (last in the struct, so that initialisations in field order keep their
+  // meaning): a grid of H x num_seqs CTAs, CTA (h, n) walking sequence n's chunks, with the device
+  // cu_seqlens [num_seqs + 1] (int32, or int64 with cu_seqlens_64), or null for num_seqs sequences
+  // of produce.T / num_seqs tokens each; produce.T and consume.T are the total tokens, the states
+  // [num_seqs, H, V, K]. Invalid cu_seqlens (cu[0] != 0, cu[num_seqs] != T, a decrease) fill out
+  // and final_state with NaN. Only with the rule's flags above (stage_inputs, producer_regs,
+  // consumer_inverse) and lower-bound bf16 gates; other calls with it are refused.
+  int64_t num_seqs = 1;
+  const void* cu_seqlens = nullptr;
+  bool cu_seqlens_64 = false;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -57,7 +58,8 @@ constexpr int kPhaseClocks = 16;
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 
 // The fused kernel as a prefill (internal::PrefillLaunch::fused_v2): whether it serves a validated
-// call (any number of sequences, by B or by device cu_seqlens, up to 65 535; K = V = 128, bf16 q,
+// call (any number of sequences, by B or by device cu_seqlens, up to 4 096 (each CTA checks all of
+// cu_seqlens), fewer than 2^31 tokens (the TMA coordinates); K = V = 128, bf16 q,
 // k, v and g, the lower-bound gate with L2-normalised q and k, the precise mode, fp32 initial and
 // final states or none, no pool, no checkpoints), and the call through it with its best candidate
 // flags (staged inputs, inverting consumers, setmaxnreg).
