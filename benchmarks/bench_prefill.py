@@ -222,6 +222,16 @@ def layouts(C, H, sms):
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
+def chunk16_and_fused_ms(H, seqlens, reps):
+    """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
+    -1 and 1), random gates, fp32 states: CUDA-graph medians, ms."""
+    x = make_inputs(H, seqlens, True)
+    times = [time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=v))[0], reps=reps) for v in (-1, 1)]
+    del x
+    torch.cuda.empty_cache()
+    return times
+
+
 def fused_sweep_rows(reps):
     """Issue 11's fused chunk-32 kernel against today's kernels on one sequence across head counts
     (internal fused_v2 1 against -1; docs/DESIGN.md "Prefill v2"): where one CTA a head fills the GPU
@@ -232,13 +242,9 @@ def fused_sweep_rows(reps):
     print("\n".join(rows), flush=True)
     for T in (2048, 8192, 32768):
         for H in (48, 64, 80, 96, 112, 128, 160):
-            x = make_inputs(H, [T], True)
-            ours = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=-1))[0], reps=reps)
-            fused = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=1))[0], reps=reps)
+            ours, fused = chunk16_and_fused_ms(H, [T], reps)
             rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
             print(rows[-1], flush=True)
-            del x
-            torch.cuda.empty_cache()
     return rows
 
 
@@ -252,13 +258,9 @@ def fused_batch_sweep_rows(reps):
     print("\n".join(rows), flush=True)
     for N, T in ((16, 512), (8, 1024), (8, 2048), (4, 4096)):
         for H in (12, 16, 24, 32, 64, 96):
-            x = make_inputs(H, [T] * N, True)
-            ours = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=-1))[0], reps=reps)
-            fused = time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=1))[0], reps=reps)
+            ours, fused = chunk16_and_fused_ms(H, [T] * N, reps)
             rows.append(f"| {N} x {T} | {H} | {N * H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
             print(rows[-1], flush=True)
-            del x
-            torch.cuda.empty_cache()
     return rows
 
 

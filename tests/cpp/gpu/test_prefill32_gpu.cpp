@@ -196,6 +196,26 @@ std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* dir
   return bits;
 }
 
+// The fused kernel through the library's call (fused_v2 = 1) on `in` against the fp64 reference: its
+// errors reported under `name` and held to the precise mode's bounds; returns the call's bits.
+std::vector<unsigned char> fused_call_against_reference(KdaInputs& in, const std::string& name) {
+  internal::PrefillLaunch always;
+  always.fused_v2 = 1;
+  const test::Reference ref = test::run_reference(in);
+  DeviceProblem d(in, always);
+  EXPECT_TRUE(fused_serves(d.params()));
+  const std::vector<unsigned char> bits = run_bits(in, d);
+  const double e_out = test::rel_rms(in.out.values(), ref.out);
+  const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+  test::report(name + " out", e_out);
+  test::report(name + " state", e_state);
+  EXPECT_LE(e_out, 2e-3);
+  EXPECT_LE(e_state, 5e-4);
+  EXPECT_TRUE(in.out.guard_intact());
+  EXPECT_TRUE(in.final_state.guard_intact());
+  return bits;
+}
+
 TEST_F(Prefill32Gpu, LaunchOptionRunsTheFusedKernelWhereItServes) {
   internal::PrefillLaunch fused;
   fused.fused_v2 = 1;
@@ -204,12 +224,8 @@ TEST_F(Prefill32Gpu, LaunchOptionRunsTheFusedKernelWhereItServes) {
     o.T = 301, o.H = 3, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
     KdaInputs in(o);
     SCOPED_TRACE(in.describe());
-    const test::Reference ref = test::run_reference(in);
-    DeviceProblem d(in, fused);
-    ASSERT_TRUE(fused_serves(d.params()));
-    const std::vector<unsigned char> through_launch = run_bits(in, d);
-    EXPECT_LE(test::rel_rms(in.out.values(), ref.out), 2e-3);
-    EXPECT_LE(test::rel_rms(in.final_state.values(), ref.final_state), 5e-4);
+    const std::vector<unsigned char> through_launch = fused_call_against_reference(in, "fused32 launch T=301");
+    DeviceProblem d(in);
     ASSERT_TRUE(V2Call::kModeTable[6].staged && V2Call::kModeTable[6].producer_regs &&
                 V2Call::kModeTable[6].consumer_inverse);
     V2Call direct(d);
@@ -263,18 +279,7 @@ TEST_F(Prefill32Gpu, FusedServesBatchesAndVarlen) {
     o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
     KdaInputs in(o);
     SCOPED_TRACE(in.describe());
-    const test::Reference ref = test::run_reference(in);
-    DeviceProblem d(in, always);
-    ASSERT_TRUE(fused_serves(d.params()));
-    run_bits(in, d);
-    const double e_out = test::rel_rms(in.out.values(), ref.out);
-    const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
-    test::report(std::string("fused32 varlen cu ") + dtype_name(cu) + " out", e_out);
-    test::report(std::string("fused32 varlen cu ") + dtype_name(cu) + " state", e_state);
-    EXPECT_LE(e_out, 2e-3);
-    EXPECT_LE(e_state, 5e-4);
-    EXPECT_TRUE(in.out.guard_intact());
-    EXPECT_TRUE(in.final_state.guard_intact());
+    fused_call_against_reference(in, std::string("fused32 varlen cu ") + dtype_name(cu));
     int64_t bos = 0;
     for (int64_t n = 0; n < int64_t(o.seqlens.size()); ++n) {
       const int64_t len = o.seqlens[n];
@@ -296,12 +301,7 @@ TEST_F(Prefill32Gpu, FusedServesBatchesAndVarlen) {
     o.B = 2, o.T = 150, o.H = 3, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
     KdaInputs in(o);
     SCOPED_TRACE(in.describe());
-    const test::Reference ref = test::run_reference(in);
-    DeviceProblem d(in, always);
-    ASSERT_TRUE(fused_serves(d.params()));
-    run_bits(in, d);
-    EXPECT_LE(test::rel_rms(in.out.values(), ref.out), 2e-3);
-    EXPECT_LE(test::rel_rms(in.final_state.values(), ref.final_state), 5e-4);
+    fused_call_against_reference(in, "fused32 batch 2 x 150");
   }
   {  // non-finite inputs at the start of sequence 1, inside the TMA box of sequence 0's last chunk
     KdaOptions o;
@@ -424,24 +424,11 @@ TEST_F(Prefill32Gpu, FusedNonFiniteGateAndGraphReplay) {
 
 // A sequence of 131072 tokens through the fused kernel (4096 chunks in one CTA's chain).
 TEST_F(Prefill32Gpu, FusedVeryLongSequence131072) {
-  internal::PrefillLaunch always;
-  always.fused_v2 = 1;
-  {
-    KdaOptions o;
-    o.T = 131072, o.H = 1, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    SCOPED_TRACE(in.describe());
-    const test::Reference ref = test::run_reference(in);
-    DeviceProblem d(in, always);
-    ASSERT_TRUE(fused_serves(d.params()));
-    run_bits(in, d);
-    const double e_out = test::rel_rms(in.out.values(), ref.out);
-    const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
-    test::report("fused32 launch T=131072 out", e_out);
-    test::report("fused32 launch T=131072 state", e_state);
-    EXPECT_LE(e_out, 2e-3);
-    EXPECT_LE(e_state, 5e-4);
-  }
+  KdaOptions o;
+  o.T = 131072, o.H = 1, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  SCOPED_TRACE(in.describe());
+  fused_call_against_reference(in, "fused32 launch T=131072");
 }
 
 // T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default
