@@ -17,6 +17,7 @@
 #include "device_problem.h"
 #include "kda_test_utils.h"
 #include "serving_test_utils.h"
+#include "cuda/sm90/prefill_v2/fused.h"
 #include "launch_config.h"
 
 namespace flashkda::test {
@@ -164,6 +165,53 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
     EXPECT_LT(e_out, 6e-3);
     EXPECT_LT(e_state, GetParam() == DType::kBF16 ? 6e-3 : 1e-4);
   }
+}
+
+// The fused chunk-32 kernel over a pool (internal fused_v2 = 1; the rule keeps pools on the chunk-16
+// kernels): padding rows zero (slot -1 and a slot past the pool), slots not named keep their bytes,
+// and against the fp64 reference; with fp32 states bit for bit the fused plain prefill from the
+// gathered states (a bf16 pool's plain prefill would need bf16 states, which the fused kernel leaves
+// to the chunk-16 kernels).
+TEST_P(ServingPrefillGpu, FusedPoolPrefill) {
+  internal::PrefillLaunch fused;
+  fused.fused_v2 = 1;
+  PoolCase c({37, 130, 0, 64, 200, 16, 300}, GetParam(), 11, /*padding=*/3, /*past_pool=*/5, fused);
+  SCOPED_TRACE(c.in.describe());
+  ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(c.params()));
+  c.dev.poison();
+  c.run(c.params(), fused);
+  const HostTensor out_pool = c.in.out;
+  const HostTensor pool_after = c.pool;
+  EXPECT_TRUE(out_pool.guard_intact() && pool_after.guard_intact());
+  for (int64_t n = 0; n < c.in.N; ++n) {
+    const Range r = range_of(c.in, n);
+    if (c.live(n)) continue;
+    for (int64_t i = r.bos * kH * kV; i < r.eos * kH * kV; ++i) ASSERT_EQ(out_pool.get(i), 0.0) << "padding output row " << n;
+  }
+  for (int64_t s = 0; s < c.P; ++s)
+    if (!c.slot_named(s)) EXPECT_TRUE(same_bytes(pool_after, s * kState, c.pool_before, s * kState, kState)) << "slot " << s;
+  if (GetParam() == DType::kF32) {
+    const HostTensor fin = c.plain_prefill(fused);
+    for (int64_t n = 0; n < c.in.N; ++n) {
+      if (!c.live(n)) continue;
+      const Range r = range_of(c.in, n);
+      const int64_t first = r.bos * kH * kV, count = r.len() * kH * kV;
+      EXPECT_TRUE(same_bytes(out_pool, first, c.in.out, first, count)) << "output of sequence " << n;
+      EXPECT_TRUE(same_bytes(pool_after, c.slots[n] * kState, fin, n * kState, kState))
+          << "final state of sequence " << n << " in slot " << c.slots[n];
+    }
+  }
+  std::vector<double> ref_out(c.in.out.count), ref_state(size_t(c.in.N * kState));
+  std::vector<int32_t> host_slots = c.slots;
+  for (int32_t& s : host_slots) s = s < c.P ? s : -1;  // the reference refuses a slot past the pool
+  HostTensor ref_pool = c.pool_before;
+  reference_forward(c.host_params(ref_pool, host_slots), ref_out.data(), ref_state.data());
+  const double e_out = rel_rms(out_pool.values(), ref_out);
+  const double e_state = rel_rms(states_in_slots(pool_after, c.slots, c.P), ref_state);
+  report("gpu fused pool out rel-RMS", e_out);
+  report("gpu fused pool state rel-RMS", e_state);
+  EXPECT_LT(e_out, 2e-3);
+  EXPECT_LT(e_state, GetParam() == DType::kBF16 ? 6e-3 : 5e-4);
 }
 
 // Checkpoints, serial: each equals the final state of the same GPU prefill cut at its position, bit
@@ -397,6 +445,10 @@ TEST(ServingPrefillGpuErrors, DuplicateLiveSlotsPoisonOutputsAndLeaveThePool) {
   const internal::PrefillLaunch launches[] = {{}, kSerial, {0, 2}};
   set_slots({4, 1, 4});
   for (const internal::PrefillLaunch& launch : launches) expect_refused(c.params(), launch, "sequences 0 and 2 in slot 4");
+  internal::PrefillLaunch fused;  // the fused chunk-32 kernel (K0's verdict before it)
+  fused.fused_v2 = 1;
+  ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(c.params()));
+  expect_refused(c.params(), fused, "fused: sequences 0 and 2 in slot 4");
 
   // A checkpoint into a sequence's slot.
   set_slots(distinct);

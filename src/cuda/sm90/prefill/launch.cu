@@ -371,7 +371,17 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
   if (launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p) && (launch.fused_v2 > 0 || fused_by_rule(p))) {
-    const cudaError_t err = sm90::prefill_v2::fused_prefill(p, stream);
+    const int* error_flag = nullptr;
+    if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
+      auto* ws = static_cast<uint8_t*>(workspace);
+      Params kp = kernel_params(p, ws);  // no segments, no checkpoints: K0 checks and scans only
+      const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
+      if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.header);  // nothing else is carved
+      chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(kp);
+      FLASHKDA_CHECK_LAUNCH();
+      error_flag = kp.error_flag;
+    }
+    const cudaError_t err = sm90::prefill_v2::fused_prefill(p, error_flag, stream);
     if (err == cudaSuccess) return;
     // Under the rule, a fused kernel that cannot start here (its register split or the driver's
     // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.

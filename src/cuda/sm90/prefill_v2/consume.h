@@ -21,6 +21,9 @@ struct ConsumeArgs {
   float* final_state = nullptr;       // [H, V, K] fp32, or null (not written)
   int64_t T = 0;
   int H = 0;
+  // The fused kernel over a state pool (FusedArgs::state_pool): initial_state and final_state point
+  // at bf16 states (their pointers' type notwithstanding); the recurrence kernel ignores it.
+  bool states_bf16 = false;
 };
 
 // Launches the recurrence on `stream` (grid: two CTAs of one warpgroup per head, 64 value rows of

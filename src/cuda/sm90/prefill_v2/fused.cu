@@ -25,9 +25,8 @@ constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
-// The most sequences in a fused call: each CTA reads all of cu_seqlens to check it (H N^2 reads in
-// all), and the grid's y dimension holds at most 65 535.
-constexpr int64_t kMaxFusedSeqs = 4096;
+// The most sequences in a fused call: the grid's y dimension.
+constexpr int64_t kMaxFusedSeqs = 65535;
 constexpr int kSeqArgsBytes = int(sizeof(ProduceArgs) + sizeof(ConsumeArgs)) + 8;  // + the first token
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
 // and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
@@ -79,29 +78,22 @@ struct FusedParams {
 };
 
 // kSeqs (FusedArgs::num_seqs, cu_seqlens): sequence n's first token and length, from the device
-// cu_seqlens or the uniform length; false when the call's cu_seqlens are invalid (cu[0] != 0,
-// cu[N] != T, a decrease: every thread of the CTA agrees, one __syncthreads_or).
-__device__ __forceinline__ int64_t cu_entry(const FusedArgs& a, int64_t i) {
-  return a.cu_seqlens_64 ? static_cast<const int64_t*>(a.cu_seqlens)[i] : static_cast<const int32_t*>(a.cu_seqlens)[i];
-}
-__device__ __forceinline__ bool sequence_span(const FusedArgs& a, int64_t n, int64_t& bos, int64_t& len) {
-  const int64_t N = a.num_seqs, total = a.produce.T;
+// cu_seqlens (checked by K0 before: FusedArgs::error_flag) or the uniform length.
+__device__ __forceinline__ void sequence_span(const FusedArgs& a, int64_t n, int64_t& bos, int64_t& len) {
   if (a.cu_seqlens == nullptr) {
-    len = total / N, bos = n * len;
-    return true;
+    len = a.produce.T / a.num_seqs, bos = n * len;
+  } else if (a.cu_seqlens_64) {
+    const int64_t* cu = static_cast<const int64_t*>(a.cu_seqlens);
+    bos = cu[n], len = cu[n + 1] - bos;
+  } else {
+    const int32_t* cu = static_cast<const int32_t*>(a.cu_seqlens);
+    bos = cu[n], len = cu[n + 1] - bos;
   }
-  int bad = 0;
-  for (int64_t i = threadIdx.x; i <= N; i += blockDim.x) {
-    const int64_t c = cu_entry(a, i);
-    bad |= (i == 0 && c != 0) || (i == N && c != total) || (i < N && cu_entry(a, i + 1) < c);
-  }
-  if (__syncthreads_or(bad)) return false;
-  bos = cu_entry(a, n), len = cu_entry(a, n + 1) - bos;
-  return true;
 }
 
-// Invalid cu_seqlens: out and final_state filled with NaN, a disjoint share by each CTA (as the
-// chunk-16 kernels do: loud, never silent garbage).
+// K0 refused the call (invalid cu_seqlens, a live slot named twice): out and final_state filled
+// with NaN, a disjoint share by each CTA, the pool left as it was (as the chunk-16 kernels do:
+// loud, never silent garbage).
 __device__ __noinline__ void poison_fused_outputs(const FusedArgs& a) {
   const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
   const int64_t first = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
@@ -143,14 +135,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   ConsumeArgs& seq_consume = *reinterpret_cast<ConsumeArgs*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs));
   int64_t& seq_bos = *reinterpret_cast<int64_t*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs));
   if constexpr (kSeqs) {
-    const int64_t n = blockIdx.y;
-    int64_t bos = 0, len = 0;
-    if (!sequence_span(a, n, bos, len)) {
+    if (a.error_flag != nullptr && *a.error_flag != 0) {  // uniform: every thread reads the same flag
       poison_fused_outputs(a);
       return;
     }
     if (tid == 0) {
-      const int64_t H = a.consume.H, row = H * kHeadDim;
+      const int64_t n = blockIdx.y, H = a.consume.H, row = H * kHeadDim;
+      int64_t bos = 0, len = 0;
+      sequence_span(a, n, bos, len);
       const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
       const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
       ProduceArgs sp = a.produce;
@@ -164,13 +156,36 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       sc.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
       sc.T = len;
       const int64_t state = n * H * kHeadDim * kHeadDim;
-      if (a.consume.initial_state != nullptr) sc.initial_state = a.consume.initial_state + state;
-      if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
+      if (a.state_pool != nullptr) {  // the sequence's slot; outside [0, P): padding (T < 0 below)
+        const int64_t slot = a.state_indices[n];
+        const bool live = slot >= 0 && slot < a.pool_size;
+        const bool read = live && (a.has_initial_state == nullptr || a.has_initial_state[n]);
+        const int64_t at = slot * H * kHeadDim * kHeadDim;
+        float* const f32 = static_cast<float*>(a.state_pool) + at;
+        float* const bf16 = reinterpret_cast<float*>(static_cast<__nv_bfloat16*>(a.state_pool) + at);
+        float* const ptr = a.pool_bf16 ? bf16 : f32;
+        sc.initial_state = read ? ptr : nullptr;
+        sc.final_state = live ? ptr : nullptr;
+        sc.states_bf16 = a.pool_bf16;
+        if (!live) sp.T = -len - 1;  // padding: -(len + 1), so that an empty padding sequence is seen too
+      } else {
+        if (a.consume.initial_state != nullptr) sc.initial_state = a.consume.initial_state + state;
+        if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
+      }
       seq_produce = sp, seq_consume = sc, seq_bos = bos;
     }
   }
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
-  if constexpr (kSeqs) __syncthreads();  // the sequence's arguments
+  if constexpr (kSeqs) {
+    __syncthreads();  // the sequence's arguments
+    if (seq_produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): zero output rows, no state
+      const int64_t len = -seq_produce.T - 1, row = int64_t(a.consume.H) * kHeadDim;
+      uint4* const out = static_cast<uint4*>(seq_consume.out);
+      for (int64_t i = tid; i < len * (kHeadDim / 8); i += blockDim.x)  // 16-byte pieces of this head's rows
+        out[((i / (kHeadDim / 8)) * row + int64_t(h) * kHeadDim) / 8 + i % (kHeadDim / 8)] = make_uint4(0, 0, 0, 0);
+      return;
+    }
+  }
   const int64_t bos = kSeqs ? seq_bos : 0;
   const int64_t num_chunks = ((kSeqs ? seq_produce.T : a.consume.T) + kChunk - 1) / kChunk;
   if (tid == 0) {
@@ -241,7 +256,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
     const int v_row = 64 * (wg - 1) + 16 * warp + g;
     float S[64];
-    prefill::load_state_rows(S, p.initial_state, p.initial_state ? ElemType::kF32 : ElemType::kNone,
+    prefill::load_state_rows(S, p.initial_state,
+                             p.initial_state == nullptr ? ElemType::kNone : p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
                              int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
     prefill::RowScale rs;
     // kConsumerInv: the consumers' inv_b, which both warpgroups build together from each chunk's L
@@ -303,7 +319,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     if (kClock && tid == kThreads)
       for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
     if (p.final_state != nullptr)
-      prefill::store_state_rows(S, p.final_state, ElemType::kF32, int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
+      prefill::store_state_rows(S, p.final_state, p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
+                                int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
   }
 }
 
@@ -388,8 +405,10 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
-  if (args.num_seqs != 1 || args.cu_seqlens != nullptr) {  // several sequences: the rule's flags only
-    if (args.num_seqs < 1 || args.num_seqs > kMaxFusedSeqs || pa.T % (args.cu_seqlens ? 1 : args.num_seqs) != 0 ||
+  if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
+    if (args.num_seqs < 1 || args.num_seqs > kMaxFusedSeqs ||
+        ((args.cu_seqlens != nullptr || args.state_pool != nullptr) && args.error_flag == nullptr) ||
+        (args.state_pool != nullptr && args.state_indices == nullptr) || pa.T % (args.cu_seqlens ? 1 : args.num_seqs) != 0 ||
         pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
         !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only)
       return cudaErrorInvalidValue;
@@ -408,12 +427,14 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
 
 bool fused_serves(const PrefillParams& p) {
   const int64_t N = detail::num_sequences(p);
+  const bool states = p.state_pool != nullptr
+                          ? p.checkpoint_every == 0 && p.initial_state == nullptr && p.final_state == nullptr
+                          : (p.initial_state == nullptr || p.initial_state_dtype == DType::kF32) &&
+                                (p.final_state == nullptr || p.final_state_dtype == DType::kF32);
   return N >= 1 && N <= kMaxFusedSeqs && p.B * p.T > 0 && p.B * p.T < (int64_t(1) << 31) && p.K == kHeadDim &&
-         p.V == kHeadDim &&
-         p.dtype == DType::kBF16 && p.g_dtype == DType::kBF16 && p.pre.gate == GateForm::kLowerBound &&
-         p.pre.l2norm_qk && p.precision == Precision::kPrecise && p.state_pool == nullptr &&
-         p.checkpoint_every == 0 && (p.initial_state == nullptr || p.initial_state_dtype == DType::kF32) &&
-         (p.final_state == nullptr || p.final_state_dtype == DType::kF32);
+         p.V == kHeadDim && p.dtype == DType::kBF16 && p.g_dtype == DType::kBF16 &&
+         p.pre.gate == GateForm::kLowerBound && p.pre.l2norm_qk && p.precision == Precision::kPrecise &&
+         p.checkpoint_every == 0 && states;
 }
 
 FusedArgs fused_args(const PrefillParams& p) {
@@ -432,11 +453,16 @@ FusedArgs fused_args(const PrefillParams& p) {
   ca.final_state = static_cast<float*>(p.final_state);
   f.num_seqs = detail::num_sequences(p);
   f.cu_seqlens = p.cu_seqlens, f.cu_seqlens_64 = p.cu_seqlens_dtype == DType::kI64;
+  if (p.state_pool != nullptr) {
+    f.state_pool = p.state_pool, f.pool_bf16 = p.state_pool_dtype == DType::kBF16, f.pool_size = p.pool_size;
+    f.state_indices = p.state_indices, f.has_initial_state = p.has_initial_state;
+  }
   return f;
 }
 
-cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream) {
+cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream) {
   FusedArgs f = fused_args(p);
+  f.error_flag = error_flag;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   return fused_chunks(f, stream);
 }

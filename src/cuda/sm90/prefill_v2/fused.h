@@ -51,6 +51,19 @@ struct FusedArgs {
   int64_t num_seqs = 1;
   const void* cu_seqlens = nullptr;
   bool cu_seqlens_64 = false;
+  // K0's verdict (launch.cu runs it first for calls with cu_seqlens or a pool): non-zero when the
+  // cu_seqlens are invalid or a live slot is named twice; out (and final_state) are then NaN and
+  // the pool is left as it was. Null: nothing to check (one sequence, or a batch of equal lengths).
+  const int* error_flag = nullptr;
+  // A state pool (SPEC §9, without checkpoints): sequence n starts from slot state_indices[n]
+  // (zeros where has_initial_state[n] is false) and its final state goes back there, fp32 or bf16
+  // (pool_bf16); a slot outside [0, pool_size) is padding: zero output rows, nothing read or written.
+  // consume.initial_state and final_state are then null.
+  void* state_pool = nullptr;
+  bool pool_bf16 = false;
+  int64_t pool_size = 0;
+  const int32_t* state_indices = nullptr;
+  const bool* has_initial_state = nullptr;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -58,13 +71,14 @@ constexpr int kPhaseClocks = 16;
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 
 // The fused kernel as a prefill (internal::PrefillLaunch::fused_v2): whether it serves a validated
-// call (any number of sequences, by B or by device cu_seqlens, up to 4 096 (each CTA checks all of
-// cu_seqlens), fewer than 2^31 tokens (the TMA coordinates); K = V = 128, bf16 q,
-// k, v and g, the lower-bound gate with L2-normalised q and k, the precise mode, fp32 initial and
-// final states or none, no pool, no checkpoints), and the call through it with its best candidate
-// flags (staged inputs, inverting consumers, setmaxnreg).
+// call (up to 65 535 sequences, by B or by device cu_seqlens, fewer than 2^31 tokens (the TMA
+// coordinates); K = V = 128, bf16 q, k, v and g, the lower-bound gate with L2-normalised q and k,
+// the precise mode; fp32 initial and final states or none, or a state pool (fp32 or bf16) without
+// checkpoints), and the call through it with its best candidate flags (staged inputs, inverting
+// consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
-cudaError_t fused_prefill(const PrefillParams& p, cudaStream_t stream);
+// error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool.
+cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
