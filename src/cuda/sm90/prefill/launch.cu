@@ -357,9 +357,11 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
 // (bench_prefill.py --fused-sweep, one sequence, T = 2048-32768, fused / today): 1.38-1.63 at H = 48-64,
 // 1.00-1.06 at H = 80, 0.94-0.95 at 96, 0.89-0.90 at 112, 0.85-0.86 at 128, 0.97-0.98 at 160 (two waves).
 // So from H >= 2/3 of the SMs (88 on an H200), at the measured lengths and beyond, for one sequence
-// without cu_seqlens (the kernel serves more: batches and device cu_seqlens, not yet measured).
+// without cu_seqlens or a pool (the kernel serves more: batches, device cu_seqlens and pools, not
+// yet measured).
 bool fused_by_rule(const PrefillParams& p) {
-  return p.cu_seqlens == nullptr && p.B == 1 && p.T >= 2048 && 3 * p.H >= 2 * int64_t(sm_count());
+  return p.cu_seqlens == nullptr && p.B == 1 && p.state_pool == nullptr && p.T >= 2048 &&
+         3 * p.H >= 2 * int64_t(sm_count());
 }
 
 // One segment per sequence, as long as the longest possible sequence.
