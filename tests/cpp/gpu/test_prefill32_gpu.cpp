@@ -369,6 +369,32 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
     EXPECT_TRUE(rule == (c.fused ? fused : today)) << (c.fused ? "the rule did not run the fused kernel"
                                                                : "the rule ran the fused kernel");
   }
+  {  // a pool call of the same shape stays on the chunk-16 kernels by default (fused only when forced)
+    KdaOptions o;
+    o.T = 2048, o.H = h_min, o.seed = 5;
+    KdaInputs in(o);
+    DeviceProblem d(in);
+    const size_t slot_bytes = size_t(o.H) * o.V * o.K * 4;
+    DeviceBuffer pool(2 * slot_bytes);
+    const int32_t slot = 1;
+    void* d_slot = d.upload(&slot, 4);
+    std::vector<std::vector<unsigned char>> outs;
+    for (const internal::PrefillLaunch& launch : {internal::PrefillLaunch{}, never, always}) {
+      ASSERT_EQ(cudaMemset(pool.ptr, 0, pool.bytes), cudaSuccess);
+      PrefillParams p = d.params();
+      p.state_pool = pool.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = 2;
+      p.state_indices = static_cast<const int32_t*>(d_slot);
+      ASSERT_TRUE(fused_serves(p));
+      DeviceBuffer ws(internal::workspace_size(p, launch));
+      d.poison();
+      internal::forward(p, launch, ws.ptr, ws.bytes);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      d.download();
+      outs.push_back(in.out.bytes);
+    }
+    EXPECT_TRUE(outs[0] == outs[1]) << "the rule ran a pool call through the fused kernel";
+    EXPECT_FALSE(outs[0] == outs[2]) << "the forced fused pool call gave the chunk-16 kernels' bits";
+  }
 }
 
 // The fused kernel through the library's call as the other prefill paths are tested: a NaN gate
