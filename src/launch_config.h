@@ -50,12 +50,12 @@ struct PrefillLaunch {
                        // docs/DESIGN.md "Segments")
   int fused_v2 = 0;  // GPU: prefill v2's fused chunk-32 kernel (one CTA of three warpgroups a head, no record in
                      // global memory; staged inputs, the consumers inverting, setmaxnreg 184 / 160) for the
-                     // calls it serves (prefill_v2::fused_serves: up to 4 096 sequences, by B or device
+                     // calls it serves (prefill_v2::fused_serves: up to 65 535 sequences, by B or device
                      // cu_seqlens, K = V = 128, bf16 q/k/v/g, the lower-bound gate with L2-normalised q and k,
-                     // the precise mode, fp32 states or none, no pool and no checkpoints), today's kernels for
-                     // the rest: 1 = wherever it serves, -1 = never, 0 = rule (one sequence without
-                     // cu_seqlens, from 2048 tokens and H >= 2/3 of the SMs: one CTA a head takes one head's
-                     // chain whatever H is; docs/DESIGN.md "Prefill v2")
+                     // the precise mode, fp32 states or none or a pool (fp32 or bf16) without checkpoints),
+                     // today's kernels for the rest: 1 = wherever it serves, -1 = never, 0 = rule (one
+                     // sequence without cu_seqlens or a pool, from 2048 tokens and H >= 2/3 of the SMs: one
+                     // CTA a head takes one head's chain whatever H is; docs/DESIGN.md "Prefill v2")
 };
 
 struct DecodeLaunch {

@@ -394,6 +394,10 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
     }
     EXPECT_TRUE(outs[0] == outs[1]) << "the rule ran a pool call through the fused kernel";
     EXPECT_FALSE(outs[0] == outs[2]) << "the forced fused pool call gave the chunk-16 kernels' bits";
+    // the forced pool call is the fused kernel's plain call from a zero state (slot 1 held zeros)
+    DeviceProblem d_plain(in, always);
+    EXPECT_TRUE(run_bits(in, d_plain) == outs[2]) << "the fused pool call differs from the fused plain call";
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
   }
 }
 

@@ -105,6 +105,15 @@ __device__ __noinline__ void poison_fused_outputs(const FusedArgs& a) {
   for (int64_t i = first; i < n_state; i += threads) a.consume.final_state[i] = nan;
 }
 
+// A padding sequence's output rows (len of them from out, [len, H, 128] bf16): zeros in head h's
+// 128 columns, 16 bytes a store. Out of line: inline, its loop made the kernel spill 28 bytes.
+__device__ __noinline__ void zero_head_rows(void* out, int64_t len, int H, int h) {
+  const int64_t row = int64_t(H) * kHeadDim;
+  uint4* const o = static_cast<uint4*>(out);
+  for (int64_t i = threadIdx.x; i < len * (kHeadDim / 8); i += blockDim.x)
+    o[((i / (kHeadDim / 8)) * row + int64_t(h) * kHeadDim) / 8 + i % (kHeadDim / 8)] = make_uint4(0, 0, 0, 0);
+}
+
 // FusedArgs::producer_regs: the producer's registers after setmaxnreg, and the consumers'.
 // setmaxnreg.inc only takes registers that the CTA already holds (the launch's count for all 384
 // threads) and the consumers gave back: asking for more waits forever (run 84: 192 / 160 hung).
@@ -179,10 +188,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   if constexpr (kSeqs) {
     __syncthreads();  // the sequence's arguments
     if (seq_produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): zero output rows, no state
-      const int64_t len = -seq_produce.T - 1, row = int64_t(a.consume.H) * kHeadDim;
-      uint4* const out = static_cast<uint4*>(seq_consume.out);
-      for (int64_t i = tid; i < len * (kHeadDim / 8); i += blockDim.x)  // 16-byte pieces of this head's rows
-        out[((i / (kHeadDim / 8)) * row + int64_t(h) * kHeadDim) / 8 + i % (kHeadDim / 8)] = make_uint4(0, 0, 0, 0);
+      zero_head_rows(seq_consume.out, -seq_produce.T - 1, a.consume.H, h);
       return;
     }
   }
