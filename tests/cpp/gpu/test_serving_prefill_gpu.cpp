@@ -12,6 +12,7 @@
 #include <cstring>
 #include <numeric>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "device_problem.h"
@@ -97,6 +98,44 @@ struct PoolCase {
     return host;
   }
 
+  // Padding sequences' output rows are zero.
+  void expect_padding_rows_zero(const HostTensor& out_pool) const {
+    for (int64_t n = 0; n < in.N; ++n) {
+      if (live(n)) continue;
+      const Range r = range_of(in, n);
+      for (int64_t i = r.bos * kH * kV; i < r.eos * kH * kV; ++i) ASSERT_EQ(out_pool.get(i), 0.0) << "padding output row " << n;
+    }
+  }
+
+  // Live sequences' outputs and final states bit for bit those of the plain prefill (in.out, fin).
+  void expect_live_match_plain(const HostTensor& out_pool, const HostTensor& pool_after, const HostTensor& fin) const {
+    for (int64_t n = 0; n < in.N; ++n) {
+      if (!live(n)) continue;
+      const Range r = range_of(in, n);
+      const int64_t first = r.bos * kH * kV, count = r.len() * kH * kV;
+      EXPECT_TRUE(same_bytes(out_pool, first, in.out, first, count)) << "output of sequence " << n;
+      EXPECT_TRUE(same_bytes(pool_after, slots[n] * kState, fin, n * kState, kState))
+          << "final state of sequence " << n << " in slot " << slots[n];
+    }
+  }
+
+  // Slots no sequence names keep their bytes.
+  void expect_unnamed_slots_untouched(const HostTensor& pool_after) const {
+    for (int64_t s = 0; s < P; ++s)
+      if (!slot_named(s)) EXPECT_TRUE(same_bytes(pool_after, s * kState, pool_before, s * kState, kState)) << "slot " << s;
+  }
+
+  // The call's rel-RMS errors against the fp64 reference on pool_before: {output, final states in
+  // their slots}; slots past the pool become padding there, which the reference refuses otherwise.
+  std::pair<double, double> reference_errors(const HostTensor& out_pool, const HostTensor& pool_after) {
+    std::vector<double> ref_out(in.out.count), ref_state(size_t(in.N * kState));
+    std::vector<int32_t> host_slots = slots;
+    for (int32_t& s : host_slots) s = s < P ? s : -1;
+    HostTensor ref_pool = pool_before;
+    reference_forward(host_params(ref_pool, host_slots), ref_out.data(), ref_state.data());
+    return {rel_rms(out_pool.values(), ref_out), rel_rms(states_in_slots(pool_after, slots, P), ref_state)};
+  }
+
   void reset_pool() {
     pool = pool_before;
     cudaMemcpy(d_pool, pool.bytes.data(), pool.bytes.size(), cudaMemcpyHostToDevice);
@@ -138,28 +177,10 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
     const HostTensor out_pool = c.in.out;
     const HostTensor pool_after = c.pool;
     EXPECT_TRUE(out_pool.guard_intact() && pool_after.guard_intact());
-    const HostTensor fin = c.plain_prefill(launch);
-    for (int64_t n = 0; n < c.in.N; ++n) {
-      const Range r = range_of(c.in, n);
-      const int64_t first = r.bos * kH * kV, count = r.len() * kH * kV;
-      if (!c.live(n)) {
-        for (int64_t i = first; i < first + count; ++i) ASSERT_EQ(out_pool.get(i), 0.0) << "padding output row " << n;
-        continue;
-      }
-      EXPECT_TRUE(same_bytes(out_pool, first, c.in.out, first, count)) << "output of sequence " << n;
-      EXPECT_TRUE(same_bytes(pool_after, c.slots[n] * kState, fin, n * kState, kState))
-          << "final state of sequence " << n << " in slot " << c.slots[n];
-    }
-    for (int64_t s = 0; s < c.P; ++s)
-      if (!c.slot_named(s)) EXPECT_TRUE(same_bytes(pool_after, s * kState, c.pool_before, s * kState, kState)) << "slot " << s;
-
-    std::vector<double> ref_out(c.in.out.count), ref_state(size_t(c.in.N * kState));
-    std::vector<int32_t> host_slots = c.slots;
-    for (int32_t& s : host_slots) s = s < c.P ? s : -1;  // the reference refuses a slot past the pool
-    HostTensor ref_pool = c.pool_before;
-    reference_forward(c.host_params(ref_pool, host_slots), ref_out.data(), ref_state.data());
-    const double e_out = rel_rms(out_pool.values(), ref_out);
-    const double e_state = rel_rms(states_in_slots(pool_after, c.slots, c.P), ref_state);
+    c.expect_padding_rows_zero(out_pool);
+    c.expect_live_match_plain(out_pool, pool_after, c.plain_prefill(launch));
+    c.expect_unnamed_slots_untouched(pool_after);
+    const auto [e_out, e_state] = c.reference_errors(out_pool, pool_after);
     report("gpu pool out rel-RMS", e_out);
     report("gpu pool state rel-RMS", e_state);
     EXPECT_LT(e_out, 6e-3);
@@ -184,31 +205,13 @@ TEST_P(ServingPrefillGpu, FusedPoolPrefill) {
   const HostTensor out_pool = c.in.out;
   const HostTensor pool_after = c.pool;
   EXPECT_TRUE(out_pool.guard_intact() && pool_after.guard_intact());
-  for (int64_t n = 0; n < c.in.N; ++n) {
-    const Range r = range_of(c.in, n);
-    if (c.live(n)) continue;
-    for (int64_t i = r.bos * kH * kV; i < r.eos * kH * kV; ++i) ASSERT_EQ(out_pool.get(i), 0.0) << "padding output row " << n;
-  }
-  for (int64_t s = 0; s < c.P; ++s)
-    if (!c.slot_named(s)) EXPECT_TRUE(same_bytes(pool_after, s * kState, c.pool_before, s * kState, kState)) << "slot " << s;
+  c.expect_padding_rows_zero(out_pool);
+  c.expect_unnamed_slots_untouched(pool_after);
   if (GetParam() == DType::kF32) {
-    const HostTensor fin = c.plain_prefill(fused);
-    for (int64_t n = 0; n < c.in.N; ++n) {
-      if (!c.live(n)) continue;
-      const Range r = range_of(c.in, n);
-      const int64_t first = r.bos * kH * kV, count = r.len() * kH * kV;
-      EXPECT_TRUE(same_bytes(out_pool, first, c.in.out, first, count)) << "output of sequence " << n;
-      EXPECT_TRUE(same_bytes(pool_after, c.slots[n] * kState, fin, n * kState, kState))
-          << "final state of sequence " << n << " in slot " << c.slots[n];
-    }
+    const HostTensor fin = c.plain_prefill(fused);  // overwrites c.in.out with the plain call's outputs
+    c.expect_live_match_plain(out_pool, pool_after, fin);
   }
-  std::vector<double> ref_out(c.in.out.count), ref_state(size_t(c.in.N * kState));
-  std::vector<int32_t> host_slots = c.slots;
-  for (int32_t& s : host_slots) s = s < c.P ? s : -1;  // the reference refuses a slot past the pool
-  HostTensor ref_pool = c.pool_before;
-  reference_forward(c.host_params(ref_pool, host_slots), ref_out.data(), ref_state.data());
-  const double e_out = rel_rms(out_pool.values(), ref_out);
-  const double e_state = rel_rms(states_in_slots(pool_after, c.slots, c.P), ref_state);
+  const auto [e_out, e_state] = c.reference_errors(out_pool, pool_after);
   report("gpu fused pool out rel-RMS", e_out);
   report("gpu fused pool state rel-RMS", e_state);
   EXPECT_LT(e_out, 2e-3);

@@ -15,15 +15,19 @@
 
 namespace flashkda::cuda::sm90::prefill {
 
+// K0: what the host cannot check (cu_seqlens in order, no live slot named twice) and the chunk scans,
+// one CTA; its verdict in *p.error_flag.
+void launch_k0(const Params& p, cudaStream_t stream) {
+  chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
+  FLASHKDA_CHECK_LAUNCH();
+}
+
 template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream) {
   // The call's first kernel launches in stream order (what precedes it is the caller's); K1 after
   // K0 early only where PrefillLaunch::early_launch says (a candidate, early_launch.cuh).
   const bool k0 = p.cu_seqlens != nullptr || p.state_indices != nullptr;
-  if (k0) {  // K0: what the host cannot check
-    chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(p);
-    FLASHKDA_CHECK_LAUNCH();
-  }
+  if (k0) launch_k0(p, stream);
   const int64_t blocks = p.chunk_slots * p.H;
   if (blocks == 0) return;
   constexpr int smem = sizeof(PrepareSmem);
@@ -379,8 +383,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       Params kp = kernel_params(p, ws);  // no segments, no checkpoints: K0 checks and scans only
       const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
       if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.header);  // nothing else is carved
-      chunk_scan_kernel<<<1, kScanThreads, 0, stream>>>(kp);
-      FLASHKDA_CHECK_LAUNCH();
+      launch_k0(kp, stream);
       error_flag = kp.error_flag;
     }
     const cudaError_t err = sm90::prefill_v2::fused_prefill(p, error_flag, stream);

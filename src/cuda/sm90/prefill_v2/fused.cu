@@ -82,13 +82,12 @@ struct FusedParams {
 __device__ __forceinline__ void sequence_span(const FusedArgs& a, int64_t n, int64_t& bos, int64_t& len) {
   if (a.cu_seqlens == nullptr) {
     len = a.produce.T / a.num_seqs, bos = n * len;
-  } else if (a.cu_seqlens_64) {
-    const int64_t* cu = static_cast<const int64_t*>(a.cu_seqlens);
-    bos = cu[n], len = cu[n + 1] - bos;
-  } else {
-    const int32_t* cu = static_cast<const int32_t*>(a.cu_seqlens);
-    bos = cu[n], len = cu[n + 1] - bos;
+    return;
   }
+  const auto cu = [&](int64_t i) -> int64_t {
+    return a.cu_seqlens_64 ? static_cast<const int64_t*>(a.cu_seqlens)[i] : static_cast<const int32_t*>(a.cu_seqlens)[i];
+  };
+  bos = cu(n), len = cu(n + 1) - bos;
 }
 
 // K0 refused the call (invalid cu_seqlens, a live slot named twice): out and final_state filled
@@ -164,7 +163,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       sc.v = static_cast<const __nv_bfloat16*>(a.consume.v) + bos * row;
       sc.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
       sc.T = len;
-      const int64_t state = n * H * kHeadDim * kHeadDim;
       if (a.state_pool != nullptr) {  // the sequence's slot; outside [0, P): padding (T < 0 below)
         const int64_t slot = a.state_indices[n];
         const bool live = slot >= 0 && slot < a.pool_size;
@@ -178,6 +176,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         sc.states_bf16 = a.pool_bf16;
         if (!live) sp.T = -len - 1;  // padding: -(len + 1), so that an empty padding sequence is seen too
       } else {
+        const int64_t state = n * H * kHeadDim * kHeadDim;
         if (a.consume.initial_state != nullptr) sc.initial_state = a.consume.initial_state + state;
         if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
       }
