@@ -222,11 +222,13 @@ def layouts(C, H, sms):
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
-def chunk16_and_fused_ms(H, seqlens, reps):
+def chunk16_and_fused_ms(H, seqlens, reps, rule=False):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
-    -1 and 1), random gates, fp32 states: CUDA-graph medians, ms."""
+    -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens),
+    random gates, fp32 states: CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
-    times = [time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=v))[0], reps=reps) for v in (-1, 1)]
+    times = [time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=v))[0], reps=reps)
+             for v in ((-1, 1, 0) if rule else (-1, 1))]
     del x
     torch.cuda.empty_cache()
     return times
@@ -250,16 +252,22 @@ def fused_sweep_rows(reps):
 
 def fused_batch_sweep_rows(reps):
     """The fused chunk-32 kernel over several sequences (grid H x N, device cu_seqlens; internal
-    fused_v2 1 against -1) across head counts and batch shapes: the data for a rule beyond one
-    sequence (launch.cu fused_by_rule). Random gates, fp32 states."""
-    rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens (random "
-            "gates, fp32 states; CUDA-graph medians, ms):", "",
-            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | fused / chunk-16 |", "|---|---|---|---|---|---|"]
+    fused_v2 1 against -1) across head counts and batch shapes, and the default call (the rule:
+    config.h fused_rule, decided by K0 from the device cu_seqlens), with mixed lengths: a long
+    prompt among short ones (which the rule leaves to the chunk-16 kernels) and spread lengths.
+    Random gates, fp32 states."""
+    rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
+            "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
+            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | fused / chunk-16 | "
+            "default / best |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
-    for N, T in ((16, 512), (8, 1024), (8, 2048), (4, 4096)):
-        for H in (12, 16, 24, 32, 64, 96):
-            ours, fused = chunk16_and_fused_ms(H, [T] * N, reps)
-            rows.append(f"| {N} x {T} | {H} | {N * H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
+    shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 512), (1, 1024), (16, 512), (8, 1024), (8, 2048), (4, 4096))]
+    shapes += [("2048 + 30 x 64", [2048] + [64] * 30), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512])]
+    for name, seqlens in shapes:
+        for H in ((96,) if len(seqlens) == 1 else (12, 16, 24, 32, 64, 96)):
+            ours, fused, rule = chunk16_and_fused_ms(H, seqlens, reps, rule=True)
+            rows.append(f"| {name} | {H} | {len(seqlens) * H} | {ours:.3f} | {fused:.3f} | {rule:.3f} | "
+                        f"{fused / ours:.2f} | {rule / min(ours, fused):.2f} |")
             print(rows[-1], flush=True)
     return rows
 

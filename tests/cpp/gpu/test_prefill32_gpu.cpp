@@ -196,6 +196,30 @@ std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* dir
   return bits;
 }
 
+// The call captured in a CUDA graph on a stream of its own and replayed twice: its bits (the capture
+// fails if the call synchronises or allocates).
+std::vector<unsigned char> graph_replay_bits(KdaInputs& in, DeviceProblem& d) {
+  cudaStream_t stream;
+  EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  d.poison();
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  d.run(stream);
+  EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  d.download();
+  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  return bits;
+}
+
 // The fused kernel through the library's call (fused_v2 = 1) on `in` against the fp64 reference: its
 // errors reported under `name` and held to the precise mode's bounds; returns the call's bits.
 std::vector<unsigned char> fused_call_against_reference(KdaInputs& in, const std::string& name) {
@@ -343,22 +367,25 @@ TEST_F(Prefill32Gpu, FusedServesBatchesAndVarlen) {
   }
 }
 
-// The rule (fused_v2 = 0, launch.cu fused_by_rule): the fused kernel where it serves a call of at least
-// 2048 tokens with H >= 2/3 of the SMs, today's kernels below either edge. The two paths give different
-// bits (chunk 32 against 16), so each side of each edge shows which one ran.
+// The rule (fused_v2 = 0, config.h fused_rule) for calls without cu_seqlens, which the host decides:
+// the fused kernel where it serves B sequences of T >= 512 tokens with 3 B H >= 2 SMs, today's
+// kernels below either edge; a pool call the same. The two paths give different bits (chunk 32
+// against 16), so each side of each edge shows which one ran.
 TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
-  const int64_t h_min = (2 * int64_t(sms) + 2) / 3;  // the least H with 3 H >= 2 SMs
+  const int64_t h_min = (2 * int64_t(sms) + 2) / 3;     // the least H with 3 H >= 2 SMs
+  const int64_t h_min2 = (2 * int64_t(sms) + 5) / 6;    // the same for two sequences: 6 H >= 2 SMs
   internal::PrefillLaunch always, never;
   always.fused_v2 = 1, never.fused_v2 = -1;
   struct Case {
-    int64_t T, H;
+    int64_t B, T, H;
     bool fused;
   };
-  for (const Case c : {Case{2048, h_min, true}, Case{2048, h_min - 1, false}, Case{2047, h_min, false}}) {
+  for (const Case c : {Case{1, 512, h_min, true}, Case{1, 512, h_min - 1, false}, Case{1, 511, h_min, false},
+                       Case{2, 512, h_min2, true}, Case{2, 512, h_min2 - 1, false}}) {
     KdaOptions o;
-    o.T = c.T, o.H = c.H, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32, o.seed = 5;
+    o.B = c.B, o.T = c.T, o.H = c.H, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32, o.seed = 5;
     KdaInputs in(o);
     SCOPED_TRACE(in.describe());
     DeviceProblem d_rule(in), d_always(in, always), d_never(in, never);
@@ -369,9 +396,9 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
     EXPECT_TRUE(rule == (c.fused ? fused : today)) << (c.fused ? "the rule did not run the fused kernel"
                                                                : "the rule ran the fused kernel");
   }
-  {  // a pool call of the same shape stays on the chunk-16 kernels by default (fused only when forced)
+  {  // a pool call of a shape the rule gives the fused kernel: the fused kernel's bits
     KdaOptions o;
-    o.T = 2048, o.H = h_min, o.seed = 5;
+    o.T = 512, o.H = h_min, o.seed = 5;
     KdaInputs in(o);
     DeviceProblem d(in);
     const size_t slot_bytes = size_t(o.H) * o.V * o.K * 4;
@@ -392,12 +419,126 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
       d.download();
       outs.push_back(in.out.bytes);
     }
-    EXPECT_TRUE(outs[0] == outs[1]) << "the rule ran a pool call through the fused kernel";
-    EXPECT_FALSE(outs[0] == outs[2]) << "the forced fused pool call gave the chunk-16 kernels' bits";
-    // the forced pool call is the fused kernel's plain call from a zero state (slot 1 held zeros)
+    EXPECT_TRUE(outs[0] == outs[2]) << "the rule did not run the pool call through the fused kernel";
+    EXPECT_FALSE(outs[0] == outs[1]) << "the fused pool call gave the chunk-16 kernels' bits";
+    // the pool call is the fused kernel's plain call from a zero state (slot 1 held zeros)
     DeviceProblem d_plain(in, always);
     EXPECT_TRUE(run_bits(in, d_plain) == outs[2]) << "the fused pool call differs from the fused plain call";
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+  }
+}
+
+// The rule with device cu_seqlens, which K0 decides (the host cannot read the lengths): the
+// chunk-16 kernels, then the fused kernel, each running the call only on K0's verdict. The
+// expected side of each case from the rule's formula: 3 H sum ceil(len / 32) >= 2 SMs
+// ceil(longest / 32), longest >= 512. Equal lengths on both sides of the edge (int32 and int64
+// cu_seqlens), mixed lengths, a long sequence among short ones (enough CTAs for the host's
+// pre-check, not for the rule), each also replayed from a CUDA graph; invalid cu_seqlens (all NaN),
+// and a state pool with a padding slot, then with a live slot named twice (all NaN, the pool
+// unchanged).
+TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  constexpr int64_t H = 8;
+  const int64_t n_min = (2 * int64_t(sms) + 3 * H - 1) / (3 * H);  // equal lengths: 3 N H >= 2 SMs
+  auto rule_holds = [&](const std::vector<int64_t>& lens) {
+    int64_t total32 = 0, longest = 0;
+    for (const int64_t l : lens) total32 += (l + 31) / 32, longest = std::max(longest, l);
+    return longest >= 512 && 3 * H * total32 >= 2 * int64_t(sms) * ((longest + 31) / 32);
+  };
+  internal::PrefillLaunch always, never;
+  always.fused_v2 = 1, never.fused_v2 = -1;
+  std::vector<int64_t> mixed;
+  for (int64_t n = 0; n < n_min + 2; ++n) mixed.push_back(n % 3 == 0 ? 700 : 512 + 37 * (n % 5));
+  std::vector<int64_t> long_among_short = {2048};
+  for (int n = 0; n < 20; ++n) long_among_short.push_back(32);
+  struct Case {
+    std::vector<int64_t> lens;
+    DType cu;
+    bool fused;
+  };
+  const std::vector<Case> cases = {{std::vector<int64_t>(n_min, 512), DType::kI32, true},
+                                   {std::vector<int64_t>(n_min, 512), DType::kI64, true},
+                                   {std::vector<int64_t>(n_min - 1, 512), DType::kI32, false},
+                                   {mixed, DType::kI32, true},
+                                   {long_among_short, DType::kI64, false}};
+  for (const Case& c : cases) {
+    ASSERT_EQ(rule_holds(c.lens), c.fused) << "the case's lengths are on the wrong side of the rule on this GPU";
+    KdaOptions o;
+    o.seqlens = c.lens, o.cu_dtype = c.cu, o.H = H, o.seed = 11;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d_rule(in), d_always(in, always), d_never(in, never);
+    ASSERT_TRUE(fused_serves(d_rule.params()));
+    const std::vector<unsigned char> rule = run_bits(in, d_rule), fused = run_bits(in, d_always),
+                                     today = run_bits(in, d_never);
+    EXPECT_FALSE(fused == today) << "the fused kernel and today's kernels gave the same bits";
+    EXPECT_TRUE(rule == (c.fused ? fused : today)) << (c.fused ? "K0 did not give the call to the fused kernel"
+                                                               : "K0 gave the call to the fused kernel");
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_TRUE(rule == graph_replay_bits(in, d_rule)) << "a graph replay's bits differ from the eager call's";
+  }
+  {  // invalid cu_seqlens (decreasing at entry 2) of lengths the rule would give the fused kernel
+    KdaOptions o;
+    o.seqlens = std::vector<int64_t>(n_min, 512), o.H = H, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    in.cu_seqlens.set(2, 10.0);
+    DeviceProblem d(in);
+    ASSERT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);  // only the kernels' NaN counts
+    ASSERT_EQ(cudaMemset(d.fin, 0, in.final_state.data_bytes()), cudaSuccess);
+    d.run();
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), in.final_state.count);
+  }
+  {  // a state pool (fp32, P = N + 2 slots of random states, sequence 1 padding), then a slot twice
+    const int64_t N = n_min + 1, P = N + 2;
+    KdaOptions o;
+    o.seqlens = std::vector<int64_t>(N, 512), o.H = H, o.seed = 13;
+    KdaInputs in(o);
+    DeviceProblem d(in);
+    const size_t slot_floats = size_t(H) * o.V * o.K;
+    std::vector<float> pool_init(size_t(P) * slot_floats);
+    for (size_t i = 0; i < pool_init.size(); ++i) pool_init[i] = 0.01f * float(int64_t(i * 2654435761u % 201) - 100);
+    DeviceBuffer pool(pool_init.size() * 4);
+    std::vector<int32_t> slots(N);
+    for (int64_t n = 0; n < N; ++n) slots[n] = int32_t((n * 5 + 2) % P);
+    slots[1] = -1;
+    void* d_slots = d.upload(slots.data(), slots.size() * 4);
+    auto run_pool = [&](const internal::PrefillLaunch& launch, bool zeros_first) {
+      ASSERT_EQ(cudaMemcpy(pool.ptr, pool_init.data(), pool.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      PrefillParams p = d.params();
+      p.state_pool = pool.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
+      p.state_indices = static_cast<const int32_t*>(d_slots);
+      ASSERT_TRUE(fused_serves(p));
+      DeviceBuffer ws(internal::workspace_size(p, launch));
+      d.poison();
+      if (zeros_first) ASSERT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);
+      internal::forward(p, launch, ws.ptr, ws.bytes);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      d.download();
+    };
+    auto pool_now = [&] {
+      std::vector<float> host(pool_init.size());
+      EXPECT_EQ(cudaMemcpy(host.data(), pool.ptr, pool.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      return host;
+    };
+    std::vector<std::vector<unsigned char>> outs;
+    std::vector<std::vector<float>> pools;
+    for (const internal::PrefillLaunch& launch : {internal::PrefillLaunch{}, always, never}) {
+      run_pool(launch, false);
+      outs.push_back(in.out.bytes), pools.push_back(pool_now());
+    }
+    EXPECT_TRUE(outs[0] == outs[1] && pools[0] == pools[1]) << "K0 did not give the pool call to the fused kernel";
+    EXPECT_FALSE(outs[0] == outs[2]) << "the pool call gave the chunk-16 kernels' bits";
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    slots[2] = slots[0];  // a live slot named twice
+    ASSERT_EQ(cudaMemcpy(d_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    run_pool(internal::PrefillLaunch{}, true);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count) << "a slot named twice: outputs not all NaN";
+    EXPECT_TRUE(pool_now() == pool_init) << "a slot named twice: the pool was written";
   }
 }
 
@@ -430,25 +571,7 @@ TEST_F(Prefill32Gpu, FusedNonFiniteGateAndGraphReplay) {
     KdaInputs in(o);
     DeviceProblem d(in, always);
     const std::vector<unsigned char> eager = run_bits(in, d);
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    d.poison();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    cudaGraph_t graph;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-    d.run(stream);  // must not synchronise or allocate: capture would fail
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    cudaGraphExec_t exec;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    for (int i = 0; i < 2; ++i) ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    d.download();
-    std::vector<unsigned char> replayed(in.out.bytes.begin(), in.out.bytes.end());
-    replayed.insert(replayed.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-    EXPECT_TRUE(eager == replayed) << "a graph replay's bits differ from the eager call's";
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
+    EXPECT_TRUE(eager == graph_replay_bits(in, d)) << "a graph replay's bits differ from the eager call's";
   }
 }
 

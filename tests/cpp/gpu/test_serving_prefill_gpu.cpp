@@ -188,8 +188,8 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
   }
 }
 
-// The fused chunk-32 kernel over a pool (internal fused_v2 = 1; the rule keeps pools on the chunk-16
-// kernels): padding rows zero (slot -1 and a slot past the pool), slots not named keep their bytes,
+// The fused chunk-32 kernel over a pool (internal fused_v2 = 1: the rule would leave this small call
+// to the chunk-16 kernels): padding rows zero (slot -1 and a slot past the pool), slots not named keep their bytes,
 // and against the fp64 reference; with fp32 states bit for bit the fused plain prefill from the
 // gathered states (a bf16 pool's plain prefill would need bf16 states, which the fused kernel leaves
 // to the chunk-16 kernels).

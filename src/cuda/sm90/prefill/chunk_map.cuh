@@ -88,7 +88,11 @@ __device__ __forceinline__ bool locate_chunk(const Params& p, int64_t slot, int6
 // Whether K0 refused the call (Params::error_flag: invalid cu_seqlens, a checkpoint count other
 // than the lengths give, a live slot named twice); K0 runs with cu_seqlens or a pool.
 __device__ __forceinline__ bool call_refused(const Params& p) {
-  return (p.cu_seqlens != nullptr || p.state_indices != nullptr) && *p.error_flag != 0;
+  return (p.cu_seqlens != nullptr || p.state_indices != nullptr) && *p.error_flag == kCallRefused;
+}
+// Whether K0 gave the call to the fused kernel (Params::fused_sms): the chunk-16 kernels do nothing.
+__device__ __forceinline__ bool call_fused(const Params& p) {
+  return p.fused_sms > 0 && *p.error_flag == kCallFused;
 }
 
 // ---- Serving prefill (config.h Params, docs/SPEC.md §9) ------------------------------------------

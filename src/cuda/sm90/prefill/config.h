@@ -180,6 +180,26 @@ inline int64_t max_segments(int64_t chunk_slots, int64_t num_seqs, int64_t seg_c
   return (chunk_slots + seg_chunks - 1) / seg_chunks + num_seqs;
 }
 
+// K0's verdict in *Params::error_flag (K0 runs with cu_seqlens or a pool), read by every later
+// kernel of the call: kCallValid, the chunk-16 kernels run it; kCallRefused, invalid cu_seqlens, a
+// checkpoint count other than the lengths give or a live slot named twice (NaN outputs, the pool
+// left as it was); kCallFused, K0 gave the call to prefill v2's fused kernel (Params::fused_sms):
+// the chunk-16 kernels do nothing and the fused kernel, launched after them, runs it.
+constexpr int32_t kCallValid = 0, kCallRefused = 1, kCallFused = 2;
+
+// The rule for prefill v2's fused chunk-32 kernel (docs/DESIGN.md "The rule"): one CTA a sequence
+// and head walks that sequence's 32-token chunks in order at a rate that does not depend on how
+// many run, while the chunk-16 kernels slow down as more heads share the GPU. So the fused kernel
+// takes a call it serves when its CTAs keep 2/3 of the SMs busy over the longest sequence,
+// 3 H sum_n ceil(len_n / 32) >= 2 SMs ceil(max_n len_n / 32), and the longest sequence has at
+// least 512 tokens (the shortest measured). For B sequences of T tokens: 3 B H >= 2 SMs, T >= 512.
+// The host applies it without cu_seqlens, K0 (Params::fused_sms) with them.
+constexpr int64_t kFusedChunk = 32, kFusedMinTokens = 512;
+__host__ __device__ inline bool fused_rule(int64_t H, int64_t total_chunks32, int64_t longest_tokens, int64_t sms) {
+  return longest_tokens >= kFusedMinTokens &&
+         3 * H * total_chunks32 >= 2 * sms * ((longest_tokens + kFusedChunk - 1) / kFusedChunk);
+}
+
 // The element type of an optional kernel operand: kNone marks an absent one (DType has no such value).
 enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
 
@@ -214,7 +234,9 @@ struct Params {
   bool beta_is_logit;
   float scale;
   int32_t* chunk_start;       // workspace header: [N+1]
-  int32_t* error_flag;        // workspace header (K0): 1 when cu_seqlens is invalid or a live slot is named twice
+  int32_t* error_flag;        // workspace header (K0): its verdict, kCallValid, kCallRefused or kCallFused
+  int64_t fused_sms;          // > 0 (cu_seqlens): K0 gives a valid call to the fused kernel where
+                              // fused_rule holds with this many SMs (launch.cu forward); 0: never
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
   int early_launch;           // host only: which of the call's kernels launch early (launch.cu kEarly*)

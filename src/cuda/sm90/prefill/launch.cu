@@ -356,16 +356,25 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   return kp;
 }
 
-// Prefill v2's fused kernel (launch_config.h fused_v2) runs one CTA a head over the whole sequence, so a
-// call takes one head's chain whatever H is, while today's kernels take time in proportion to H. Run 92
-// (bench_prefill.py --fused-sweep, one sequence, T = 2048-32768, fused / today): 1.38-1.63 at H = 48-64,
-// 1.00-1.06 at H = 80, 0.94-0.95 at 96, 0.89-0.90 at 112, 0.85-0.86 at 128, 0.97-0.98 at 160 (two waves).
-// So from H >= 2/3 of the SMs (88 on an H200), at the measured lengths and beyond, for one sequence
-// without cu_seqlens or a pool (the kernel serves more: batches, device cu_seqlens and pools, not
-// yet measured).
+// Prefill v2's fused kernel (launch_config.h fused_v2) runs one CTA a sequence and head, each
+// walking its sequence's chunks at ~5.4 us a 32-token chunk however many run; the chunk-16 kernels
+// take less at few CTAs and more at many. Measured (bench_prefill.py --fused-sweep and
+// --fused-batch-sweep, fused / chunk-16): one sequence (run 92, T = 2048-32768) 1.38-1.63 at
+// H = 48-64, 1.00-1.06 at 80, 0.94-0.95 at 96, 0.85-0.90 at 112-128; batches of 4-16 equal lengths
+// of 512-4096 tokens (run 97, H = 12-96) 1.42-1.60 at N H = 48-64, 0.83-0.96 from N H = 96. So
+// config.h fused_rule: the fused kernel from 2/3 of the SMs busy over the longest sequence. Calls
+// without cu_seqlens (equal lengths) are decided here; with device cu_seqlens K0 decides
+// (fused_by_lengths), since the host cannot read the lengths.
 bool fused_by_rule(const PrefillParams& p) {
-  return p.cu_seqlens == nullptr && p.B == 1 && p.state_pool == nullptr && p.T >= 2048 &&
-         3 * p.H >= 2 * int64_t(sm_count());
+  return p.cu_seqlens == nullptr && fused_rule(p.H, p.B * ((p.T + kFusedChunk - 1) / kFusedChunk), p.T, sm_count());
+}
+// Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
+// lengths (at best N equal ones), and the kernel can be launched here (its tensor maps, its register
+// split: asked without launching, since after K0's verdict there is no way back).
+bool fused_by_lengths(const PrefillParams& p, const int32_t* error_flag) {
+  const int64_t N = detail::num_sequences(p);
+  return p.cu_seqlens != nullptr && p.B * p.T >= kFusedMinTokens && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
+         sm90::prefill_v2::fused_prefill(p, error_flag, nullptr, true, true) == cudaSuccess;
 }
 
 // One segment per sequence, as long as the longest possible sequence.
@@ -376,7 +385,8 @@ int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
-  if (launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p) && (launch.fused_v2 > 0 || fused_by_rule(p))) {
+  const bool fused_serves = launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
+  if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p))) {
     const int* error_flag = nullptr;
     if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
       auto* ws = static_cast<uint8_t*>(workspace);
@@ -395,6 +405,10 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int64_t N = detail::num_sequences(p);
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
+  // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
+  // kernel launched after them, while they do nothing.
+  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp.error_flag);
+  if (fused_after) kp.fused_sms = sm_count();
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
@@ -440,6 +454,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,
              [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, stream); });
+  if (fused_after) FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_prefill(p, kp.error_flag, stream, true));
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {

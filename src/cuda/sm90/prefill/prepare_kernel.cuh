@@ -5,7 +5,9 @@
 //     count) and writes chunk_start[n] = sum_{m<n} ceil(len_m / 16) and, with segments,
 //     seg_start[n] = sum_{m<n} segments_of(chunks_m), with checkpoints ckpt_start[n] = sum_{m<n}
 //     floor(len_m / checkpoint_every). On invalid input it raises error_flag and writes zero
-//     chunks, so K1/K2 do no work and K2 fills the outputs with NaN; a checkpoint total other than
+//     chunks, so K1/K2 do no work and K2 fills the outputs with NaN. With Params::fused_sms it gives
+//     a valid call where fused_rule holds to the fused kernel (error_flag kCallFused, zero chunks:
+//     the chunk-16 kernels do nothing). A checkpoint total other than
 //     num_checkpoints raises it too (K2 then fills the outputs with NaN). With a pool it raises it
 //     when a live slot (in [0, P)) is named twice across state_indices and checkpoint_slots (the
 //     CPU backend's rule, detail::check_pool_slots): K2 then fills the outputs and dense
@@ -17,6 +19,7 @@
 
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cuda/functional>  // cuda::maximum
 
 #include "cuda/common/early_launch.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
@@ -49,9 +52,11 @@ __device__ inline void check_distinct_slots(const Params& p) {
 
 __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_constant__ Params p) {
   using Reduce = cub::BlockReduce<int, kScanThreads>;
+  using Reduce64 = cub::BlockReduce<long long, kScanThreads>;
   using Scan = cub::BlockScan<int, kScanThreads>;
   __shared__ union {
     typename Reduce::TempStorage reduce;
+    typename Reduce64::TempStorage reduce64;
     typename Scan::TempStorage scan;
   } tmp;
   __shared__ int carry, seg_carry, ckpt_carry;
@@ -65,23 +70,39 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   }
   const int64_t N = p.num_seqs;
   int bad = 0;
+  long long chunks32 = 0, longest = 0;  // for the fused kernel's rule (fused_sms > 0)
   for (int64_t i = threadIdx.x; i <= N; i += kScanThreads) {
     const int64_t c = cu_at(p, i);
     if (i == 0 && c != 0) bad = 1;
     if (i == N && c != p.total_tokens) bad = 1;
     if (i < N && cu_at(p, i + 1) < c) bad = 1;
+    if (i < N) {  // clamped to [0, total]: meaningful for valid cu_seqlens, no overflow for others
+      const int64_t d = cu_at(p, i + 1) - c;
+      const int64_t len = d < 0 ? 0 : d > p.total_tokens ? p.total_tokens : d;
+      chunks32 += (len + kFusedChunk - 1) / kFusedChunk;
+      longest = len > longest ? len : longest;
+    }
   }
   const int any_bad = Reduce(tmp.reduce).Sum(bad);
+  bool fused = false;  // thread 0's
+  if (p.fused_sms > 0) {  // uniform
+    __syncthreads();
+    const long long total32 = Reduce64(tmp.reduce64).Sum(chunks32);
+    __syncthreads();
+    const long long longest_all = Reduce64(tmp.reduce64).Reduce(longest, ::cuda::maximum<>{});
+    fused = fused_rule(p.H, total32, longest_all, p.fused_sms);
+  }
   if (threadIdx.x == 0) {
     carry = 0, seg_carry = 0, ckpt_carry = 0;
-    *p.error_flag = any_bad > 0 ? 1 : 0;
+    *p.error_flag = any_bad > 0 ? kCallRefused : fused ? kCallFused : kCallValid;
   }
   __syncthreads();
-  const bool invalid = *p.error_flag != 0;
+  // Refused or the fused kernel's: no chunks, so K1 does nothing (K2 fills refused outputs with NaN).
+  const bool no_chunks = *p.error_flag != kCallValid;
   for (int64_t base = 0; base <= N; base += kScanThreads) {
     const int64_t i = base + threadIdx.x;
     int chunks = 0;
-    if (!invalid && i < N) chunks = int((cu_at(p, i + 1) - cu_at(p, i) + kChunk - 1) / kChunk);
+    if (!no_chunks && i < N) chunks = int((cu_at(p, i + 1) - cu_at(p, i) + kChunk - 1) / kChunk);
     int prefix, total;
     Scan(tmp.scan).ExclusiveSum(chunks, prefix, total);
     if (i <= N) p.chunk_start[i] = carry + prefix;
@@ -94,7 +115,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
     int ckpt_prefix = 0, ckpt_total = 0;
     if (p.checkpoint_every > 0) {  // ckpt_start[n]: the first checkpoint of sequence n
       __syncthreads();
-      const int ckpts = !invalid && i < N ? int((cu_at(p, i + 1) - cu_at(p, i)) / p.checkpoint_every) : 0;
+      const int ckpts = !no_chunks && i < N ? int((cu_at(p, i + 1) - cu_at(p, i)) / p.checkpoint_every) : 0;
       Scan(tmp.scan).ExclusiveSum(ckpts, ckpt_prefix, ckpt_total);
       if (i <= N) p.ckpt_start[i] = ckpt_carry + ckpt_prefix;
     }

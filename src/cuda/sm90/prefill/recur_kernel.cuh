@@ -429,6 +429,7 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
+  if (call_fused(p)) return;
   if (call_refused(p)) {
     poison_outputs(p);
     return;

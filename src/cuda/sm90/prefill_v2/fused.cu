@@ -143,9 +143,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   ConsumeArgs& seq_consume = *reinterpret_cast<ConsumeArgs*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs));
   int64_t& seq_bos = *reinterpret_cast<int64_t*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs));
   if constexpr (kSeqs) {
-    if (a.error_flag != nullptr && *a.error_flag != 0) {  // uniform: every thread reads the same flag
-      poison_fused_outputs(a);
-      return;
+    if (a.error_flag != nullptr) {  // uniform: every thread reads the same verdict
+      const int verdict = *a.error_flag;
+      if (a.on_verdict ? verdict != prefill::kCallFused : verdict == prefill::kCallRefused) {
+        if (!a.on_verdict) poison_fused_outputs(a);  // else the chunk-16 kernels ran the call
+        return;
+      }
     }
     if (tid == 0) {
       const int64_t n = blockIdx.y, H = a.consume.H, row = H * kHeadDim;
@@ -375,6 +378,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
     if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
   }
+  if (args.check_only) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(args.consume.H), static_cast<unsigned>(kSeqs ? args.num_seqs : 1));
   kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
@@ -410,6 +414,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (pa.gate != GateForm::kPrecomputed && pa.A_log == nullptr) || ca.v == nullptr || ca.out == nullptr)
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
+  if (args.on_verdict && (args.error_flag == nullptr || args.cu_seqlens == nullptr)) return cudaErrorInvalidValue;
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
     if (args.num_seqs < 1 || args.num_seqs > kMaxFusedSeqs ||
         ((args.cu_seqlens != nullptr || args.state_pool != nullptr) && args.error_flag == nullptr) ||
@@ -465,9 +470,11 @@ FusedArgs fused_args(const PrefillParams& p) {
   return f;
 }
 
-cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream) {
+cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict,
+                          bool check_only) {
   FusedArgs f = fused_args(p);
   f.error_flag = error_flag;
+  f.on_verdict = on_verdict, f.check_only = check_only;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   return fused_chunks(f, stream);
 }

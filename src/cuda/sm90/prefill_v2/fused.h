@@ -64,6 +64,13 @@ struct FusedArgs {
   int64_t pool_size = 0;
   const int32_t* state_indices = nullptr;
   const bool* has_initial_state = nullptr;
+  // Launched after the chunk-16 kernels of the same call, which K0 let choose (prefill
+  // Params::fused_sms): the kernel runs the call only where error_flag says kCallFused, and does
+  // nothing otherwise (the chunk-16 kernels ran it, or refused it and wrote the NaN).
+  bool on_verdict = false;
+  // Checks what a launch would (the arguments, the tensor maps, the register split) and returns its
+  // error without launching: launch.cu asks before K0 may give the call to the kernel.
+  bool check_only = false;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -77,8 +84,10 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // checkpoints), and the call through it with its best candidate flags (staged inputs, inverting
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
-// error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool.
-cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream);
+// error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; on_verdict and
+// check_only as FusedArgs says.
+cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict = false,
+                          bool check_only = false);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
