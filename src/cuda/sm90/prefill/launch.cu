@@ -28,10 +28,13 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   // K0 early only where PrefillLaunch::early_launch says (a candidate, early_launch.cuh).
   const bool k0 = p.cu_seqlens != nullptr || p.state_indices != nullptr;
   if (k0) launch_k0(p, stream);
-  const int64_t blocks = p.chunk_slots * p.H;
+  int64_t blocks = p.chunk_slots * p.H;
   if (blocks == 0) return;
+  // Where K0 may give the call to the fused kernel, K1's CTAs may all find nothing to do: four waves
+  // of them take every chunk in turn (prepare_kernel kStrided).
+  if (p.fused_sms > 0) blocks = std::min<int64_t>(blocks, 4 * kPrepCtasPerSm * p.fused_sms);
   constexpr int smem = sizeof(PrepareSmem);
-  auto kernel = prepare_kernel<Split>;
+  auto kernel = p.fused_sms > 0 ? prepare_kernel<Split, true> : prepare_kernel<Split, false>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   launch_early(k0 && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem),
                stream, p);

@@ -12,7 +12,7 @@
 //     when a live slot (in [0, P)) is named twice across state_indices and checkpoint_slots (the
 //     CPU backend's rule, detail::check_pool_slots): K2 then fills the outputs and dense
 //     checkpoints with NaN and no kernel writes the pool.
-// K1: grid = chunk_slots * H, block = 128.
+// K1: grid = chunk_slots * H (fewer where K0 may give the call to the fused kernel), block = 128.
 //     One CTA builds, for one 16-token chunk of one head: q_decayed, k_decayed, k_restored,
 //     Mqk, inv_b = (I + L)^-1 diag(b) and exp(G_C), in the record layout of config.h.
 #pragma once
@@ -131,19 +131,40 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
 // K1: grid = chunk_slots * H, block = 128, one chunk of one head a CTA.
 // Six CTAs per SM (24 warps): 80 registers, no local memory; 6 x 36 KB of shared memory fits the
 // SM's 228 KB. Measured against five CTAs (96 registers) on the H200: K1 1.5-2.5% shorter.
+constexpr int kPrepCtasPerSm = 6;
+
+// Chunk slot and head b = slot * H + h; false past the last chunk.
 template <class Split>
-__global__ void __launch_bounds__(kPrepThreads, 6) prepare_kernel(const __grid_constant__ Params p) {
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  wait_for_prerequisites();  // K0 (launched early after it)
-  allow_dependents();
-  const int h = int(blockIdx.x % p.H);
-  const int64_t slot = blockIdx.x / p.H;
+__device__ __forceinline__ bool prepare_slot(const Params& p, uint8_t* smem_raw, int64_t b) {
+  const int h = int(b % p.H);
+  const int64_t slot = b / p.H;
   int64_t row0;
   int rows;
-  if (!locate_chunk(p, slot, row0, rows)) return;
+  if (!locate_chunk(p, slot, row0, rows)) return false;
   prepare_chunk<Split, CtaSync>(p, *reinterpret_cast<PrepareSmem*>(smem_raw),
                                 p.records + (slot * p.H + h) * RecordLayout<Split>::kBytes, h, slot, row0, rows,
                                 int(threadIdx.x));
+  return true;
+}
+
+// kStrided (launch_prepare, where K0 may give the call to the fused kernel: Params::fused_sms):
+// fewer CTAs, each taking every gridDim.x-th chunk and head in turn, so that a K1 that finds no
+// chunks costs a few microseconds, not ~1.2 ns a chunk and head (run 98). A kernel of its own: the
+// loop costs the one-a-CTA kernel ~80 bytes of spills at its 80 registers.
+template <class Split, bool kStrided>
+__global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) prepare_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  wait_for_prerequisites();  // K0 (launched early after it)
+  allow_dependents();
+  if constexpr (kStrided) {
+    if (call_fused(p)) return;
+    for (int64_t b = blockIdx.x; b < p.chunk_slots * p.H; b += gridDim.x) {
+      if (b != blockIdx.x) __syncthreads();  // every thread done with the previous chunk's shared memory
+      if (!prepare_slot<Split>(p, smem_raw, b)) return;  // and every later slot
+    }
+  } else {
+    prepare_slot<Split>(p, smem_raw, blockIdx.x);
+  }
 }
 
 }  // namespace flashkda::cuda::sm90::prefill
