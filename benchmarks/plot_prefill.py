@@ -2,9 +2,13 @@
 files; a later file's figure replaces an earlier one's for the same case, regime and column).
 
     python benchmarks/plot_prefill.py run1.md run2.md --out docs/prefill_few_heads.png
+    python benchmarks/plot_prefill.py bench_fused.log --fused-batch --out docs/prefill_fused_rule.png
 
 One panel per gate regime: one sequence at H = 12 (the tensor-parallel serving shape), time
-against T on log-log axes, one line per implementation.
+against T on log-log axes, one line per implementation. With --fused-batch: the table of
+`bench_prefill.py --fused-batch-sweep` (the fused chunk-32 kernel and the default call against the
+chunk-16 kernels), their time ratio against the CTAs the fused kernel runs (N H), one line per
+batch shape.
 """
 import argparse
 import re
@@ -44,13 +48,49 @@ def read_tables(paths):
     return data
 
 
+def plot_fused_batch(paths, out):
+    """fused / chunk-16 and default / chunk-16 against N H, one line per batch shape."""
+    shapes = defaultdict(list)  # shape -> [(ctas, fused ratio, default ratio)]
+    for path in paths:
+        header = None
+        for line in open(path):
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if cells and cells[0] == "N x T":
+                header = cells
+                continue
+            if header is None or len(cells) != len(header) or set(cells[0]) <= set("-"):
+                continue
+            row = dict(zip(header, cells))
+            c16, fused, rule = (float(row[k]) for k in ("chunk-16 kernels", "fused v2", "default (rule)"))
+            shapes[row["N x T"]].append((int(row["CTAs (N H)"]), fused / c16, rule / c16))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
+    for ax, which, title in ((axes[0], 1, "fused chunk-32 kernel (forced)"), (axes[1], 2, "default call (the rule)")):
+        for shape, pts in shapes.items():
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[which] for p in pts], "-o", markersize=4, label=shape)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.axvline(2 * 132 / 3, color="gray", linestyle=":", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("CTAs of the fused kernel (sequences x heads; dotted: 2/3 of 132 SMs)")
+        ax.set_title(f"{title} / chunk-16 kernels", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0].set_ylabel("time ratio (CUDA-graph medians, H200; < 1: faster)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("tables", nargs="+")
     ap.add_argument("--out", required=True)
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--columns", default="", help="comma-separated columns to draw (default: all)")
+    ap.add_argument("--fused-batch", action="store_true", help="the --fused-batch-sweep table instead (see above)")
     args = ap.parse_args()
+    if args.fused_batch:
+        return plot_fused_batch(args.tables, args.out)
     data = read_tables(args.tables)
     regimes = ("random", "long")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
