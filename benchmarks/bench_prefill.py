@@ -254,7 +254,8 @@ def fused_batch_sweep_rows(reps):
     """The fused chunk-32 kernel over several sequences (grid H x N, device cu_seqlens; internal
     fused_v2 1 against -1) across head counts and batch shapes, and the default call (the rule:
     config.h fused_rule, decided by K0 from the device cu_seqlens), with mixed lengths: a long
-    prompt among short ones (which the rule leaves to the chunk-16 kernels) and spread lengths.
+    prompt among short ones (which the rule leaves to the chunk-16 kernels), spread lengths, and many
+    short prompts (the cost of the fused kernel's empty launch where the rule cannot hold).
     Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
             "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
@@ -262,7 +263,8 @@ def fused_batch_sweep_rows(reps):
             "default / best |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 512), (1, 1024), (16, 512), (8, 1024), (8, 2048), (4, 4096))]
-    shapes += [("2048 + 30 x 64", [2048] + [64] * 30), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512])]
+    shapes += [("2048 + 30 x 64", [2048] + [64] * 30), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512]),
+               ("256 x 200", [200] * 256)]  # many short prompts: the rule never holds, the fused kernel's launch is empty
     for name, seqlens in shapes:
         for H in ((96,) if len(seqlens) == 1 else (12, 16, 24, 32, 64, 96)):
             ours, fused, rule = chunk16_and_fused_ms(H, seqlens, reps, rule=True)

@@ -433,9 +433,10 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
 // expected side of each case from the rule's formula: 3 H sum ceil(len / 32) >= 2 SMs
 // ceil(longest / 32), longest >= 512. Equal lengths on both sides of the edge (int32 and int64
 // cu_seqlens), mixed lengths, a long sequence among short ones (enough CTAs for the host's
-// pre-check, not for the rule), each also replayed from a CUDA graph; invalid cu_seqlens (all NaN),
-// and a state pool with a padding slot, then with a live slot named twice (all NaN, the pool
-// unchanged).
+// pre-check, not for the rule, and enough chunks for the strided K1 to walk its grid twice), each
+// also with the kernels launched early and replayed from a CUDA graph; a captured call replayed
+// after its cu_seqlens changed across the edge (K0 decides again); invalid cu_seqlens (all NaN), and
+// a state pool with a padding slot, then with a live slot named twice (all NaN, the pool unchanged).
 TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -446,11 +447,14 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     for (const int64_t l : lens) total32 += (l + 31) / 32, longest = std::max(longest, l);
     return longest >= 512 && 3 * H * total32 >= 2 * int64_t(sms) * ((longest + 31) / 32);
   };
-  internal::PrefillLaunch always, never;
+  internal::PrefillLaunch always, never, early;
   always.fused_v2 = 1, never.fused_v2 = -1;
+  early.early_launch = 15;  // the chunk-16 kernels launched early after their predecessors (a candidate)
   std::vector<int64_t> mixed;
   for (int64_t n = 0; n < n_min + 2; ++n) mixed.push_back(n % 3 == 0 ? 700 : 512 + 37 * (n % 5));
-  std::vector<int64_t> long_among_short = {2048};
+  // 8192 + 20 x 32 tokens: the strided K1 (K0 may choose) walks its grid more than once (573 chunk
+  // slots x 8 heads against 24 CTAs an SM)
+  std::vector<int64_t> long_among_short = {8192};
   for (int n = 0; n < 20; ++n) long_among_short.push_back(32);
   struct Case {
     std::vector<int64_t> lens;
@@ -469,15 +473,61 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
     KdaInputs in(o);
     SCOPED_TRACE(in.describe());
-    DeviceProblem d_rule(in), d_always(in, always), d_never(in, never);
+    DeviceProblem d_rule(in), d_always(in, always), d_never(in, never), d_early(in, early);
     ASSERT_TRUE(fused_serves(d_rule.params()));
-    const std::vector<unsigned char> rule = run_bits(in, d_rule), fused = run_bits(in, d_always),
-                                     today = run_bits(in, d_never);
+    const std::vector<unsigned char> fused = run_bits(in, d_always), today = run_bits(in, d_never),
+                                     rule = run_bits(in, d_rule);
+    // the rule's call wrote every entry (the poison is NaN), whichever kernels K0 chose
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
     EXPECT_FALSE(fused == today) << "the fused kernel and today's kernels gave the same bits";
     EXPECT_TRUE(rule == (c.fused ? fused : today)) << (c.fused ? "K0 did not give the call to the fused kernel"
                                                                : "K0 gave the call to the fused kernel");
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_TRUE(rule == run_bits(in, d_early)) << "with the kernels launched early, other bits";
     EXPECT_TRUE(rule == graph_replay_bits(in, d_rule)) << "a graph replay's bits differ from the eager call's";
+  }
+  {  // a captured call decides again at each replay: the same N and token count, new lengths across the edge
+    KdaOptions o;
+    o.seqlens = std::vector<int64_t>(n_min, 512), o.H = H, o.seed = 17;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    std::vector<int64_t> skewed(n_min, 32);  // one long sequence, the rest 32 tokens: the rule fails
+    skewed[0] = 512 * n_min - 32 * (n_min - 1);
+    ASSERT_TRUE(rule_holds(o.seqlens));
+    ASSERT_FALSE(rule_holds(skewed));
+    DeviceProblem d(in);
+    cudaStream_t stream;
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    d.run(stream);
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    auto replay = [&] {
+      d.poison();
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      d.download();
+      std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+      bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+      return bits;
+    };
+    const std::vector<unsigned char> equal_replayed = replay();
+    DeviceProblem d_fused(in, always);
+    EXPECT_TRUE(equal_replayed == run_bits(in, d_fused)) << "equal lengths: the replay did not run the fused kernel";
+    std::vector<int32_t> cu(n_min + 1, 0);  // the skewed lengths into the captured call's cu_seqlens
+    for (int64_t n = 0; n < n_min; ++n) cu[n + 1] = int32_t(cu[n] + skewed[n]);
+    ASSERT_EQ(cudaMemcpy(d.cu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    const std::vector<unsigned char> skewed_replayed = replay();
+    for (int64_t n = 0; n <= n_min; ++n) in.cu_seqlens.set(n, double(cu[n]));
+    DeviceProblem d_today(in, never);
+    EXPECT_TRUE(skewed_replayed == run_bits(in, d_today)) << "skewed lengths: the replay did not run the chunk-16 kernels";
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
   }
   {  // invalid cu_seqlens (decreasing at entry 2) of lengths the rule would give the fused kernel
     KdaOptions o;
@@ -504,7 +554,7 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     for (size_t i = 0; i < pool_init.size(); ++i) pool_init[i] = 0.01f * float(int64_t(i * 2654435761u % 201) - 100);
     DeviceBuffer pool(pool_init.size() * 4);
     std::vector<int32_t> slots(N);
-    for (int64_t n = 0; n < N; ++n) slots[n] = int32_t((n * 5 + 2) % P);
+    for (int64_t n = 0; n < N; ++n) slots[n] = int32_t((n + 2) % P);  // distinct: N < P
     slots[1] = -1;
     void* d_slots = d.upload(slots.data(), slots.size() * 4);
     auto run_pool = [&](const internal::PrefillLaunch& launch, bool zeros_first) {
