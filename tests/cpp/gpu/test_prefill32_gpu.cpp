@@ -196,29 +196,41 @@ std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* dir
   return bits;
 }
 
-// The call captured in a CUDA graph on a stream of its own and replayed twice: its bits (the capture
-// fails if the call synchronises or allocates).
-std::vector<unsigned char> graph_replay_bits(KdaInputs& in, DeviceProblem& d) {
-  cudaStream_t stream;
-  EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  d.poison();
-  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  d.run(stream);
-  EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-  EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-  for (int i = 0; i < 2; ++i) EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  d.download();
-  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaStreamDestroy(stream);
-  return bits;
-}
+// The call captured in a CUDA graph on a stream of its own (the capture fails if the call
+// synchronises or allocates); replay() runs it on poisoned outputs and returns its bits.
+struct CapturedCall {
+  KdaInputs& in;
+  DeviceProblem& d;
+  cudaStream_t stream{};
+  cudaGraph_t graph{};
+  cudaGraphExec_t exec{};
+
+  CapturedCall(KdaInputs& in_, DeviceProblem& d_) : in(in_), d(d_) {
+    EXPECT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+    d.run(stream);
+    EXPECT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    EXPECT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  }
+  ~CapturedCall() {
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(stream);
+  }
+  std::vector<unsigned char> replay(int times = 1) {
+    d.poison();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    for (int i = 0; i < times; ++i) EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    d.download();
+    std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+    bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+    return bits;
+  }
+};
+
+// The call replayed twice from a CUDA graph: its bits.
+std::vector<unsigned char> graph_replay_bits(KdaInputs& in, DeviceProblem& d) { return CapturedCall(in, d).replay(2); }
 
 // The fused kernel through the library's call (fused_v2 = 1) on `in` against the fp64 reference: its
 // errors reported under `name` and held to the precise mode's bounds; returns the call's bits.
@@ -496,38 +508,18 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     ASSERT_TRUE(rule_holds(o.seqlens));
     ASSERT_FALSE(rule_holds(skewed));
     DeviceProblem d(in);
-    cudaStream_t stream;
-    ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-    d.run(stream);
-    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    auto replay = [&] {
-      d.poison();
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      d.download();
-      std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-      bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-      return bits;
-    };
-    const std::vector<unsigned char> equal_replayed = replay();
+    CapturedCall captured(in, d);
+    const std::vector<unsigned char> equal_replayed = captured.replay();
     DeviceProblem d_fused(in, always);
     EXPECT_TRUE(equal_replayed == run_bits(in, d_fused)) << "equal lengths: the replay did not run the fused kernel";
     std::vector<int32_t> cu(n_min + 1, 0);  // the skewed lengths into the captured call's cu_seqlens
     for (int64_t n = 0; n < n_min; ++n) cu[n + 1] = int32_t(cu[n] + skewed[n]);
     ASSERT_EQ(cudaMemcpy(d.cu, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    const std::vector<unsigned char> skewed_replayed = replay();
+    const std::vector<unsigned char> skewed_replayed = captured.replay();
     for (int64_t n = 0; n <= n_min; ++n) in.cu_seqlens.set(n, double(cu[n]));
     DeviceProblem d_today(in, never);
     EXPECT_TRUE(skewed_replayed == run_bits(in, d_today)) << "skewed lengths: the replay did not run the chunk-16 kernels";
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
-    cudaStreamDestroy(stream);
   }
   {  // invalid cu_seqlens (decreasing at entry 2) of lengths the rule would give the fused kernel
     KdaOptions o;
