@@ -279,6 +279,25 @@ TEST_F(Prefill32Gpu, LaunchOptionRunsTheFusedKernelWhereItServes) {
   }
 }
 
+// Invalid device cu_seqlens (`seqlens`' offsets, decreasing at entry 2) through `launch`: every
+// output and final state entry NaN. Zeros first (not the NaN poison), so that only the kernels' NaN
+// can fill them.
+void expect_invalid_cu_seqlens_poison(const std::vector<int64_t>& seqlens, int64_t H, const internal::PrefillLaunch& launch) {
+  KdaOptions o;
+  o.seqlens = seqlens, o.H = H, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  in.cu_seqlens.set(2, 10.0);
+  SCOPED_TRACE(in.describe());
+  DeviceProblem d(in, launch);
+  ASSERT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);
+  ASSERT_EQ(cudaMemset(d.fin, 0, in.final_state.data_bytes()), cudaSuccess);
+  d.run();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d.download();
+  EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count);
+  EXPECT_EQ(test::count_nonfinite(in.final_state.values()), in.final_state.count);
+}
+
 // Sequence n of a call as a call of its own: its rows of q, k, v, g, beta and its initial state
 // copied byte for byte from `in` (one head layout, the same options otherwise).
 KdaInputs one_sequence(const KdaInputs& in, int64_t bos, int64_t len, int64_t n) {
@@ -362,21 +381,8 @@ TEST_F(Prefill32Gpu, FusedServesBatchesAndVarlen) {
     for (size_t i = state0 / 4; i < fs.size(); ++i) bad1 += std::isfinite(fs[i]) ? 0 : 1;
     EXPECT_GT(bad1, 0) << "sequence 1's non-finite inputs left its final state finite";
   }
-  {  // invalid device cu_seqlens (decreasing at entry 2): every output and final state entry NaN
-    KdaOptions o;
-    o.seqlens = {40, 30, 20}, o.H = 2, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    in.cu_seqlens.set(2, 10.0);
-    DeviceProblem d(in, always);
-    // zeros first (not the NaN poison), so that only the kernel's NaN can fill them
-    ASSERT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);
-    ASSERT_EQ(cudaMemset(d.fin, 0, in.final_state.data_bytes()), cudaSuccess);
-    d.run();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    d.download();
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count);
-    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), in.final_state.count);
-  }
+  // invalid device cu_seqlens: every output and final state entry NaN
+  expect_invalid_cu_seqlens_poison({40, 30, 20}, 2, always);
 }
 
 // The rule (fused_v2 = 0, config.h fused_rule) for calls without cu_seqlens, which the host decides:
@@ -521,20 +527,8 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     EXPECT_TRUE(skewed_replayed == run_bits(in, d_today)) << "skewed lengths: the replay did not run the chunk-16 kernels";
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
   }
-  {  // invalid cu_seqlens (decreasing at entry 2) of lengths the rule would give the fused kernel
-    KdaOptions o;
-    o.seqlens = std::vector<int64_t>(n_min, 512), o.H = H, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    in.cu_seqlens.set(2, 10.0);
-    DeviceProblem d(in);
-    ASSERT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);  // only the kernels' NaN counts
-    ASSERT_EQ(cudaMemset(d.fin, 0, in.final_state.data_bytes()), cudaSuccess);
-    d.run();
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    d.download();
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count);
-    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), in.final_state.count);
-  }
+  // invalid cu_seqlens of lengths the rule would give the fused kernel
+  expect_invalid_cu_seqlens_poison(std::vector<int64_t>(n_min, 512), H, {});
   {  // a state pool (fp32, P = N + 2 slots of random states, sequence 1 padding), then a slot twice
     const int64_t N = n_min + 1, P = N + 2;
     KdaOptions o;
