@@ -372,11 +372,17 @@ bool fused_by_rule(const PrefillParams& p) {
   return p.cu_seqlens == nullptr && fused_rule(p.H, p.B * ((p.T + kFusedChunk - 1) / kFusedChunk), p.T, sm_count());
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
-// lengths (at best N equal ones), and the kernel can be launched here (its tensor maps, its register
-// split: asked without launching, since after K0's verdict there is no way back).
+// lengths (at best N equal ones), the sequences average at least kFusedMinMeanTokens, and the kernel
+// can be launched here (its tensor maps, its register split: asked without launching, since after
+// K0's verdict there is no way back). The mean: where K0 leaves the call to the chunk-16 kernels, the
+// fused kernel's launch still runs its N H CTAs, one an SM, which exit at once: ~2.3 us a wave of
+// #SMs CTAs (run 99, "2048 + 30 x 64" at H = 12-32: +6 to +17 us), against a call of ~1.65 ns a
+// token and head, i.e. ~9 / mean length of the call's time; at 256 tokens and more that is <= 3.6%.
+constexpr int64_t kFusedMinMeanTokens = 256;
 bool fused_by_lengths(const PrefillParams& p, const int32_t* error_flag) {
   const int64_t N = detail::num_sequences(p);
-  return p.cu_seqlens != nullptr && p.B * p.T >= kFusedMinTokens && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
+  return p.cu_seqlens != nullptr && p.B * p.T >= kFusedMinTokens && p.B * p.T >= kFusedMinMeanTokens * N &&
+         3 * N * p.H >= 2 * int64_t(sm_count()) &&
          sm90::prefill_v2::fused_prefill(p, error_flag, nullptr, true, true) == cudaSuccess;
 }
 
