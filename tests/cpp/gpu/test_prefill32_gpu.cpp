@@ -566,10 +566,21 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     for (const internal::PrefillLaunch& launch : {internal::PrefillLaunch{}, always, never}) {
       run_pool(launch, false);
       outs.push_back(in.out.bytes), pools.push_back(pool_now());
+      if (outs.size() == 1) {  // the rule's call: every output written, the padding sequence's rows
+        EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);  // zero, the slots it names no others
+        const size_t row = size_t(H) * o.V * 2;  // bytes of a token's bf16 outputs
+        const auto pad = in.out.bytes.begin() + std::ptrdiff_t(512 * row);
+        EXPECT_TRUE(std::all_of(pad, pad + std::ptrdiff_t(512 * row), [](unsigned char b) { return b == 0; }))
+            << "the padding sequence's output rows are not zero";
+        for (int64_t slot = 0; slot < P; ++slot)
+          if (std::find(slots.begin(), slots.end(), int32_t(slot)) == slots.end())
+            EXPECT_TRUE(std::equal(pools[0].begin() + slot * slot_floats, pools[0].begin() + (slot + 1) * slot_floats,
+                                   pool_init.begin() + slot * slot_floats))
+                << "slot " << slot << ", named by no sequence, changed";
+      }
     }
     EXPECT_TRUE(outs[0] == outs[1] && pools[0] == pools[1]) << "K0 did not give the pool call to the fused kernel";
     EXPECT_FALSE(outs[0] == outs[2]) << "the pool call gave the chunk-16 kernels' bits";
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     slots[2] = slots[0];  // a live slot named twice
     ASSERT_EQ(cudaMemcpy(d_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
     run_pool(internal::PrefillLaunch{}, true);
