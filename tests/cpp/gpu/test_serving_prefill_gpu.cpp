@@ -87,6 +87,17 @@ struct PoolCase {
     cudaMemcpy(pool.bytes.data(), d_pool, pool.bytes.size(), cudaMemcpyDeviceToHost);
   }
 
+  // The pool call through `launch` on poisoned outputs: {out, pool} after it, with the guards intact,
+  // padding sequences' output rows zero and slots no sequence names unchanged.
+  std::pair<HostTensor, HostTensor> checked_pool_call(internal::PrefillLaunch launch) {
+    dev.poison();
+    run(params(), launch);
+    EXPECT_TRUE(in.out.guard_intact() && pool.guard_intact());
+    expect_padding_rows_zero(in.out);
+    expect_unnamed_slots_untouched(pool);
+    return {in.out, pool};
+  }
+
   // The same problem on the host for the fp64 reference: the pool is `ref_pool` (a host copy of
   // pool_before), read and written through `host_slots` (slots, or a copy with past-pool slots
   // made padding, which the reference refuses).
@@ -172,14 +183,8 @@ TEST_P(ServingPrefillGpu, PoolMatchesGatherPrefillScatter) {
   for (const internal::PrefillLaunch launch : {kSerial, internal::PrefillLaunch{0, 3}, internal::PrefillLaunch{}}) {
     PoolCase c({37, 130, 0, 64, 200, 16, 300}, GetParam(), 11, /*padding=*/3, /*past_pool=*/5, launch);
     SCOPED_TRACE(c.in.describe() + " segment_chunks=" + std::to_string(launch.segment_chunks));
-    c.dev.poison();
-    c.run(c.params(), launch);
-    const HostTensor out_pool = c.in.out;
-    const HostTensor pool_after = c.pool;
-    EXPECT_TRUE(out_pool.guard_intact() && pool_after.guard_intact());
-    c.expect_padding_rows_zero(out_pool);
+    const auto [out_pool, pool_after] = c.checked_pool_call(launch);
     c.expect_live_match_plain(out_pool, pool_after, c.plain_prefill(launch));
-    c.expect_unnamed_slots_untouched(pool_after);
     const auto [e_out, e_state] = c.reference_errors(out_pool, pool_after);
     report("gpu pool out rel-RMS", e_out);
     report("gpu pool state rel-RMS", e_state);
@@ -200,13 +205,7 @@ TEST_P(ServingPrefillGpu, FusedPoolPrefill) {
   PoolCase c({37, 0, 130, 64, 200, 16, 300}, GetParam(), 11, /*padding=*/3, /*past_pool=*/5, fused);
   SCOPED_TRACE(c.in.describe());
   ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(c.params()));
-  c.dev.poison();
-  c.run(c.params(), fused);
-  const HostTensor out_pool = c.in.out;
-  const HostTensor pool_after = c.pool;
-  EXPECT_TRUE(out_pool.guard_intact() && pool_after.guard_intact());
-  c.expect_padding_rows_zero(out_pool);
-  c.expect_unnamed_slots_untouched(pool_after);
+  const auto [out_pool, pool_after] = c.checked_pool_call(fused);
   if (GetParam() == DType::kF32) {
     const HostTensor fin = c.plain_prefill(fused);  // overwrites c.in.out with the plain call's outputs
     c.expect_live_match_plain(out_pool, pool_after, fin);
