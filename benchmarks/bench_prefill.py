@@ -224,11 +224,14 @@ def layouts(C, H, sms):
 
 def chunk16_and_fused_ms(H, seqlens, reps, rule=False):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
-    -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens),
-    random gates, fp32 states: CUDA-graph medians, ms."""
+    -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
+    and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
+    gates, fp32 states: CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
-    times = [time_graph_ms(run_flashkda(x, True, launch=dict(fused_v2=v))[0], reps=reps)
-             for v in ((-1, 1, 0) if rule else (-1, 1))]
+    launches = [dict(fused_v2=-1), dict(fused_v2=1)]
+    if rule:
+        launches += [dict(fused_v2=0), dict(fused_v2=0, fused_persistent=1)]
+    times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
     torch.cuda.empty_cache()
     return times
@@ -250,7 +253,7 @@ def fused_sweep_rows(reps):
     return rows
 
 
-def fused_batch_sweep_rows(reps):
+def fused_batch_sweep_rows(reps, only_shapes="", only_heads=""):
     """The fused chunk-32 kernel over several sequences (grid H x N, device cu_seqlens; internal
     fused_v2 1 against -1) across head counts and batch shapes, and the default call (the rule:
     config.h fused_rule, decided by K0 from the device cu_seqlens), with mixed lengths: a long
@@ -259,16 +262,22 @@ def fused_batch_sweep_rows(reps):
     Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
             "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
-            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | fused / chunk-16 | "
-            "default / best |", "|---|---|---|---|---|---|---|---|"]
+            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | persistent grid | "
+            "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 512), (1, 1024), (16, 512), (8, 1024), (8, 2048), (4, 4096))]
     shapes += [("2048 + 30 x 64", [2048] + [64] * 30), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512]),
                ("256 x 200", [200] * 256)]  # many short prompts: the rule never holds, the fused kernel's launch is empty
+    shape_filter = [x.strip() for x in only_shapes.split(",") if x.strip()]
+    head_filter = [int(x) for x in only_heads.split(",") if x.strip()]
     for name, seqlens in shapes:
+        if shape_filter and name not in shape_filter:
+            continue
         for H in ((96,) if len(seqlens) == 1 else (12, 16, 24, 32, 64, 96)):
-            ours, fused, rule = chunk16_and_fused_ms(H, seqlens, reps, rule=True)
-            rows.append(f"| {name} | {H} | {len(seqlens) * H} | {ours:.3f} | {fused:.3f} | {rule:.3f} | "
+            if head_filter and H not in head_filter:
+                continue
+            ours, fused, rule, persistent = chunk16_and_fused_ms(H, seqlens, reps, rule=True)
+            rows.append(f"| {name} | {H} | {len(seqlens) * H} | {ours:.3f} | {fused:.3f} | {rule:.3f} | {persistent:.3f} | "
                         f"{fused / ours:.2f} | {rule / min(ours, fused):.2f} |")
             print(rows[-1], flush=True)
     return rows
@@ -544,6 +553,9 @@ def main():
     ap.add_argument("--fused-batch-sweep", action="store_true",
                     help="also the fused chunk-32 kernel against today's kernels on batches through device "
                          "cu_seqlens (16 x 512 to 4 x 4096 tokens, H = 12-96): the data for a rule beyond one sequence")
+    ap.add_argument("--fused-batch-shapes", default="",
+                    help="with --fused-batch-sweep: only these shapes, comma-separated names (e.g. '8 x 1024,256 x 200')")
+    ap.add_argument("--fused-batch-heads", default="", help="with --fused-batch-sweep: only these H, comma-separated")
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
@@ -603,7 +615,7 @@ def main():
     if args.fused_sweep:
         lines += fused_sweep_rows(args.reps)
     if args.fused_batch_sweep:
-        lines += fused_batch_sweep_rows(args.reps)
+        lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

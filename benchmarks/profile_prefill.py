@@ -2,9 +2,11 @@
 both precision modes and with and without segments, plus the host time of one eager call.
 Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick | --host-only]
+    python benchmarks/profile_prefill.py [--quick | --host-only | --verdict]
 
---quick: the per-kernel table only. --host-only: the host-time table only.
+--quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
+time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
+kernel forced): each kernel's time and the span of a call, first kernel start to last kernel end.
 """
 import os
 import re
@@ -25,7 +27,7 @@ CASES = [MANY[1], MANY[3], FEW[1], FEW[3], FEW[7]]  # H=96 one seq, H=96 8x1024,
 def kernel_name(name):
     """A kernel's name without namespaces and argument list, its template arguments kept (K1 and K2
     of one policy end alike)."""
-    base = name.split("(")[0].replace("void ", "")
+    base = name.replace("(anonymous namespace)::", "").split("(")[0].replace("void ", "")
     return re.sub(r"[A-Za-z_]\w*::", "", base).replace("SplitPolicy", "P")
 
 
@@ -87,7 +89,49 @@ def host_overhead():
         torch.cuda.empty_cache()
 
 
+def call_spans(fn, reps=10):
+    """Per kernel (in launch order) the mean device microseconds, and the median span of one call
+    from its first kernel's start to its last kernel's end (calls queued back to back, so the GPU
+    runs behind the host and the gaps are the GPU's own)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = sorted(((e.time_range.start, e.time_range.end, kernel_name(e.name)) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    per_call = len(kernels) // reps
+    calls = [kernels[i * per_call:(i + 1) * per_call] for i in range(reps)]
+    spans = sorted(c[-1][1] - c[0][0] for c in calls)
+    names = [k[2] for k in calls[0]]
+    means = [statistics.mean(c[i][1] - c[i][0] for c in calls) for i in range(per_call)]
+    gaps = [statistics.mean(c[i + 1][0] - c[i][1] for c in calls) for i in range(per_call - 1)]
+    return names, means, gaps, spans[len(spans) // 2]
+
+
+def verdict_profile():
+    """K0's choice (the fused kernel launched after the chunk-16 kernels, on its verdict) against the
+    fused kernel forced, on batches through device cu_seqlens: the call's kernels, their times, the
+    gaps between them and the call's span (us)."""
+    print("| case | H | launch | kernels (us each, gaps in brackets) | span us |")
+    print("|---|---|---|---|---|")
+    for name, seqlens in (("8 x 1024", [1024] * 8), ("16 x 512", [512] * 16), ("8 x 2048", [2048] * 8)):
+        for H in (16, 96):
+            x = make_inputs(H, seqlens, True)
+            for label, launch in (("default", {}), ("fused v2", dict(fused_v2=1)), ("chunk-16", dict(fused_v2=-1))):
+                names, means, gaps, span = call_spans(run_flashkda(x, True, launch=launch)[0])
+                parts = [f"{n.split('<')[0]} {m:.1f}" + (f" [{gaps[i]:.1f}]" if i < len(gaps) else "")
+                         for i, (n, m) in enumerate(zip(names, means))]
+                print(f"| {name} | {H} | {label} | {'; '.join(parts)} | {span:.1f} |", flush=True)
+            del x
+            torch.cuda.empty_cache()
+
+
 def main():
+    if "--verdict" in sys.argv[1:]:
+        verdict_profile()
+        return
     if "--quick" not in sys.argv[1:]:
         host_overhead()
     if "--host-only" in sys.argv[1:]:

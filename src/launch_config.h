@@ -57,6 +57,11 @@ struct PrefillLaunch {
                      // its CTAs, one a sequence and head, keep 2/3 of the SMs busy over the longest sequence
                      // of at least 512 tokens: cuda/sm90/prefill/config.h fused_rule; decided on the host
                      // without cu_seqlens, by K0 on the GPU with them; docs/DESIGN.md "Prefill v2")
+  int fused_persistent = 0;  // GPU, a candidate, where K0 may choose the fused kernel (device cu_seqlens): 1 = a
+                             // persistent grid of at most #SMs CTAs taking (sequence, head) items in turn, so a
+                             // call K0 leaves to the chunk-16 kernels pays one wave of empty CTAs, and K0 may
+                             // choose at any mean length; 0 = rule (a CTA an item, and K0 may choose only where
+                             // the sequences average 256 tokens or more; docs/DESIGN.md "Prefill v2")
 };
 
 struct DecodeLaunch {

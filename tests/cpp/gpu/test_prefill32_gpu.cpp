@@ -589,6 +589,83 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
   }
 }
 
+// The candidate internal fused_persistent = 1: where K0 gives the call to the fused kernel, the kernel
+// runs on a persistent grid (at most #SMs CTAs, each taking (sequence, head) items in turn from a
+// counter K0 zeroes). With several items a CTA (mixed lengths, an empty sequence, a short one) it
+// gives the bits of the fused kernel forced on its grid of a CTA an item and of the rule's launch on
+// the verdict; every entry written, graph replays (K0 zeroing the counter again each time) equal; a
+// pool with padding entries among the items: the forced kernel's outputs and pool, padding rows zero.
+TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  constexpr int64_t H = 8;
+  const int64_t N = 3 * sms / H + 7;  // ~3 items a CTA
+  const int64_t cycle[] = {512, 700, 0, 96, 1024, 33};
+  std::vector<int64_t> lens;
+  for (int64_t n = 0; n < N; ++n) lens.push_back(cycle[n % 6]);
+  int64_t total32 = 0;
+  for (const int64_t l : lens) total32 += (l + 31) / 32;
+  ASSERT_GE(3 * H * total32, 2 * int64_t(sms) * (1024 / 32)) << "the rule must hold: the lengths need more chunks";
+  internal::PrefillLaunch always, persistent;
+  always.fused_v2 = 1, persistent.fused_persistent = 1;
+  {
+    KdaOptions o;
+    o.seqlens = lens, o.cu_dtype = DType::kI32, o.H = H, o.seed = 23;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d_persistent(in, persistent), d_always(in, always), d_rule(in);
+    const std::vector<unsigned char> bits = run_bits(in, d_persistent);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    EXPECT_TRUE(bits == run_bits(in, d_always)) << "the persistent grid's bits differ from the forced fused kernel's";
+    EXPECT_TRUE(bits == run_bits(in, d_rule)) << "the persistent grid's bits differ from the rule's launch's";
+    EXPECT_TRUE(bits == graph_replay_bits(in, d_persistent)) << "graph replays of the persistent grid differ";
+  }
+  {  // a pool: fp32 slots of random states, sequences n in slot (n + 2) % P, every fifth one padding
+    KdaOptions o;
+    o.seqlens = lens, o.H = H, o.seed = 29;
+    KdaInputs in(o);
+    DeviceProblem d(in);
+    const int64_t P = N + 2;
+    const size_t slot_floats = size_t(H) * o.V * o.K;
+    std::vector<float> pool_init(size_t(P) * slot_floats);
+    for (size_t i = 0; i < pool_init.size(); ++i) pool_init[i] = 0.01f * float(int64_t(i * 2654435761u % 201) - 100);
+    DeviceBuffer pool(pool_init.size() * 4);
+    std::vector<int32_t> slots(N);
+    for (int64_t n = 0; n < N; ++n) slots[n] = n % 5 == 1 ? -1 : int32_t((n + 2) % P);
+    void* d_slots = d.upload(slots.data(), slots.size() * 4);
+    auto run_pool = [&](const internal::PrefillLaunch& launch) {
+      EXPECT_EQ(cudaMemcpy(pool.ptr, pool_init.data(), pool.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      PrefillParams p = d.params();
+      p.state_pool = pool.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
+      p.state_indices = static_cast<const int32_t*>(d_slots);
+      DeviceBuffer ws(internal::workspace_size(p, launch));
+      d.poison();
+      internal::forward(p, launch, ws.ptr, ws.bytes);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      d.download();
+      std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+      std::vector<float> host(pool_init.size());
+      EXPECT_EQ(cudaMemcpy(host.data(), pool.ptr, pool.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      const auto* b = reinterpret_cast<const unsigned char*>(host.data());
+      bits.insert(bits.end(), b, b + pool.bytes);
+      return bits;
+    };
+    const std::vector<unsigned char> bits = run_pool(persistent);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    const size_t row = size_t(H) * o.V * 2;  // bytes of a token's bf16 outputs
+    int64_t bos = 0;
+    for (int64_t n = 0; n < N; bos += lens[n], ++n)
+      if (slots[n] < 0) {
+        const auto first = in.out.bytes.begin() + std::ptrdiff_t(bos * int64_t(row));
+        EXPECT_TRUE(std::all_of(first, first + std::ptrdiff_t(lens[n] * int64_t(row)), [](unsigned char x) { return x == 0; }))
+            << "padding sequence " << n << ": output rows not zero";
+      }
+    EXPECT_TRUE(bits == run_pool(always)) << "pool: the persistent grid's outputs or pool differ from the forced kernel's";
+  }
+}
+
 // The fused kernel through the library's call as the other prefill paths are tested: a NaN gate
 // reaches its head's final state and no other head's; a CUDA graph's replays give the eager call's
 // bits.

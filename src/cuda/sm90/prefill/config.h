@@ -129,7 +129,8 @@ constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift
 // [segment outputs] (workspace_layout in launch.cu).
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(3 * num_seqs + 4) * sizeof(int32_t)); }
+// chunk_start, error_flag, seg_start, ckpt_start and fused_next (Params).
+inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(3 * num_seqs + 5) * sizeof(int32_t)); }
 // Upper bound on chunks over all sequences: sum ceil(len/16) <= ceil(total/16) + N.
 inline int64_t max_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return (total_tokens + kChunk - 1) / kChunk + num_seqs;
@@ -237,6 +238,8 @@ struct Params {
   int32_t* error_flag;        // workspace header (K0): its verdict, kCallValid, kCallRefused or kCallFused
   int64_t fused_sms;          // > 0 (cu_seqlens): K0 gives a valid call to the fused kernel where
                               // fused_rule holds with this many SMs (launch.cu forward); 0: never
+  int32_t* fused_next;        // workspace header, zeroed by K0 where fused_sms > 0: the next (sequence,
+                              // head) item of the fused kernel's persistent grid (FusedArgs::next_item)
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
   int early_launch;           // host only: which of the call's kernels launch early (launch.cu kEarly*)

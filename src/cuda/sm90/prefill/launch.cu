@@ -355,6 +355,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.error_flag = kp.chunk_start + (N + 1);
   kp.seg_start = kp.error_flag + 1;
   kp.ckpt_start = kp.seg_start + (N + 1);
+  kp.fused_next = kp.ckpt_start + (N + 1);
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
   return kp;
 }
@@ -371,19 +372,32 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
 bool fused_by_rule(const PrefillParams& p) {
   return p.cu_seqlens == nullptr && fused_rule(p.H, p.B * ((p.T + kFusedChunk - 1) / kFusedChunk), p.T, sm_count());
 }
+// The fused kernel launched after the chunk-16 kernels, on K0's verdict: a CTA an item (N H of
+// them), or with persistent (internal::PrefillLaunch::fused_persistent = 1, a candidate) a grid of at
+// most #SMs CTAs taking (sequence, head) items from K0's zeroed counter (next_item), so that where K0
+// leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
+// persistent kernel took 3-6% longer than a CTA an item where K0 chose it (its loop's registers).
+cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
+                             bool check_only) {
+  const int64_t items = detail::num_sequences(p) * p.H;
+  return sm90::prefill_v2::fused_prefill(p, kp.error_flag, stream, true, check_only,
+                                          persistent ? kp.fused_next : nullptr,
+                                          persistent ? std::min<int64_t>(items, sm_count()) : 0);
+}
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
-// lengths (at best N equal ones), the sequences average at least kFusedMinMeanTokens, and the kernel
-// can be launched here (its tensor maps, its register split: asked without launching, since after
-// K0's verdict there is no way back). The mean: where K0 leaves the call to the chunk-16 kernels, the
-// fused kernel's launch still runs its N H CTAs, one an SM, which exit at once: ~2.3 us a wave of
-// #SMs CTAs (run 99, "2048 + 30 x 64" at H = 12-32: +6 to +17 us), against a call of ~1.65 ns a
-// token and head, i.e. ~9 / mean length of the call's time; at 256 tokens and more that is <= 3.6%.
+// lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
+// split: asked without launching, since after K0's verdict there is no way back). Without the
+// persistent grid also only where the sequences average at least kFusedMinMeanTokens: where K0 leaves
+// the call to the chunk-16 kernels, a CTA-an-item launch still runs its N H CTAs, one an SM, which
+// exit at once: ~2.3 us a wave of #SMs CTAs (run 99, "2048 + 30 x 64" at H = 12-32: +6 to +17 us),
+// against a call of ~1.65 ns a token and head, i.e. ~9 / mean length of the call's time; at 256
+// tokens and more that is <= 3.6%.
 constexpr int64_t kFusedMinMeanTokens = 256;
-bool fused_by_lengths(const PrefillParams& p, const int32_t* error_flag) {
+bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent) {
   const int64_t N = detail::num_sequences(p);
-  return p.cu_seqlens != nullptr && p.B * p.T >= kFusedMinTokens && p.B * p.T >= kFusedMinMeanTokens * N &&
-         3 * N * p.H >= 2 * int64_t(sm_count()) &&
-         sm90::prefill_v2::fused_prefill(p, error_flag, nullptr, true, true) == cudaSuccess;
+  return p.cu_seqlens != nullptr && p.B * p.T >= kFusedMinTokens &&
+         (persistent || p.B * p.T >= kFusedMinMeanTokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
+         fused_on_verdict(p, kp, persistent, nullptr, true) == cudaSuccess;
 }
 
 // One segment per sequence, as long as the longest possible sequence.
@@ -416,7 +430,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   Params kp = kernel_params(p, ws);
   // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
   // kernel launched after them, while they do nothing.
-  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp.error_flag);
+  const bool persistent = launch.fused_persistent > 0;
+  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
   if (fused_after) kp.fused_sms = sm_count();
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
@@ -463,7 +478,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,
              [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, stream); });
-  if (fused_after) FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_prefill(p, kp.error_flag, stream, true));
+  if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, stream, false));
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {

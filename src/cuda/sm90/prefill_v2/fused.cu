@@ -27,7 +27,7 @@ constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
 // The most sequences in a fused call: the grid's y dimension.
 constexpr int64_t kMaxFusedSeqs = 65535;
-constexpr int kSeqArgsBytes = int(sizeof(ProduceArgs) + sizeof(ConsumeArgs)) + 8;  // + the first token
+constexpr int kSeqArgsBytes = int(sizeof(ProduceArgs) + sizeof(ConsumeArgs)) + 16;  // + the first token, the head
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
 // and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
 // warpgroup's inv_b (split SW64 tiles) and forward-substitution scratch, the barriers (and the
@@ -70,6 +70,9 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
 // Named barrier 2: both consumer warpgroups (256 threads; the producer's is 1). An immediate id (a
 // register id makes ptxas reserve all 16 barriers).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
+// Named barrier 3: all 384 threads, between the items of a persistent CTA (the producer's and the
+// consumers' item loops meet there, each from its own branch).
+__device__ __forceinline__ void items_sync() { asm volatile("bar.sync 3, 384;" ::: "memory"); }
 
 // The kernel's parameters: the caller's arguments and the TMA maps of its inputs' rows.
 struct FusedParams {
@@ -121,6 +124,193 @@ constexpr int kLaunchRegs = 168;  // __launch_bounds__(384, 1): 65 536 / 384, ro
 static_assert(kThreads * kProducerRegs + 2 * kThreads * kConsumerRegs <= 3 * kThreads * kLaunchRegs,
               "the producer would wait for registers no one frees");
 
+// Sequence n's arguments (FusedArgs::num_seqs): the call's shifted to the sequence's first token
+// (bos, returned; the TMA maps keep the call's rows, their coordinates add bos) and state, or with a
+// pool to its slot (outside [0, P): padding, marked by a negative length, -(len + 1)).
+__device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t n, ProduceArgs& seq_produce,
+                                                    ConsumeArgs& seq_consume, int64_t& seq_bos) {
+  const int64_t H = a.consume.H, row = H * kHeadDim;
+  int64_t bos = 0, len = 0;
+  sequence_span(a, n, bos, len);
+  const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
+  const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
+  ProduceArgs sp = a.produce;
+  sp.q = static_cast<const __nv_bfloat16*>(a.produce.q) + bos * row;
+  sp.k = static_cast<const __nv_bfloat16*>(a.produce.k) + bos * row;
+  sp.g = static_cast<const uint8_t*>(a.produce.g) + bos * row * g_elem;
+  sp.beta = static_cast<const uint8_t*>(a.produce.beta) + bos * H * b_elem;
+  sp.T = len;
+  ConsumeArgs sc = a.consume;
+  sc.v = static_cast<const __nv_bfloat16*>(a.consume.v) + bos * row;
+  sc.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
+  sc.T = len;
+  if (a.state_pool != nullptr) {  // the sequence's slot; outside [0, P): padding (T < 0 below)
+    const int64_t slot = a.state_indices[n];
+    const bool live = slot >= 0 && slot < a.pool_size;
+    const bool read = live && (a.has_initial_state == nullptr || a.has_initial_state[n]);
+    const int64_t at = slot * H * kHeadDim * kHeadDim;
+    float* const f32 = static_cast<float*>(a.state_pool) + at;
+    float* const bf16 = reinterpret_cast<float*>(static_cast<__nv_bfloat16*>(a.state_pool) + at);
+    float* const ptr = a.pool_bf16 ? bf16 : f32;
+    sc.initial_state = read ? ptr : nullptr;
+    sc.final_state = live ? ptr : nullptr;
+    sc.states_bf16 = a.pool_bf16;
+    if (!live) sp.T = -len - 1;  // padding: -(len + 1), so that an empty padding sequence is seen too
+  } else {
+    const int64_t state = n * H * kHeadDim * kHeadDim;
+    if (a.consume.initial_state != nullptr) sc.initial_state = a.consume.initial_state + state;
+    if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
+  }
+  seq_produce = sp, seq_consume = sc, seq_bos = bos;
+}
+
+// One item of a CTA's work, the producer's side: head h of the sequence pa describes (its first
+// token bos in the TMA maps' rows), num_chunks chunks of 32 tokens. base: the chunks of the CTA's
+// earlier items (a persistent CTA's): the ring's stages and its barriers' phases run on across items,
+// as if their chunks were one sequence's.
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv>
+__device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
+                                             int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
+                                             long long& last_clock) {
+  using L = SmemLayout<kStaged, kConsumerInv>;
+  const FusedArgs& a = params.a;
+  uint8_t* const scratch = ring + L::kOffScratch;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
+  uint64_t* const empty = full + kStages;
+  uint64_t* const staged_full = empty + kStages;
+  const int tid = threadIdx.x;
+  const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
+  uint8_t* const staged = ring + L::kOffStaged;
+  // Chunk c + 1's rows are copied once chunk c's factors have read the buffer for the last time
+  // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
+  const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
+  float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
+  load_gate_consts<kGate>(pa, h, tid, sm_gate);
+  WarpgroupSync<1>::sync();
+  // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
+  float beta_next = load_beta_raw(pa, h, 0, tid);
+  if constexpr (kStaged) {
+    if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
+  }
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
+    const int stage = int(gc % kStages);
+    const float beta_raw = beta_next;
+    if (c + 1 < staged_chunks) beta_next = load_beta_raw(pa, h, c + 1, tid);
+    if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
+    mark(0);
+    if (a.time_consumers_only && gc >= kStages) {
+      mbarrier_arrive(&full[stage]);
+      continue;
+    }
+    if (tid == 32) {  // the chunk's v rows into the stage by one tensor copy, completing on full[stage]
+      // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
+      // accesses of this stage's v were generic-proxy loads and stores, ordered before here by
+      // the empty barrier; the copy writes through the async proxy.
+      fence_proxy_async_shared();
+      mbarrier_expect_tx(&full[stage], kVBytes);
+      tensor_copy_3d(ring + stage * L::kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
+    }
+    if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
+    const auto refill = [&] {
+      if (kStaged && tid == 32 && c + 1 < staged_chunks)
+        issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
+    };
+    produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv, kStaged>(
+        pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_raw, sm_gate, true,
+        reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark, refill);
+    mbarrier_arrive(&full[stage]);
+    mark(8);
+  }
+  if (kClock && tid == 0) {
+    for (int i = 0; i < 10; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
+    a.phase_clocks[int64_t(h) * kPhaseClocks + 14] = clock_sums[14];
+    a.phase_clocks[int64_t(h) * kPhaseClocks + 15] = num_chunks;
+  }
+}
+
+// The consumers' side of the same item (p: its sequence's arguments).
+template <bool kStaged, bool kClock, bool kConsumerInv>
+__device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
+                                             int64_t num_chunks, int64_t base, long long* clock_sums,
+                                             long long& last_clock) {
+  using L = SmemLayout<kStaged, kConsumerInv>;
+  const FusedArgs& a = params.a;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
+  uint64_t* const empty = full + kStages;
+  const int tid = threadIdx.x, wg = tid / kThreads;
+  const PhaseMarks mark{kClock && tid == kThreads ? clock_sums : nullptr, &last_clock};
+  const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
+  const int v_row = 64 * (wg - 1) + 16 * warp + g;
+  float S[64];
+  prefill::load_state_rows(S, p.initial_state,
+                           p.initial_state == nullptr ? ElemType::kNone : p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
+                           int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
+  prefill::RowScale rs;
+  // kConsumerInv: the consumers' inv_b, which both warpgroups build together from each chunk's L
+  // and both read (invert_warpgroup over 256 threads, named barrier 2). X12 = 0 once.
+  uint8_t* const own_inv = ring + L::kOffInv;
+  if constexpr (kConsumerInv) {
+    if (ctid < 64) invert_zero_upper(ctid, own_inv, own_inv + kSmallBytes);
+    fence_proxy_async_shared();
+  }
+  for (int64_t c = 0; c < num_chunks; ++c) {
+    const int64_t gc = base + c;
+    const int stage = int(gc % kStages);
+    if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
+    mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
+    mark(10);
+    if constexpr (kConsumerInv) {
+      // Every consumer warp is past chunk c - 1's U product (its reads of own_inv) before the
+      // tiles are rewritten: a wgmma completing in one warp is not documented to mean the whole
+      // warpgroup's operand reads are done.
+      consumers_sync();
+      const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
+      invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
+                            own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
+      fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
+      consumers_sync();
+      mark(13);
+    }
+    // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
+    const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * L::kStageSpan + kRecordSpan);
+    const int rows = p.T - c * kChunk < kChunk ? int(p.T - c * kChunk) : kChunk;
+    auto v_at = [&](int i) {
+      const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
+      return t < rows ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
+    };
+    __nv_bfloat16 o[16];
+    consume_chunk(p, h, c, v_row, t4, ring + stage * L::kStageSpan,
+                  kConsumerInv ? own_inv : ring + stage * L::kStageSpan + ChunkOperands::kOffInvB, v_at, S, rs, o);
+    mark(11);
+    // The output through the stage's v: each slot's bf16 where this thread read its v (no other
+    // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
+    // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
+    __nv_bfloat16* const vw = const_cast<__nv_bfloat16*>(vs);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) vw[(8 * (i >> 2) + 2 * t4 + (i & 1)) * kHeadDim + v_row + 8 * ((i >> 1) & 1)] = o[i];
+    __syncwarp();
+    const int col = 64 * (wg - 1) + 16 * warp;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int unit = lane + 32 * u, t = unit >> 1, part = unit & 1;
+      if (t < rows)
+        *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
+                                  8 * part) = *reinterpret_cast<const uint4*>(vw + t * kHeadDim + col + 8 * part);
+    }
+    // This thread's generic writes of the stage's v (the output slots) before the producer's
+    // TMA overwrites them: fenced by each writing thread, then released by its arrival.
+    fence_proxy_async_shared();
+    mbarrier_arrive(&empty[stage]);
+    mark(12);
+  }
+  if (kClock && tid == kThreads)
+    for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
+  if (p.final_state != nullptr)
+    prefill::store_state_rows(S, p.final_state, p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
+                              int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
+}
+
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
           bool kSeqs = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
@@ -150,41 +340,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         return;
       }
     }
-    if (tid == 0) {
-      const int64_t n = blockIdx.y, H = a.consume.H, row = H * kHeadDim;
-      int64_t bos = 0, len = 0;
-      sequence_span(a, n, bos, len);
-      const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
-      const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
-      ProduceArgs sp = a.produce;
-      sp.q = static_cast<const __nv_bfloat16*>(a.produce.q) + bos * row;
-      sp.k = static_cast<const __nv_bfloat16*>(a.produce.k) + bos * row;
-      sp.g = static_cast<const uint8_t*>(a.produce.g) + bos * row * g_elem;
-      sp.beta = static_cast<const uint8_t*>(a.produce.beta) + bos * H * b_elem;
-      sp.T = len;
-      ConsumeArgs sc = a.consume;
-      sc.v = static_cast<const __nv_bfloat16*>(a.consume.v) + bos * row;
-      sc.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
-      sc.T = len;
-      if (a.state_pool != nullptr) {  // the sequence's slot; outside [0, P): padding (T < 0 below)
-        const int64_t slot = a.state_indices[n];
-        const bool live = slot >= 0 && slot < a.pool_size;
-        const bool read = live && (a.has_initial_state == nullptr || a.has_initial_state[n]);
-        const int64_t at = slot * H * kHeadDim * kHeadDim;
-        float* const f32 = static_cast<float*>(a.state_pool) + at;
-        float* const bf16 = reinterpret_cast<float*>(static_cast<__nv_bfloat16*>(a.state_pool) + at);
-        float* const ptr = a.pool_bf16 ? bf16 : f32;
-        sc.initial_state = read ? ptr : nullptr;
-        sc.final_state = live ? ptr : nullptr;
-        sc.states_bf16 = a.pool_bf16;
-        if (!live) sp.T = -len - 1;  // padding: -(len + 1), so that an empty padding sequence is seen too
-      } else {
-        const int64_t state = n * H * kHeadDim * kHeadDim;
-        if (a.consume.initial_state != nullptr) sc.initial_state = a.consume.initial_state + state;
-        if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
-      }
-      seq_produce = sp, seq_consume = sc, seq_bos = bos;
-    }
+    if (tid == 0) write_sequence_args(a, blockIdx.y, seq_produce, seq_consume, seq_bos);
   }
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   if constexpr (kSeqs) {
@@ -210,125 +366,83 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
-    uint8_t* const staged = ring + L::kOffStaged;
-    // Chunk c + 1's rows are copied once chunk c's factors have read the buffer for the last time
-    // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
-    const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
-    float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
-    load_gate_consts<kGate>(pa, h, tid, sm_gate);
-    WarpgroupSync<1>::sync();
-    // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
-    float beta_next = load_beta_raw(pa, h, 0, tid);
-    if constexpr (kStaged) {
-      if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
-    }
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const int stage = int(c % kStages);
-      const float beta_raw = beta_next;
-      if (c + 1 < staged_chunks) beta_next = load_beta_raw(pa, h, c + 1, tid);
-      if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
-      mark(0);
-      if (a.time_consumers_only && c >= kStages) {
-        mbarrier_arrive(&full[stage]);
-        continue;
-      }
-      if (tid == 32) {  // the chunk's v rows into the stage by one tensor copy, completing on full[stage]
-        // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
-        // accesses of this stage's v were generic-proxy loads and stores, ordered before here by
-        // the empty barrier; the copy writes through the async proxy.
-        fence_proxy_async_shared();
-        mbarrier_expect_tx(&full[stage], kVBytes);
-        tensor_copy_3d(ring + stage * L::kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
-      }
-      if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(c) & 1);
-      const auto refill = [&] {
-        if (kStaged && tid == 32 && c + 1 < staged_chunks)
-          issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
-      };
-      produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv, kStaged>(
-          pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_raw, sm_gate, true,
-          reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark, refill);
-      mbarrier_arrive(&full[stage]);
-      mark(8);
-    }
-    if (kClock && tid == 0) {
-      for (int i = 0; i < 10; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
-      a.phase_clocks[int64_t(h) * kPhaseClocks + 14] = clock_sums[14];
-      a.phase_clocks[int64_t(h) * kPhaseClocks + 15] = num_chunks;
-    }
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv>(params, ring, pa, h, bos, num_chunks, 0, clock_sums,
+                                                                 last_clock);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    const PhaseMarks mark{kClock && tid == kThreads ? clock_sums : nullptr, &last_clock};
-    const ConsumeArgs& p = kSeqs ? seq_consume : a.consume;
-    const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
-    const int v_row = 64 * (wg - 1) + 16 * warp + g;
-    float S[64];
-    prefill::load_state_rows(S, p.initial_state,
-                             p.initial_state == nullptr ? ElemType::kNone : p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
-                             int64_t(h) * kHeadDim * kHeadDim, v_row, t4);
-    prefill::RowScale rs;
-    // kConsumerInv: the consumers' inv_b, which both warpgroups build together from each chunk's L
-    // and both read (invert_warpgroup over 256 threads, named barrier 2). X12 = 0 once.
-    uint8_t* const own_inv = ring + L::kOffInv;
-    if constexpr (kConsumerInv) {
-      if (ctid < 64) invert_zero_upper(ctid, own_inv, own_inv + kSmallBytes);
-      fence_proxy_async_shared();
+    consume_item<kStaged, kClock, kConsumerInv>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0,
+                                                clock_sums, last_clock);
+  }
+}
+
+// The fused kernel on a persistent grid (FusedArgs::next_item; the rule's flags, lower-bound bf16
+// gates, several sequences, launched on K0's verdict): FusedArgs::item_ctas CTAs, each taking
+// (sequence, head) items in turn from K0's zeroed counter until none is left, sequences in order
+// and heads within them. Thread 0 writes the item's arguments where fused_kernel's do, and both
+// roles meet at a barrier of all 384 threads (items_sync) before an item and after it; the ring's
+// stages and its barriers' phases run on across the CTA's items. Where K0 left the call to the
+// chunk-16 kernels, the grid is one wave of CTAs that exit.
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(const __grid_constant__ FusedParams params) {
+  constexpr bool kStaged = true, kConsumerInv = true;
+  using L = SmemLayout<kStaged, kConsumerInv>;
+  const FusedArgs& a = params.a;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
+  uint64_t* const empty = full + kStages;
+  uint64_t* const staged_full = empty + kStages;
+  const int tid = threadIdx.x, wg = tid / kThreads;
+  static_assert(L::kOffSeqArgs + kSeqArgsBytes <= L::kOffStaged, "no room for the sequence's arguments");
+  ProduceArgs& seq_produce = *reinterpret_cast<ProduceArgs*>(ring + L::kOffSeqArgs);
+  ConsumeArgs& seq_consume = *reinterpret_cast<ConsumeArgs*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs));
+  int64_t& seq_bos = *reinterpret_cast<int64_t*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs));
+  int& seq_head = *reinterpret_cast<int*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs) + 8);
+  if (*a.error_flag != prefill::kCallFused) return;  // uniform; the chunk-16 kernels ran the call or refused it
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
     }
-    for (int64_t c = 0; c < num_chunks; ++c) {
-      const int stage = int(c % kStages);
-      if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
-      mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
-      mark(10);
-      if constexpr (kConsumerInv) {
-        // Every consumer warp is past chunk c - 1's U product (its reads of own_inv) before the
-        // tiles are rewritten: a wgmma completing in one warp is not documented to mean the whole
-        // warpgroup's operand reads are done.
-        consumers_sync();
-        const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-        invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
-                              own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
-        fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
-        consumers_sync();
-        mark(13);
+    mbarrier_init(staged_full, 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();
+  long long last_clock = 0;  // no phase clocks
+  const int64_t H = a.consume.H;
+  // The item's chunks (0 for a padding sequence, whose rows both roles zero together).
+  const auto item_chunks = [&](int h) -> int64_t {
+    if (seq_produce.T >= 0) return (seq_produce.T + kChunk - 1) / kChunk;
+    zero_head_rows(seq_consume.out, -seq_produce.T - 1, int(H), h);
+    return 0;
+  };
+  if (wg == 0) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    for (int64_t base = 0;;) {
+      if (tid == 0) {
+        const int64_t item = atomicAdd(a.next_item, 1);
+        seq_head = item < a.num_seqs * H ? int(item % H) : -1;
+        if (seq_head >= 0) write_sequence_args(a, item / H, seq_produce, seq_consume, seq_bos);
       }
-      // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
-      const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * L::kStageSpan + kRecordSpan);
-      const int rows = p.T - c * kChunk < kChunk ? int(p.T - c * kChunk) : kChunk;
-      auto v_at = [&](int i) {
-        const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
-        return t < rows ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
-      };
-      __nv_bfloat16 o[16];
-      consume_chunk(p, h, c, v_row, t4, ring + stage * L::kStageSpan,
-                    kConsumerInv ? own_inv : ring + stage * L::kStageSpan + ChunkOperands::kOffInvB, v_at, S, rs, o);
-      mark(11);
-      // The output through the stage's v: each slot's bf16 where this thread read its v (no other
-      // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
-      // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
-      __nv_bfloat16* const vw = const_cast<__nv_bfloat16*>(vs);
-#pragma unroll
-      for (int i = 0; i < 16; ++i) vw[(8 * (i >> 2) + 2 * t4 + (i & 1)) * kHeadDim + v_row + 8 * ((i >> 1) & 1)] = o[i];
-      __syncwarp();
-      const int col = 64 * (wg - 1) + 16 * warp;
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int unit = lane + 32 * u, t = unit >> 1, part = unit & 1;
-        if (t < rows)
-          *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
-                                    8 * part) = *reinterpret_cast<const uint4*>(vw + t * kHeadDim + col + 8 * part);
-      }
-      // This thread's generic writes of the stage's v (the output slots) before the producer's
-      // TMA overwrites them: fenced by each writing thread, then released by its arrival.
-      fence_proxy_async_shared();
-      mbarrier_arrive(&empty[stage]);
-      mark(12);
+      items_sync();
+      const int h = seq_head;
+      if (h < 0) break;
+      const int64_t chunks = item_chunks(h);
+      if (chunks > 0)
+        produce_item<GateForm::kLowerBound, false, kStaged, false, kConsumerInv>(params, ring, seq_produce, h, seq_bos,
+                                                                                  chunks, base, nullptr, last_clock);
+      base += chunks;
+      items_sync();  // every thread done with the item's arguments before thread 0 writes the next's
     }
-    if (kClock && tid == kThreads)
-      for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
-    if (p.final_state != nullptr)
-      prefill::store_state_rows(S, p.final_state, p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
-                                int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    for (int64_t base = 0;;) {
+      items_sync();
+      const int h = seq_head;
+      if (h < 0) break;
+      const int64_t chunks = item_chunks(h);
+      consume_item<kStaged, false, kConsumerInv>(params, ring, seq_consume, h, chunks, base, nullptr, last_clock);
+      base += chunks;
+      items_sync();
+    }
   }
 }
 
@@ -359,7 +473,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -369,7 +483,10 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
                   !chunk_rows_map(&params.maps.k, pa.k, false, pa.T, pa.H) ||
                   !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H)))
     return cudaErrorInvalidValue;
-  auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs>;
+  auto kernel = [] {
+    if constexpr (kPersistent) return fused_persistent_kernel;
+    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs>;
+  }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
@@ -379,7 +496,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
   }
   if (args.check_only) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(args.consume.H), static_cast<unsigned>(kSeqs ? args.num_seqs : 1));
+  const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))
+                                : dim3(static_cast<unsigned>(args.consume.H), static_cast<unsigned>(kSeqs ? args.num_seqs : 1));
   kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
@@ -422,6 +540,12 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
         !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only)
       return cudaErrorInvalidValue;
+    if (args.next_item != nullptr) {  // the persistent grid: K0 zeroes the counter, so only on its verdict
+      if (!args.on_verdict || args.item_ctas < 1 || args.item_ctas > args.num_seqs * ca.H ||
+          args.num_seqs * ca.H >= int64_t(INT32_MAX) - args.item_ctas)
+        return cudaErrorInvalidValue;
+      return launch<GateForm::kLowerBound, false, true, false, true, true, true, true>(args, stream);
+    }
     return launch<GateForm::kLowerBound, false, true, false, true, true, true>(args, stream);
   }
   if (args.phase_clocks != nullptr || args.producer_regs || args.consumer_inverse) {
@@ -471,10 +595,11 @@ FusedArgs fused_args(const PrefillParams& p) {
 }
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict,
-                          bool check_only) {
+                          bool check_only, int* next_item, int64_t item_ctas) {
   FusedArgs f = fused_args(p);
   f.error_flag = error_flag;
   f.on_verdict = on_verdict, f.check_only = check_only;
+  f.next_item = next_item, f.item_ctas = item_ctas;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   return fused_chunks(f, stream);
 }

@@ -71,6 +71,12 @@ struct FusedArgs {
   // Checks what a launch would (the arguments, the tensor maps, the register split) and returns its
   // error without launching: launch.cu asks before K0 may give the call to the kernel.
   bool check_only = false;
+  // With on_verdict, a persistent grid: item_ctas CTAs (at most num_seqs x H) each take (sequence,
+  // head) items in turn from the counter next_item, which K0 zeroed (prefill Params::fused_next),
+  // until none is left; so where K0 leaves the call to the chunk-16 kernels the launch is one wave
+  // of CTAs that exit, not N H of them. Null: the grid is H x num_seqs.
+  int* next_item = nullptr;
+  int64_t item_ctas = 0;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -84,10 +90,10 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // checkpoints), and the call through it with its best candidate flags (staged inputs, inverting
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
-// error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; on_verdict and
-// check_only as FusedArgs says.
+// error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; on_verdict,
+// check_only, next_item and item_ctas as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict = false,
-                          bool check_only = false);
+                          bool check_only = false, int* next_item = nullptr, int64_t item_ctas = 0);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
