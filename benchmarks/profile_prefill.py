@@ -31,17 +31,21 @@ def kernel_name(name):
     return re.sub(r"[A-Za-z_]\w*::", "", base).replace("SplitPolicy", "P")
 
 
-def kernel_times(fn, reps=10):
+def gpu_events(fn, reps):
+    """The CUDA events of reps calls of fn (after one warm-up call), queued back to back."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def kernel_times(fn, reps=10):
     acc = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            acc[kernel_name(e.name)] += e.device_time / reps / 1e3  # ms
+    for e in gpu_events(fn, reps):
+        acc[kernel_name(e.name)] += e.device_time / reps / 1e3  # ms
     return acc
 
 
@@ -93,14 +97,8 @@ def call_spans(fn, reps=10):
     """Per kernel (in launch order) the mean device microseconds, and the median span of one call
     from its first kernel's start to its last kernel's end (calls queued back to back, so the GPU
     runs behind the host and the gaps are the GPU's own)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    kernels = sorted(((e.time_range.start, e.time_range.end, kernel_name(e.name)) for e in prof.events()
-                      if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda k: k[0])
+    kernels = sorted(((e.time_range.start, e.time_range.end, kernel_name(e.name)) for e in gpu_events(fn, reps)),
+                     key=lambda k: k[0])
     per_call = len(kernels) // reps
     calls = [kernels[i * per_call:(i + 1) * per_call] for i in range(reps)]
     spans = sorted(c[-1][1] - c[0][0] for c in calls)
