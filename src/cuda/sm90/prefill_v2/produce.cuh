@@ -604,7 +604,9 @@ __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, con
 #pragma unroll
   for (int r = r0; r < r0 + kRowsPer; ++r) {
     sm_T[r * kS + j] = dot16(sm_L + (16 + r) * ProduceScratch::kLStride, col);
-    store_split_scalar(inv_hi, inv_lo, sw64_offset(r, j), col[r] * b_low);
+    // X11[r][j] from shared memory, not col[r]: r is a run-time index, and indexing the register
+    // array by it put col in local memory (an STL.128 x 4 and an LDL a chunk on the inverse's path)
+    store_split_scalar(inv_hi, inv_lo, sw64_offset(r, j), sm_X11[r * kS + j] * b_low);
     store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, 16 + j), sm_X22[r * kS + j] * b_high);
   }
   sync();
