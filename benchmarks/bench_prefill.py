@@ -265,7 +265,9 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads=""):
             "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | persistent grid | "
             "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
-    shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 512), (1, 1024), (16, 512), (8, 1024), (8, 2048), (4, 4096))]
+    # one sequence below the rule's 512-token floor, and batches of short prompts: where the floor could go
+    shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 256), (1, 384), (1, 512), (1, 1024), (16, 512), (8, 1024),
+                                                   (8, 2048), (4, 4096), (64, 384))]
     shapes += [("2048 + 30 x 64", [2048] + [64] * 30), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512]),
                ("256 x 200", [200] * 256)]  # many short prompts: the rule never holds, the fused kernel's launch is empty
     shape_filter = [x.strip() for x in only_shapes.split(",") if x.strip()]
