@@ -616,6 +616,14 @@ TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
     SCOPED_TRACE(in.describe());
     DeviceProblem d_persistent(in, persistent), d_always(in, always), d_rule(in);
     const std::vector<unsigned char> bits = run_bits(in, d_persistent);
+    {  // the grid ran: K0's counter (the workspace header's int 3 N + 4, after chunk_start, the verdict,
+       // seg_start and ckpt_start) took every item once and each CTA's final, empty fetch once
+      int32_t taken = -1;
+      ASSERT_EQ(cudaMemcpy(&taken, static_cast<int32_t*>(d_persistent.workspace->ptr) + 3 * N + 4, 4,
+                           cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(taken, N * H + std::min<int64_t>(N * H, sms)) << "the persistent grid did not take the call's items";
+    }
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
     EXPECT_TRUE(bits == run_bits(in, d_always)) << "the persistent grid's bits differ from the forced fused kernel's";

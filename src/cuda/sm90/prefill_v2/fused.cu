@@ -108,11 +108,13 @@ __device__ __noinline__ void poison_fused_outputs(const FusedArgs& a) {
 }
 
 // A padding sequence's output rows (len of them from out, [len, H, 128] bf16): zeros in head h's
-// 128 columns, 16 bytes a store. Out of line: inline, its loop made the kernel spill 28 bytes.
-__device__ __noinline__ void zero_head_rows(void* out, int64_t len, int H, int h) {
+// 128 columns, 16 bytes a store, by `threads` threads (this one the thread-th). Out of line: inline,
+// its loop made the kernel spill 28 bytes. Never called after setmaxnreg.dec: a call there makes
+// ptxas drop the kernel's register split (C7507).
+__device__ __noinline__ void zero_head_rows(void* out, int64_t len, int H, int h, int thread, int threads) {
   const int64_t row = int64_t(H) * kHeadDim;
   uint4* const o = static_cast<uint4*>(out);
-  for (int64_t i = threadIdx.x; i < len * (kHeadDim / 8); i += blockDim.x)
+  for (int64_t i = thread; i < len * (kHeadDim / 8); i += threads)
     o[((i / (kHeadDim / 8)) * row + int64_t(h) * kHeadDim) / 8 + i % (kHeadDim / 8)] = make_uint4(0, 0, 0, 0);
 }
 
@@ -346,7 +348,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   if constexpr (kSeqs) {
     __syncthreads();  // the sequence's arguments
     if (seq_produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): zero output rows, no state
-      zero_head_rows(seq_consume.out, -seq_produce.T - 1, a.consume.H, h);
+      zero_head_rows(seq_consume.out, -seq_produce.T - 1, a.consume.H, h, int(threadIdx.x), int(blockDim.x));
       return;
     }
   }
@@ -408,12 +410,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
   __syncthreads();
   long long last_clock = 0;  // no phase clocks
   const int64_t H = a.consume.H;
-  // The item's chunks (0 for a padding sequence, whose rows both roles zero together).
-  const auto item_chunks = [&](int h) -> int64_t {
-    if (seq_produce.T >= 0) return (seq_produce.T + kChunk - 1) / kChunk;
-    zero_head_rows(seq_consume.out, -seq_produce.T - 1, int(H), h);
-    return 0;
-  };
+  // The item's chunks: 0 for a padding sequence, whose rows the producer zeroes (a call after the
+  // consumers' setmaxnreg.dec would make ptxas drop the register split).
+  const auto item_chunks = [&]() -> int64_t { return seq_produce.T >= 0 ? (seq_produce.T + kChunk - 1) / kChunk : 0; };
   if (wg == 0) {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     for (int64_t base = 0;;) {
@@ -425,7 +424,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
       items_sync();
       const int h = seq_head;
       if (h < 0) break;
-      const int64_t chunks = item_chunks(h);
+      if (seq_produce.T < 0) zero_head_rows(seq_consume.out, -seq_produce.T - 1, int(H), h, tid, kThreads);
+      const int64_t chunks = item_chunks();
       if (chunks > 0)
         produce_item<GateForm::kLowerBound, false, kStaged, false, kConsumerInv>(params, ring, seq_produce, h, seq_bos,
                                                                                   chunks, base, nullptr, last_clock);
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
       items_sync();
       const int h = seq_head;
       if (h < 0) break;
-      const int64_t chunks = item_chunks(h);
+      const int64_t chunks = item_chunks();
       consume_item<kStaged, false, kConsumerInv>(params, ring, seq_consume, h, chunks, base, nullptr, last_clock);
       base += chunks;
       items_sync();
