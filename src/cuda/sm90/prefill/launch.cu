@@ -376,8 +376,8 @@ bool fused_by_rule(const PrefillParams& p) {
 // them), or with persistent (internal::PrefillLaunch::fused_persistent = 1, a candidate) a grid of at
 // most #SMs CTAs taking (sequence, head) items from K0's zeroed counter (next_item), so that where K0
 // leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
-// persistent kernel took 3-6% longer than a CTA an item where K0 chose it (cause not yet found: its
-// few spills are once an item, not in the chunk loops; docs/DESIGN.md "Prefill v2").
+// persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
+// split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
 cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
                              bool check_only) {
   const int64_t items = detail::num_sequences(p) * p.H;
