@@ -225,12 +225,13 @@ def layouts(C, H, sms):
 def chunk16_and_fused_ms(H, seqlens, reps, rule=False):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
     -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
-    and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
-    gates, fp32 states: CUDA-graph medians, ms."""
+    and the same with the candidate rule: the persistent grid where K0 may choose (fused_persistent 1)
+    and a 192-token floor on the longest sequence (fused_min_tokens), random gates, fp32 states:
+    CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
     launches = [dict(fused_v2=-1), dict(fused_v2=1)]
     if rule:
-        launches += [dict(fused_v2=0), dict(fused_v2=0, fused_persistent=1)]
+        launches += [dict(fused_v2=0), dict(fused_v2=0, fused_persistent=1, fused_min_tokens=192)]
     times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
     torch.cuda.empty_cache()
@@ -262,7 +263,7 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads=""):
     Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
             "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
-            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | persistent grid | "
+            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | persistent, floor 192 | "
             "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     # one sequence below the rule's 512-token floor, and batches of short prompts: where the floor could go

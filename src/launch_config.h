@@ -62,6 +62,9 @@ struct PrefillLaunch {
                              // call K0 leaves to the chunk-16 kernels pays one wave of empty CTAs, and K0 may
                              // choose at any mean length; 0 = rule (a CTA an item, and K0 may choose only where
                              // the sequences average 256 tokens or more; docs/DESIGN.md "Prefill v2")
+  int64_t fused_min_tokens = 0;  // GPU, a candidate: the fused kernel's rule with this floor on the longest
+                                 // sequence instead of 512 tokens (and, where K0 chooses without the persistent
+                                 // grid, a mean of this many tokens if fewer than 256); 0 = rule
 };
 
 struct DecodeLaunch {

@@ -674,6 +674,34 @@ TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
   }
 }
 
+// The candidate internal fused_min_tokens lowers the rule's 512-token floor: sequences of 256 tokens
+// take the fused kernel with it (the forced kernel's bits) and the chunk-16 kernels without it, both
+// where the host decides (B equal sequences, no cu_seqlens) and where K0 does (device cu_seqlens).
+TEST_F(Prefill32Gpu, RuleFloorOptionMovesTheEdge) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  constexpr int64_t H = 8;
+  const int64_t n = (2 * int64_t(sms) + 3 * H - 1) / (3 * H);  // 3 N H >= 2 SMs
+  internal::PrefillLaunch always, never, floor;
+  always.fused_v2 = 1, never.fused_v2 = -1, floor.fused_min_tokens = 192;
+  for (const bool device_cu : {false, true}) {
+    KdaOptions o;
+    if (device_cu) o.seqlens = std::vector<int64_t>(n, 256), o.cu_dtype = DType::kI32;
+    else o.B = n, o.T = 256;
+    o.H = H, o.seed = 31;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d_rule(in), d_floor(in, floor), d_always(in, always), d_never(in, never);
+    ASSERT_TRUE(fused_serves(d_rule.params()));
+    const std::vector<unsigned char> fused = run_bits(in, d_always), today = run_bits(in, d_never);
+    EXPECT_FALSE(fused == today) << "the fused kernel and today's kernels gave the same bits";
+    EXPECT_TRUE(run_bits(in, d_rule) == today) << "256 tokens took the fused kernel under the 512-token floor";
+    EXPECT_TRUE(run_bits(in, d_floor) == fused) << "a 192-token floor left 256 tokens to the chunk-16 kernels";
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+  }
+}
+
 // The fused kernel through the library's call as the other prefill paths are tested: a NaN gate
 // reaches its head's final state and no other head's; a CUDA graph's replays give the eager call's
 // bits.

@@ -195,9 +195,11 @@ constexpr int32_t kCallValid = 0, kCallRefused = 1, kCallFused = 2;
 // 3 H sum_n ceil(len_n / 32) >= 2 SMs ceil(max_n len_n / 32), and the longest sequence has at
 // least 512 tokens (the shortest measured). For B sequences of T tokens: 3 B H >= 2 SMs, T >= 512.
 // The host applies it without cu_seqlens, K0 (Params::fused_sms) with them.
+// min_tokens: the floor (internal::PrefillLaunch::fused_min_tokens, a candidate, replaces it).
 constexpr int64_t kFusedChunk = 32, kFusedMinTokens = 512;
-__host__ __device__ inline bool fused_rule(int64_t H, int64_t total_chunks32, int64_t longest_tokens, int64_t sms) {
-  return longest_tokens >= kFusedMinTokens &&
+__host__ __device__ inline bool fused_rule(int64_t H, int64_t total_chunks32, int64_t longest_tokens, int64_t sms,
+                                           int64_t min_tokens = kFusedMinTokens) {
+  return longest_tokens >= min_tokens &&
          3 * H * total_chunks32 >= 2 * sms * ((longest_tokens + kFusedChunk - 1) / kFusedChunk);
 }
 
@@ -238,6 +240,7 @@ struct Params {
   int32_t* error_flag;        // workspace header (K0): its verdict, kCallValid, kCallRefused or kCallFused
   int64_t fused_sms;          // > 0 (cu_seqlens): K0 gives a valid call to the fused kernel where
                               // fused_rule holds with this many SMs (launch.cu forward); 0: never
+  int64_t fused_min_tokens;   // with fused_sms: the rule's floor on the longest sequence (config.h fused_rule)
   int32_t* fused_next;        // workspace header, zeroed by K0 where fused_sms > 0: the next (sequence,
                               // head) item of the fused kernel's persistent grid (FusedArgs::next_item)
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]

@@ -369,8 +369,14 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
 // config.h fused_rule: the fused kernel from 2/3 of the SMs busy over the longest sequence. Calls
 // without cu_seqlens (equal lengths) are decided here; with device cu_seqlens K0 decides
 // (fused_by_lengths), since the host cannot read the lengths.
-bool fused_by_rule(const PrefillParams& p) {
-  return p.cu_seqlens == nullptr && fused_rule(p.H, p.B * ((p.T + kFusedChunk - 1) / kFusedChunk), p.T, sm_count());
+// The rule's floor on the longest sequence: internal::PrefillLaunch::fused_min_tokens (a candidate), or
+// kFusedMinTokens.
+int64_t fused_min_tokens(const internal::PrefillLaunch& launch) {
+  return launch.fused_min_tokens > 0 ? launch.fused_min_tokens : kFusedMinTokens;
+}
+bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return p.cu_seqlens == nullptr &&
+         fused_rule(p.H, p.B * ((p.T + kFusedChunk - 1) / kFusedChunk), p.T, sm_count(), fused_min_tokens(launch));
 }
 // The fused kernel launched after the chunk-16 kernels, on K0's verdict: a CTA an item (N H of
 // them), or with persistent (internal::PrefillLaunch::fused_persistent = 1, a candidate) a grid of at
@@ -388,7 +394,8 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
 // split: asked without launching, since after K0's verdict there is no way back). Without the
-// persistent grid also only where the sequences average at least kFusedMinMeanTokens: where K0 leaves
+// persistent grid also only where the sequences average at least kFusedMinMeanTokens (or the rule's
+// floor, where internal::PrefillLaunch::fused_min_tokens lowers it below that): where K0 leaves
 // the call to the chunk-16 kernels, a CTA-an-item launch still runs its N H CTAs, one an SM, which
 // exit at once: ~2.3 us a wave of #SMs CTAs (run 99, "2048 + 30 x 64" at H = 12-32: +6 to +17 us),
 // against a call of ~1.65 ns a token and head, i.e. ~9 / mean length of the call's time; at 256
@@ -396,8 +403,9 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 constexpr int64_t kFusedMinMeanTokens = 256;
 bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent) {
   const int64_t N = detail::num_sequences(p);
-  return p.cu_seqlens != nullptr && p.B * p.T >= kFusedMinTokens &&
-         (persistent || p.B * p.T >= kFusedMinMeanTokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
+  const int64_t mean_floor = std::min(kFusedMinMeanTokens, kp.fused_min_tokens);
+  return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
+         (persistent || p.B * p.T >= mean_floor * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
          fused_on_verdict(p, kp, persistent, nullptr, true) == cudaSuccess;
 }
 
@@ -410,7 +418,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
   const bool fused_serves = launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
-  if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p))) {
+  if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
     const int* error_flag = nullptr;
     if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
       auto* ws = static_cast<uint8_t*>(workspace);
@@ -432,6 +440,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
   // kernel launched after them, while they do nothing.
   const bool persistent = launch.fused_persistent > 0;
+  kp.fused_min_tokens = fused_min_tokens(launch);
   const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
   if (fused_after) kp.fused_sms = sm_count();
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;

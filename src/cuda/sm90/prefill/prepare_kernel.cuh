@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
     const long long total32 = Reduce64(tmp.reduce64).Sum(chunks32);
     __syncthreads();
     const long long longest_all = Reduce64(tmp.reduce64).Reduce(longest, ::cuda::maximum<>{});
-    fused = fused_rule(p.H, total32, longest_all, p.fused_sms);
+    fused = fused_rule(p.H, total32, longest_all, p.fused_sms, p.fused_min_tokens);
   }
   if (threadIdx.x == 0) {
     carry = 0, seg_carry = 0, ckpt_carry = 0;
