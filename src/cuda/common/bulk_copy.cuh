@@ -22,11 +22,13 @@ __device__ __forceinline__ void fence_mbarrier_init() { asm volatile("fence.mbar
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
-// Waits until the barrier's phase of this parity has completed (acquire).
+// Waits until the barrier's phase of this parity has completed (acquire at CTA scope: every
+// kernel here synchronises only its own CTA's threads and copies through its barriers; at cluster
+// scope the compiler follows each completed wait with CCTL.IVALL, an invalidation of the SM's L1).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
   asm volatile(
       "{\n .reg .pred done;\n wait_phase:\n"
-      " mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
       " @!done bra wait_phase;\n}" ::"r"(smem_addr(bar)),
       "r"(parity)
       : "memory");
