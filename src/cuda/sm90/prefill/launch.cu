@@ -360,6 +360,11 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   return kp;
 }
 
+// The rule's floor on the longest sequence: internal::PrefillLaunch::fused_min_tokens (a candidate), or
+// kFusedMinTokens.
+int64_t fused_min_tokens(const internal::PrefillLaunch& launch) {
+  return launch.fused_min_tokens > 0 ? launch.fused_min_tokens : kFusedMinTokens;
+}
 // Prefill v2's fused kernel (launch_config.h fused_v2) runs one CTA a sequence and head, each
 // walking its sequence's chunks at ~5.4 us a 32-token chunk however many run; the chunk-16 kernels
 // take less at few CTAs and more at many. Measured (bench_prefill.py --fused-sweep and
@@ -369,11 +374,6 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
 // config.h fused_rule: the fused kernel from 2/3 of the SMs busy over the longest sequence. Calls
 // without cu_seqlens (equal lengths) are decided here; with device cu_seqlens K0 decides
 // (fused_by_lengths), since the host cannot read the lengths.
-// The rule's floor on the longest sequence: internal::PrefillLaunch::fused_min_tokens (a candidate), or
-// kFusedMinTokens.
-int64_t fused_min_tokens(const internal::PrefillLaunch& launch) {
-  return launch.fused_min_tokens > 0 ? launch.fused_min_tokens : kFusedMinTokens;
-}
 bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return p.cu_seqlens == nullptr &&
          fused_rule(p.H, p.B * ((p.T + kFusedChunk - 1) / kFusedChunk), p.T, sm_count(), fused_min_tokens(launch));

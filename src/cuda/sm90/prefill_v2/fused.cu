@@ -27,7 +27,6 @@ constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
 // The most sequences in a fused call: the grid's y dimension.
 constexpr int64_t kMaxFusedSeqs = 65535;
-constexpr int kSeqArgsBytes = int(sizeof(ProduceArgs) + sizeof(ConsumeArgs)) + 16;  // + the first token, the head
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
 // and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
 // warpgroup's inv_b (split SW64 tiles) and forward-substitution scratch, the barriers (and the
@@ -126,11 +125,19 @@ constexpr int kLaunchRegs = 168;  // __launch_bounds__(384, 1): 65 536 / 384, ro
 static_assert(kThreads * kProducerRegs + 2 * kThreads * kConsumerRegs <= 3 * kThreads * kLaunchRegs,
               "the producer would wait for registers no one frees");
 
-// Sequence n's arguments (FusedArgs::num_seqs): the call's shifted to the sequence's first token
-// (bos, returned; the TMA maps keep the call's rows, their coordinates add bos) and state, or with a
-// pool to its slot (outside [0, P): padding, marked by a negative length, -(len + 1)).
-__device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t n, ProduceArgs& seq_produce,
-                                                    ConsumeArgs& seq_consume, int64_t& seq_bos) {
+// The arguments of a CTA's current sequence (FusedArgs::num_seqs), in shared memory at
+// SmemLayout::kOffSeqArgs (written by thread 0, read where they are used).
+struct SeqArgs {
+  ProduceArgs produce;  // T < 0: a padding sequence of -(T + 1) tokens
+  ConsumeArgs consume;
+  int64_t bos;          // its first token in the TMA maps' rows
+  int head;             // fused_persistent_kernel: the current item's head, -1 once none is left
+};
+
+// Sequence n's arguments: the call's shifted to the sequence's first token (bos; the TMA maps keep
+// the call's rows, their coordinates add bos) and state, or with a pool to its slot (outside
+// [0, P): padding, marked by a negative length, -(len + 1)).
+__device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t n, SeqArgs& seq) {
   const int64_t H = a.consume.H, row = H * kHeadDim;
   int64_t bos = 0, len = 0;
   sequence_span(a, n, bos, len);
@@ -163,7 +170,16 @@ __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t 
     if (a.consume.initial_state != nullptr) sc.initial_state = a.consume.initial_state + state;
     if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
   }
-  seq_produce = sp, seq_consume = sc, seq_bos = bos;
+  seq.produce = sp, seq.consume = sc, seq.bos = bos;
+}
+
+// The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
+// arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the bytes).
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
+  uint64_t* const empty = full + kStages;
+  for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
+  mbarrier_init(empty + kStages, 1);
+  fence_mbarrier_init();
 }
 
 // One item of a CTA's work, the producer's side: head h of the sequence pa describes (its first
@@ -320,20 +336,18 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   const FusedArgs& a = params.a;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
-  uint64_t* const empty = full + kStages;
-  uint64_t* const staged_full = empty + kStages;  // the staged inputs' buffer (issue_chunk_rows)
   const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
   // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
   // state (the TMA maps keep the call's rows: their coordinates add bos); else the call's own. The
   // shifted arguments live in shared memory (the free bytes between the clocks and the staged
   // buffer), read where they are used, so that the loops hold no more registers than the
   // one-sequence kernel's (held in registers they cost ptxas 136 bytes of spills).
-  static_assert(!kSeqs || (kStaged && L::kOffSeqArgs + kSeqArgsBytes <= L::kOffStaged), "no room for the sequence's arguments");
-  ProduceArgs& seq_produce = *reinterpret_cast<ProduceArgs*>(ring + L::kOffSeqArgs);
-  ConsumeArgs& seq_consume = *reinterpret_cast<ConsumeArgs*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs));
-  int64_t& seq_bos = *reinterpret_cast<int64_t*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs));
+  static_assert(!kSeqs || (kStaged && L::kOffSeqArgs + int(sizeof(SeqArgs)) <= L::kOffStaged),
+                "no room for the sequence's arguments");
+  SeqArgs& seq = *reinterpret_cast<SeqArgs*>(ring + L::kOffSeqArgs);
+  ProduceArgs& seq_produce = seq.produce;
+  ConsumeArgs& seq_consume = seq.consume;
   if constexpr (kSeqs) {
     if (a.error_flag != nullptr) {  // uniform: every thread reads the same verdict
       const int verdict = *a.error_flag;
@@ -342,7 +356,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         return;
       }
     }
-    if (tid == 0) write_sequence_args(a, blockIdx.y, seq_produce, seq_consume, seq_bos);
+    if (tid == 0) write_sequence_args(a, blockIdx.y, seq);
   }
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   if constexpr (kSeqs) {
@@ -352,15 +366,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       return;
     }
   }
-  const int64_t bos = kSeqs ? seq_bos : 0;
+  const int64_t bos = kSeqs ? seq.bos : 0;
   const int64_t num_chunks = ((kSeqs ? seq_produce.T : a.consume.T) + kChunk - 1) / kChunk;
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
-    }
-    mbarrier_init(staged_full, 1);  // its issuing thread and the bytes
-    fence_mbarrier_init();
-  }
+  if (tid == 0) init_ring_barriers(full);
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
   if (kClock && tid < kPhaseClocks) clock_sums[tid] = 0;
   __syncthreads();
@@ -391,22 +399,13 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
-  uint64_t* const empty = full + kStages;
-  uint64_t* const staged_full = empty + kStages;
   const int tid = threadIdx.x, wg = tid / kThreads;
-  static_assert(L::kOffSeqArgs + kSeqArgsBytes <= L::kOffStaged, "no room for the sequence's arguments");
-  ProduceArgs& seq_produce = *reinterpret_cast<ProduceArgs*>(ring + L::kOffSeqArgs);
-  ConsumeArgs& seq_consume = *reinterpret_cast<ConsumeArgs*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs));
-  int64_t& seq_bos = *reinterpret_cast<int64_t*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs));
-  int& seq_head = *reinterpret_cast<int*>(ring + L::kOffSeqArgs + sizeof(ProduceArgs) + sizeof(ConsumeArgs) + 8);
+  static_assert(L::kOffSeqArgs + int(sizeof(SeqArgs)) <= L::kOffStaged, "no room for the sequence's arguments");
+  SeqArgs& seq = *reinterpret_cast<SeqArgs*>(ring + L::kOffSeqArgs);
+  ProduceArgs& seq_produce = seq.produce;
+  ConsumeArgs& seq_consume = seq.consume;
   if (*a.error_flag != prefill::kCallFused) return;  // uniform; the chunk-16 kernels ran the call or refused it
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
-    }
-    mbarrier_init(staged_full, 1);
-    fence_mbarrier_init();
-  }
+  if (tid == 0) init_ring_barriers(full);
   __syncthreads();
   long long last_clock = 0;  // no phase clocks
   const int64_t H = a.consume.H;
@@ -418,16 +417,16 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
     for (int64_t base = 0;;) {
       if (tid == 0) {
         const int64_t item = atomicAdd(a.next_item, 1);
-        seq_head = item < a.num_seqs * H ? int(item % H) : -1;
-        if (seq_head >= 0) write_sequence_args(a, item / H, seq_produce, seq_consume, seq_bos);
+        seq.head = item < a.num_seqs * H ? int(item % H) : -1;
+        if (seq.head >= 0) write_sequence_args(a, item / H, seq);
       }
       items_sync();
-      const int h = seq_head;
+      const int h = seq.head;
       if (h < 0) break;
       if (seq_produce.T < 0) zero_head_rows(seq_consume.out, -seq_produce.T - 1, int(H), h, tid, kThreads);
       const int64_t chunks = item_chunks();
       if (chunks > 0)
-        produce_item<GateForm::kLowerBound, false, kStaged, false, kConsumerInv>(params, ring, seq_produce, h, seq_bos,
+        produce_item<GateForm::kLowerBound, false, kStaged, false, kConsumerInv>(params, ring, seq_produce, h, seq.bos,
                                                                                   chunks, base, nullptr, last_clock);
       base += chunks;
       items_sync();  // every thread done with the item's arguments before thread 0 writes the next's
@@ -436,7 +435,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     for (int64_t base = 0;;) {
       items_sync();
-      const int h = seq_head;
+      const int h = seq.head;
       if (h < 0) break;
       const int64_t chunks = item_chunks();
       consume_item<kStaged, false, kConsumerInv>(params, ring, seq_consume, h, chunks, base, nullptr, last_clock);
