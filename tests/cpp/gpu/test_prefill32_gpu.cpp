@@ -232,6 +232,36 @@ struct CapturedCall {
 // The call replayed twice from a CUDA graph: its bits.
 std::vector<unsigned char> graph_replay_bits(KdaInputs& in, DeviceProblem& d) { return CapturedCall(in, d).replay(2); }
 
+// A state pool of P fp32 slots holding a fixed pattern (the pool cases of the rule's tests):
+// run() makes d's call with its states in the pool at the device slots, from that pattern, on
+// poisoned outputs (zeros first: on zeros), and downloads the outputs; now() is the pool after it.
+struct TestPool {
+  std::vector<float> init;
+  DeviceBuffer buf;
+  int64_t P;
+  TestPool(int64_t slots, size_t slot_floats) : init(size_t(slots) * slot_floats), buf(init.size() * 4), P(slots) {
+    for (size_t i = 0; i < init.size(); ++i) init[i] = 0.01f * float(int64_t(i * 2654435761u % 201) - 100);
+  }
+  void run(DeviceProblem& d, const void* slots, const internal::PrefillLaunch& launch, bool zeros_first = false) {
+    ASSERT_EQ(cudaMemcpy(buf.ptr, init.data(), buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    PrefillParams p = d.params();
+    p.state_pool = buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
+    p.state_indices = static_cast<const int32_t*>(slots);
+    ASSERT_TRUE(fused_serves(p));
+    DeviceBuffer ws(internal::workspace_size(p, launch));
+    d.poison();
+    if (zeros_first) ASSERT_EQ(cudaMemset(d.out, 0, d.in.out.data_bytes()), cudaSuccess);
+    internal::forward(p, launch, ws.ptr, ws.bytes);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+  }
+  std::vector<float> now() const {
+    std::vector<float> host(init.size());
+    EXPECT_EQ(cudaMemcpy(host.data(), buf.ptr, buf.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+    return host;
+  }
+};
+
 // The fused kernel through the library's call (fused_v2 = 1) on `in` against the fp64 reference: its
 // errors reported under `name` and held to the precise mode's bounds; returns the call's bits.
 std::vector<unsigned char> fused_call_against_reference(KdaInputs& in, const std::string& name) {
@@ -536,36 +566,16 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     KdaInputs in(o);
     DeviceProblem d(in);
     const size_t slot_floats = size_t(H) * o.V * o.K;
-    std::vector<float> pool_init(size_t(P) * slot_floats);
-    for (size_t i = 0; i < pool_init.size(); ++i) pool_init[i] = 0.01f * float(int64_t(i * 2654435761u % 201) - 100);
-    DeviceBuffer pool(pool_init.size() * 4);
+    TestPool pool(P, slot_floats);
     std::vector<int32_t> slots(N);
     for (int64_t n = 0; n < N; ++n) slots[n] = int32_t((n + 2) % P);  // distinct: N < P
     slots[1] = -1;
     void* d_slots = d.upload(slots.data(), slots.size() * 4);
-    auto run_pool = [&](const internal::PrefillLaunch& launch, bool zeros_first) {
-      ASSERT_EQ(cudaMemcpy(pool.ptr, pool_init.data(), pool.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      PrefillParams p = d.params();
-      p.state_pool = pool.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
-      p.state_indices = static_cast<const int32_t*>(d_slots);
-      ASSERT_TRUE(fused_serves(p));
-      DeviceBuffer ws(internal::workspace_size(p, launch));
-      d.poison();
-      if (zeros_first) ASSERT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);
-      internal::forward(p, launch, ws.ptr, ws.bytes);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      d.download();
-    };
-    auto pool_now = [&] {
-      std::vector<float> host(pool_init.size());
-      EXPECT_EQ(cudaMemcpy(host.data(), pool.ptr, pool.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-      return host;
-    };
     std::vector<std::vector<unsigned char>> outs;
     std::vector<std::vector<float>> pools;
     for (const internal::PrefillLaunch& launch : {internal::PrefillLaunch{}, always, never}) {
-      run_pool(launch, false);
-      outs.push_back(in.out.bytes), pools.push_back(pool_now());
+      pool.run(d, d_slots, launch);
+      outs.push_back(in.out.bytes), pools.push_back(pool.now());
       if (outs.size() == 1) {  // the rule's call: every output written, the padding sequence's rows
         EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);  // zero, the slots it names no others
         const size_t row = size_t(H) * o.V * 2;  // bytes of a token's bf16 outputs
@@ -575,7 +585,7 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
         for (int64_t slot = 0; slot < P; ++slot)
           if (std::find(slots.begin(), slots.end(), int32_t(slot)) == slots.end())
             EXPECT_TRUE(std::equal(pools[0].begin() + slot * slot_floats, pools[0].begin() + (slot + 1) * slot_floats,
-                                   pool_init.begin() + slot * slot_floats))
+                                   pool.init.begin() + slot * slot_floats))
                 << "slot " << slot << ", named by no sequence, changed";
       }
     }
@@ -583,9 +593,9 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     EXPECT_FALSE(outs[0] == outs[2]) << "the pool call gave the chunk-16 kernels' bits";
     slots[2] = slots[0];  // a live slot named twice
     ASSERT_EQ(cudaMemcpy(d_slots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-    run_pool(internal::PrefillLaunch{}, true);
+    pool.run(d, d_slots, internal::PrefillLaunch{}, true);
     EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count) << "a slot named twice: outputs not all NaN";
-    EXPECT_TRUE(pool_now() == pool_init) << "a slot named twice: the pool was written";
+    EXPECT_TRUE(pool.now() == pool.init) << "a slot named twice: the pool was written";
   }
 }
 
@@ -636,28 +646,16 @@ TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
     KdaInputs in(o);
     DeviceProblem d(in);
     const int64_t P = N + 2;
-    const size_t slot_floats = size_t(H) * o.V * o.K;
-    std::vector<float> pool_init(size_t(P) * slot_floats);
-    for (size_t i = 0; i < pool_init.size(); ++i) pool_init[i] = 0.01f * float(int64_t(i * 2654435761u % 201) - 100);
-    DeviceBuffer pool(pool_init.size() * 4);
+    TestPool pool(P, size_t(H) * o.V * o.K);
     std::vector<int32_t> slots(N);
     for (int64_t n = 0; n < N; ++n) slots[n] = n % 5 == 1 ? -1 : int32_t((n + 2) % P);
     void* d_slots = d.upload(slots.data(), slots.size() * 4);
-    auto run_pool = [&](const internal::PrefillLaunch& launch) {
-      EXPECT_EQ(cudaMemcpy(pool.ptr, pool_init.data(), pool.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      PrefillParams p = d.params();
-      p.state_pool = pool.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
-      p.state_indices = static_cast<const int32_t*>(d_slots);
-      DeviceBuffer ws(internal::workspace_size(p, launch));
-      d.poison();
-      internal::forward(p, launch, ws.ptr, ws.bytes);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      d.download();
+    auto run_pool = [&](const internal::PrefillLaunch& launch) {  // the outputs' bytes, then the pool's
+      pool.run(d, d_slots, launch);
       std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-      std::vector<float> host(pool_init.size());
-      EXPECT_EQ(cudaMemcpy(host.data(), pool.ptr, pool.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-      const auto* b = reinterpret_cast<const unsigned char*>(host.data());
-      bits.insert(bits.end(), b, b + pool.bytes);
+      const std::vector<float> after = pool.now();
+      const auto* b = reinterpret_cast<const unsigned char*>(after.data());
+      bits.insert(bits.end(), b, b + pool.buf.bytes);
       return bits;
     };
     const std::vector<unsigned char> bits = run_pool(persistent);
