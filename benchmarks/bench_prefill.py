@@ -225,13 +225,13 @@ def layouts(C, H, sms):
 def chunk16_and_fused_ms(H, seqlens, reps, rule=False):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
     -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
-    and the same with the candidate rule: the persistent grid where K0 may choose (fused_persistent 1)
-    and a 192-token floor on the longest sequence (fused_min_tokens), random gates, fp32 states:
+    and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
+    gates, fp32 states:
     CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
     launches = [dict(fused_v2=-1), dict(fused_v2=1)]
     if rule:
-        launches += [dict(fused_v2=0), dict(fused_v2=0, fused_persistent=1, fused_min_tokens=192)]
+        launches += [dict(fused_v2=0), dict(fused_v2=0, fused_persistent=1)]
     times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
     torch.cuda.empty_cache()
@@ -258,19 +258,19 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads=""):
     """The fused chunk-32 kernel over several sequences (grid H x N, device cu_seqlens; internal
     fused_v2 1 against -1) across head counts and batch shapes, and the default call (the rule:
     config.h fused_rule, decided by K0 from the device cu_seqlens), with mixed lengths: a long
-    prompt among short ones (which the rule leaves to the chunk-16 kernels), spread lengths, and many
-    short prompts (the cost of the fused kernel's empty launch where the rule cannot hold).
+    prompt among short ones (which the rule leaves to the chunk-16 kernels at few heads), spread
+    lengths, and many short prompts about the rule's floor.
     Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
             "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
-            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | persistent, floor 192 | "
+            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | persistent grid | "
             "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
-    # one sequence below the rule's 512-token floor, and batches of short prompts: where the floor could go
-    shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 256), (1, 384), (1, 512), (1, 1024), (16, 512), (8, 1024),
-                                                   (8, 2048), (4, 4096), (64, 384))]
+    # one sequence and batches about the rule's 192-token floor (128 below it): where the floor could go
+    shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 128), (1, 256), (1, 384), (1, 512), (1, 1024), (16, 512),
+                                                   (8, 1024), (8, 2048), (4, 4096), (64, 384), (128, 128))]
     shapes += [("2048 + 30 x 64", [2048] + [64] * 30), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512]),
-               ("256 x 200", [200] * 256)]  # many short prompts: the rule never holds, the fused kernel's launch is empty
+               ("256 x 200", [200] * 256)]  # many short prompts, just over the rule's floor
     shape_filter = [x.strip() for x in only_shapes.split(",") if x.strip()]
     head_filter = [int(x) for x in only_heads.split(",") if x.strip()]
     for name, seqlens in shapes:

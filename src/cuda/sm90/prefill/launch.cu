@@ -394,18 +394,15 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
 // split: asked without launching, since after K0's verdict there is no way back). Without the
-// persistent grid also only where the sequences average at least kFusedMinMeanTokens (or the rule's
-// floor, where internal::PrefillLaunch::fused_min_tokens lowers it below that): where K0 leaves
-// the call to the chunk-16 kernels, a CTA-an-item launch still runs its N H CTAs, one an SM, which
-// exit at once: ~2.3 us a wave of #SMs CTAs (run 99, "2048 + 30 x 64" at H = 12-32: +6 to +17 us),
-// against a call of ~1.65 ns a token and head, i.e. ~9 / mean length of the call's time; at 256
-// tokens and more that is <= 3.6%.
-constexpr int64_t kFusedMinMeanTokens = 256;
+// persistent grid also only where the sequences average at least the rule's floor (192 tokens):
+// where K0 leaves the call to the chunk-16 kernels, a CTA-an-item launch still runs its N H CTAs,
+// one an SM, which exit at once: ~2.3 us a wave of #SMs CTAs (run 99, "2048 + 30 x 64" at
+// H = 12-32: +6 to +17 us), against a call of ~1.65 ns a token and head, i.e. ~9 / mean length of
+// the call's time; at 192 tokens and more that is <= 4.7%.
 bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent) {
   const int64_t N = detail::num_sequences(p);
-  const int64_t mean_floor = std::min(kFusedMinMeanTokens, kp.fused_min_tokens);
   return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
-         (persistent || p.B * p.T >= mean_floor * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
+         (persistent || p.B * p.T >= kp.fused_min_tokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
          fused_on_verdict(p, kp, persistent, nullptr, true) == cudaSuccess;
 }
 

@@ -70,8 +70,11 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
 // register id makes ptxas reserve all 16 barriers).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
 // Named barrier 3: all 384 threads, between the items of a persistent CTA (the producer's and the
-// consumers' item loops meet there, each from its own branch).
-__device__ __forceinline__ void items_sync() { asm volatile("bar.sync 3, 384;" ::: "memory"); }
+// consumers' item loops meet there, each from its own branch). Not .aligned (bar.sync is): the
+// producer's warp 0 may reach it diverged (thread 0 alone took the item), and an aligned barrier
+// reached by a diverged warp counts the warp more than once and may release early (run 103:
+// synccheck's "divergent thread(s)" there, racecheck's hazards on the item's arguments).
+__device__ __forceinline__ void items_sync() { asm volatile("barrier.sync 3, 384;" ::: "memory"); }
 
 // The kernel's parameters: the caller's arguments and the TMA maps of its inputs' rows.
 struct FusedParams {
