@@ -222,16 +222,18 @@ def layouts(C, H, sms):
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
-def chunk16_and_fused_ms(H, seqlens, reps, rule=False):
+def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
     -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
     and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
-    gates, fp32 states:
+    gates, fp32 states; `floor` > 0: both with that floor on the longest sequence (internal
+    fused_min_tokens) instead of the rule's:
     CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
     launches = [dict(fused_v2=-1), dict(fused_v2=1)]
     if rule:
-        launches += [dict(fused_v2=0), dict(fused_v2=0, fused_persistent=1)]
+        extra = dict(fused_min_tokens=floor) if floor > 0 else {}
+        launches += [dict(fused_v2=0, **extra), dict(fused_v2=0, fused_persistent=1, **extra)]
     times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
     torch.cuda.empty_cache()
@@ -254,7 +256,7 @@ def fused_sweep_rows(reps):
     return rows
 
 
-def fused_batch_sweep_rows(reps, only_shapes="", only_heads=""):
+def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0):
     """The fused chunk-32 kernel over several sequences (grid H x N, device cu_seqlens; internal
     fused_v2 1 against -1) across head counts and batch shapes, and the default call (the rule:
     config.h fused_rule, decided by K0 from the device cu_seqlens), with mixed lengths: a long
@@ -263,7 +265,8 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads=""):
     Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
             "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
-            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | default (rule) | persistent grid | "
+            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | "
+            + (f"default, floor {floor} | persistent grid, floor {floor} | " if floor > 0 else "default (rule) | persistent grid | ") +
             "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     # one sequence and batches about the rule's 192-token floor (128 below it): where the floor could go
@@ -279,7 +282,7 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads=""):
         for H in ((96,) if len(seqlens) == 1 else (12, 16, 24, 32, 64, 96)):
             if head_filter and H not in head_filter:
                 continue
-            ours, fused, rule, persistent = chunk16_and_fused_ms(H, seqlens, reps, rule=True)
+            ours, fused, rule, persistent = chunk16_and_fused_ms(H, seqlens, reps, rule=True, floor=floor)
             rows.append(f"| {name} | {H} | {len(seqlens) * H} | {ours:.3f} | {fused:.3f} | {rule:.3f} | {persistent:.3f} | "
                         f"{fused / ours:.2f} | {rule / min(ours, fused):.2f} |")
             print(rows[-1], flush=True)
@@ -558,6 +561,9 @@ def main():
                          "cu_seqlens (16 x 512 to 4 x 4096 tokens, H = 12-96): the data for a rule beyond one sequence")
     ap.add_argument("--fused-batch-shapes", default="",
                     help="with --fused-batch-sweep: only these shapes, comma-separated names (e.g. '8 x 1024,256 x 200')")
+    ap.add_argument("--fused-floor", type=int, default=0,
+                    help="with --fused-batch-sweep: the default and persistent columns with this floor on the longest "
+                         "sequence (internal fused_min_tokens, a candidate) instead of the rule's 192 tokens")
     ap.add_argument("--fused-batch-heads", default="", help="with --fused-batch-sweep: only these H, comma-separated")
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
@@ -618,7 +624,7 @@ def main():
     if args.fused_sweep:
         lines += fused_sweep_rows(args.reps)
     if args.fused_batch_sweep:
-        lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads)
+        lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads, args.fused_floor)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

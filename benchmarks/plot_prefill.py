@@ -61,13 +61,15 @@ def plot_fused_batch(paths, out):
             if header is None or len(cells) != len(header) or set(cells[0]) <= set("-"):
                 continue
             row = dict(zip(header, cells))
-            c16, fused, rule = (float(row[k]) for k in ("chunk-16 kernels", "fused v2", "default (rule)"))
+            default = next(k for k in header if k.startswith("default"))  # "default (rule)" or "default, floor N"
+            c16, fused, rule = (float(row[k]) for k in ("chunk-16 kernels", "fused v2", default))
             shapes[row["N x T"]].append((int(row["CTAs (N H)"]), fused / c16, rule / c16))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
     for ax, which, title in ((axes[0], 1, "fused chunk-32 kernel (forced)"), (axes[1], 2, "default call (the rule)")):
-        for shape, pts in shapes.items():
+        for i, (shape, pts) in enumerate(shapes.items()):  # tab20 and two markers: no two shapes look alike
             pts.sort()
-            ax.plot([p[0] for p in pts], [p[which] for p in pts], "-o", markersize=4, label=shape)
+            ax.plot([p[0] for p in pts], [p[which] for p in pts], "-" + "os"[i % 2], markersize=4, label=shape,
+                    color=plt.cm.tab20(i % 20))
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.axvline(2 * 132 / 3, color="gray", linestyle=":", linewidth=0.8)
         ax.set_xscale("log", base=2)

@@ -13,7 +13,7 @@
 #   v2 = prefill v2's chunk-32 producer and recurrence (test_produce32_gpu, test_prefill32_gpu, then ncu of the producer);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); fused = prefill v2's fused
 #   kernel against today's kernels across head counts and batches (bench_prefill.py --fused-sweep
-#   --fused-batch-sweep); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   --fused-batch-sweep, extra arguments in $FUSED_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -165,7 +165,8 @@ if want decode; then
 fi
 if want fused; then
   step fused-sweep
-  python3 benchmarks/bench_prefill.py --fused-sweep --fused-batch-sweep --table none --no-accuracy --no-peers 2>&1 |
+  # shellcheck disable=SC2086  # $FUSED_ARGS: extra arguments, e.g. --fused-floor 128
+  python3 benchmarks/bench_prefill.py --fused-sweep --fused-batch-sweep --table none --no-accuracy --no-peers ${FUSED_ARGS:-} 2>&1 |
     tee "$OUT/bench_fused.log" | tail -25 || status=1
 fi
 if want profile; then
