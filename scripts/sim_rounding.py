@@ -32,6 +32,20 @@ def f16(x):
     return np.asarray(x, np.float64).astype(np.float16).astype(np.float64)
 
 
+def tf32(x):
+    """Round to TensorFloat-32 (10 mantissa bits, nearest, ties away: cvt.rna.tf32.f32), as float64."""
+    x32 = np.asarray(x, np.float64).astype(np.float32)
+    u = x32.view(np.uint32).astype(np.uint64)
+    u = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
+def tf32_trunc(x):
+    """Truncate to TensorFloat-32 (the low 13 bits dropped: what wgmma reads of an fp32 operand)."""
+    x32 = np.asarray(x, np.float64).astype(np.float32)
+    return (x32.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32).astype(np.float64)
+
+
 def f32(x):
     """fp32 copy of an array (every simulated input is exact in fp32); other values unchanged."""
     return x.astype(np.float32) if isinstance(x, np.ndarray) else x
@@ -85,10 +99,18 @@ def inputs(case, T, H, K, seed):
     return q, k, v, g, beta, kw, f32(h0).astype(np.float64)
 
 
-def chunk_mats(qh, kh, a, b):
-    """One chunk of one head: kd, qd, kr [c, K], e^Γ [K], inv_b, Mqk [c, c] in fp64."""
+def chunk_mats(qh, kh, a, b, round_mqk_q=False, lmqk_tf32=False):
+    """One chunk of one head: kd, qd, kr [c, K], e^Γ [K], inv_b, Mqk [c, c] in fp64. round_mqk_q:
+    Mqk's query operand q e^{G - mid} (mid = Γ / 2, the kernels' factoring) rounded to bf16, the
+    key operand exact (the kernels' split). lmqk_tf32: L's and Mqk's three operands (k e^{G - mid},
+    q e^{G - mid}, k e^{mid - G}) rounded to tf32, one tf32 product instead of the bf16 split's three."""
     G = np.cumsum(a, axis=0)
     Gam = G[-1]
+    mid = 0.5 * Gam
+    r = (tf32_trunc if lmqk_tf32 == "trunc" else tf32) if lmqk_tf32 else (lambda x: x)
+    qop = bf16(qh * np.exp(G - mid)) if round_mqk_q else r(qh * np.exp(G - mid))
+    kop, kup = r(kh * np.exp(mid - G)), r(kh * np.exp(G - mid))
+    factored = round_mqk_q or lmqk_tf32
     kd, qd, kr = kh * np.exp(G), qh * np.exp(G), kh * np.exp(Gam - G)
     n = len(b)
     L = np.zeros((n, n))
@@ -97,8 +119,8 @@ def chunk_mats(qh, kh, a, b):
         for j in range(i + 1):
             w = np.exp(G[i] - G[j])
             if j < i:
-                L[i, j] = b[i] * np.sum(kh[i] * kh[j] * w)
-            M[i, j] = np.sum(qh[i] * kh[j] * w)
+                L[i, j] = b[i] * (np.sum(kup[i] * kop[j]) if lmqk_tf32 else np.sum(kh[i] * kh[j] * w))
+            M[i, j] = np.sum(qop[i] * kop[j]) if factored else np.sum(qh[i] * kh[j] * w)
     inv_b = np.linalg.solve(np.eye(n) + L, np.diag(b))
     return kd, qd, kr, np.exp(Gam), inv_b, M, Gam
 
@@ -106,6 +128,9 @@ def chunk_mats(qh, kh, a, b):
 OPERANDS = ("S", "u", "U", "kd", "qd", "kr", "inv", "Mqk")  # u = v - W, the A operand of inv_b
 # "<operand>16" in keep: that operand rounded to fp16 instead of bf16 (8x smaller rounding, a
 # narrower range) rather than split.
+
+
+ROUND_MQK_Q = LMQK_TF32 = False  # --round-mqk-q, --lmqk-tf32
 
 
 def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
@@ -126,7 +151,8 @@ def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
         while t0 < T:
             if not pair or t0 + C >= T:
                 t1 = min(T, t0 + C)
-                kd, qd, kr, eg, inv_b, M, _ = chunk_mats(qh[t0:t1, h], kh[t0:t1, h], a[t0:t1, h], b[t0:t1, h])
+                kd, qd, kr, eg, inv_b, M, _ = chunk_mats(qh[t0:t1, h], kh[t0:t1, h], a[t0:t1, h], b[t0:t1, h],
+                                                          ROUND_MQK_Q and mode == "fast", LMQK_TF32 if mode == "fast" else None)
                 Sr = rk["S"](S)
                 W = rk["kd"](kd) @ Sr.T
                 U = rk["inv"](inv_b) @ rk["u"](v[0, t0:t1, h] - W)
@@ -171,9 +197,14 @@ def main():
                          "several --keep sets can be compared with --sets")
     ap.add_argument("--sets", nargs="*", default=None,
                     help="comma-separated operand sets to keep, one fast run each (e.g. kr kr,inv S,U,kr,inv)")
+    ap.add_argument("--round-mqk-q", action="store_true",
+                    help="Mqk's query operand q e^{G - mid} rounded to bf16 (its key operand and Mqk itself as --keep says)")
+    ap.add_argument("--lmqk-tf32", nargs="?", const="rna", default=None, choices=["rna", "trunc"],
+                    help="L's and Mqk's operands rounded to tf32 (one tf32 product) instead of split: to nearest "
+                         "(rna, the default) or truncated (trunc)")
     args = ap.parse_args()
-    global C
-    C = args.chunk
+    global C, ROUND_MQK_Q, LMQK_TF32
+    C, ROUND_MQK_Q, LMQK_TF32 = args.chunk, args.round_mqk_q, args.lmqk_tf32
     q, k, v, g, beta, kw, h0 = inputs(args.case, args.T, args.H, args.K, args.seed)
     ref_o, ref_s = reference_forward(*map(f32, (q, k, v, g, beta)), initial_state=f32(h0),
                                      **{name: f32(x) for name, x in kw.items()})

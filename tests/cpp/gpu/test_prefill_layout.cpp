@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cuda/sm90/prefill/config.h"
+#include "cuda/sm90/prefill_v2/layout.h"
 
 namespace flashkda::cuda::sm90::prefill {
 namespace {
@@ -131,6 +132,36 @@ TEST(PrefillRecordLayoutKr, PreciseRecordUnchanged) {
   EXPECT_EQ(PreciseRecord::kOffInvBLo, 22528);
   EXPECT_EQ(PreciseRecord::kBytes, 23040);
   EXPECT_EQ(PreciseRecord::kWoLbo, 768);
+}
+
+// Prefill v2's fp32 (tf32) SW128 tiles, the L / Mqk product's operands: every element on its own
+// 4 bytes, the tile covered once, a thread's 4 channels from a multiple of 4 one 16-byte granule,
+// and the atom in bytes the bf16 tiles' one (granule position g ^ (r % 8) in a 128-byte row), so
+// the same descriptors (SBO 1024) and 32-byte k-steps read them.
+TEST(PrefillV2Layout, F32Sw128TileCoversEveryByteOnce) {
+  using prefill_v2::sw128_offset;
+  using prefill_v2::sw128_offset_f32;
+  for (const int rows : {32, 64}) {
+    std::vector<int> hits(rows * kHeadDim * 4, 0);
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < kHeadDim; ++c) {
+        const int o = sw128_offset_f32(rows, r, c);
+        ASSERT_GE(o, 0);
+        ASSERT_LT(o + 3, int(hits.size()));
+        ASSERT_EQ(o % 4, 0);
+        for (int b = 0; b < 4; ++b) ++hits[o + b];
+        if (c % 4 == 0) {
+          ASSERT_EQ(o % 16, 0);
+          for (int e = 1; e < 4; ++e) ASSERT_EQ(sw128_offset_f32(rows, r, c + e), o + 4 * e);
+        }
+        // byte for byte the bf16 tile's swizzle: block of 128 bytes a row, granule g ^ (r % 8)
+        const int block = c / 32, g = (c % 32) / 4;
+        ASSERT_EQ(o, block * rows * 128 + (sw128_offset(rows, r, 8 * g) - (8 * g / 64) * rows * 128) + (c % 4) * 4);
+      }
+    for (size_t b = 0; b < hits.size(); ++b) ASSERT_EQ(hits[b], 1) << "byte " << b;
+  }
+  static_assert(prefill_v2::ProduceScratch::kOffB - prefill_v2::ProduceScratch::kOffA == 64 * kHeadDim * 4);
+  static_assert(prefill_v2::ProduceScratch::kOffL - prefill_v2::ProduceScratch::kOffB == 32 * kHeadDim * 4);
 }
 
 }  // namespace

@@ -237,8 +237,11 @@ void run_case(const Case& c) {
     EXPECT_LT(qd.value(), 1e-3);
     EXPECT_LT(kr.value(), 3e-5);  // hi + lo: ~16 bits; bf16 alone fails (~2e-3)
     EXPECT_LT(gamma.value(), 1e-5);
-    EXPECT_LT(mqk.value(), 3e-5);
-    EXPECT_LT(inv.value(), 3e-5);
+    // L and Mqk from tf32 operands (2^-11 relative each): an fp64 simulation of this test's inputs
+    // puts Mqk at ~2.9e-4 and inv_b at ~3e-6 (random keys) to ~3.1e-5 (one key repeated); the bf16
+    // split before measured 1.3e-5 for both (run 105).
+    EXPECT_LT(mqk.value(), 1e-3);
+    EXPECT_LT(inv.value(), 2e-4);
   }
   for (void* p : {d_q, d_k, d_g, d_beta, static_cast<void*>(d_A), static_cast<void*>(d_bias), d_out}) cudaFree(p);
 }

@@ -22,6 +22,13 @@ constexpr int kThreads = 128;  // the producer: one warpgroup
 __host__ __device__ constexpr int sw128_offset(int rows, int r, int c) {
   return (c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
 }
+// Byte offset of element (r, c) (fp32 / tf32) in a rows x 128 SW128 tile: four blocks of 32
+// channels, each `rows` rows of 128 bytes; the 16-byte granule of 4 channels g (0..7 inside the
+// block) of row r at granule position g ^ (r % 8) (the same atom, in bytes, as sw128_offset's).
+// r, c >= 0, in bit operations (signed division and remainder would cost instructions).
+__host__ __device__ constexpr int sw128_offset_f32(int rows, int r, int c) {
+  return (c >> 5) * rows * 128 + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + ((c & 3) << 2);
+}
 // Byte offset of element (i, j) in a 32 x 32 SW64 tile.
 __host__ __device__ constexpr int sw64_offset(int i, int j) {
   return i * 64 + (((j / 8) ^ ((i / 2) % 4)) * 16) + (j % 8) * 2;
@@ -48,11 +55,11 @@ struct ChunkOperands {
 };
 static_assert(ChunkOperands::kBytes % 16 == 0 && ChunkOperands::kOffMqk % 1024 == 0);
 
-// Scratch of the L / Mqk product: the split operands [k e^{G-mid}; q e^{G-mid}] (64 rows, A) and
-// k e^{mid-G} (32 rows, B), hi and lo each.
+// Scratch of the L / Mqk product: its tf32 operands (sw128_offset_f32 tiles) [k e^{G-mid};
+// q e^{G-mid}] (64 rows, A) and k e^{mid-G} (32 rows, B).
 struct ProduceScratch {
-  static constexpr int kOffA = 0;                              // hi, then lo at + 2 kTileBytes
-  static constexpr int kOffB = kOffA + 4 * kTileBytes;         // hi, then lo at + kTileBytes
+  static constexpr int kOffA = 0;                              // 64 x 128 fp32: 4 kTileBytes
+  static constexpr int kOffB = kOffA + 4 * kTileBytes;         // 32 x 128 fp32: 2 kTileBytes
   static constexpr int kOffL = kOffB + 2 * kTileBytes;         // fp32 L [32][kLStride]
   static constexpr int kLStride = 36;
   static constexpr int kOffX22 = kOffL + kChunk * kLStride * 4;  // fp32 X11, X22, T, each [16][20]

@@ -9,7 +9,7 @@
 //              of L and Mqk, k e^{G - mid}, q e^{G - mid} and k e^{mid - G} (mid = Gamma / 2:
 //              every factor within e^{±80} while the spread |Gamma| stays under 160)
 //   l_mqk      [k e^{G-mid}; q e^{G-mid}] (k e^{mid-G})^T as one 64 x 32 wgmma over the 128
-//              channels, split bf16 (hi·hi + hi·lo + lo·hi): L = b_i (row i < 32, i > j), Mqk (i >= j)
+//              channels, tf32 operands (rounded to nearest): L = b_i (row i < 32, i > j), Mqk (i >= j)
 //   invert     inv_b = (I + L)^-1 diag(b) exactly, from the two 16 x 16 fp32 forward
 //              substitutions and X21 = -X22 L21 X11
 //
@@ -395,7 +395,22 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
   store_granule(lo_tile, rows, r, c, make_uint4(lo[0], lo[1], lo[2], lo[3]));
 }
 
-// The decayed and restored keys, q_decayed and the split operands of L and Mqk, into their tiles
+// x rounded to tf32 into a rows x 128 fp32 SW128 tile (sw128_offset_f32): two 16-byte granules.
+// wgmma's tf32 operands ignore an fp32 word's low 13 bits (TF32 leaves them undefined; CUTLASS's
+// round_half_ulp_truncate relies on it too), so adding half a tf32 ulp (0x1000) to the word rounds
+// to nearest, ties away, in one integer add where cvt.rna.tf32.f32 takes three instructions
+// (measured in the SASS: the same count as the bf16 split it replaces). An fp32 NaN word may carry
+// into the sign (0x7fffffff becomes a tiny negative): L and Mqk may then lose a NaN that the
+// chunk's k_decayed, q_decayed and k_restored, made from the same values, still carry.
+__device__ __forceinline__ void store_tf32(uint8_t* tile, int rows, int r, int c, const float (&x)[8]) {
+  const auto rna = [](float v) { return __float_as_uint(v) + 0x1000u; };
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+    *reinterpret_cast<uint4*>(tile + sw128_offset_f32(rows, r, c + 4 * h)) =
+        make_uint4(rna(x[4 * h]), rna(x[4 * h + 1]), rna(x[4 * h + 2]), rna(x[4 * h + 3]));
+}
+
+// The decayed and restored keys, q_decayed and the tf32 operands of L and Mqk, into their tiles
 // (rec: the chunk's ChunkOperands; scratch: ProduceScratch). G and gamma in log2 units. factor_row:
 // token t's eight channels from c0 (q, k normalised); build_factors: this thread's four tokens.
 struct FactorScales {
@@ -408,10 +423,8 @@ struct FactorScales {
 
 __device__ __forceinline__ void factor_row(int t, int c0, const float (&q)[8], const float (&k)[8], const float (&G)[8],
                                            const FactorScales& f, uint8_t* rec, uint8_t* scratch) {
-  uint8_t* const a_hi = scratch + ProduceScratch::kOffA;
-  uint8_t* const a_lo = a_hi + 2 * kTileBytes;
-  uint8_t* const b_hi = scratch + ProduceScratch::kOffB;
-  uint8_t* const b_lo = b_hi + kTileBytes;
+  uint8_t* const a = scratch + ProduceScratch::kOffA;
+  uint8_t* const b = scratch + ProduceScratch::kOffB;
   float op_k[8], op_q[8], op_d[8], kd[8], qd[8], kr[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
@@ -422,9 +435,9 @@ __device__ __forceinline__ void factor_row(int t, int c0, const float (&q)[8], c
   store_granule(rec + ChunkOperands::kOffKDecayed, kChunk, t, c0, pack8<true>(kd));
   store_granule(rec + ChunkOperands::kOffQDecayed, kChunk, t, c0, pack8<true>(qd));
   store_split(rec + ChunkOperands::kOffKRestored, rec + ChunkOperands::kOffKRestoredLo, kChunk, t, c0, kr);
-  store_split(a_hi, a_lo, 2 * kChunk, t, c0, op_k);
-  store_split(a_hi, a_lo, 2 * kChunk, kChunk + t, c0, op_q);
-  store_split(b_hi, b_lo, kChunk, t, c0, op_d);
+  store_tf32(a, 2 * kChunk, t, c0, op_k);
+  store_tf32(a, 2 * kChunk, kChunk + t, c0, op_q);
+  store_tf32(b, kChunk, t, c0, op_d);
 }
 
 __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, const ThreadTile& k, const ThreadTile& G,
@@ -435,20 +448,34 @@ __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, cons
   for (int r = 0; r < 4; ++r) factor_row(tile_token(warp, lane, r), c0, q.x[r], k.x[r], G.x[r], f, rec, scratch);
 }
 
+// The staged form's last chunk of a sequence whose length is not a multiple of 32: this thread's
+// rows past the end (>= rows) of the buffer's q and k set to zero in place, since the buffer may
+// hold another sequence's rows there, non-finite ones included (a zero row scale would keep a NaN).
+// Each thread zeroes the granules that it alone reads (for_staged_rows), so no barrier; the fence
+// after the factors orders these generic stores before the next copy into the buffer. Zeroing the
+// rows here rather than selecting in build_factors_staged keeps 64 selects a thread out of every
+// chunk's factors.
+__device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf) {
+  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const int t = tile_token(warp, lane, r);
+    if (t >= rows) {
+      *reinterpret_cast<uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2) = make_uint4(0, 0, 0, 0);
+    }
+  }
+}
+
 // The staged form: q and k read from the buffer row by row and scaled (sq: qk_row_scales_staged)
-// as normalise_qk would have scaled them; rows past the end (>= rows) zero by selection, since the
-// buffer may hold another sequence's rows there, non-finite ones included.
-__device__ __forceinline__ void build_factors_staged(int tid, int rows, const uint8_t* buf, const float (&sq)[8],
+// as normalise_qk would have scaled them (rows past the end: zero_staged_tail's zeros).
+__device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf, const float (&sq)[8],
                                                      const ThreadTile& G, const float (&gamma)[8], uint8_t* rec,
                                                      uint8_t* scratch) {
   const FactorScales f(gamma);
   for_staged_rows(buf, tid, [&](int r, int t, float (&q)[8], float (&k)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) q[e] *= sq[r], k[e] *= sq[r + 4];
-    if (rows < kChunk && t >= rows) {  // uniform across the CTA's chunks but the last
-#pragma unroll
-      for (int e = 0; e < 8; ++e) q[e] = 0.f, k[e] = 0.f;
-    }
     factor_row(t, tile_channel(tid & 31), q, k, G.x[r], f, rec, scratch);
   });
 }
@@ -459,7 +486,7 @@ __device__ __forceinline__ uint64_t sw128_desc(const void* p) {
   return uint64_t((a & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
-using WgmmaLMqk = cute::SM90::GMMA::MMA_64x32x16_F32BF16BF16_SS<cute::SM90::GMMA::Major::K, cute::SM90::GMMA::Major::K>;
+using WgmmaLMqk = cute::SM90::GMMA::MMA_64x32x8_F32TF32TF32_SS_TN<>;
 
 __device__ __forceinline__ void wgmma_l_mqk(uint64_t da, uint64_t db, float (&d)[16], bool accumulate) {
   WgmmaLMqk::fma(da, db, d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7], d[8], d[9], d[10], d[11], d[12], d[13], d[14],
@@ -467,25 +494,21 @@ __device__ __forceinline__ void wgmma_l_mqk(uint64_t da, uint64_t db, float (&d)
 }
 
 // d = [k e^{G-mid}; q e^{G-mid}] (k e^{mid-G})^T, rows 0-31 the keys', 32-63 the queries'; warp w
-// holds rows 16w + g (+8), columns 8n + 2t (+1) (docs/notes/wgmma.md d). The operand stores must
-// be fenced to the async proxy and behind a barrier.
+// holds rows 16w + g (+8), columns 8n + 2t (+1) (docs/notes/wgmma.md d). tf32 operands, 16 k-steps
+// of 8 channels (32 bytes: four a 128-byte block of 32 channels), one product each (the bf16 split
+// before took three a 16-channel step: docs/DESIGN.md "Prefill v2", the tf32 L and Mqk). The
+// operand stores must be fenced to the async proxy and behind a barrier.
 __device__ __forceinline__ void l_mqk_product(const uint8_t* scratch, float (&d)[16]) {
-  const uint8_t* const a_hi = scratch + ProduceScratch::kOffA;
-  const uint8_t* const a_lo = a_hi + 2 * kTileBytes;
-  const uint8_t* const b_hi = scratch + ProduceScratch::kOffB;
-  const uint8_t* const b_lo = b_hi + kTileBytes;
 #pragma unroll
   for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(d[i]);
   cute::warpgroup_arrive();
   // The k-steps' descriptors: the tiles' own plus the step's byte offset / 16 (no carry out of
   // the address field: shared addresses stay under 2^18).
-  const uint64_t da_hi = sw128_desc(a_hi), da_lo = sw128_desc(a_lo), db_hi = sw128_desc(b_hi), db_lo = sw128_desc(b_lo);
+  const uint64_t da = sw128_desc(scratch + ProduceScratch::kOffA), db = sw128_desc(scratch + ProduceScratch::kOffB);
 #pragma unroll
-  for (int s = 0; s < kHeadDim / 16; ++s) {
+  for (int s = 0; s < kHeadDim / 8; ++s) {
     const int oa = ((s / 4) * 2 * kChunk * 128 + (s % 4) * 32) >> 4, ob = ((s / 4) * kChunk * 128 + (s % 4) * 32) >> 4;
-    wgmma_l_mqk(da_hi + oa, db_hi + ob, d, s > 0);
-    wgmma_l_mqk(da_hi + oa, db_lo + ob, d, true);
-    wgmma_l_mqk(da_lo + oa, db_hi + ob, d, true);
+    wgmma_l_mqk(da + oa, db + ob, d, s > 0);
   }
   cute::warpgroup_commit_batch();
   cute::warpgroup_wait<0>();
@@ -632,7 +655,8 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // the async proxy (a bulk copy or a consumer's wgmma may read it after the next barrier or
 // mbarrier arrival).
 // kStaged: the chunk's inputs already in shared memory at `staged` (issue_chunk_rows, copies
-// complete), read where they are used; after the factors' barrier no thread reads them again and
+// complete; a last chunk's rows past the end zeroed in place: zero_staged_tail), read where
+// they are used; after the factors' barrier no thread reads them again and
 // after_factors() runs (the fused kernel refills the buffer there). Else loaded from global memory.
 // beta_raw: the chunk's raw beta (load_beta_raw) where staged or beta_ahead, else loaded here.
 // sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
@@ -647,7 +671,7 @@ struct NoAfter {
 template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
           class AfterFactors = NoAfter>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
-                                              uint8_t* scratch, const uint8_t* staged = nullptr,
+                                              uint8_t* scratch, uint8_t* staged = nullptr,
                                               float beta_raw = 0.f, const float* sm_gate = nullptr,
                                               bool beta_ahead = false, float* l_beta = nullptr,
                                               const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
@@ -663,7 +687,10 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   gate_chunk<kGate>(p, h, rows, tid, q, k, a, sm_gate);
   mark(9);
   float sq[8];
-  if constexpr (kStaged) qk_row_scales_staged(p, tid, rows, staged, sq);
+  if constexpr (kStaged) {
+    if (rows < kChunk) zero_staged_tail(tid, rows, staged);  // uniform: a sequence's last chunk at most
+    qk_row_scales_staged(p, tid, rows, staged, sq);
+  }
   else normalise_qk(p, tid, rows, q, k);
   mark(2);
   float gamma[8];
@@ -675,7 +702,7 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
     dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
   }
   if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
-  if constexpr (kStaged) build_factors_staged(tid, rows, staged, sq, a, gamma, rec, scratch);
+  if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, gamma, rec, scratch);
   else build_factors(tid, q, k, a, gamma, rec, scratch);
   fence_proxy_async_shared();
   Sync::sync();
