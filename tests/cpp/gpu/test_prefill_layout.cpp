@@ -156,9 +156,11 @@ TEST(PrefillV2Layout, F32Sw128TileCoversEveryByteOnce) {
         }
         // byte for byte the bf16 tile's swizzle: block of 128 bytes a row, granule g ^ (r % 8)
         const int block = c / 32, g = (c % 32) / 4;
-        ASSERT_EQ(o, block * rows * 128 + (sw128_offset(rows, r, 8 * g) - (8 * g / 64) * rows * 128) + (c % 4) * 4);
+        ASSERT_EQ(o, block * rows * 128 + sw128_offset(rows, r, 8 * g) + (c % 4) * 4);
       }
     for (size_t b = 0; b < hits.size(); ++b) ASSERT_EQ(hits[b], 1) << "byte " << b;
+    // the k-steps of 8 channels that l_mqk_product's descriptors start at (row 0: no swizzle)
+    for (int s = 0; s < kHeadDim / 8; ++s) ASSERT_EQ(sw128_offset_f32(rows, 0, 8 * s), (s / 4) * rows * 128 + (s % 4) * 32);
   }
   static_assert(prefill_v2::ProduceScratch::kOffB - prefill_v2::ProduceScratch::kOffA == 64 * kHeadDim * 4);
   static_assert(prefill_v2::ProduceScratch::kOffL - prefill_v2::ProduceScratch::kOffB == 32 * kHeadDim * 4);

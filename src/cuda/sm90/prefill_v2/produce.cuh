@@ -9,7 +9,7 @@
 //              of L and Mqk, k e^{G - mid}, q e^{G - mid} and k e^{mid - G} (mid = Gamma / 2:
 //              every factor within e^{±80} while the spread |Gamma| stays under 160)
 //   l_mqk      [k e^{G-mid}; q e^{G-mid}] (k e^{mid-G})^T as one 64 x 32 wgmma over the 128
-//              channels, tf32 operands (rounded to nearest): L = b_i (row i < 32, i > j), Mqk (i >= j)
+//              channels, tf32 operands (rounded to nearest even): L = b_i (row i < 32, i > j), Mqk (i >= j)
 //   invert     inv_b = (I + L)^-1 diag(b) exactly, from the two 16 x 16 fp32 forward
 //              substitutions and X21 = -X22 L21 X11
 //
@@ -136,7 +136,7 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
 // thread, completing on an mbarrier) while chunk c is computed, so that no global-memory latency
 // sits in the producer's chain and no thread holds an address for it. A buffer holds [32][128]
 // bf16 q, then k, then the gate ([32][128] bf16 or fp32), rows in token order; rows past the
-// chunk's end are zeros. (Run 80: one bulk copy a row, issued by a warp's lanes, cost the producer
+// chunk's end are zeros or another sequence's (below). (Run 80: one bulk copy a row, issued by a warp's lanes, cost the producer
 // ~3 400 cycles a chunk in issue.)
 constexpr int kStagedQ = 0, kStagedK = kTileBytes, kStagedG = 2 * kTileBytes;
 constexpr int kStagedBytes = 2 * kTileBytes + kChunk * kHeadDim * 4;  // 32 KB a buffer (fp32 gates)
@@ -150,7 +150,8 @@ struct ChunkRowMaps {
 // Issues (one thread) the copies of chunk `chunk`'s q, k and gate rows into buf, completing on
 // bar (one arrival, this thread's, with the bytes to expect). The sequence starts at row token0
 // of the maps; rows past the end of the maps arrive as zeros, rows past the sequence's end inside
-// them as the next sequence's: the gate, the norms and the factors zero both by selection.
+// them as the next sequence's: gate_chunk and the row scales zero both by selection, and
+// zero_staged_tail sets such q and k rows to zero in the buffer before the norms read them.
 // Generic reads of buf must be ordered before this call (a barrier), which fences them against
 // the copies' async-proxy writes.
 template <bool kF32Gate>
@@ -409,18 +410,21 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
 }
 
 // x rounded to tf32 into a rows x 128 fp32 SW128 tile (sw128_offset_f32): two 16-byte granules.
-// wgmma's tf32 operands ignore an fp32 word's low 13 bits (TF32 leaves them undefined; CUTLASS's
-// round_half_ulp_truncate relies on it too), so adding half a tf32 ulp (0x1000) to the word rounds
-// to nearest, ties away, in one integer add where cvt.rna.tf32.f32 takes three instructions
-// (measured in the SASS: the same count as the bf16 split it replaces). An fp32 NaN word may carry
-// into the sign (0x7fffffff becomes a tiny negative): L and Mqk may then lose a NaN that the
-// chunk's k_decayed, q_decayed and k_restored, made from the same values, still carry.
+// cvt.rn.tf32.f32 is one instruction on sm_90a (F2FP.TF32.F32.PACK_B: to nearest even, NaN kept);
+// cvt.rna takes three (measured in the SASS: the count of the bf16 split it replaces), and adding
+// half a tf32 ulp to the word (one integer add, the tensor core ignoring the low 13 bits) turns
+// the canonical NaN 0x7fffffff into -0. The stores are 2-way bank-conflicted: lanes l and l + 4
+// write the same granule position of two 32-channel blocks (a multiple of 128 bytes apart).
+__device__ __forceinline__ uint32_t tf32_rn(float x) {
+  uint32_t y;
+  asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ void store_tf32(uint8_t* tile, int rows, int r, int c, const float (&x)[8]) {
-  const auto rna = [](float v) { return __float_as_uint(v) + 0x1000u; };
 #pragma unroll
   for (int h = 0; h < 2; ++h)
     *reinterpret_cast<uint4*>(tile + sw128_offset_f32(rows, r, c + 4 * h)) =
-        make_uint4(rna(x[4 * h]), rna(x[4 * h + 1]), rna(x[4 * h + 2]), rna(x[4 * h + 3]));
+        make_uint4(tf32_rn(x[4 * h]), tf32_rn(x[4 * h + 1]), tf32_rn(x[4 * h + 2]), tf32_rn(x[4 * h + 3]));
 }
 
 // The decayed and restored keys, q_decayed and the tf32 operands of L and Mqk, into their tiles
