@@ -338,29 +338,31 @@ __device__ __forceinline__ void qk_row_scales_staged(const ProduceArgs& p, int t
   qk_row_scales(p, tid, rows, s, sq);
 }
 
-// a <- G (the inclusive prefix sums down each channel); gamma <- G_31 of this thread's channels.
-// Returns whether some channel of the chunk spreads beyond the factorised form (all threads
-// agree). sm_totals: [4 warps][128] scratch. Ends with a barrier of the 128 threads.
+// The inclusive prefix sums G down each channel, in two parts: a <- the sums over this thread's
+// half-warp's rows up to each of its tokens, and offset <- what G adds to them (the rows of the
+// half-warps and warps before: G = a + offset), which build_factors folds into its one subtraction
+// of mid (FactorScales) instead of 32 additions a thread here; gamma <- G_31 of this thread's
+// channels. Returns whether some channel of the chunk spreads beyond the factorised form (all
+// threads agree). sm_totals: [4 warps][128] scratch. Ends with a barrier of the 128 threads.
 template <class Sync>
-__device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&gamma)[8], float* sm_totals) {
+__device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&offset)[8], float (&gamma)[8],
+                                               float* sm_totals) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
   for (int r = 1; r < 4; ++r)
 #pragma unroll
     for (int e = 0; e < 8; ++e) a.x[r][e] += a.x[r - 1][e];
   const bool upper = lane & 16;
+  float below[8];  // the lower half-warp's total (upper lanes), else 0
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    const float below = __shfl_xor_sync(0xffffffffu, a.x[3][e], 16);
-    if (upper) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a.x[r][e] += below;
-    }
+    const float x = __shfl_xor_sync(0xffffffffu, a.x[3][e], 16);
+    below[e] = upper ? x : 0.f;
   }
-  if (upper) {
+  if (upper) {  // the warp's totals
     float4* dst = reinterpret_cast<float4*>(sm_totals + warp * kHeadDim + c0);
-    dst[0] = make_float4(a.x[3][0], a.x[3][1], a.x[3][2], a.x[3][3]);
-    dst[1] = make_float4(a.x[3][4], a.x[3][5], a.x[3][6], a.x[3][7]);
+    dst[0] = make_float4(a.x[3][0] + below[0], a.x[3][1] + below[1], a.x[3][2] + below[2], a.x[3][3] + below[3]);
+    dst[1] = make_float4(a.x[3][4] + below[4], a.x[3][5] + below[5], a.x[3][6] + below[6], a.x[3][7] + below[7]);
   }
   Sync::sync();
   // Prefix sums of the four warps' totals; this warp adds those before it (warp-uniform choice).
@@ -373,13 +375,10 @@ __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&g
 #pragma unroll
     for (int e = 0; e < 8; ++e) prefix[w][e] = w == 0 ? x[e] : prefix[w - 1][e] + x[e];
   }
-  if (warp > 0) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float before = warp == 1 ? prefix[0][e] : warp == 2 ? prefix[1][e] : prefix[2][e];
-#pragma unroll
-      for (int r = 0; r < 4; ++r) a.x[r][e] += before;
-    }
+  for (int e = 0; e < 8; ++e) {
+    const float before = warp == 0 ? 0.f : warp == 1 ? prefix[0][e] : warp == 2 ? prefix[1][e] : prefix[2][e];
+    offset[e] = below[e] + before;
   }
   bool wide = false;
 #pragma unroll
@@ -428,13 +427,17 @@ __device__ __forceinline__ void store_tf32(uint8_t* tile, int rows, int r, int c
 }
 
 // The decayed and restored keys, q_decayed and the tf32 operands of L and Mqk, into their tiles
-// (rec: the chunk's ChunkOperands; scratch: ProduceScratch). G and gamma in log2 units. factor_row:
-// token t's eight channels from c0 (q, k normalised); build_factors: this thread's four tokens.
+// (rec: the chunk's ChunkOperands; scratch: ProduceScratch). G (scan_log_decay's a: the log-decay
+// prefix less its offset), offset and gamma in log2 units. factor_row: token t's eight channels
+// from c0 (q, k normalised); build_factors: this thread's four tokens.
 struct FactorScales {
-  float mid[8], e_mid[8];  // Gamma / 2 and e^{Gamma - mid} = e^{mid}
-  __device__ __forceinline__ explicit FactorScales(const float (&gamma)[8]) {
+  float shift[8], e_mid[8];  // mid - offset (mid = Gamma / 2; scan_log_decay's offset) and e^{mid}
+  __device__ __forceinline__ FactorScales(const float (&offset)[8], const float (&gamma)[8]) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) mid[e] = 0.5f * gamma[e], e_mid[e] = ex2(mid[e]);
+    for (int e = 0; e < 8; ++e) {
+      const float mid = 0.5f * gamma[e];
+      shift[e] = mid - offset[e], e_mid[e] = ex2(mid);
+    }
   }
 };
 
@@ -445,7 +448,7 @@ __device__ __forceinline__ void factor_row(int t, int c0, const float (&q)[8], c
   float op_k[8], op_q[8], op_d[8], kd[8], qd[8], kr[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) {
-    const float up = ex2(G[e] - f.mid[e]), down = ex2(f.mid[e] - G[e]);
+    const float up = ex2(G[e] - f.shift[e]), down = ex2(f.shift[e] - G[e]);  // e^{±(G - mid)}
     op_k[e] = k[e] * up, op_q[e] = q[e] * up, op_d[e] = k[e] * down;
     kd[e] = op_k[e] * f.e_mid[e], qd[e] = op_q[e] * f.e_mid[e], kr[e] = op_d[e] * f.e_mid[e];
   }
@@ -458,9 +461,10 @@ __device__ __forceinline__ void factor_row(int t, int c0, const float (&q)[8], c
 }
 
 __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, const ThreadTile& k, const ThreadTile& G,
-                                              const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
+                                              const float (&offset)[8], const float (&gamma)[8], uint8_t* rec,
+                                              uint8_t* scratch) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
-  const FactorScales f(gamma);
+  const FactorScales f(offset, gamma);
 #pragma unroll
   for (int r = 0; r < 4; ++r) factor_row(tile_token(warp, lane, r), c0, q.x[r], k.x[r], G.x[r], f, rec, scratch);
 }
@@ -487,9 +491,9 @@ __device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf
 // The staged form: q and k read from the buffer row by row and scaled (sq: qk_row_scales_staged)
 // as normalise_qk would have scaled them (rows past the end: zero_staged_tail's zeros).
 __device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf, const float (&sq)[8],
-                                                     const ThreadTile& G, const float (&gamma)[8], uint8_t* rec,
-                                                     uint8_t* scratch) {
-  const FactorScales f(gamma);
+                                                     const ThreadTile& G, const float (&offset)[8],
+                                                     const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
+  const FactorScales f(offset, gamma);
   for_staged_rows(buf, tid, [&](int r, int t, float (&q)[8], float (&k)[8]) {
 #pragma unroll
     for (int e = 0; e < 8; ++e) q[e] *= sq[r], k[e] *= sq[r + 4];
@@ -710,8 +714,9 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   }
   else normalise_qk(p, tid, rows, q, k);
   mark(2);
-  float gamma[8];
-  const bool wide = scan_log_decay<Sync>(tid, a, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
+  float offset[8], gamma[8];  // a: G less offset (scan_log_decay)
+  const bool wide =
+      scan_log_decay<Sync>(tid, a, offset, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
   mark(3);
   if (tid < 16) {
     float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
@@ -719,8 +724,8 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
     dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
   }
   if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
-  if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, gamma, rec, scratch);
-  else build_factors(tid, q, k, a, gamma, rec, scratch);
+  if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, offset, gamma, rec, scratch);
+  else build_factors(tid, q, k, a, offset, gamma, rec, scratch);
   fence_proxy_async_shared();
   Sync::sync();
   after_factors();
