@@ -4,11 +4,15 @@ fp64 token recurrence: what the GPU's precision modes can reach on a given input
 Needs flashkda installed (its fp64 reference is the yardstick):
 
     python scripts/sim_rounding.py [--case softplus|precomputed|random|repeated|long] [--pair] [--T 333] [--chunk 32]
+                                   [--lmqk-tf32 [rna|trunc]] [--round-mqk-q]
 
 Modes: 'fast' rounds every tensor-core operand (S, U, kd, qd, kr, inv_b, Mqk, and in the pair
 form the cross matrices and the e^Γ-scaled operands) as the fast kernels do; 'exact' rounds
 nothing (checks the algebra); 'out-only' rounds only the bf16 output. The inputs follow the GPU
 tests (tests/cpp/gpu/test_prefill_gpu.cpp): bf16 q, k, v, L2 norm, beta logits, fp32 state x0.1.
+--lmqk-tf32 forms L and Mqk from factored operands (k, q e^{G - mid}, k e^{mid - G}) rounded to tf32,
+as prefill v2's producer does (docs/DESIGN.md "L and Mqk from tf32 operands"); --round-mqk-q rounds
+only Mqk's query operand to bf16.
 """
 import argparse
 
