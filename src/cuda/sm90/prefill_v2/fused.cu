@@ -73,7 +73,8 @@ __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256
 // consumers' item loops meet there, each from its own branch). Not .aligned (bar.sync is): the
 // producer's warp 0 may reach it diverged (thread 0 alone took the item), and an aligned barrier
 // reached by a diverged warp counts the warp more than once and may release early (run 103:
-// synccheck's "divergent thread(s)" there, racecheck's hazards on the item's arguments).
+// synccheck's "divergent thread(s)" there and K0's counter short; run 105 clean under synccheck,
+// though racecheck still reports hazards on the item's arguments, not explained: the grid is off).
 __device__ __forceinline__ void items_sync() { asm volatile("barrier.sync 3, 384;" ::: "memory"); }
 
 // The kernel's parameters: the caller's arguments and the TMA maps of its inputs' rows.
