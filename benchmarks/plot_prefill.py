@@ -57,11 +57,11 @@ def plot_fused_batch(paths, out):
             cells = [c.strip() for c in line.strip().strip("|").split("|")]
             if cells and cells[0] == "N x T":
                 header = cells
+                default = next(k for k in header if k.startswith("default"))  # "default (rule)" or "default, floor N"
                 continue
             if header is None or len(cells) != len(header) or set(cells[0]) <= set("-"):
                 continue
             row = dict(zip(header, cells))
-            default = next(k for k in header if k.startswith("default"))  # "default (rule)" or "default, floor N"
             c16, fused, rule = (float(row[k]) for k in ("chunk-16 kernels", "fused v2", default))
             shapes[row["N x T"]].append((int(row["CTAs (N H)"]), fused / c16, rule / c16))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)

@@ -136,10 +136,16 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
 // thread, completing on an mbarrier) while chunk c is computed, so that no global-memory latency
 // sits in the producer's chain and no thread holds an address for it. A buffer holds [32][128]
 // bf16 q, then k, then the gate ([32][128] bf16 or fp32), rows in token order; rows past the
-// chunk's end are zeros or another sequence's (below). (Run 80: one bulk copy a row, issued by a warp's lanes, cost the producer
-// ~3 400 cycles a chunk in issue.)
+// chunk's end are zeros or another sequence's (below). (Run 80: one bulk copy a row, issued by a
+// warp's lanes, cost the producer ~3 400 cycles a chunk in issue.)
 constexpr int kStagedQ = 0, kStagedK = kTileBytes, kStagedG = 2 * kTileBytes;
 constexpr int kStagedBytes = 2 * kTileBytes + kChunk * kHeadDim * 4;  // 32 KB a buffer (fp32 gates)
+// Byte offset in a staged buffer of the 16-byte granule of token t's 8 bf16 channels from c0 in
+// part kStagedQ, kStagedK or (bf16 gates) kStagedG: what a producer thread reads of its rows, and
+// all that it writes there (zero_staged_tail).
+__device__ __forceinline__ constexpr int staged_offset(int part, int t, int c0) {
+  return part + (t * kHeadDim + c0) * 2;
+}
 
 // The tensor maps of the inputs a fused kernel copies by TMA: [T, H, 128] as a 3-D tensor of
 // boxes {128, 1, 32}, i.e. the 32 rows of one head and chunk (fused.cu builds them).
@@ -193,7 +199,7 @@ __device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows,
       a.x[r][0] = g0.x, a.x[r][1] = g0.y, a.x[r][2] = g0.z, a.x[r][3] = g0.w;
       a.x[r][4] = g1.x, a.x[r][5] = g1.y, a.x[r][6] = g1.z, a.x[r][7] = g1.w;
     } else {
-      unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedG + (t * kHeadDim + c0) * 2), a.x[r]);
+      unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedG, t, c0)), a.x[r]);
     }
   }
   if (tid < kChunk) sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
@@ -319,8 +325,8 @@ __device__ __forceinline__ void for_staged_rows(const uint8_t* buf, int tid, Fn&
   for (int r = 0; r < 4; ++r) {
     const int t = tile_token(warp, lane, r);
     float q[8], k[8];
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2), q);
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2), k);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedQ, t, c0)), q);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedK, t, c0)), k);
     fn(r, t, q, k);
   }
 }
@@ -472,7 +478,8 @@ __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, cons
 // The staged form's last chunk of a sequence whose length is not a multiple of 32: this thread's
 // rows past the end (>= rows) of the buffer's q and k set to zero in place, since the buffer may
 // hold another sequence's rows there, non-finite ones included (a zero row scale would keep a NaN).
-// Each thread zeroes the granules that it alone reads (for_staged_rows), so no barrier; the fence
+// Each thread zeroes the granules that it alone reads (staged_offset, as for_staged_rows reads
+// them), so no barrier; the fence
 // after the factors orders these generic stores before the next copy into the buffer. Zeroing the
 // rows here rather than selecting in build_factors_staged keeps 64 selects a thread out of every
 // chunk's factors.
@@ -482,8 +489,8 @@ __device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf
   for (int r = 0; r < 4; ++r) {
     const int t = tile_token(warp, lane, r);
     if (t >= rows) {
-      *reinterpret_cast<uint4*>(buf + kStagedQ + (t * kHeadDim + c0) * 2) = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(buf + kStagedK + (t * kHeadDim + c0) * 2) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(buf + staged_offset(kStagedQ, t, c0)) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(buf + staged_offset(kStagedK, t, c0)) = make_uint4(0, 0, 0, 0);
     }
   }
 }
