@@ -37,7 +37,8 @@ def f16(x):
 
 
 def tf32(x):
-    """Round to TensorFloat-32 (10 mantissa bits, nearest, ties away: cvt.rna.tf32.f32), as float64."""
+    """Round to TensorFloat-32 (10 mantissa bits, nearest, ties away: cvt.rna.tf32.f32; the kernels'
+    cvt.rn differs only on exact ties), as float64."""
     x32 = np.asarray(x, np.float64).astype(np.float32)
     u = x32.view(np.uint32).astype(np.uint64)
     u = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
@@ -131,7 +132,8 @@ def chunk_mats(qh, kh, a, b, round_mqk_q=False, lmqk_tf32=False):
 
 OPERANDS = ("S", "u", "U", "kd", "qd", "kr", "inv", "Mqk")  # u = v - W, the A operand of inv_b
 # "<operand>16" in keep: that operand rounded to fp16 instead of bf16 (8x smaller rounding, a
-# narrower range) rather than split.
+# narrower range) rather than split; "<operand>32": rounded to tf32 (nearest; fp32's range, 10
+# mantissa bits: one tf32 product instead of the split's three).
 
 
 ROUND_MQK_Q = LMQK_TF32 = False  # --round-mqk-q, --lmqk-tf32
@@ -141,7 +143,8 @@ def run(q, k, v, g, beta, kw, h0, mode, pair, keep=()):
     """keep: operands left unrounded in the fast mode (what a split into bf16 hi + lo would give)."""
     _, T, H, K = q.shape
     rnd = bf16 if mode == "fast" else (lambda x: x)
-    rk = {name: (lambda x: x) if name in keep else (f16 if mode == "fast" and name + "16" in keep else rnd)
+    rk = {name: (lambda x: x) if name in keep else
+          (f16 if mode == "fast" and name + "16" in keep else tf32 if mode == "fast" and name + "32" in keep else rnd)
           for name in OPERANDS}
     qh = q[0] / np.sqrt((q[0] ** 2).sum(-1, keepdims=True) + 1e-6) * K ** -0.5
     kh = k[0] / np.sqrt((k[0] ** 2).sum(-1, keepdims=True) + 1e-6)
@@ -197,7 +200,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=16, help="tokens per chunk (16: the kernels; 32: the chunk-32 study)")
     ap.add_argument("--keep", nargs="*", default=None, metavar="OPERAND",
                     help=f"fast mode with these operands unrounded (split), any of {' '.join(OPERANDS)} "
-                         "(or NAME16: rounded to fp16); "
+                         "(or NAME16: rounded to fp16; NAME32: rounded to tf32); "
                          "several --keep sets can be compared with --sets")
     ap.add_argument("--sets", nargs="*", default=None,
                     help="comma-separated operand sets to keep, one fast run each (e.g. kr kr,inv S,U,kr,inv)")
