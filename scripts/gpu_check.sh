@@ -9,7 +9,8 @@
 #   $BENCH_ARGS);
 #   gpu-tests = the GPU test binaries only (test runs ctest, which includes them);
 #   pending = what docs/VALIDATION.md lists under "Not yet run on the GPU" (its tests, the three sanitizers on
-#   them);
+#   them); sanitize = memcheck, racecheck and synccheck on small cases of three suites ($SANITIZE_TOOLS
+#   picks fewer tools);
 #   v2 = prefill v2's chunk-32 producer and recurrence (test_produce32_gpu, test_prefill32_gpu, then ncu of the producer);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); fused = prefill v2's fused
 #   kernel against today's kernels across head counts and batches (bench_prefill.py --fused-sweep
@@ -126,7 +127,8 @@ fi
 if want sanitize; then
   step compute-sanitizer
   san=(--gtest_filter='*VarlenWithEmptySequencesInt32*:*SegmentsSmall*:GateFormsAndFlags:*SkipTransitions*')
-  for tool in memcheck racecheck synccheck; do
+  # SANITIZE_TOOLS: a subset (e.g. synccheck alone, ~3 of the set's ~10 minutes) where the rest ran clean already
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
     sanitize prefill "$tool" build-gpu/tests/cpp/test_prefill_gpu "${san[@]}"
     [ -x build-gpu/tests/cpp/test_decode_gpu ] && sanitize decode "$tool" build-gpu/tests/cpp/test_decode_gpu
     [ -x build-gpu/tests/cpp/test_serving_prefill_gpu ] && sanitize serving "$tool" \
