@@ -77,6 +77,10 @@ struct FusedArgs {
   // of CTAs that exit, not N H of them. Null: the grid is H x num_seqs.
   int* next_item = nullptr;
   int64_t item_ctas = 0;
+  // A candidate: the producer waits for a free stage after the chunk's gate, norms and scan (which
+  // touch only its scratch and the staged inputs), where it first writes the record, so that they
+  // overlap the consumers' last chunk in that stage; false: before the chunk's loads. The same bits.
+  bool late_empty_wait = false;
 };
 constexpr int kPhaseClocks = 16;
 
