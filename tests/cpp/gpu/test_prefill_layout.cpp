@@ -155,6 +155,27 @@ TEST(PrefillFusedRule, EdgesOfSmsAndFloor) {
   EXPECT_TRUE(fused_rule(64, 64 + 30 * 2, 2048, sms));              // ... at H = 64
 }
 
+// Prefill v2's SW128 bf16 tile (sw128_offset, in bit operations) against its definition, and a
+// consumer thread's slots in the fused kernel's staged v (sw128_slot_offset): each slot at the
+// thread's slot 0 plus the slot's constant, for every thread (warpgroup 1 or 2, warp w, lane 4 g + t4).
+TEST(PrefillV2Layout, Sw128TileAndSlotOffsets) {
+  using prefill_v2::sw128_offset;
+  using prefill_v2::sw128_slot_offset;
+  for (const int rows : {32, 64})
+    for (int r = 0; r < rows; ++r)
+      for (int c = 0; c < kHeadDim; ++c)
+        ASSERT_EQ(sw128_offset(rows, r, c), (c / 64) * rows * 128 + r * 128 + (((c % 64) / 8) ^ (r % 8)) * 16 + (c % 8) * 2);
+  for (int wg = 1; wg <= 2; ++wg)
+    for (int w = 0; w < 4; ++w)
+      for (int lane = 0; lane < 32; ++lane) {
+        const int g = lane >> 2, t4 = lane & 3, v_row = 64 * (wg - 1) + 16 * w + g;
+        for (int i = 0; i < 16; ++i)
+          ASSERT_EQ(sw128_offset(32, 2 * t4, v_row) + sw128_slot_offset(i),
+                    sw128_offset(32, 8 * (i >> 2) + 2 * t4 + (i & 1), v_row + 8 * ((i >> 1) & 1)))
+              << "warpgroup " << wg << " warp " << w << " lane " << lane << " slot " << i;
+      }
+}
+
 // Prefill v2's fp32 (tf32) SW128 tiles, the L / Mqk product's operands: every element on its own
 // 4 bytes, the tile covered once, a thread's 4 channels from a multiple of 4 one 16-byte granule,
 // and the atom in bytes the bf16 tiles' one (granule position g ^ (r % 8) in a 128-byte row), so

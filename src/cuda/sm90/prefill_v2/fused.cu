@@ -25,6 +25,14 @@ constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
+// The stage's v (and the output the consumers stage in its place) as the v tensor map's two copies
+// leave it: a 32 x 128 SW128 tile (layout.h sw128_offset: channels 0-63, then 64-127, token t's
+// 16-byte granule j at j ^ (t % 8)). So a warp's loads of one accumulator slot (8 channels of
+// tokens 2 t4 + const) and its 16-byte reads of the output's rows fall in distinct banks, where
+// unswizzled rows (256 bytes apart: every token in the same banks) cost 4 wavefronts each.
+__device__ __forceinline__ __nv_bfloat16& staged_v(const uint8_t* vs, int t, int c) {
+  return *reinterpret_cast<__nv_bfloat16*>(const_cast<uint8_t*>(vs) + sw128_offset(kChunk, t, c));
+}
 // The most sequences in a fused call: the grid's y dimension.
 constexpr int64_t kMaxFusedSeqs = 65535;
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
@@ -233,8 +241,9 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
         // the empty barrier; the copy writes through the async proxy.
         fence_proxy_async_shared();
         mbarrier_expect_tx(&full[stage], kVBytes);
-        tensor_copy_3d(ring + stage * L::kStageSpan + kRecordSpan, &params.maps.v, 0, h, int(bos + c * kChunk),
-                       &full[stage]);
+        uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v_index)
+        tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
+        tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
       }
     };
     if (!late_wait) {
@@ -310,11 +319,15 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       mark(13);
     }
     // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
-    const __nv_bfloat16* const vs = reinterpret_cast<const __nv_bfloat16*>(ring + stage * L::kStageSpan + kRecordSpan);
+    const uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // a 32 x 128 SW128 tile (staged_v)
     const int rows = p.T - c * kChunk < kChunk ? int(p.T - c * kChunk) : kChunk;
+    __nv_bfloat16* const slot0 = &staged_v(vs, 2 * t4, v_row);  // slot i at + sw128_slot_offset(i)
+    const auto slot = [&](int i) -> __nv_bfloat16& {
+      return *reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(slot0) + sw128_slot_offset(i));
+    };
     auto v_at = [&](int i) {
       const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
-      return t < rows ? __bfloat162float(vs[t * kHeadDim + v_row + 8 * ((i >> 1) & 1)]) : 0.f;
+      return t < rows ? __bfloat162float(slot(i)) : 0.f;
     };
     __nv_bfloat16 o[16];
     consume_chunk(p, h, c, v_row, t4, ring + stage * L::kStageSpan,
@@ -323,17 +336,18 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // The output through the stage's v: each slot's bf16 where this thread read its v (no other
     // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
     // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
-    __nv_bfloat16* const vw = const_cast<__nv_bfloat16*>(vs);
 #pragma unroll
-    for (int i = 0; i < 16; ++i) vw[(8 * (i >> 2) + 2 * t4 + (i & 1)) * kHeadDim + v_row + 8 * ((i >> 1) & 1)] = o[i];
+    for (int i = 0; i < 16; ++i) slot(i) = o[i];
     __syncwarp();
+    // Pass u: tokens of parity u, lanes 2m and 2m + 1 one token's 32 bytes; a quarter-warp's 8 reads
+    // (tokens 8 k + u, + 2, + 4, + 6, both halves) fall on 8 distinct granule positions.
     const int col = 64 * (wg - 1) + 16 * warp;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
-      const int unit = lane + 32 * u, t = unit >> 1, part = unit & 1;
+      const int t = 8 * (lane >> 3) + 2 * ((lane >> 1) & 3) + u, part = lane & 1;
       if (t < rows)
         *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
-                                  8 * part) = *reinterpret_cast<const uint4*>(vw + t * kHeadDim + col + 8 * part);
+                                  8 * part) = *reinterpret_cast<const uint4*>(&staged_v(vs, t, col + 8 * part));
     }
     // This thread's generic writes of the stage's v (the output slots) before the producer's
     // TMA overwrites them: fenced by each writing thread, then released by its arrival.
@@ -477,16 +491,20 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// [T, H, 128] (bf16, or fp32 when f32) as boxes of {128 channels, 1 head, 32 tokens}.
-bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int H) {
+// [T, H, 128] (bf16, or fp32 when f32) as boxes of {128 channels, 1 head, 32 tokens}; with
+// swizzled_halves (bf16), boxes of {64 channels, 1 head, 32 tokens} with the 128-byte swizzle (the
+// stage's v: staged_v_index).
+bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int H, bool swizzled_halves = false) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-  if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0) return false;
+  if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0 || (f32 && swizzled_halves)) return false;
   const cuuint64_t elem = f32 ? 4 : 2;
   const cuuint64_t dims[3] = {cuuint64_t(kHeadDim), cuuint64_t(H), cuuint64_t(T)};
   const cuuint64_t strides[2] = {kHeadDim * elem, cuuint64_t(H) * kHeadDim * elem};
-  const cuuint32_t box[3] = {cuuint32_t(kHeadDim), 1, cuuint32_t(kChunk)}, element_strides[3] = {1, 1, 1};
+  const cuuint32_t box[3] = {cuuint32_t(swizzled_halves ? kHeadDim / 2 : kHeadDim), 1, cuuint32_t(kChunk)},
+                   element_strides[3] = {1, 1, 1};
   return encode(map, f32 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, const_cast<void*>(base),
-                dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                swizzled_halves ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE,
                 CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
@@ -496,7 +514,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
   const ProduceArgs& pa = args.produce;
-  if (!chunk_rows_map(&params.maps.v, args.consume.v, false, pa.T, pa.H)) return cudaErrorInvalidValue;
+  if (!chunk_rows_map(&params.maps.v, args.consume.v, false, pa.T, pa.H, true)) return cudaErrorInvalidValue;
   if (kStaged && (!chunk_rows_map(&params.maps.q, pa.q, false, pa.T, pa.H) ||
                   !chunk_rows_map(&params.maps.k, pa.k, false, pa.T, pa.H) ||
                   !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H)))

@@ -18,9 +18,18 @@ constexpr int kChunk = 32;     // tokens per chunk
 constexpr int kHeadDim = 128;  // K = V
 constexpr int kThreads = 128;  // the producer: one warpgroup
 
-// Byte offset of element (r, c) (bf16 or fp16) in a rows x 128 SW128 tile.
+// Byte offset of element (r, c) (bf16 or fp16) in a rows x 128 SW128 tile: two blocks of 64
+// channels, each `rows` rows of 128 bytes; the 16-byte granule of 8 channels g (0..7 inside the
+// block) of row r at granule position g ^ (r % 8). r, c >= 0, in bit operations (as below).
 __host__ __device__ constexpr int sw128_offset(int rows, int r, int c) {
-  return (c / 64) * rows * 128 + r * 128 + ((((c % 64) / 8) ^ (r % 8)) * 16) + (c % 8) * 2;
+  return (c >> 6) * rows * 128 + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4) + ((c & 7) << 1);
+}
+// A consumer thread's accumulator slot i (token 8 (i >> 2) + 2 t4 + (i & 1), channel
+// v_row + 8 ((i >> 1) & 1); v_row = 16 w + g inside its 64-channel block, g < 8) in a 32 x 128
+// SW128 tile, less its slot 0's sw128_offset(32, 2 t4, v_row): a constant, since tokens 8 apart
+// share the swizzle and the slot's token and channel bits enter the granule position as their xor.
+__host__ __device__ constexpr int sw128_slot_offset(int i) {
+  return 1024 * (i >> 2) + 128 * (i & 1) + 16 * (((i >> 1) ^ i) & 1);
 }
 // Byte offset of element (r, c) (fp32 / tf32) in a rows x 128 SW128 tile: four blocks of 32
 // channels, each `rows` rows of 128 bytes; the 16-byte granule of 4 channels g (0..7 inside the

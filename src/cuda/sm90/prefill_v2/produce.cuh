@@ -148,7 +148,8 @@ __device__ __forceinline__ constexpr int staged_offset(int part, int t, int c0) 
 }
 
 // The tensor maps of the inputs a fused kernel copies by TMA: [T, H, 128] as a 3-D tensor of
-// boxes {128, 1, 32}, i.e. the 32 rows of one head and chunk (fused.cu builds them).
+// boxes {128, 1, 32}, i.e. the 32 rows of one head and chunk (fused.cu builds them); v's boxes are
+// {64, 1, 32} with the 128-byte swizzle, two a chunk (fused.cu staged_v).
 struct ChunkRowMaps {
   CUtensorMap q, k, g, v;
 };
