@@ -5,8 +5,9 @@
 // the producer waits for before it writes chunk c + 2 there. By default all three run at the
 // launch's 168 registers (FusedArgs::producer_regs: setmaxnreg 184 / 160).
 // Each stage also holds the chunk's v rows, which one thread of the producer's warp 1 copies in by
-// TMA (a tensor copy of the chunk's 32 rows; the maps of q, k, g and v are built per call) as the
-// stage is rebuilt, completing on the same full barrier. FusedArgs::stage_inputs: the same thread
+// TMA (two tensor copies of the chunk's 32 rows, 64 channels each, into a swizzled tile: staged_v;
+// the maps of q, k, g and v are built per call) as the stage is rebuilt, completing on the same
+// full barrier. FusedArgs::stage_inputs: the same thread
 // copies chunk c + 1's q, k, g rows into one shared buffer (issue_chunk_rows) once chunk c's
 // factors have read it for the last time; the producer reads q and k from there where it uses
 // them instead of holding them in registers.
@@ -235,13 +236,13 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       mark(0);
     };
     const auto copy_v = [&] {
-      if (tid == 32) {  // the chunk's v rows into the stage by one tensor copy, completing on full[stage]
+      if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
         // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
         // accesses of this stage's v were generic-proxy loads and stores, ordered before here by
-        // the empty barrier; the copy writes through the async proxy.
+        // the empty barrier; the copies write through the async proxy.
         fence_proxy_async_shared();
         mbarrier_expect_tx(&full[stage], kVBytes);
-        uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v_index)
+        uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
         tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
         tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
       }
@@ -493,7 +494,7 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 
 // [T, H, 128] (bf16, or fp32 when f32) as boxes of {128 channels, 1 head, 32 tokens}; with
 // swizzled_halves (bf16), boxes of {64 channels, 1 head, 32 tokens} with the 128-byte swizzle (the
-// stage's v: staged_v_index).
+// stage's v: staged_v).
 bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int H, bool swizzled_halves = false) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   if (encode == nullptr || (reinterpret_cast<uintptr_t>(base) & 15) != 0 || (f32 && swizzled_halves)) return false;

@@ -79,7 +79,8 @@ struct FusedArgs {
   int64_t item_ctas = 0;
   // A candidate: the producer waits for a free stage after the chunk's gate, norms and scan (which
   // touch only its scratch and the staged inputs), where it first writes the record, so that they
-  // overlap the consumers' last chunk in that stage; false: before the chunk's loads. The same bits.
+  // overlap the consumers' last chunk in that stage; false: before the chunk's loads. The same bits
+  // (tested with the rule's flags on one sequence: test_prefill32_gpu's mode 9).
   bool late_empty_wait = false;
 };
 constexpr int kPhaseClocks = 16;
