@@ -7,10 +7,9 @@
 // Each stage also holds the chunk's v rows, which one thread of the producer's warp 1 copies in by
 // TMA (two tensor copies of the chunk's 32 rows, 64 channels each, into a swizzled tile: staged_v;
 // the maps of q, k, g and v are built per call) as the stage is rebuilt, completing on the same
-// full barrier. FusedArgs::stage_inputs: the same thread
-// copies chunk c + 1's q, k, g rows into one shared buffer (issue_chunk_rows) once chunk c's
-// factors have read it for the last time; the producer reads q and k from there where it uses
-// them instead of holding them in registers.
+// full barrier. FusedArgs::stage_inputs: the same thread copies chunk c + 1's q, k, g rows into one
+// shared buffer (issue_chunk_rows) once chunk c's factors have read it for the last time; the
+// producer reads q and k from there where it uses them instead of holding them in registers.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "backend.h"
