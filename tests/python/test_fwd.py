@@ -111,6 +111,23 @@ def test_required_gate_arguments(rng):
         call_fwd(p, A_log=np.zeros(3, np.float32))
 
 
+def test_every_internal_prefill_field_reaches_the_call(rng):
+    """Each of flashkda._internal.launch's prefill fields is a keyword of the extension's call (a
+    name missing there would raise TypeError inside the block), and a call with it set matches the
+    reference (the CPU backend reads few of them)."""
+    from flashkda import _internal
+
+    p = make_problem(rng, dtype=np.float32, lengths=[40, 3, 17], state=True)
+    ref_o, ref_h = reference(p)
+    for name in sorted(_internal._PREFILL):
+        out = fwd_args(p, np.float32)
+        ht = np.full(p["h0_vk"].shape, np.nan, dtype=np.float32)
+        with _internal.launch(**{name: 1 if name != "cpu_isa" else _internal.cpu_engine_isa()}):
+            flashkda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], 0.25, out, p["A_log"], p["dt_bias"],
+                         p["lower_bound"], initial_state=p["h0_vk"], final_state=ht, cu_seqlens=p["cu_seqlens"])
+        assert rel_rms(out, ref_o) <= 1e-5 and rel_rms(ht, ref_h) <= 1e-5, name
+
+
 def test_every_cpu_instruction_set_reaches_the_engine(rng):
     """flashkda._internal.launch(cpu_isa=...) picks the CPU engine's build (1 baseline ISA, 2 AVX2 +
     FMA, 3 AVX-512, capped at the processor's): each matches the reference, and a request above what

@@ -631,12 +631,13 @@ FusedArgs fused_args(const PrefillParams& p) {
 }
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict,
-                          bool check_only, int* next_item, int64_t item_ctas) {
+                          bool check_only, int* next_item, int64_t item_ctas, bool late_empty_wait) {
   FusedArgs f = fused_args(p);
   f.error_flag = error_flag;
   f.on_verdict = on_verdict, f.check_only = check_only;
   f.next_item = next_item, f.item_ctas = item_ctas;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
+  f.late_empty_wait = late_empty_wait;
   return fused_chunks(f, stream);
 }
 

@@ -96,9 +96,10 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; on_verdict,
-// check_only, next_item and item_ctas as FusedArgs says.
+// check_only, next_item, item_ctas and late_empty_wait as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict = false,
-                          bool check_only = false, int* next_item = nullptr, int64_t item_ctas = 0);
+                          bool check_only = false, int* next_item = nullptr, int64_t item_ctas = 0,
+                          bool late_empty_wait = false);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
