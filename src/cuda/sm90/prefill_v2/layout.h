@@ -18,25 +18,23 @@ constexpr int kChunk = 32;     // tokens per chunk
 constexpr int kHeadDim = 128;  // K = V
 constexpr int kThreads = 128;  // the producer: one warpgroup
 
-// Byte offset of element (r, c) (bf16 or fp16) in a rows x 128 SW128 tile: two blocks of 64
-// channels, each `rows` rows of 128 bytes; the 16-byte granule of 8 channels g (0..7 inside the
-// block) of row r at granule position g ^ (r % 8). r, c >= 0, in bit operations (as below).
-__host__ __device__ constexpr int sw128_offset(int rows, int r, int c) {
-  return (c >> 6) * rows * 128 + r * 128 + ((((c >> 3) & 7) ^ (r & 7)) << 4) + ((c & 7) << 1);
+// Byte offset of byte b of a row (b < 256 in a tile of 128 bf16 or fp16 channels, < 512 of 128
+// fp32 ones) in a rows x 128 SW128 tile: blocks of 128 bytes a row, each block `rows` rows; the
+// row's 16-byte granule g (0..7 inside the block) of row r at granule position g ^ (r % 8).
+// r, b >= 0, in bit operations (signed division and remainder would cost instructions).
+__host__ __device__ constexpr int sw128_byte_offset(int rows, int r, int b) {
+  return (b >> 7) * rows * 128 + r * 128 + ((((b >> 4) & 7) ^ (r & 7)) << 4) + (b & 15);
 }
+// Element (r, c) of a bf16 or fp16 tile (two blocks of 64 channels) and of an fp32 / tf32 one
+// (four blocks of 32): the same atom in bytes, so the same descriptors (SBO 1024) read both.
+__host__ __device__ constexpr int sw128_offset(int rows, int r, int c) { return sw128_byte_offset(rows, r, 2 * c); }
+__host__ __device__ constexpr int sw128_offset_f32(int rows, int r, int c) { return sw128_byte_offset(rows, r, 4 * c); }
 // A consumer thread's accumulator slot i (token 8 (i >> 2) + 2 t4 + (i & 1), channel
 // v_row + 8 ((i >> 1) & 1); v_row = 16 w + g inside its 64-channel block, g < 8) in a 32 x 128
 // SW128 tile, less its slot 0's sw128_offset(32, 2 t4, v_row): a constant, since tokens 8 apart
 // share the swizzle and the slot's token and channel bits enter the granule position as their xor.
 __host__ __device__ constexpr int sw128_slot_offset(int i) {
   return 1024 * (i >> 2) + 128 * (i & 1) + 16 * (((i >> 1) ^ i) & 1);
-}
-// Byte offset of element (r, c) (fp32 / tf32) in a rows x 128 SW128 tile: four blocks of 32
-// channels, each `rows` rows of 128 bytes; the 16-byte granule of 4 channels g (0..7 inside the
-// block) of row r at granule position g ^ (r % 8) (the same atom, in bytes, as sw128_offset's).
-// r, c >= 0, in bit operations (signed division and remainder would cost instructions).
-__host__ __device__ constexpr int sw128_offset_f32(int rows, int r, int c) {
-  return (c >> 5) * rows * 128 + r * 128 + ((((c >> 2) & 7) ^ (r & 7)) << 4) + ((c & 3) << 2);
 }
 // Byte offset of element (i, j) in a 32 x 32 SW64 tile.
 __host__ __device__ constexpr int sw64_offset(int i, int j) {
