@@ -480,10 +480,9 @@ __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, cons
 // rows past the end (>= rows) of the buffer's q and k set to zero in place, since the buffer may
 // hold another sequence's rows there, non-finite ones included (a zero row scale would keep a NaN).
 // Each thread zeroes the granules that it alone reads (staged_offset, as for_staged_rows reads
-// them), so no barrier; the fence
-// after the factors orders these generic stores before the next copy into the buffer. Zeroing the
-// rows here rather than selecting in build_factors_staged keeps 64 selects a thread out of every
-// chunk's factors.
+// them), so no barrier; the fence after the factors orders these generic stores before the next
+// copy into the buffer. Zeroing the rows here rather than selecting in build_factors_staged keeps
+// 64 selects a thread out of every chunk's factors.
 __device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
