@@ -14,6 +14,7 @@
 #include "common/host_math.h"
 #include "cpu/chunk.h"
 #include "cpu/isa.h"
+#include "cpu/vec_avx2.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -77,7 +78,7 @@ constexpr int32_t float_order_key(int32_t bits) { return bits ^ ((bits >> 31) & 
 // conversion is defined), r = x - n ln2 in two parts, and e^r by a degree-6 polynomial (Cephes
 // expf coefficients); returns e^r and sets ni = n. The caller applies 2^n.
 FLASHKDA_INLINE float exp_reduced(float xn, float x, int32_t& ni) {
-  ni = int32_t(xn * 1.44269504088896341f + 128.5f) - 128;  // round(xn / ln2); argument > 0
+  ni = int32_t(xn * 1.44269504088896341f + 256.5f) - 256;  // round(xn / ln2); argument > 0 for xn > -177
   const float n = float(ni);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
   float p = 1.9875691500e-4f;
@@ -224,26 +225,55 @@ FLASHKDA_INLINE void prefetch_chunk(const PrefillParams& p, int64_t h, int64_t t
   rows(p.g, p.g_dtype == DType::kBF16 ? 2 : 4, K);
 }
 
+#ifdef FLASHKDA_X86_DISPATCH
+// The lower-bound gate's log-decay of one row, a[c] <- lower_bound / (1 + e^{-a_scale (a[c] + bias[c])})
+// for c < K, on AVX2 vectors (the compiler's vectorisation of HeadGate::row kept its exp's masks
+// and constants in stack slots: ~7% of the engine's time; these 8 lanes, 0.95x the whole call).
+FLASHKDA_TARGET_AVX2 inline void lower_bound_gate_row_avx2(const host::HeadGate<float>& gate, float* a, int64_t K) {
+  const __m256 lower_bound = _mm256_set1_ps(gate.lower_bound), minus_scale = _mm256_set1_ps(-gate.a_scale);
+  const __m256 one = _mm256_set1_ps(1.0f);
+  int64_t c = 0;
+  for (; c + 8 <= K; c += 8) {
+    __m256 x = _mm256_loadu_ps(a + c);
+    if (gate.bias != nullptr) x = _mm256_add_ps(x, _mm256_loadu_ps(gate.bias + c));
+    const __m256 e = avx2::exp(_mm256_mul_ps(minus_scale, x));
+    _mm256_storeu_ps(a + c, _mm256_div_ps(lower_bound, _mm256_add_ps(one, e)));
+  }
+  for (; c < K; ++c)
+    a[c] = gate::lower_bound<EngineMath<float>>(gate.lower_bound, gate.a_scale, a[c] + (gate.bias ? gate.bias[c] : 0.0f));
+}
+#endif
+
 // Rows [tok0, tok0 + n) of head h, preprocessed; gate_a holds the log-decay a (G64 its prefix sums).
-template <typename T>
+// Every row is loaded first, then normalised and gated: the loads of all 64 rows are then in
+// flight together (1.01-1.02x against one row at a time).
+template <typename T, int kTiles>
 FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0, int n,
                                 const host::HeadGate<T>& gate, ChunkScratch<T>& s) {
   const int64_t H = p.H, K = s.K, Kp = s.Kp, V = s.V;
   for (int i = 0; i < n; ++i) {
     const int64_t row = (tok0 + i) * H + h;
-    T* qi = &s.q[i * Kp];
-    T* ki = &s.k[i * Kp];
-    T* ai = &s.gate_a[i * Kp];
-    host::load_row(p.q, p.dtype, row * K, K, qi);
-    host::load_row(p.k, p.dtype, row * K, K, ki);
+    host::load_row(p.q, p.dtype, row * K, K, &s.q[i * Kp]);
+    host::load_row(p.k, p.dtype, row * K, K, &s.k[i * Kp]);
     host::load_row(p.v, p.dtype, row * V, V, &s.v[i * s.Vp]);
-    host::load_row(p.g, p.g_dtype, row * K, K, ai);
-    if (p.pre.l2norm_qk) {
-      host::l2_normalize(qi, K);
-      host::l2_normalize(ki, K);
-    }
-    gate.template row<EngineMath<T>>(ai, ai, K);
+    host::load_row(p.g, p.g_dtype, row * K, K, &s.gate_a[i * Kp]);
     s.b[i] = host::beta_activation(p.pre, host::load<T>(p.beta, p.beta_dtype, row));
+  }
+  for (int i = 0; i < n; ++i) {
+    if (p.pre.l2norm_qk) {
+      host::l2_normalize(&s.q[i * Kp], K);
+      host::l2_normalize(&s.k[i * Kp], K);
+    }
+    T* ai = &s.gate_a[i * Kp];
+#ifdef FLASHKDA_X86_DISPATCH
+    if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
+      if (gate.form == GateForm::kLowerBound) {
+        lower_bound_gate_row_avx2(gate, ai, K);
+        continue;
+      }
+    }
+#endif
+    gate.template row<EngineMath<T>>(ai, ai, K);
   }
 }
 
@@ -284,6 +314,75 @@ FLASHKDA_INLINE void build_shifted(ChunkScratch<T>& s, int n, T scale) {
   }
 }
 
+#ifdef FLASHKDA_X86_DISPATCH
+// build_shifted on AVX2 register tiles: row i against key rows j0 .. j0 + 3 at once, 8 accumulators
+// (4 of L, 4 of Mqk) and 6 loads per 8 FMAs where dot2 has 3 per 2, then all 8 lane sums by one
+// tree (vec_avx2.h lane_sums) where dot2 adds 16 partial sums in a chain. Rows j > i of a block
+// are computed and dropped (so are those past a partial chunk's end, which hold stale factors).
+FLASHKDA_TARGET_AVX2 inline void build_shifted_avx2(ChunkScratch<float>& s, int n, float scale) {
+  const int64_t Kp = s.Kp;
+  for (int i = 0; i < n; ++i) {
+    const float* kds = &s.k_decayed_s[i * Kp];
+    const float* qds = &s.q_decayed_s[i * Kp];
+    for (int j0 = 0; j0 <= i; j0 += 4) {
+      const float* kis = &s.k_inv_s[j0 * Kp];
+      __m256 acc[8];
+#pragma GCC unroll 8
+      for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+      for (int64_t c = 0; c < Kp; c += 8) {
+        const __m256 kd = _mm256_loadu_ps(kds + c), qd = _mm256_loadu_ps(qds + c);
+#pragma GCC unroll 4
+        for (int r = 0; r < 4; ++r) {
+          const __m256 x = _mm256_loadu_ps(kis + r * Kp + c);
+          acc[r] = _mm256_fmadd_ps(kd, x, acc[r]);
+          acc[4 + r] = _mm256_fmadd_ps(qd, x, acc[4 + r]);
+        }
+      }
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, avx2::lane_sums(acc));
+      for (int r = 0; r < 4 && j0 + r <= i; ++r) {
+        if (j0 + r < i) s.L[i * C + j0 + r] = s.b[i] * sums[r];
+        s.Mqk[i * C + j0 + r] = scale * sums[4 + r];
+      }
+    }
+  }
+}
+
+// One row of build_chunk_matrices' shifted path where every e^{mid} is normal: the shifted factors
+// (k_decayed_s, q_decayed_s, k_inv_s), k_restored and the decayed key and query
+// (e^{G} = e^{G - mid} e^{mid}) on AVX2 vectors over all Kp channels (padding channels hold
+// k = q = G = mid = 0 and come out 0). G - mid is formed in double and rounded once, as in the
+// generic loop.
+FLASHKDA_TARGET_AVX2 inline void shifted_row_avx2(ChunkScratch<float>& s, int i, float scale) {
+  const int64_t Kp = s.Kp;
+  const float* qi = &s.q[i * Kp];
+  const float* ki = &s.k[i * Kp];
+  const double* Gi = &s.G64[i * Kp];
+  const double* mid = s.mid.data();
+  float* kds = &s.k_decayed_s[i * Kp];
+  float* qds = &s.q_decayed_s[i * Kp];
+  float* kis = &s.k_inv_s[i * Kp];
+  float* kr = &s.k_restored[i * Kp];
+  float* kd = &s.kq_decayed[i * Kp];
+  float* qd = &s.kq_decayed[(C + i) * Kp];
+  const __m256 one = _mm256_set1_ps(1.0f), sc = _mm256_set1_ps(scale);
+  for (int64_t c = 0; c < Kp; c += 8) {
+    const __m128 d0 = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_loadu_pd(Gi + c), _mm256_loadu_pd(mid + c)));
+    const __m128 d1 = _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_loadu_pd(Gi + c + 4), _mm256_loadu_pd(mid + c + 4)));
+    const __m256 up = avx2::exp_shift(_mm256_set_m128(d1, d0));
+    const __m256 down = _mm256_div_ps(one, up);
+    const __m256 k = _mm256_loadu_ps(ki + c), q = _mm256_loadu_ps(qi + c);
+    _mm256_storeu_ps(kds + c, _mm256_mul_ps(k, up));
+    _mm256_storeu_ps(qds + c, _mm256_mul_ps(q, up));
+    _mm256_storeu_ps(kis + c, _mm256_mul_ps(k, down));
+    _mm256_storeu_ps(kr + c, _mm256_mul_ps(k, _mm256_mul_ps(_mm256_loadu_ps(&s.decay_mid[c]), down)));
+    const __m256 e = _mm256_mul_ps(up, _mm256_loadu_ps(&s.e_mid[c]));
+    _mm256_storeu_ps(kd + c, _mm256_mul_ps(k, e));
+    _mm256_storeu_ps(qd + c, _mm256_mul_ps(_mm256_mul_ps(sc, q), e));
+  }
+}
+#endif
+
 // L and Mqk pairwise, for chunks whose gate spread is too wide for one shift (softplus or
 // precomputed gates): e^{G_i - G_j} with exponent <= 0 for j <= i, so nothing overflows and tiny
 // terms underflow correctly.
@@ -321,7 +420,7 @@ FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
 }
 
 // G, the decayed/restored keys and queries, L and Mqk for the n valid rows of a chunk.
-template <typename T>
+template <typename T, int kTiles>
 FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
   const int64_t K = s.K, Kp = s.Kp;
   // The prefix sums in double; every exponent below is a difference of them, rounded to T once.
@@ -385,6 +484,14 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
     T* kr = &s.k_restored[i * Kp];
     T* kd = &s.kq_decayed[i * Kp];
     T* qd = &s.kq_decayed[(C + i) * Kp];
+#ifdef FLASHKDA_X86_DISPATCH
+    if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
+      if (mid_normal) {
+        shifted_row_avx2(s, i, scale);
+        continue;
+      }
+    }
+#endif
     if (shifted) {
       // |G - mid| <= kMaxFactorisedShift: up and 1/up are finite, and e^{Γ - G} = e^{Γ - mid} e^{mid - G}
       // is a product of two finite factors (Γ - mid lies within the same bound).
@@ -420,6 +527,9 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
   std::fill(s.L, s.L + C * C, T(0));
   std::fill(s.Mqk, s.Mqk + C * C, T(0));
   if (shifted) {
+#ifdef FLASHKDA_X86_DISPATCH
+    if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) return build_shifted_avx2(s, n, scale);
+#endif
     build_shifted(s, n, scale);
   } else {
     build_pairwise(s, n, scale);
@@ -808,8 +918,8 @@ FLASHKDA_INLINE void forward_sequence_heads(const PrefillParams& p, int64_t n, i
       const int64_t h = h0 + j;
       s.St = s.state_of(j);
       prefetch_chunk(p, h, tok0 + C, std::min<int64_t>(C, r.eos - tok0 - C), s.K, s.V);
-      load_chunk(p, h, tok0, len, host::HeadGate<T>(p.pre, h, s.K), s);
-      build_chunk_matrices(s, len, scale);
+      load_chunk<T, kTiles>(p, h, tok0, len, host::HeadGate<T>(p.pre, h, s.K), s);
+      build_chunk_matrices<T, kTiles>(s, len, scale);
       state_pass<T, kTiles>(s, len, v_begin, v_end);
       // every is a multiple of 64, so checkpoint positions fall on chunk ends (chunks start at bos)
       const int64_t done = tok0 + len - r.bos, every = p.checkpoint_every;

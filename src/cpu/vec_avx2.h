@@ -1,0 +1,72 @@
+// Eight-lane AVX2 building blocks of the CPU engine's chunk preprocessing (cpu/prefill.cpp): the
+// exponentials and the fixed-order lane sums. Each lane is computed on its own, so the AVX2 and
+// AVX-512 builds, which both call these, give the same bits.
+#pragma once
+
+#include "cpu/isa.h"
+
+#ifdef FLASHKDA_X86_DISPATCH
+#include <immintrin.h>
+
+namespace flashkda::cpu::avx2 {
+
+// e^r by range reduction, the core of both exponentials: n = round(xn / ln2) (xn: x clamped where
+// the float-to-int conversion is defined), r = x - n ln2 in two parts (|r| <= ln2 / 2), then the
+// Cephes expf polynomial of degree 6; returns e^r and sets ni = n. The caller applies 2^n.
+FLASHKDA_TARGET_AVX2 inline __m256 exp_reduced(__m256 xn, __m256 x, __m256i& ni) {
+  // t > 0 for xn > -177, so truncation rounds down (an offset of 128 would round the other way below
+  // xn = -89, and r would leave the polynomial's range there)
+  const __m256 t = _mm256_fmadd_ps(xn, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(256.5f));
+  ni = _mm256_sub_epi32(_mm256_cvttps_epi32(t), _mm256_set1_epi32(256));
+  const __m256 n = _mm256_cvtepi32_ps(ni);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  return _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+}
+
+// 2^n as a float, for n in [-126, 127].
+FLASHKDA_TARGET_AVX2 inline __m256 pow2(__m256i n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+
+// e^x for any x, as the engine's scalar exp: NaN gives NaN, beyond the float range +inf, below
+// e^-104 zero; within 2 ulps where the result is normal, within one unit of the smallest subnormal
+// below (2^n applied in two halves, each a normal float, so the result rounds twice there). x is
+// clamped to [-104, 89] by max and min with x as the second operand, which x86 returns when x is
+// NaN, so the NaN reaches r and the result; e^89 overflows to +inf in the last product, as does
+// every x above ln(FLT_MAX) ~ 88.72.
+FLASHKDA_TARGET_AVX2 inline __m256 exp(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(89.0f), _mm256_max_ps(_mm256_set1_ps(-104.0f), x));
+  __m256i ni;
+  const __m256 y = exp_reduced(x, x, ni);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  return _mm256_mul_ps(_mm256_mul_ps(y, pow2(n1)), pow2(n2));
+}
+
+// e^x for |x| <= 80 or NaN (the shifted factors' exponents): no overflow or subnormal handling,
+// 2^n in one factor. x is clamped only where n is formed, so a NaN reaches r and the result.
+FLASHKDA_TARGET_AVX2 inline __m256 exp_shift(__m256 x) {
+  const __m256 xn = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(_mm256_set1_ps(-88.0f), x));
+  __m256i ni;
+  const __m256 y = exp_reduced(xn, x, ni);
+  return _mm256_mul_ps(y, pow2(ni));
+}
+
+// The lane sums of eight vectors as one vector (lane r: the sum of a[r]'s eight lanes), always by
+// the same tree: pairwise within 128-bit halves, then the two halves.
+FLASHKDA_TARGET_AVX2 inline __m256 lane_sums(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+}  // namespace flashkda::cpu::avx2
+
+#endif  // FLASHKDA_X86_DISPATCH

@@ -1,0 +1,116 @@
+// The CPU engine's AVX2 preprocessing helpers (src/cpu/vec_avx2.h): the two exponentials against
+// std::exp, their special values (NaN, ±inf, overflow, underflow) and the lane sums. Skipped, with
+// the reason, where the processor lacks AVX2 + FMA or the build is not for x86.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "cpu/vec_avx2.h"
+
+namespace flashkda::cpu {
+namespace {
+
+#ifdef FLASHKDA_X86_DISPATCH
+bool has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// avx2::exp (kShift false) or avx2::exp_shift of x, in groups of 8 lanes (the tail padded with zeros).
+template <bool kShift>
+FLASHKDA_TARGET_AVX2 std::vector<float> apply8(const std::vector<float>& x) {
+  std::vector<float> in(x), out((x.size() + 7) / 8 * 8);
+  in.resize(out.size(), 0.0f);
+  for (size_t i = 0; i < in.size(); i += 8) {
+    const __m256 v = _mm256_loadu_ps(&in[i]);
+    _mm256_storeu_ps(&out[i], kShift ? avx2::exp_shift(v) : avx2::exp(v));
+  }
+  out.resize(x.size());
+  return out;
+}
+std::vector<float> exp8(const std::vector<float>& x) { return apply8<false>(x); }
+std::vector<float> exp8_shift(const std::vector<float>& x) { return apply8<true>(x); }
+
+// lane_sums of eight vectors given as rows.
+FLASHKDA_TARGET_AVX2 void lane_sums8(const float (&in)[8][8], float (&out)[8]) {
+  __m256 a[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(in[r]);
+  _mm256_storeu_ps(out, avx2::lane_sums(a));
+}
+
+// |a - b| in units of b's last place (b > 0 normal); for subnormal b, in units of the smallest.
+double ulps(float a, double b) {
+  const double ulp = b >= double(std::numeric_limits<float>::min())
+                         ? std::ldexp(1.0, std::ilogb(b) - 23)
+                         : double(std::numeric_limits<float>::denorm_min());
+  return std::abs(double(a) - b) / ulp;
+}
+
+TEST(CpuVecAvx2, ExpWithinTwoUlpsOverTheFloatRange) {
+  if (!has_avx2()) GTEST_SKIP() << "this processor has no AVX2 + FMA";
+  std::vector<float> x;
+  for (float v = -103.0f; v <= 88.7f; v += 0.01171875f) x.push_back(v);
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> u(-103.0f, 88.7f);
+  for (int i = 0; i < 20000; ++i) x.push_back(u(rng));
+  const std::vector<float> y = exp8(x);
+  double worst = 0.0;
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double ref = std::exp(double(x[i]));
+    // subnormal results are rounded twice (by 2^{n/2}, then by the rest): within one smallest unit
+    const double bound = ref >= double(std::numeric_limits<float>::min()) ? 2.0 : 1.0;
+    worst = std::max(worst, ulps(y[i], ref));
+    ASSERT_LE(ulps(y[i], ref), bound) << "x = " << x[i];
+  }
+  RecordProperty("worst_ulps", std::to_string(worst));
+}
+
+TEST(CpuVecAvx2, ExpSpecialValues) {
+  if (!has_avx2()) GTEST_SKIP() << "this processor has no AVX2 + FMA";
+  const float inf = std::numeric_limits<float>::infinity(), nan = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> y = exp8({nan, -nan, inf, -inf, 88.73f, 100.0f, 1e30f, -104.5f, -1e30f, 0.0f, -0.0f});
+  EXPECT_TRUE(std::isnan(y[0]));
+  EXPECT_TRUE(std::isnan(y[1]));
+  EXPECT_EQ(y[2], inf);
+  EXPECT_EQ(y[3], 0.0f);
+  EXPECT_EQ(y[4], inf) << "e^88.73 is beyond FLT_MAX";
+  EXPECT_EQ(y[5], inf);
+  EXPECT_EQ(y[6], inf);
+  EXPECT_EQ(y[7], 0.0f);
+  EXPECT_EQ(y[8], 0.0f);
+  EXPECT_EQ(y[9], 1.0f);
+  EXPECT_EQ(y[10], 1.0f);
+  // the largest finite result stays finite
+  EXPECT_TRUE(std::isfinite(exp8({88.72f})[0]));
+}
+
+TEST(CpuVecAvx2, ExpShiftWithinTwoUlpsOnItsDomainAndCarriesNaN) {
+  if (!has_avx2()) GTEST_SKIP() << "this processor has no AVX2 + FMA";
+  std::vector<float> x;
+  for (float v = -80.0f; v <= 80.0f; v += 0.00390625f) x.push_back(v);
+  const std::vector<float> y = exp8_shift(x);
+  for (size_t i = 0; i < x.size(); ++i) ASSERT_LE(ulps(y[i], std::exp(double(x[i]))), 2.0) << "x = " << x[i];
+  const std::vector<float> n = exp8_shift({std::numeric_limits<float>::quiet_NaN(), 1.0f});
+  EXPECT_TRUE(std::isnan(n[0]));
+  EXPECT_FALSE(std::isnan(n[1]));
+}
+
+TEST(CpuVecAvx2, LaneSumsSumEachVector) {
+  if (!has_avx2()) GTEST_SKIP() << "this processor has no AVX2 + FMA";
+  float in[8][8], out[8];
+  for (int r = 0; r < 8; ++r)
+    for (int l = 0; l < 8; ++l) in[r][l] = float((r + 1) * 100 + l * (l + 1));  // exact in float
+  lane_sums8(in, out);
+  for (int r = 0; r < 8; ++r) {
+    float want = 0.0f;
+    for (int l = 0; l < 8; ++l) want += in[r][l];
+    EXPECT_EQ(out[r], want) << "vector " << r;
+  }
+}
+#else
+TEST(CpuVecAvx2, NotBuilt) { GTEST_SKIP() << "the AVX2 helpers are built for x86 with GCC or Clang only"; }
+#endif
+
+}  // namespace
+}  // namespace flashkda::cpu
