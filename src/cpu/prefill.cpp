@@ -678,28 +678,9 @@ FLASHKDA_INLINE void panel_solve_output(ChunkScratch<T>& s, int n, int64_t v0, c
 }
 
 #ifdef FLASHKDA_X86_DISPATCH
-// The same two products written with AVX2 intrinsics: the compiler keeps the generic versions'
-// accumulators in memory when it turns their final copies into memcpy (measured: 0.4 FMA per cycle
-// in the update). Register tiles of kRows x 16 columns (2 ymm per row): with 6 rows, 12
-// accumulators, 2 loads and 6 broadcasts per step, the sgemm microkernel shape for AVX2 (12
-// independent FMA chains cover the FMA latency; the loads stay under the two per cycle).
-
-// acc[r] (+)= sum_d a[r * lda + d * lda_d] * b[d * ldb + 0..15], r < kRows.
-template <int kRows>
-FLASHKDA_TARGET_AVX2 inline void tile_avx2(__m256 (&lo)[kRows], __m256 (&hi)[kRows], const float* a,
-                                           int64_t lda, int64_t lda_d, const float* b, int64_t ldb,
-                                           int64_t depth) {
-#pragma GCC unroll 4
-  for (int64_t d = 0; d < depth; ++d, a += lda_d, b += ldb) {
-    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
-#pragma GCC unroll 8
-    for (int r = 0; r < kRows; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * lda);
-      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
-      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
-    }
-  }
-}
+// The same two products written with AVX2 intrinsics on avx2::tile (vec_avx2.h, kRows x 16
+// columns): the compiler keeps the generic versions' accumulators in memory when it turns their
+// final copies into memcpy (measured: 0.4 FMA per cycle in the update).
 
 // R[m0 .. m0 + kRows) = kq[m0 .., :] S^T[:, panel]
 template <int kRows>
@@ -708,7 +689,7 @@ FLASHKDA_TARGET_AVX2 inline void reads_rows_avx2(const ChunkScratch<float>& s, c
   __m256 lo[kRows], hi[kRows];
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  tile_avx2<kRows>(lo, hi, &s.kq_decayed[m0 * s.Kp], s.Kp, 1, St, s.Vp, s.Kp);
+  avx2::tile<kRows>(lo, hi, &s.kq_decayed[m0 * s.Kp], s.Kp, 1, St, s.Vp, s.Kp);
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(R[m0 + r], lo[r]), _mm256_storeu_ps(R[m0 + r] + 8, hi[r]);
 }
@@ -736,7 +717,7 @@ FLASHKDA_TARGET_AVX2 inline void update_rows_avx2(const ChunkScratch<float>& s, 
     lo[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * Vp));
     hi[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * Vp + 8));
   }
-  tile_avx2<kRows>(lo, hi, &s.k_restored[c0], 1, s.Kp, &U[0][0], kPanel, n);
+  avx2::tile<kRows>(lo, hi, &s.k_restored[c0], 1, s.Kp, &U[0][0], kPanel, n);
 #pragma GCC unroll 8
   for (int r = 0; r < kRows; ++r)
     _mm256_storeu_ps(St + (c0 + r) * Vp, lo[r]), _mm256_storeu_ps(St + (c0 + r) * Vp + 8, hi[r]);

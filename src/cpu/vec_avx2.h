@@ -1,7 +1,10 @@
-// Eight-lane AVX2 building blocks of the CPU engine's chunk preprocessing (cpu/prefill.cpp): the
-// exponentials and the fixed-order lane sums. Each lane is computed on its own, so the AVX2 and
-// AVX-512 builds, which both call these, give the same bits.
+// Eight-lane AVX2 building blocks of the CPU engine (cpu/prefill.cpp): the state products'
+// register tile, and for the chunk preprocessing the exponentials and the fixed-order lane sums.
+// The preprocessing's lanes are computed each on its own, so the AVX2 and AVX-512 builds, which
+// both call these, give the same bits.
 #pragma once
+
+#include <cstdint>
 
 #include "cpu/isa.h"
 
@@ -65,6 +68,25 @@ FLASHKDA_TARGET_AVX2 inline __m256 lane_sums(const __m256 (&a)[8]) {
   const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// The state products' register tile (cpu/prefill.cpp): kRows rows x 16 columns of fp32
+// accumulators, 2 ymm a row: [lo, hi][r] (+)= sum_d a[r * lda + d * lda_d] * b[d * ldb + 0..15].
+// With 6 rows, 12 accumulators, 2 loads and 6 broadcasts per step: the sgemm microkernel shape
+// for AVX2 (12 independent FMA chains cover the FMA latency; the loads stay under two a cycle).
+template <int kRows>
+FLASHKDA_TARGET_AVX2 inline void tile(__m256 (&lo)[kRows], __m256 (&hi)[kRows], const float* a, int64_t lda,
+                                      int64_t lda_d, const float* b, int64_t ldb, int64_t depth) {
+#pragma GCC unroll 4
+  for (int64_t d = 0; d < depth; ++d, a += lda_d, b += ldb) {
+    const __m256 b0 = _mm256_loadu_ps(b), b1 = _mm256_loadu_ps(b + 8);
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      const __m256 x = _mm256_broadcast_ss(a + r * lda);
+      lo[r] = _mm256_fmadd_ps(x, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(x, b1, hi[r]);
+    }
+  }
 }
 
 }  // namespace flashkda::cpu::avx2
