@@ -9,7 +9,7 @@
 //
 //   g++ -O3 -march=native -Isrc benchmarks/cpu_small_gemm.cpp -o /tmp/cpu_small_gemm \
 //       -lxsmm -lxsmmnoblas -lpthread -ldl && /tmp/cpu_small_gemm
-// (without libxsmm: drop the -l flags; only the engine's tiles are timed).
+// (without libxsmm, or with -DNO_LIBXSMM: drop the -l flags; only the engine's tiles are timed).
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -18,7 +18,7 @@
 
 #include "cpu/vec_avx2.h"
 
-#if __has_include(<libxsmm.h>)
+#if !defined(NO_LIBXSMM) && __has_include(<libxsmm.h>)
 #include <libxsmm.h>
 #define HAVE_LIBXSMM 1
 #endif
