@@ -140,7 +140,7 @@ int main() {
               update_flops / t_xu * 1e-9, update_flops / t_xu_decay * 1e-9);
   libxsmm_finalize();
 #else
-  std::printf("libxsmm: not installed (Debian: libxsmm-dev), not timed\n");
+  std::printf("libxsmm: not built in (not installed, Debian: libxsmm-dev; or -DNO_LIBXSMM), not timed\n");
 #endif
   return 0;
 }
