@@ -458,9 +458,11 @@ FLASHKDA_INLINE void build_pairwise(ChunkScratch<T>& s, int n, T scale) {
   }
 }
 
-// G, the decayed/restored keys and queries, L and Mqk for the n valid rows of a chunk.
-template <typename T, int kTiles>
-FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
+// The chunk's per-channel scan: G (the prefix sums of the log-decay, in double), mid, e^Γ,
+// e^{Γ - mid}; whether the largest |G - mid| allows the shifted factors (shifted) and whether every
+// e^{mid} is then a normal float (mid_normal; e_mid holds them).
+template <typename T>
+FLASHKDA_INLINE void scan_chunk(ChunkScratch<T>& s, int n, bool& shifted, bool& mid_normal) {
   const int64_t K = s.K, Kp = s.Kp;
   // The prefix sums in double; every exponent below is a difference of them, rounded to T once.
   const T* a = s.gate_a.data();
@@ -496,16 +498,78 @@ FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
   }
   double max_shift = 0.0;
   for (int w = 0; w < kLane; ++w) max_shift = part[w] > max_shift ? part[w] : max_shift;
-  const bool shifted = max_shift <= kMaxFactorisedShift;
+  shifted = max_shift <= kMaxFactorisedShift;
   // On the shifted path e^{G} = e^{G - mid} e^{mid}, one exponential per element fewer, where every
   // e^{mid} is a normal float (mid >= -80: the product then differs from e^{G} by a rounding);
   // below that e^{G} is formed directly (NaN compares false here and keeps the direct form).
-  bool mid_normal = shifted;
+  mid_normal = shifted;
   for (int64_t c = 0; c < K && mid_normal; ++c) mid_normal = s.mid[c] >= -80.0;
   if (mid_normal) {
 #pragma omp simd
     for (int64_t c = 0; c < K; ++c) s.e_mid[c] = engine_exp(T(s.mid[c]));
   }
+}
+
+#ifdef FLASHKDA_X86_DISPATCH
+// scan_chunk on AVX2 vectors over all Kp channels (padding channels: a = 0, so G = mid = 0): each
+// channel's running sum stays in a register (the generic loop reloads the row it just stored), and
+// the largest |G - mid| is a max that skips NaN (x86's max returns its second operand, the running
+// maximum, when the other is NaN), so a NaN gate never raises it.
+FLASHKDA_TARGET_AVX2 inline void scan_chunk_avx2(ChunkScratch<float>& s, int n, bool& shifted, bool& mid_normal) {
+  const int64_t Kp = s.Kp;
+  const float* a = s.gate_a.data();
+  double* G = s.G64.data();
+  const __m256d abs_mask = _mm256_castsi256_pd(_mm256_set1_epi64x(0x7fffffffffffffffLL));
+  __m256d max_shift = _mm256_setzero_pd();
+  __m256d low_mid = _mm256_setzero_pd();  // lanes where some mid < -80 or NaN: all ones
+  for (int64_t c = 0; c < Kp; c += 4) {
+    __m256d g = _mm256_cvtps_pd(_mm_loadu_ps(a + c));
+    const __m256d first = g;
+    _mm256_storeu_pd(G + c, g);
+    for (int i = 1; i < n; ++i) {
+      g = _mm256_add_pd(g, _mm256_cvtps_pd(_mm_loadu_ps(a + i * Kp + c)));
+      _mm256_storeu_pd(G + i * Kp + c, g);
+    }
+    const __m256d mid = _mm256_mul_pd(_mm256_add_pd(first, g), _mm256_set1_pd(0.5));
+    _mm256_storeu_pd(&s.mid[c], mid);
+    for (int i = 0; i < n; ++i) {
+      const __m256d d = _mm256_and_pd(_mm256_sub_pd(_mm256_loadu_pd(G + i * Kp + c), mid), abs_mask);
+      max_shift = _mm256_max_pd(d, max_shift);
+    }
+    low_mid = _mm256_or_pd(low_mid, _mm256_cmp_pd(mid, _mm256_set1_pd(-80.0), _CMP_NGE_UQ));
+  }
+  for (int64_t c = 0; c < Kp; c += 8) {
+    const double* gamma = &G[(n - 1) * Kp + c];
+    const __m256 gm = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(gamma + 4)), _mm256_cvtpd_ps(_mm256_loadu_pd(gamma)));
+    const __m256 gm_mid = _mm256_set_m128(
+        _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_loadu_pd(gamma + 4), _mm256_loadu_pd(&s.mid[c + 4]))),
+        _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_loadu_pd(gamma), _mm256_loadu_pd(&s.mid[c]))));
+    _mm256_storeu_ps(&s.decay_total[c], avx2::exp(gm));
+    _mm256_storeu_ps(&s.decay_mid[c], avx2::exp(gm_mid));
+  }
+  alignas(32) double m[4];
+  _mm256_store_pd(m, max_shift);
+  shifted = std::max(std::max(m[0], m[1]), std::max(m[2], m[3])) <= kMaxFactorisedShift;
+  mid_normal = shifted && _mm256_movemask_pd(low_mid) == 0;
+  if (!mid_normal) return;
+  for (int64_t c = 0; c < Kp; c += 8) {
+    const __m256 mid = _mm256_set_m128(_mm256_cvtpd_ps(_mm256_loadu_pd(&s.mid[c + 4])), _mm256_cvtpd_ps(_mm256_loadu_pd(&s.mid[c])));
+    _mm256_storeu_ps(&s.e_mid[c], avx2::exp(mid));
+  }
+}
+#endif
+
+// G, the decayed/restored keys and queries, L and Mqk for the n valid rows of a chunk.
+template <typename T, int kTiles>
+FLASHKDA_INLINE void build_chunk_matrices(ChunkScratch<T>& s, int n, T scale) {
+  const int64_t K = s.K, Kp = s.Kp;
+  bool shifted, mid_normal;
+#ifdef FLASHKDA_X86_DISPATCH
+  if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) scan_chunk_avx2(s, n, shifted, mid_normal); else
+#endif
+  scan_chunk(s, n, shifted, mid_normal);
+  const double* G = s.G64.data();
+  const double* gamma = &G[(n - 1) * Kp];
 
   // Rows past the sequence end (a partial last chunk) read as k = q = b = 0: nothing of theirs
   // enters U, the outputs or the state.
