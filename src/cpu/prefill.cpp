@@ -245,10 +245,12 @@ FLASHKDA_TARGET_AVX2 inline void lower_bound_gate_row_avx2(const host::HeadGate<
 #endif
 
 #ifdef FLASHKDA_X86_DISPATCH
-// host::l2_normalize of rows [0, n) of x (stride Kp, channels [0, Kp): padding channels hold
-// zeros) on AVX2 vectors, eight rows at once: their sums of squares as eight independent chains
-// and one lane_sums tree, where each row alone ends in a chain of 16 dependent adds.
-FLASHKDA_TARGET_AVX2 inline void l2_normalize_rows_avx2(float* x, int64_t Kp, int n) {
+// host::l2_normalize of rows [0, n) of x (stride Kp) on AVX2 vectors, eight rows at once: their
+// sums of squares as eight independent chains (over all Kp channels: the padding holds zeros) and
+// one lane_sums tree, where each row alone ends in a chain of 16 dependent adds. Only channels
+// [0, K) are scaled: a NaN row's 1/norm would turn the padding's zeros into NaN, which no later
+// load rewrites (the scratch outlives the call).
+FLASHKDA_TARGET_AVX2 inline void l2_normalize_rows_avx2(float* x, int64_t K, int64_t Kp, int n) {
   for (int i0 = 0; i0 < n; i0 += 8) {
     const int rows = std::min(8, n - i0);
     float* x0 = x + i0 * Kp;
@@ -266,8 +268,11 @@ FLASHKDA_TARGET_AVX2 inline void l2_normalize_rows_avx2(float* x, int64_t Kp, in
     const __m256 sums = _mm256_add_ps(avx2::lane_sums(sq), _mm256_set1_ps(1e-6f));
     _mm256_store_ps(inv, _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_sqrt_ps(sums)));
     for (int r = 0; r < rows; ++r) {
+      float* xr = x0 + r * Kp;
       const __m256 s = _mm256_set1_ps(inv[r]);
-      for (int64_t c = 0; c < Kp; c += 8) _mm256_storeu_ps(x0 + r * Kp + c, _mm256_mul_ps(s, _mm256_loadu_ps(x0 + r * Kp + c)));
+      int64_t c = 0;
+      for (; c + 8 <= K; c += 8) _mm256_storeu_ps(xr + c, _mm256_mul_ps(s, _mm256_loadu_ps(xr + c)));
+      for (; c < K; ++c) xr[c] *= inv[r];
     }
   }
 }
@@ -292,8 +297,8 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
 #ifdef FLASHKDA_X86_DISPATCH
   if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
     if (!normalised) {
-      l2_normalize_rows_avx2(s.q.data(), Kp, n);
-      l2_normalize_rows_avx2(s.k.data(), Kp, n);
+      l2_normalize_rows_avx2(s.q.data(), K, Kp, n);
+      l2_normalize_rows_avx2(s.k.data(), K, Kp, n);
       normalised = true;
     }
   }
@@ -1112,8 +1117,10 @@ void zero_padding(const PrefillParams& p, int64_t n, int64_t h, int64_t v0, int6
 
 // The per-thread scratch of chunk_forward, kept between calls (OpenMP's threads persist): a call
 // allocates only when its thread meets a head size it has not served last. Reuse is safe as the
-// engine never writes the padding (it stays zero) and rewrites every other element it reads
-// before reading it, within a call as across calls.
+// padding of the loaded rows (q, k, v, the log-decay a: channels [K, Kp)) is never written and stays
+// zero, and every other element the engine reads it rewrites before reading, within a call as
+// across calls (the AVX2 paths write the factors' padding too, from those zeros: zeros again, or
+// for G, mid and the e^{...} rows, values that only ever multiply a zero).
 template <typename T>
 struct ScratchSet {
   std::unique_ptr<ChunkScratch<T>> chunk;
@@ -1191,6 +1198,10 @@ void chunk_forward(const PrefillParams& p, T* out, T* final_state, T* checkpoint
         detail::load_initial_state(p, n, h0 + j, state.data());
         T* St = s.state_of(j);
         transpose_block(St + v0, Vp, state.data() + v0 * K, K, K, v1 - v0);
+        // The padding channels' rows [K, Kp) to zero: the update writes them (e^Γ = 1 times the row
+        // plus k_restored = 0 times U), and a NaN in U leaves NaN there, which a later item of
+        // this thread's scratch would read into every R (0 times NaN).
+        std::fill(St + K * Vp, St + s.Kp * Vp, T(0));
         ck[j] = CheckpointSink<T>{&p, first_n, h0 + j, v0, v1, checkpoints, state.data()};
       }
       run_sequence_heads(p, n, h0, heads, scale, s, out, v0, v1, ck, isa);

@@ -327,6 +327,50 @@ TEST_P(CpuPrefill, LaterTokensDoNotReachEarlierOutputs) {
 // The AVX2 and AVX-512 engines run the same arithmetic in the same order (the channel loops' 16
 // partial sums are in the code, not left to the vector width): the same bits, on varlen bf16
 // inputs with fp32 states, softplus gates with wide spreads (the pairwise path) and odd head sizes.
+// A NaN in one head's q or k (with the L2 norm) reaches that head's later outputs only: not the
+// other head, not the head's earlier tokens, and not the next call, which the engine's per-thread
+// scratch outlives. K = 24 leaves padding channels in the scratch rows (K is padded to 32): an
+// L2 norm that scaled them by a NaN row's 1/norm poisoned every later row in that slot.
+TEST_P(CpuPrefill, NonFiniteKeysAndQueriesStayInTheirHeadAndCall) {
+  for (const int64_t K : {24, 128}) {
+    for (const char* what : {"q", "k"}) {
+      KdaOptions o = fp32_options();
+      o.T = 40, o.H = 2, o.K = K, o.V = 16;
+      KdaInputs in(o);
+      SCOPED_TRACE(std::string(what) + " NaN, " + in.describe());
+      in.poison_outputs();
+      run_cpu(in.params());
+      const std::vector<double> clean_out = in.out.values(), clean_state = in.final_state.values();
+      HostTensor& x = std::string(what) == "q" ? in.q : in.k;
+      const int64_t at = (5 * o.H + 1) * o.K + 2;  // token 5, head 1, channel 2
+      const double kept = x.values()[size_t(at)];
+      x.set(at, NAN);
+      in.poison_outputs();
+      run_cpu(in.params());
+      const std::vector<double> out = in.out.values(), state = in.final_state.values();
+      int64_t changed = 0, nonfinite_late = 0;
+      for (int64_t t = 0; t < o.T; ++t)
+        for (int64_t h = 0; h < o.H; ++h)
+          for (int64_t c = 0; c < o.V; ++c) {
+            const size_t i = size_t((t * o.H + h) * o.V + c);
+            if (h == 1 && t >= 5) nonfinite_late += std::isfinite(out[i]) ? 0 : 1;
+            else changed += std::memcmp(&out[i], &clean_out[i], sizeof(double)) == 0 ? 0 : 1;
+          }
+      EXPECT_EQ(changed, 0) << "outputs of the other head or of earlier tokens changed";
+      EXPECT_GT(nonfinite_late, 0) << "the NaN did not reach the head's later outputs";
+      EXPECT_EQ(std::memcmp(state.data(), clean_state.data(), sizeof(double) * size_t(o.V * o.K)), 0)
+          << "the other head's final state changed";
+      x.set(at, kept);
+      in.poison_outputs();
+      run_cpu(in.params());
+      const std::vector<double> again = in.out.values(), again_state = in.final_state.values();
+      EXPECT_EQ(std::memcmp(again.data(), clean_out.data(), sizeof(double) * again.size()), 0)
+          << "the call after the NaN's differs from the clean one";
+      EXPECT_EQ(std::memcmp(again_state.data(), clean_state.data(), sizeof(double) * again_state.size()), 0);
+    }
+  }
+}
+
 TEST(CpuPrefillIsas, Avx512GivesTheBitsOfAvx2) {
   if (internal::cpu_engine_isa(3) != 3) GTEST_SKIP() << "this processor has no AVX512";
   KdaOptions a;
