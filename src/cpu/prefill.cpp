@@ -293,21 +293,19 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
     host::load_row(p.g, p.g_dtype, row * K, K, &s.gate_a[i * Kp]);
     s.b[i] = host::beta_activation(p.pre, host::load<T>(p.beta, p.beta_dtype, row));
   }
-  bool normalised = !p.pre.l2norm_qk;
+  if (p.pre.l2norm_qk) {
 #ifdef FLASHKDA_X86_DISPATCH
-  if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
-    if (!normalised) {
+    if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
       l2_normalize_rows_avx2(s.q.data(), K, Kp, n);
       l2_normalize_rows_avx2(s.k.data(), K, Kp, n);
-      normalised = true;
-    }
-  }
+    } else
 #endif
+      for (int i = 0; i < n; ++i) {
+        host::l2_normalize(&s.q[i * Kp], K);
+        host::l2_normalize(&s.k[i * Kp], K);
+      }
+  }
   for (int i = 0; i < n; ++i) {
-    if (!normalised) {
-      host::l2_normalize(&s.q[i * Kp], K);
-      host::l2_normalize(&s.k[i * Kp], K);
-    }
     T* ai = &s.gate_a[i * Kp];
 #ifdef FLASHKDA_X86_DISPATCH
     if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
