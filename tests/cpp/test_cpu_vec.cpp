@@ -1,6 +1,7 @@
 // The CPU engine's AVX2 preprocessing helpers (src/cpu/vec_avx2.h): the two exponentials against
-// std::exp, their special values (NaN, ±inf, overflow, underflow) and the lane sums. Skipped, with
-// the reason, where the processor lacks AVX2 + FMA or the build is not for x86.
+// std::exp, their special values (NaN, ±inf, overflow, underflow), four vectors at once against one,
+// and the lane sums. Skipped, with the reason, where the processor lacks AVX2 + FMA or the build is
+// not for x86.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -94,6 +95,36 @@ TEST(CpuVecAvx2, ExpShiftWithinTwoUlpsOnItsDomainAndCarriesNaN) {
   const std::vector<float> n = exp8_shift({std::numeric_limits<float>::quiet_NaN(), 1.0f});
   EXPECT_TRUE(std::isnan(n[0]));
   EXPECT_FALSE(std::isnan(n[1]));
+}
+
+// avx2::exp<4> / exp_shift<4> (four vectors side by side) of x, 32 lanes at a time.
+template <bool kShift>
+FLASHKDA_TARGET_AVX2 std::vector<float> apply32(const std::vector<float>& x) {
+  std::vector<float> in(x), out((x.size() + 31) / 32 * 32);
+  in.resize(out.size(), 0.0f);
+  for (size_t i = 0; i < in.size(); i += 32) {
+    __m256 v[4];
+    for (int j = 0; j < 4; ++j) v[j] = _mm256_loadu_ps(&in[i + 8 * j]);
+    if (kShift) avx2::exp_shift<4>(v); else avx2::exp<4>(v);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(&out[i + 8 * j], v[j]);
+  }
+  out.resize(x.size());
+  return out;
+}
+
+TEST(CpuVecAvx2, FourVectorsAtOnceGiveTheBitsOfOne) {
+  if (!has_avx2()) GTEST_SKIP() << "this processor has no AVX2 + FMA";
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> wide(-110.0f, 95.0f), shift(-80.0f, 80.0f);
+  std::vector<float> x(4096), xs(4096);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = wide(rng), xs[i] = shift(rng);
+  x[5] = std::numeric_limits<float>::quiet_NaN(), x[6] = std::numeric_limits<float>::infinity();
+  xs[9] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<float> a = exp8(x), b = apply32<false>(x), as = exp8_shift(xs), bs = apply32<true>(xs);
+  for (size_t i = 0; i < x.size(); ++i) {
+    ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << "exp, x = " << x[i];
+    ASSERT_EQ(std::memcmp(&as[i], &bs[i], 4), 0) << "exp_shift, x = " << xs[i];
+  }
 }
 
 TEST(CpuVecAvx2, LaneSumsSumEachVector) {
