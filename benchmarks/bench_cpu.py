@@ -21,7 +21,9 @@ The sgemm yardstick is numpy's float32 matmul of two --gemm-n square matrices (2
 OpenBLAS it is also timed in a child process per forced kernel family (OPENBLAS_CORETYPE: Haswell,
 and SkylakeX where the processor has AVX-512), since OpenBLAS may pick a narrower family than the
 processor runs (on a 2-core AMD VM with AVX-512 it picked its AVX2 kernels: 233 GFLOP/s, against 460
-with SkylakeX forced); "% of best sgemm" relates to the fastest of them.
+with SkylakeX forced); "% of best sgemm" relates to the fastest of them. Decode moves each state
+line of its pool once in and once out, so its yardstick is the memory rate of an in-place multiply
+of a 256 MB fp32 array (torch's, on the OpenMP thread count, where torch is installed).
 """
 
 from __future__ import annotations
@@ -117,7 +119,15 @@ def torch_chunked(x, T, lower_bound, C=64):
     return out.numpy(), S.transpose(-1, -2).numpy()
 
 
+# Seconds to wait before timing anything: a library's thread pool keeps its threads spinning for a
+# while after its last call (OpenBLAS's, after the sgemm yardstick; torch's), and on a 2-core machine
+# they share the cores with the code timed next (measured: flashkda.fwd right after a numpy sgemm,
+# T=2048 H=4, a median of 15.8 ms against 7.3 after this pause).
+PAUSE_S = 0.5
+
+
 def timed(fn, reps, warmup=1):
+    time.sleep(PAUSE_S)
     for _ in range(warmup):
         fn()
     times = []
@@ -139,6 +149,28 @@ def sgemm_gflops(n, reps):
     b = rng.standard_normal((n, n), np.float32)
     t = timed(lambda: a @ b, reps)
     return 2 * n**3 / t / 1e9
+
+
+def memory_gbps(reps, threads):
+    """The decode's memory yardstick: an fp32 array of 256 MB (far past the caches) scaled in place,
+    read and written once, as decode reads and writes each state line of the pool; GB/s counting both.
+    torch's mul_ on `threads` threads where torch is installed, else numpy's (one thread).
+    Returns (GB/s, what ran)."""
+    n = 64 << 20
+    # random contents: pages of one repeated value ran up to 1.45x faster on this kind of VM (the
+    # host may share identical pages), and the pool's states are not alike
+    a = np.random.default_rng(0).standard_normal(n, np.float32)
+    try:
+        import torch
+
+        torch.set_num_threads(int(threads))
+        at = torch.from_numpy(a)
+        t = timed(lambda: at.mul_(1.0), reps)
+        what = f"torch in-place multiply, {threads} threads"
+    except ImportError:
+        t = timed(lambda: np.multiply(a, np.float32(1.0), out=a), reps)
+        what = "numpy in-place multiply, one thread (torch is not installed)"
+    return 2 * 4 * n / t / 1e9, what
 
 
 def forced_sgemm_gflops(n, reps, coretype):
@@ -313,6 +345,7 @@ def main():
                          rel_rms(ht_cpu, ht_ref), t_avx2 * 1e3, 100 * cpu_gflops / best_gemm))
             print(f"T={T} H={H}: flashkda {t_cpu * 1e3:.1f} ms, torch {t_torch * 1e3:.1f} ms", flush=True)
     drows = decode_rows(args, args.lower_bound, engine) if args.decode_n else []
+    mem, mem_what = memory_gbps(args.reps, threads) if drows else (float("nan"), "")
 
     lines = [
         f"- machine: {model}, {os.cpu_count()} cores (nproc), {isa}; OpenMP threads: {threads}",
@@ -343,14 +376,15 @@ def main():
                      + (f" {r[11]:.1f} | {r[11] / r[2]:.2f}x |" if engine == 3 else ""))
     if drows:
         lines += ["", "Decode, one token per sequence, H=16, fp32 pool [P, H, V, K] updated in place through "
-                  "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter):", "",
-                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) "
+                  "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter); "
+                  f"memory yardstick: {mem:.1f} GB/s read + written ({mem_what}, 256 MB):", "",
+                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) | % of memory rate "
                   "| baseline-ISA engine us |"
                   + (" AVX2 engine us |" if engine == 3 else ""),
-                  "|---|---|---|---|---|---|---|" + ("---|" if engine == 3 else "")]
+                  "|---|---|---|---|---|---|---|---|" + ("---|" if engine == 3 else "")]
         for r in drows:
-            lines.append(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.1f}x | {r[5]:.1f} | {r[6]:.0f} |"
-                         + (f" {r[7]:.0f} |" if engine == 3 else ""))
+            lines.append(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.1f}x | {r[5]:.1f} | {100 * r[5] / mem:.0f}% "
+                         f"| {r[6]:.0f} |" + (f" {r[7]:.0f} |" if engine == 3 else ""))
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -90,7 +90,7 @@ void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<fl
   for (int64_t t = seq.bos; t < seq.eos; ++t) host::store_row(p.out, p.dtype, (t * p.H + h) * p.V, p.V, zeros.data());
 }
 
-// Token recurrence of one (sequence, head) on an fp32 copy of its state slice [V, K].
+// Token recurrence of one (sequence, head) on its fp32 state slice [V, K]: the pool's own, or a copy.
 FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   const int64_t K = p.K, V = p.V, H = p.H;
   const SeqRange seq = detail::seq_range(p, n);
@@ -100,27 +100,30 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
     zero_outputs(p, seq, h, scratch.o);
     return;
   }
-  std::vector<float>&state = scratch.state, &q = scratch.q, &k = scratch.k, &decay = scratch.decay, &v = scratch.v,
-                     &o = scratch.o;
-  host::load_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state.data());
+  std::vector<float>&q = scratch.q, &k = scratch.k, &decay = scratch.decay, &v = scratch.v, &o = scratch.o;
+  // An fp32 pool without per-token slots is stepped where it lies: each 64-byte line of the state is
+  // read once and written back once. Copied in and out through the scratch, the copy's stores to the
+  // pool first read every line again (~3 state sizes of memory traffic where 2 suffice).
+  const bool in_place = p.state_dtype == DType::kF32 && p.num_accepted_tokens == nullptr;
+  float* const state = in_place ? static_cast<float*>(p.state_pool) + (int64_t(slot) * H + h) * V * K
+                                : scratch.state.data();
+  if (!in_place) host::load_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state);
   const host::HeadGate<float> gate(p.pre, h, K);
 
   for (int64_t t = seq.bos; t < seq.eos; ++t) {
     const float b = host::load_token(p, gate, t, h, q.data(), k.data(), v.data(), decay.data());
     for (int64_t c = 0; c < K; ++c) q[c] *= scale;
 
-    for (int64_t i = 0; i < V; ++i) {
-      float* row = state.data() + i * K;
-      o[i] = step_row(row, decay.data(), k.data(), q.data(), v[i], b, K);
-    }
+    for (int64_t i = 0; i < V; ++i) o[i] = step_row(state + i * K, decay.data(), k.data(), q.data(), v[i], b, K);
     host::store_row(p.out, p.dtype, (t * H + h) * V, V, o.data());
 
     if (p.num_accepted_tokens != nullptr) {
       const int32_t dst = p.state_indices[n * p.indices_stride + (t - seq.bos)];
-      if (dst >= 0) host::store_state(p.state_pool, p.state_dtype, dst, h, H, V, K, state.data());
+      if (dst >= 0) host::store_state(p.state_pool, p.state_dtype, dst, h, H, V, K, state);
     }
   }
-  if (p.num_accepted_tokens == nullptr) host::store_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state.data());
+  if (!in_place && p.num_accepted_tokens == nullptr)
+    host::store_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state);
 }
 
 // Item i of a call (sequence i / H, head i % H), per instruction set; the two FMA builds contract
