@@ -226,35 +226,49 @@ FLASHKDA_INLINE void prefetch_chunk(const PrefillParams& p, int64_t h, int64_t t
 }
 
 #ifdef FLASHKDA_X86_DISPATCH
-// The lower-bound gate's log-decay of N vectors from a, a[c] <- lower_bound / (1 + e^{-a_scale (a[c] + bias[c])}).
-template <int N>
-FLASHKDA_TARGET_AVX2 inline __attribute__((always_inline)) void lower_bound_gate_avx2(const host::HeadGate<float>& gate,
-                                                                                      float* a, const float* bias) {
-  const __m256 minus_scale = _mm256_set1_ps(-gate.a_scale);
-  __m256 e[N];
+// The log-decay of N vectors of raw gates a (plus bias), in place, for the lower-bound form,
+// a <- lower_bound / (1 + e^{-a_scale x}), or the softplus form, a <- -a_scale softplus(x) (x = a + bias).
+template <int N, GateForm kForm>
+FLASHKDA_TARGET_AVX2 inline __attribute__((always_inline)) void gate_avx2(const host::HeadGate<float>& gate, float* a,
+                                                                          const float* bias) {
+  __m256 x[N];
 #pragma GCC unroll 4
   for (int j = 0; j < N; ++j) {
-    __m256 x = _mm256_loadu_ps(a + 8 * j);
-    if (bias != nullptr) x = _mm256_add_ps(x, _mm256_loadu_ps(bias + 8 * j));
-    e[j] = _mm256_mul_ps(minus_scale, x);
+    x[j] = _mm256_loadu_ps(a + 8 * j);
+    if (bias != nullptr) x[j] = _mm256_add_ps(x[j], _mm256_loadu_ps(bias + 8 * j));
   }
-  avx2::exp<N>(e);
+  if constexpr (kForm == GateForm::kLowerBound) {
 #pragma GCC unroll 4
-  for (int j = 0; j < N; ++j)
-    _mm256_storeu_ps(a + 8 * j, _mm256_div_ps(_mm256_set1_ps(gate.lower_bound), _mm256_add_ps(_mm256_set1_ps(1.0f), e[j])));
+    for (int j = 0; j < N; ++j) x[j] = _mm256_mul_ps(_mm256_set1_ps(-gate.a_scale), x[j]);
+    avx2::exp<N>(x);
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j)
+      _mm256_storeu_ps(a + 8 * j, _mm256_div_ps(_mm256_set1_ps(gate.lower_bound), _mm256_add_ps(_mm256_set1_ps(1.0f), x[j])));
+  } else {
+    avx2::softplus<N>(x);
+#pragma GCC unroll 4
+    for (int j = 0; j < N; ++j) _mm256_storeu_ps(a + 8 * j, _mm256_mul_ps(_mm256_set1_ps(-gate.a_scale), x[j]));
+  }
 }
 
-// The lower-bound gate of one row, c < K, on AVX2 vectors four at a time (the compiler's
-// vectorisation of HeadGate::row kept its exp's masks and constants in stack slots: ~7% of the
-// engine's time; one vector a step, 0.95x the whole call; four, 10.9 against 13.7 TSC cycles a
-// vector with its data in L1, 2026-12-05: the exponential's multiplies and FMAs bound it now).
-FLASHKDA_TARGET_AVX2 inline void lower_bound_gate_row_avx2(const host::HeadGate<float>& gate, float* a, int64_t K) {
+// The lower-bound or softplus gate of one row, c < K, on AVX2 vectors four at a time. The
+// compiler's vectorisation of HeadGate::row kept the lower-bound form's exp masks and constants in
+// stack slots (~7% of the engine's time; one vector a step, 0.95x the whole call; four, 10.9
+// against 13.7 TSC cycles a vector with its data in L1, 2026-12-05: the exponential's multiplies
+// and FMAs bound it now); the softplus form ran std::log1p and std::exp per element, 66% of the
+// engine's time (T=4096 H=4, one thread: 76.2 ms against 26.8 with the lower-bound gate).
+template <GateForm kForm>
+FLASHKDA_TARGET_AVX2 inline void gate_row_avx2(const host::HeadGate<float>& gate, float* a, int64_t K) {
   const float* bias = gate.bias;
   int64_t c = 0;
-  for (; c + 32 <= K; c += 32) lower_bound_gate_avx2<4>(gate, a + c, bias != nullptr ? bias + c : nullptr);
-  for (; c + 8 <= K; c += 8) lower_bound_gate_avx2<1>(gate, a + c, bias != nullptr ? bias + c : nullptr);
-  for (; c < K; ++c)
-    a[c] = gate::lower_bound<EngineMath<float>>(gate.lower_bound, gate.a_scale, a[c] + (bias ? bias[c] : 0.0f));
+  for (; c + 32 <= K; c += 32) gate_avx2<4, kForm>(gate, a + c, bias != nullptr ? bias + c : nullptr);
+  for (; c + 8 <= K; c += 8) gate_avx2<1, kForm>(gate, a + c, bias != nullptr ? bias + c : nullptr);
+  for (; c < K; ++c) {
+    if constexpr (kForm == GateForm::kLowerBound)
+      a[c] = gate::lower_bound<EngineMath<float>>(gate.lower_bound, gate.a_scale, a[c] + (bias ? bias[c] : 0.0f));
+    else
+      a[c] = gate(c, a[c]);
+  }
 }
 #endif
 
@@ -324,7 +338,11 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
 #ifdef FLASHKDA_X86_DISPATCH
     if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
       if (gate.form == GateForm::kLowerBound) {
-        lower_bound_gate_row_avx2(gate, ai, K);
+        gate_row_avx2<GateForm::kLowerBound>(gate, ai, K);
+        continue;
+      }
+      if (gate.form == GateForm::kSoftplus) {
+        gate_row_avx2<GateForm::kSoftplus>(gate, ai, K);
         continue;
       }
     }

@@ -99,6 +99,53 @@ FLASHKDA_TARGET_AVX2 inline __m256 exp_shift(__m256 x) {
   return v[0];
 }
 
+// x <- log(1 + x) for N vectors with x in [0, 1] (or NaN): u = 1 + x rounded, log(u) = k ln2 +
+// log(1 + f) with f = u - 1 (k = 0) or u / 2 - 1 (k = 1, u > sqrt 2), both exact, by the Cephes logf
+// polynomial in f (|f| <= 0.415), plus (x - (u - 1)) / u, the rounding of 1 + x carried to first
+// order; within 2 ulps of log1p over [0, 1], x itself where 1 + x rounds to 1.
+template <int N>
+FLASHKDA_TARGET_AVX2 inline __attribute__((always_inline)) void log1p_unit(__m256 (&x)[N]) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) {
+    const __m256 u = _mm256_add_ps(one, x[j]);
+    const __m256 big = _mm256_cmp_ps(u, _mm256_set1_ps(1.41421356f), _CMP_GT_OQ);  // k = 1
+    const __m256 f = _mm256_sub_ps(_mm256_blendv_ps(u, _mm256_mul_ps(u, _mm256_set1_ps(0.5f)), big), one);
+    const __m256 z = _mm256_mul_ps(f, f);
+    __m256 p = _mm256_set1_ps(7.0376836292e-2f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.1514610310e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.1676998740e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.2420140846e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.4249322787e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-1.6668057665e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.0000714765e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(-2.4999993993e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(3.3333331174e-1f));
+    // log(1 + f) = f + (f z p - z / 2), the small terms first; k ln2 in two parts, as Cephes adds them
+    const __m256 k = _mm256_and_ps(big, one);
+    __m256 y = _mm256_fmadd_ps(_mm256_mul_ps(p, f), z, _mm256_mul_ps(k, _mm256_set1_ps(-2.12194440e-4f)));
+    y = _mm256_add_ps(f, _mm256_fnmadd_ps(z, _mm256_set1_ps(0.5f), y));
+    y = _mm256_fmadd_ps(k, _mm256_set1_ps(0.693359375f), y);
+    const __m256 corr = _mm256_div_ps(_mm256_sub_ps(x[j], _mm256_sub_ps(u, one)), u);
+    x[j] = _mm256_add_ps(y, corr);
+  }
+}
+
+// x <- softplus(x) = log(1 + e^x) for N vectors, as max(0, x) + log1p(e^{-|x|}) (no overflow for
+// any x; +inf for +inf, 0 for -inf; a NaN reaches the result through max(0, x), which x86 returns as
+// its second operand).
+template <int N>
+FLASHKDA_TARGET_AVX2 inline __attribute__((always_inline)) void softplus(__m256 (&x)[N]) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 t[N];
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) t[j] = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_and_ps(abs_mask, x[j]));
+  exp<N>(t);
+  log1p_unit<N>(t);
+#pragma GCC unroll 4
+  for (int j = 0; j < N; ++j) x[j] = _mm256_add_ps(_mm256_max_ps(_mm256_setzero_ps(), x[j]), t[j]);
+}
+
 // The lane sums of eight vectors as one vector (lane r: the sum of a[r]'s eight lanes), always by
 // the same tree: pairwise within 128-bit halves, then the two halves.
 FLASHKDA_TARGET_AVX2 inline __m256 lane_sums(const __m256 (&a)[8]) {

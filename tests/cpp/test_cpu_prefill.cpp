@@ -248,6 +248,13 @@ TEST_P(CpuPrefill, OddHeadSizes) {
     o.V = V;
     check_against_reference(o);
   }
+  // the gates' vector loops (32 and 8 channels a step) and their scalar tails, both gate forms
+  for (const int64_t K : {1, 20, 40})
+    for (const GateForm gate : {GateForm::kLowerBound, GateForm::kSoftplus}) {
+      KdaOptions o = fp32_options();
+      o.T = 37, o.H = 8, o.K = K, o.V = 24, o.gate = gate;
+      check_against_reference(o, gate == GateForm::kSoftplus ? "softplus gate" : "lower-bound gate");
+    }
 }
 
 // NaN in is NaN out: a NaN raw gate, A_log or dt_bias, or +inf in a precomputed log-decay, makes

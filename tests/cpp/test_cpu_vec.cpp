@@ -1,7 +1,7 @@
 // The CPU engine's AVX2 preprocessing helpers (src/cpu/vec_avx2.h): the two exponentials against
 // std::exp, their special values (NaN, ±inf, overflow, underflow), four vectors at once against one,
-// and the lane sums. Skipped, with the reason, where the processor lacks AVX2 + FMA or the build is
-// not for x86.
+// softplus against log1p(exp) in double, and the lane sums. Skipped, with the reason, where the
+// processor lacks AVX2 + FMA or the build is not for x86.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -125,6 +125,42 @@ TEST(CpuVecAvx2, FourVectorsAtOnceGiveTheBitsOfOne) {
     ASSERT_EQ(std::memcmp(&a[i], &b[i], 4), 0) << "exp, x = " << x[i];
     ASSERT_EQ(std::memcmp(&as[i], &bs[i], 4), 0) << "exp_shift, x = " << xs[i];
   }
+}
+
+// avx2::softplus<2> of x, 16 lanes at a time (the tail padded with zeros).
+FLASHKDA_TARGET_AVX2 std::vector<float> softplus16(const std::vector<float>& x) {
+  std::vector<float> in(x), out((x.size() + 15) / 16 * 16);
+  in.resize(out.size(), 0.0f);
+  for (size_t i = 0; i < in.size(); i += 16) {
+    __m256 v[2] = {_mm256_loadu_ps(&in[i]), _mm256_loadu_ps(&in[i + 8])};
+    avx2::softplus<2>(v);
+    _mm256_storeu_ps(&out[i], v[0]), _mm256_storeu_ps(&out[i + 8], v[1]);
+  }
+  out.resize(x.size());
+  return out;
+}
+
+TEST(CpuVecAvx2, SoftplusWithinTwoUlpsAndItsLimits) {
+  if (!has_avx2()) GTEST_SKIP() << "this processor has no AVX2 + FMA";
+  std::vector<float> x;
+  for (float v = -110.0f; v <= 110.0f; v += 0.0009765625f) x.push_back(v);
+  const std::vector<float> y = softplus16(x);
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double ref = x[i] > 30.0f ? double(x[i]) : std::log1p(std::exp(double(x[i])));
+    if (ref < double(std::numeric_limits<float>::denorm_min()) / 2) {
+      ASSERT_EQ(y[i], 0.0f) << "x = " << x[i];
+      continue;
+    }
+    ASSERT_LE(ulps(y[i], ref), 2.0) << "x = " << x[i];
+  }
+  const float inf = std::numeric_limits<float>::infinity();
+  const std::vector<float> s = softplus16({std::numeric_limits<float>::quiet_NaN(), inf, -inf, 1e30f, -1e30f, 0.0f});
+  EXPECT_TRUE(std::isnan(s[0]));
+  EXPECT_EQ(s[1], inf);
+  EXPECT_EQ(s[2], 0.0f);
+  EXPECT_EQ(s[3], 1e30f);
+  EXPECT_EQ(s[4], 0.0f);
+  EXPECT_EQ(s[5], float(std::log(2.0)));
 }
 
 TEST(CpuVecAvx2, LaneSumsSumEachVector) {
