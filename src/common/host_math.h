@@ -150,21 +150,28 @@ inline void store_row(void* ptr, DType dtype, int64_t offset, int64_t n, const T
 }
 
 // The inputs of token t, head h of a prefill or decode problem (PrefillParams or DecodeParams: the
-// same field names), preprocessed as docs/SPEC.md §2 defines: q and k (L2-normalised when asked),
-// v, the per-channel decay factor e^a (not its log) and the returned b. Buffers hold K or V values.
+// same field names), preprocessed as docs/SPEC.md §2 defines but for the gate: q and k
+// (L2-normalised when asked), v, the raw gate g, and the returned b. Buffers hold K or V values.
 template <typename T, typename Params>
-inline T load_token(const Params& p, const HeadGate<T>& gate, int64_t t, int64_t h, T* q, T* k, T* v, T* decay) {
+inline T load_token_inputs(const Params& p, int64_t t, int64_t h, T* q, T* k, T* v, T* g) {
   const int64_t row = t * p.H + h;
   load_row(p.q, p.dtype, row * p.K, p.K, q);
   load_row(p.k, p.dtype, row * p.K, p.K, k);
   load_row(p.v, p.dtype, row * p.V, p.V, v);
-  load_row(p.g, p.g_dtype, row * p.K, p.K, decay);
+  load_row(p.g, p.g_dtype, row * p.K, p.K, g);
   if (p.pre.l2norm_qk) {
     l2_normalize(q, p.K);
     l2_normalize(k, p.K);
   }
-  for (int64_t c = 0; c < p.K; ++c) decay[c] = std::exp(gate(c, decay[c]));
   return beta_activation(p.pre, load<T>(p.beta, p.beta_dtype, row));
+}
+
+// load_token_inputs with the gate applied: decay holds the per-channel decay factor e^a (not its log).
+template <typename T, typename Params>
+inline T load_token(const Params& p, const HeadGate<T>& gate, int64_t t, int64_t h, T* q, T* k, T* v, T* decay) {
+  const T b = load_token_inputs(p, t, h, q, k, v, decay);
+  for (int64_t c = 0; c < p.K; ++c) decay[c] = std::exp(gate(c, decay[c]));
+  return b;
 }
 
 // One recurrent state [V, K] (v-first) of sequence n, head h, from a [N, H, V, K] tensor;

@@ -14,6 +14,7 @@
 
 #include "backend.h"
 #include "common/host_math.h"
+#include "cpu/gate_avx2.h"
 #include "cpu/isa.h"
 
 namespace flashkda::cpu {
@@ -84,6 +85,26 @@ FLASHKDA_HOST_INLINE float step_row(float* row, const float* decay, const float*
   return acc;
 }
 
+#ifdef FLASHKDA_X86_DISPATCH
+// The decay factors e^a of one token from its raw gates, in place, on AVX2 vectors (avx2::gate_row,
+// then avx2::exp four vectors at a time; std::exp past the last whole vector): with std::log1p and
+// std::exp per channel the softplus gate cost a third of a decode step (N=256 H=16, one thread:
+// 40.5 ms against 27.5 with precomputed gates).
+FLASHKDA_TARGET_AVX2 inline void decay_row_avx2(const host::HeadGate<float>& gate, float* decay, int64_t K) {
+  if (!avx2::gate_row<host::StdMath<float>>(gate, decay, K))
+    for (int64_t c = 0; c < K; ++c) decay[c] = gate(c, decay[c]);  // precomputed: a = g
+  int64_t c = 0;
+  for (; c + 32 <= K; c += 32) {
+    __m256 x[4];
+    for (int j = 0; j < 4; ++j) x[j] = _mm256_loadu_ps(decay + c + 8 * j);
+    avx2::exp<4>(x);
+    for (int j = 0; j < 4; ++j) _mm256_storeu_ps(decay + c + 8 * j, x[j]);
+  }
+  for (; c + 8 <= K; c += 8) _mm256_storeu_ps(decay + c, avx2::exp(_mm256_loadu_ps(decay + c)));
+  for (; c < K; ++c) decay[c] = std::exp(decay[c]);
+}
+#endif
+
 // Writes zeros to the outputs of a padding entry.
 void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<float>& zeros) {
   std::fill(zeros.begin(), zeros.begin() + p.V, 0.0f);
@@ -91,6 +112,8 @@ void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<fl
 }
 
 // Token recurrence of one (sequence, head) on its fp32 state slice [V, K]: the pool's own, or a copy.
+// kVectorGates: the gate and e^a by decay_row_avx2.
+template <bool kVectorGates>
 FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   const int64_t K = p.K, V = p.V, H = p.H;
   const SeqRange seq = detail::seq_range(p, n);
@@ -111,7 +134,14 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
   const host::HeadGate<float> gate(p.pre, h, K);
 
   for (int64_t t = seq.bos; t < seq.eos; ++t) {
-    const float b = host::load_token(p, gate, t, h, q.data(), k.data(), v.data(), decay.data());
+    float b;
+#ifdef FLASHKDA_X86_DISPATCH
+    if constexpr (kVectorGates) {
+      b = host::load_token_inputs(p, t, h, q.data(), k.data(), v.data(), decay.data());
+      decay_row_avx2(gate, decay.data(), K);
+    } else
+#endif
+      b = host::load_token(p, gate, t, h, q.data(), k.data(), v.data(), decay.data());
     for (int64_t c = 0; c < K; ++c) q[c] *= scale;
 
     for (int64_t i = 0; i < V; ++i) o[i] = step_row(state + i * K, decay.data(), k.data(), q.data(), v[i], b, K);
@@ -127,14 +157,15 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
 }
 
 // Item i of a call (sequence i / H, head i % H), per instruction set; the two FMA builds contract
-// the rows' multiply-adds, so their bits differ from the baseline's.
-void decode_items(const DecodeParams& p, int64_t i, float scale) { decode_head(p, i / p.H, i % p.H, scale); }
+// the rows' multiply-adds and take the gates' AVX2 exponentials, so their bits differ from the
+// baseline's (and are the same in both).
+void decode_items(const DecodeParams& p, int64_t i, float scale) { decode_head<false>(p, i / p.H, i % p.H, scale); }
 #ifdef FLASHKDA_X86_DISPATCH
 FLASHKDA_TARGET_AVX2 void decode_items_avx2(const DecodeParams& p, int64_t i, float scale) {
-  decode_head(p, i / p.H, i % p.H, scale);
+  decode_head<true>(p, i / p.H, i % p.H, scale);
 }
 FLASHKDA_TARGET_AVX512 void decode_items_avx512(const DecodeParams& p, int64_t i, float scale) {
-  decode_head(p, i / p.H, i % p.H, scale);
+  decode_head<true>(p, i / p.H, i % p.H, scale);
 }
 #endif
 

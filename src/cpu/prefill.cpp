@@ -13,6 +13,7 @@
 #include "backend.h"
 #include "common/host_math.h"
 #include "cpu/chunk.h"
+#include "cpu/gate_avx2.h"
 #include "cpu/isa.h"
 #include "cpu/vec_avx2.h"
 
@@ -226,53 +227,6 @@ FLASHKDA_INLINE void prefetch_chunk(const PrefillParams& p, int64_t h, int64_t t
 }
 
 #ifdef FLASHKDA_X86_DISPATCH
-// The log-decay of N vectors of raw gates a (plus bias), in place, for the lower-bound form,
-// a <- lower_bound / (1 + e^{-a_scale x}), or the softplus form, a <- -a_scale softplus(x) (x = a + bias).
-template <int N, GateForm kForm>
-FLASHKDA_TARGET_AVX2 inline __attribute__((always_inline)) void gate_avx2(const host::HeadGate<float>& gate, float* a,
-                                                                          const float* bias) {
-  __m256 x[N];
-#pragma GCC unroll 4
-  for (int j = 0; j < N; ++j) {
-    x[j] = _mm256_loadu_ps(a + 8 * j);
-    if (bias != nullptr) x[j] = _mm256_add_ps(x[j], _mm256_loadu_ps(bias + 8 * j));
-  }
-  if constexpr (kForm == GateForm::kLowerBound) {
-#pragma GCC unroll 4
-    for (int j = 0; j < N; ++j) x[j] = _mm256_mul_ps(_mm256_set1_ps(-gate.a_scale), x[j]);
-    avx2::exp<N>(x);
-#pragma GCC unroll 4
-    for (int j = 0; j < N; ++j)
-      _mm256_storeu_ps(a + 8 * j, _mm256_div_ps(_mm256_set1_ps(gate.lower_bound), _mm256_add_ps(_mm256_set1_ps(1.0f), x[j])));
-  } else {
-    avx2::softplus<N>(x);
-#pragma GCC unroll 4
-    for (int j = 0; j < N; ++j) _mm256_storeu_ps(a + 8 * j, _mm256_mul_ps(_mm256_set1_ps(-gate.a_scale), x[j]));
-  }
-}
-
-// The lower-bound or softplus gate of one row, c < K, on AVX2 vectors four at a time. The
-// compiler's vectorisation of HeadGate::row kept the lower-bound form's exp masks and constants in
-// stack slots (~7% of the engine's time; one vector a step, 0.95x the whole call; four, 10.9
-// against 13.7 TSC cycles a vector with its data in L1, 2026-12-05: the exponential's multiplies
-// and FMAs bound it now); the softplus form ran std::log1p and std::exp per element, 66% of the
-// engine's time (T=4096 H=4, one thread: 76.2 ms against 26.8 with the lower-bound gate).
-template <GateForm kForm>
-FLASHKDA_TARGET_AVX2 inline void gate_row_avx2(const host::HeadGate<float>& gate, float* a, int64_t K) {
-  const float* bias = gate.bias;
-  int64_t c = 0;
-  for (; c + 32 <= K; c += 32) gate_avx2<4, kForm>(gate, a + c, bias != nullptr ? bias + c : nullptr);
-  for (; c + 8 <= K; c += 8) gate_avx2<1, kForm>(gate, a + c, bias != nullptr ? bias + c : nullptr);
-  for (; c < K; ++c) {
-    if constexpr (kForm == GateForm::kLowerBound)
-      a[c] = gate::lower_bound<EngineMath<float>>(gate.lower_bound, gate.a_scale, a[c] + (bias ? bias[c] : 0.0f));
-    else
-      a[c] = gate(c, a[c]);
-  }
-}
-#endif
-
-#ifdef FLASHKDA_X86_DISPATCH
 // host::l2_normalize of rows [0, n) of x (stride Kp) on AVX2 vectors, eight rows at once: their
 // sums of squares as eight independent chains (over all Kp channels: the padding holds zeros) and
 // one lane_sums tree, where each row alone ends in a chain of 16 dependent adds. Only channels
@@ -337,14 +291,7 @@ FLASHKDA_INLINE void load_chunk(const PrefillParams& p, int64_t h, int64_t tok0,
     T* ai = &s.gate_a[i * Kp];
 #ifdef FLASHKDA_X86_DISPATCH
     if constexpr (kTiles != kIsaBaseline && std::is_same_v<T, float>) {
-      if (gate.form == GateForm::kLowerBound) {
-        gate_row_avx2<GateForm::kLowerBound>(gate, ai, K);
-        continue;
-      }
-      if (gate.form == GateForm::kSoftplus) {
-        gate_row_avx2<GateForm::kSoftplus>(gate, ai, K);
-        continue;
-      }
+      if (avx2::gate_row<EngineMath<float>>(gate, ai, K)) continue;
     }
 #endif
     gate.template row<EngineMath<T>>(ai, ai, K);

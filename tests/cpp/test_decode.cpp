@@ -75,6 +75,10 @@ TEST_P(DecodeCpu, GateFormsAndFlags) {
     o.gate = gate;
     if (gate == GateForm::kPrecomputed) o.g_min = -1000.0, o.g_max = 0.0;
     run_and_check(o);
+    for (const int64_t K : {1, 20, 40}) {  // the gates' vector loops (32 and 8 channels) and their tails
+      o.K = K, o.V = 24;
+      run_and_check(o);
+    }
   }
   DecodeOptions o;
   o.N = 3, o.T = 3, o.H = 2;
