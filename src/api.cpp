@@ -133,7 +133,7 @@ void check_decode_slots(const DecodeParams& params) { detail::validate_decode_in
 
 size_t segment_transition_workspace_size(const PrefillParams& params_in) {
   Backend backend;
-  const PrefillParams params = validated_without_out(params_in, backend);
+  [[maybe_unused]] const PrefillParams params = validated_without_out(params_in, backend);
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) return cuda::segment_transition_workspace_size(params);
 #endif
@@ -175,7 +175,7 @@ PrefillParams bounds_problem(const PrefillParams& params_in) {
 }  // namespace
 
 size_t chunk_log_bounds_workspace_size(const PrefillParams& params_in) {
-  const PrefillParams params = bounds_problem(params_in);
+  [[maybe_unused]] const PrefillParams params = bounds_problem(params_in);
 #ifdef FLASHKDA_WITH_CUDA
   return cuda::chunk_log_bounds_workspace_size(params);
 #else
@@ -185,7 +185,7 @@ size_t chunk_log_bounds_workspace_size(const PrefillParams& params_in) {
 
 void chunk_log_bounds(const PrefillParams& params_in, const PrefillLaunch& launch, float* bounds, void* workspace,
                       size_t workspace_bytes, Stream stream) {
-  const PrefillParams params = bounds_problem(params_in);
+  [[maybe_unused]] const PrefillParams params = bounds_problem(params_in);
   FLASHKDA_CHECK_ARG(bounds != nullptr, "chunk_log_bounds: bounds is required");
 #ifdef FLASHKDA_WITH_CUDA
   const size_t needed = cuda::chunk_log_bounds_workspace_size(params);
