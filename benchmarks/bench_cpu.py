@@ -22,8 +22,8 @@ OpenBLAS it is also timed in a child process per forced kernel family (OPENBLAS_
 and SkylakeX where the processor has AVX-512), since OpenBLAS may pick a narrower family than the
 processor runs (on a 2-core AMD VM with AVX-512 it picked its AVX2 kernels: 233 GFLOP/s, against 460
 with SkylakeX forced); "% of best sgemm" relates to the fastest of them. Decode moves each state
-line of its pool once in and once out, so its yardstick is the memory rate of an in-place multiply
-of a 256 MB fp32 array (torch's, on the OpenMP thread count, where torch is installed).
+line of its pool once in and once out, so its yardstick is an in-place multiply of the same pool
+(torch's, on the OpenMP thread count, where torch is installed).
 """
 
 from __future__ import annotations
@@ -79,6 +79,50 @@ def run_flashkda(x, T, lower_bound):
     flashkda.fwd(q, k, v, g, beta, K**-0.5, out, x["A_log"], x["dt_bias"], lower_bound, initial_state=x["h0"],
                  final_state=ht)
     return out, ht
+
+
+def softplus_log_decay(x, T):
+    """The softplus gate's log-decay -exp(A_log) softplus(g + dt_bias) of the first T tokens, fp32."""
+    g = np.asarray(x["g"][:, :T], np.float32) + x["dt_bias"]
+    return (-np.exp(x["A_log"])[:, None] * np.logaddexp(0.0, g)).astype(np.float32)
+
+
+def run_gate_form(x, T, form):
+    """flashkda.chunk_kda on the first T tokens with the softplus gate in the kernel ('softplus', Kimi
+    Linear's) or its log-decay precomputed in fp32 ('precomputed'); returns (out, final_state)."""
+    q, k, v, beta = (x[n][:, :T] for n in ("q", "k", "v", "beta"))
+    common = dict(initial_state=x["h0"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, state_v_first=True)
+    if form == "softplus":
+        return flashkda.chunk_kda(q, k, v, x["g"][:, :T], beta, use_gate_in_kernel=True, A_log=x["A_log"],
+                                  dt_bias=x["dt_bias"], **common)
+    return flashkda.chunk_kda(q, k, v, x["a"][:, :T], beta, **common)
+
+
+def reference_gate_form(x, T, form):
+    q, k, v, beta = (x[n][:, :T] for n in ("q", "k", "v", "beta"))
+    if form == "softplus":
+        return flashkda.reference_forward(q, k, v, x["g"][:, :T], beta, gate="softplus", A_log=x["A_log"],
+                                          dt_bias=x["dt_bias"], initial_state=x["h0"])
+    return flashkda.reference_forward(q, k, v, x["a"][:, :T], beta, gate="precomputed", initial_state=x["h0"])
+
+
+def gate_form_rows(args, best_gemm, chunk_fpt):
+    """The prefill with the other two gate forms at one shape (--gate-shape), same inputs otherwise."""
+    T, H = args.gate_shape
+    K = V = args.K
+    x = make_inputs(T, H, K, V, seed=H)
+    x["a"] = softplus_log_decay(x, T)
+    rows = []
+    for form in ("softplus", "precomputed"):
+        t = timed(lambda: run_gate_form(x, T, form), args.reps)
+        ref_T = min(args.ref_T, T)
+        out_ref, ht_ref = reference_gate_form(x, ref_T, form)
+        out, ht = run_gate_form(x, ref_T, form)
+        gflops = T * H * chunk_fpt / t / 1e9
+        rows.append((form, T, H, t * 1e3, gflops, 100 * gflops / best_gemm, rel_rms(out, out_ref), rel_rms(ht, ht_ref)))
+        print(f"T={T} H={H} {form} gate: flashkda {t * 1e3:.1f} ms", flush=True)
+    return rows
 
 
 def run_reference(x, T, lower_bound):
@@ -151,26 +195,23 @@ def sgemm_gflops(n, reps):
     return 2 * n**3 / t / 1e9
 
 
-def memory_gbps(reps, threads):
-    """The decode's memory yardstick: an fp32 array of 256 MB (far past the caches) scaled in place,
-    read and written once, as decode reads and writes each state line of the pool; GB/s counting both.
-    torch's mul_ on `threads` threads where torch is installed, else numpy's (one thread).
-    Returns (GB/s, what ran)."""
-    n = 64 << 20
-    # random contents: pages of one repeated value ran up to 1.45x faster on this kind of VM (the
-    # host may share identical pages), and the pool's states are not alike
-    a = np.random.default_rng(0).standard_normal(n, np.float32)
+def pool_scale_gbps(pool, reps):
+    """The decode's memory yardstick: its own fp32 pool multiplied by 1 in place, each line read and
+    written once as decode reads and writes the lines of the slots it steps; GB/s counting both. torch's
+    mul_ on the OpenMP thread count where torch is installed, else numpy's (one thread). The same pages
+    as the decode's: on this kind of VM a fresh 256 MB array moved 47-84 GB/s from one process to the
+    next (its pages' backing, not its contents), the decode's speed staying put. Returns (GB/s, what)."""
     try:
         import torch
 
-        torch.set_num_threads(int(threads))
-        at = torch.from_numpy(a)
-        t = timed(lambda: at.mul_(1.0), reps)
-        what = f"torch in-place multiply, {threads} threads"
+        torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))))
+        pt = torch.from_numpy(pool)
+        t = timed(lambda: pt.mul_(1.0), reps)
+        what = f"torch, {torch.get_num_threads()} threads"
     except ImportError:
-        t = timed(lambda: np.multiply(a, np.float32(1.0), out=a), reps)
-        what = "numpy in-place multiply, one thread (torch is not installed)"
-    return 2 * 4 * n / t / 1e9, what
+        t = timed(lambda: np.multiply(pool, np.float32(1.0), out=pool), reps)
+        what = "numpy, one thread: torch is not installed"
+    return 2 * pool.nbytes / t / 1e9, what
 
 
 def forced_sgemm_gflops(n, reps, coretype):
@@ -283,8 +324,9 @@ def decode_rows(args, lower_bound, engine):
         except ImportError:
             pass
         state_bytes = 2 * N * H * K * K * 4
+        mem, mem_what = pool_scale_gbps(pool, args.reps)
         rows.append((N, H, t_ours * 1e6, t_torch * 1e6, t_torch / t_ours, state_bytes / t_ours / 1e9,
-                     t_isa[1] * 1e6, t_isa.get(2, float("nan")) * 1e6))
+                     t_isa[1] * 1e6, t_isa.get(2, float("nan")) * 1e6, mem, mem_what))
         print(f"decode N={N}: flashkda {t_ours * 1e6:.0f} us, torch {t_torch * 1e6:.0f} us", flush=True)
     return rows
 
@@ -300,6 +342,9 @@ def main():
     ap.add_argument("--lower-bound", type=float, default=-5.0)
     ap.add_argument("--decode-n", type=int, nargs="*", default=[1, 64, 256])
     ap.add_argument("--no-torch", action="store_true", help="skip the torch columns")
+    ap.add_argument("--gate-shape", type=int, nargs=2, default=[8192, 16], metavar=("T", "H"),
+                    help="the shape the softplus and precomputed gate forms run at")
+    ap.add_argument("--no-gate-forms", action="store_true", help="skip the softplus and precomputed rows")
     ap.add_argument("--out", help="also write the markdown section to this file")
     args = ap.parse_args()
     K = args.K
@@ -344,8 +389,8 @@ def main():
                          t_ref * T / ref_T * 1e3, t_ref * T / ref_T / t_cpu, rel_rms(out_cpu, out_ref),
                          rel_rms(ht_cpu, ht_ref), t_avx2 * 1e3, 100 * cpu_gflops / best_gemm))
             print(f"T={T} H={H}: flashkda {t_cpu * 1e3:.1f} ms, torch {t_torch * 1e3:.1f} ms", flush=True)
+    grows = [] if args.no_gate_forms else gate_form_rows(args, best_gemm, chunk_fpt)
     drows = decode_rows(args, args.lower_bound, engine) if args.decode_n else []
-    mem, mem_what = memory_gbps(args.reps, threads) if drows else (float("nan"), "")
 
     lines = [
         f"- machine: {model}, {os.cpu_count()} cores (nproc), {isa}; OpenMP threads: {threads}",
@@ -374,16 +419,26 @@ def main():
         lines.append(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.1f} | {r[4]:.0f}% | {r[12]:.0f}% | {r[5]:.0f} | {r[6]:.1f}x "
                      f"| {r[7]:,.0f} | {r[8]:.1f}x | {r[9]:.1e} | {r[10]:.1e} |"
                      + (f" {r[11]:.1f} | {r[11] / r[2]:.2f}x |" if engine == 3 else ""))
+    if grows:
+        lines += ["", "The other gate forms at one shape (flashkda.chunk_kda, the same inputs: the softplus gate "
+                  "-exp(A_log) softplus(g + dt_bias) in the kernel, Kimi Linear's; and that log-decay "
+                  "precomputed in fp32 and passed as g):", "",
+                  "| gate | T | H | CPU backend ms | GFLOP/s | % of best sgemm | out rel-RMS | state rel-RMS |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in grows:
+            lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]:.1f} | {r[4]:.1f} | {r[5]:.0f}% | {r[6]:.1e} | {r[7]:.1e} |")
     if drows:
         lines += ["", "Decode, one token per sequence, H=16, fp32 pool [P, H, V, K] updated in place through "
-                  "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter); "
-                  f"memory yardstick: {mem:.1f} GB/s read + written ({mem_what}, 256 MB):", "",
-                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) | % of memory rate "
+                  "indices (flashkda.fused_recurrent_kda; torch: gather, one recurrence step, scatter); the "
+                  f"yardstick: the same pool [N + 8, H, V, K] multiplied by 1 in place ({drows[0][9]}):", "",
+                  "| N | H | flashkda us | torch loop us | vs torch | state GB/s (read + written) "
+                  "| pool in-place GB/s | % of it "
                   "| baseline-ISA engine us |"
                   + (" AVX2 engine us |" if engine == 3 else ""),
-                  "|---|---|---|---|---|---|---|---|" + ("---|" if engine == 3 else "")]
+                  "|---|---|---|---|---|---|---|---|---|" + ("---|" if engine == 3 else "")]
         for r in drows:
-            lines.append(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.1f}x | {r[5]:.1f} | {100 * r[5] / mem:.0f}% "
+            lines.append(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.1f}x | {r[5]:.1f} | {r[8]:.1f} "
+                         f"| {100 * r[5] / r[8]:.0f}% "
                          f"| {r[6]:.0f} |" + (f" {r[7]:.0f} |" if engine == 3 else ""))
     text = "\n".join(lines)
     print(text)
