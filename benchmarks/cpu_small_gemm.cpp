@@ -1,5 +1,5 @@
 // The CPU engine's two state products at its panel shapes (docs/DESIGN.md "The CPU backend"): its
-// own AVX2 register tiles (avx2::tile, src/cpu/vec_avx2.h, in the engine's tiling) against
+// own AVX2 panel products (avx2::panel_reads and panel_update, src/cpu/vec_avx2.h) against
 // libxsmm's JIT kernels where libxsmm is installed (Debian: libxsmm-dev), one thread, every operand
 // in L1, K = V = 128, a full 16-token chunk, the state's rows padded to 144 floats as the engine's:
 //   R = [k_decayed; q_decayed] S^T[:, panel]                 32 x 128 by 128 x 16
@@ -26,7 +26,6 @@
 
 namespace {
 
-using flashkda::cpu::avx2::tile;
 constexpr int kC = 16, kK = 128, kV = 128, kKp = 128, kVp = 144, kPanel = 16;
 
 struct Operands {
@@ -39,37 +38,13 @@ struct Operands {
   std::vector<float> R = std::vector<float>(2 * kC * kPanel);
 };
 
-// R for one panel in the engine's tiling (6, 6, 4 rows for k_decayed, then for q_decayed).
-template <int kRows>
-__attribute__((target("avx2,fma"))) void reads_rows(const Operands& o, const float* St, int m0, float* R) {
-  __m256 lo[kRows], hi[kRows];
-  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  tile<kRows>(lo, hi, &o.kq[m0 * kKp], kKp, 1, St, kVp, kKp);
-  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(R + (m0 + r) * 16, lo[r]), _mm256_storeu_ps(R + (m0 + r) * 16 + 8, hi[r]);
-}
+// R and the update for one panel, the engine's own functions (6, 6, 4 rows for k_decayed, then for
+// q_decayed; 20 tiles of 6 channels, then 2 of 4).
 __attribute__((target("avx2,fma"))) void reads(const Operands& o, const float* St, float* R) {
-  for (const int base : {0, kC}) {
-    reads_rows<6>(o, St, base, R), reads_rows<6>(o, St, base + 6, R), reads_rows<4>(o, St, base + 12, R);
-  }
-}
-
-// The update for one panel in the engine's tiling (20 tiles of 6 channels, then 2 of 4).
-template <int kRows>
-__attribute__((target("avx2,fma"))) void update_rows(const Operands& o, float* St, int c0) {
-  __m256 lo[kRows], hi[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    const __m256 g = _mm256_broadcast_ss(&o.decay[c0 + r]);
-    lo[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * kVp));
-    hi[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * kVp + 8));
-  }
-  tile<kRows>(lo, hi, &o.kr[c0], 1, kKp, o.U.data(), kPanel, kC);
-  for (int r = 0; r < kRows; ++r)
-    _mm256_storeu_ps(St + (c0 + r) * kVp, lo[r]), _mm256_storeu_ps(St + (c0 + r) * kVp + 8, hi[r]);
+  flashkda::cpu::avx2::panel_reads<kC>(o.kq.data(), kKp, St, kVp, kC, R);
 }
 __attribute__((target("avx2,fma"))) void update(const Operands& o, float* St) {
-  int c0 = 0;
-  for (; kKp - c0 >= 10; c0 += 6) update_rows<6>(o, St, c0);
-  for (; c0 < kKp; c0 += 4) update_rows<4>(o, St, c0);
+  flashkda::cpu::avx2::panel_update(o.kr.data(), o.decay.data(), kKp, o.U.data(), kC, St, kVp);
 }
 
 // Seconds per call of f over the 8 panels, the best of 7 runs of `reps` calls.

@@ -757,59 +757,9 @@ FLASHKDA_INLINE void panel_solve_output(ChunkScratch<T>& s, int n, int64_t v0, c
 }
 
 #ifdef FLASHKDA_X86_DISPATCH
-// The same two products written with AVX2 intrinsics on avx2::tile (vec_avx2.h, kRows x 16
-// columns): the compiler keeps the generic versions' accumulators in memory when it turns their
-// final copies into memcpy (measured: 0.4 FMA per cycle in the update).
-
-// R[m0 .. m0 + kRows) = kq[m0 .., :] S^T[:, panel]
-template <int kRows>
-FLASHKDA_TARGET_AVX2 inline void reads_rows_avx2(const ChunkScratch<float>& s, const float* St, int m0,
-                                                 float (&R)[2 * C][kPanel]) {
-  __m256 lo[kRows], hi[kRows];
-#pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
-  avx2::tile<kRows>(lo, hi, &s.kq_decayed[m0 * s.Kp], s.Kp, 1, St, s.Vp, s.Kp);
-#pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(R[m0 + r], lo[r]), _mm256_storeu_ps(R[m0 + r] + 8, hi[r]);
-}
-
-FLASHKDA_TARGET_AVX2 inline void panel_reads_avx2(const ChunkScratch<float>& s, int n,
-                                                  const float* St, float (&R)[2 * C][kPanel]) {
-  // rows 0..n-1 (k_decayed) and C..C+n-1 (q_decayed); the rest of R is not read
-  for (const int base : {0, C}) {
-    int m = 0;
-    for (; m + 6 <= n; m += 6) reads_rows_avx2<6>(s, St, base + m, R);
-    for (; m + 4 <= n; m += 4) reads_rows_avx2<4>(s, St, base + m, R);
-    for (; m < n; ++m) reads_rows_avx2<1>(s, St, base + m, R);
-  }
-}
-
-// S^T[c0 .. c0 + kRows, panel] <- e^Γ ⊙ . + k_restored[:, c0 ..]^T U
-template <int kRows>
-FLASHKDA_TARGET_AVX2 inline void update_rows_avx2(const ChunkScratch<float>& s, int n, float* St,
-                                                  int64_t c0, const float (&U)[C][kPanel]) {
-  const int64_t Vp = s.Vp;
-  __m256 lo[kRows], hi[kRows];
-#pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r) {
-    const __m256 g = _mm256_broadcast_ss(&s.decay_total[c0 + r]);
-    lo[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * Vp));
-    hi[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * Vp + 8));
-  }
-  avx2::tile<kRows>(lo, hi, &s.k_restored[c0], 1, s.Kp, &U[0][0], kPanel, n);
-#pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r)
-    _mm256_storeu_ps(St + (c0 + r) * Vp, lo[r]), _mm256_storeu_ps(St + (c0 + r) * Vp + 8, hi[r]);
-}
-
-FLASHKDA_TARGET_AVX2 inline void panel_update_avx2(const ChunkScratch<float>& s, int n, float* St,
-                                                   const float (&U)[C][kPanel]) {
-  const int64_t Kp = s.Kp;  // a multiple of 16: tiles of 6 while at least 10 rows are left, then of 4
-  int64_t c0 = 0;
-  for (; Kp - c0 >= 10; c0 += 6) update_rows_avx2<6>(s, n, St, c0, U);
-  for (; c0 + 4 <= Kp; c0 += 4) update_rows_avx2<4>(s, n, St, c0, U);
-  for (; c0 < Kp; ++c0) update_rows_avx2<1>(s, n, St, c0, U);
-}
+// The same two products with AVX2 intrinsics are avx2::panel_reads and avx2::panel_update
+// (vec_avx2.h, on avx2::tile): the compiler keeps the generic versions' accumulators in memory when
+// it turns their final copies into memcpy (measured: 0.4 FMA per cycle in the update).
 
 // One depth step l of solve_output_rows_avx2 for rows r >= r_first (A, W: column l of the tile's rows).
 template <int kRows>
@@ -896,7 +846,7 @@ FLASHKDA_TARGET_AVX512 inline void reads_rows_avx512(const ChunkScratch<float>& 
 
 FLASHKDA_TARGET_AVX512 inline void panel_reads_avx512(const ChunkScratch<float>& s, int n, const float* St,
                                                       float (&R)[2 * C][kPanel]) {
-  for (const int base : {0, C}) {  // as panel_reads_avx2
+  for (const int base : {0, C}) {  // as avx2::panel_reads
     int m = 0;
     for (; m + 16 <= n; m += 16) reads_rows_avx512<16>(s, St, base + m, R);
     for (; m + 8 <= n; m += 8) reads_rows_avx512<8>(s, St, base + m, R);
@@ -939,7 +889,8 @@ FLASHKDA_INLINE void state_panel(ChunkScratch<T>& s, int n, int64_t v0) {
   alignas(32) T R[2 * C][kPanel];
 #ifdef FLASHKDA_X86_DISPATCH
   if constexpr (kTiles == kIsaAvx512 && std::is_same_v<T, float>) panel_reads_avx512(s, n, St, R);
-  else if constexpr (kTiles == kIsaAvx2 && std::is_same_v<T, float>) panel_reads_avx2(s, n, St, R);
+  else if constexpr (kTiles == kIsaAvx2 && std::is_same_v<T, float>)
+    avx2::panel_reads<C>(s.kq_decayed.data(), s.Kp, St, Vp, n, &R[0][0]);
   else
 #endif
     panel_reads(s, n, St, R);
@@ -960,7 +911,8 @@ FLASHKDA_INLINE void state_panel(ChunkScratch<T>& s, int n, int64_t v0) {
 
 #ifdef FLASHKDA_X86_DISPATCH
   if constexpr (kTiles == kIsaAvx512 && std::is_same_v<T, float>) panel_update_avx512(s, n, St, U);
-  else if constexpr (kTiles == kIsaAvx2 && std::is_same_v<T, float>) panel_update_avx2(s, n, St, U);
+  else if constexpr (kTiles == kIsaAvx2 && std::is_same_v<T, float>)
+    avx2::panel_update(s.k_restored.data(), s.decay_total.data(), s.Kp, &U[0][0], n, St, Vp);
   else
 #endif
     panel_update(s, n, St, U);

@@ -174,6 +174,61 @@ FLASHKDA_TARGET_AVX2 inline void tile(__m256 (&lo)[kRows], __m256 (&hi)[kRows], 
   }
 }
 
+// The state pass's two products on one panel of 16 value columns (cpu/prefill.cpp; also timed alone
+// by benchmarks/cpu_small_gemm.cpp), R and U rows of 16 floats.
+
+// R[m0 .. m0 + kRows) = a[m0 .., :] b over `depth` (a: row stride lda; b: rows of ldb).
+template <int kRows>
+FLASHKDA_TARGET_AVX2 inline void rows_times_panel(const float* a, int64_t lda, const float* b, int64_t ldb,
+                                                  int64_t depth, int m0, float* R) {
+  __m256 lo[kRows], hi[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) lo[r] = hi[r] = _mm256_setzero_ps();
+  tile<kRows>(lo, hi, a + m0 * lda, lda, 1, b, ldb, depth);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(R + (m0 + r) * 16, lo[r]), _mm256_storeu_ps(R + (m0 + r) * 16 + 8, hi[r]);
+}
+
+// R = [k_decayed; q_decayed] S^T[:, panel]: rows [0, n) and [C, C + n) of R [2C, 16] from kq [2C, Kp]
+// and the panel St (rows of Vp), tiles of 6 rows while 6 are left, then 4, then 1 (6, 6, 4 at n = 16);
+// the other rows of R are not written.
+template <int C>
+FLASHKDA_TARGET_AVX2 inline void panel_reads(const float* kq, int64_t Kp, const float* St, int64_t Vp, int n, float* R) {
+  for (const int base : {0, C}) {
+    int m = 0;
+    for (; m + 6 <= n; m += 6) rows_times_panel<6>(kq, Kp, St, Vp, Kp, base + m, R);
+    for (; m + 4 <= n; m += 4) rows_times_panel<4>(kq, Kp, St, Vp, Kp, base + m, R);
+    for (; m < n; ++m) rows_times_panel<1>(kq, Kp, St, Vp, Kp, base + m, R);
+  }
+}
+
+// S^T[c0 .. c0 + kRows, panel] <- decay[c] S^T[c, panel] + sum_{i < n} kr[i, c] U[i, :]
+template <int kRows>
+FLASHKDA_TARGET_AVX2 inline void update_rows(const float* kr, const float* decay, int64_t Kp, const float* U, int n,
+                                             float* St, int64_t Vp, int64_t c0) {
+  __m256 lo[kRows], hi[kRows];
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 g = _mm256_broadcast_ss(&decay[c0 + r]);
+    lo[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * Vp));
+    hi[r] = _mm256_mul_ps(g, _mm256_loadu_ps(St + (c0 + r) * Vp + 8));
+  }
+  tile<kRows>(lo, hi, kr + c0, 1, Kp, U, 16, n);
+#pragma GCC unroll 8
+  for (int r = 0; r < kRows; ++r)
+    _mm256_storeu_ps(St + (c0 + r) * Vp, lo[r]), _mm256_storeu_ps(St + (c0 + r) * Vp + 8, hi[r]);
+}
+
+// The update of a panel: S^T[:, panel] <- e^Γ ⊙ S^T[:, panel] + k_restored^T U (kr [C, Kp], decay [Kp],
+// U [C, 16], n tokens), tiles of 6 channels while at least 10 are left, then of 4 (Kp a multiple of 16).
+FLASHKDA_TARGET_AVX2 inline void panel_update(const float* kr, const float* decay, int64_t Kp, const float* U, int n,
+                                              float* St, int64_t Vp) {
+  int64_t c0 = 0;
+  for (; Kp - c0 >= 10; c0 += 6) update_rows<6>(kr, decay, Kp, U, n, St, Vp, c0);
+  for (; c0 + 4 <= Kp; c0 += 4) update_rows<4>(kr, decay, Kp, U, n, St, Vp, c0);
+  for (; c0 < Kp; ++c0) update_rows<1>(kr, decay, Kp, U, n, St, Vp, c0);
+}
+
 }  // namespace flashkda::cpu::avx2
 
 #endif  // FLASHKDA_X86_DISPATCH
