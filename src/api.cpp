@@ -253,14 +253,16 @@ int64_t first_checkpoints(const PrefillParams& p, std::vector<int64_t>& first) {
   return first[N];
 }
 
+StateSource initial_state_source(const PrefillParams& p, int64_t n) {
+  if (p.state_pool == nullptr) return {p.initial_state, p.initial_state_dtype, n};
+  const bool read = p.has_initial_state == nullptr || p.has_initial_state[n];
+  return {read ? p.state_pool : nullptr, p.state_pool_dtype, p.state_indices[n]};
+}
+
 template <typename T>
 void load_initial_state(const PrefillParams& p, int64_t n, int64_t h, T* dst) {
-  if (p.state_pool == nullptr) {
-    host::load_state(p.initial_state, p.initial_state_dtype, n, h, p.H, p.V, p.K, dst);
-    return;
-  }
-  const bool read = p.has_initial_state == nullptr || p.has_initial_state[n];
-  host::load_state(read ? p.state_pool : nullptr, p.state_pool_dtype, p.state_indices[n], h, p.H, p.V, p.K, dst);
+  const StateSource src = initial_state_source(p, n);
+  host::load_state(src.tensor, src.dtype, src.index, h, p.H, p.V, p.K, dst);
 }
 template void load_initial_state<float>(const PrefillParams&, int64_t, int64_t, float*);
 template void load_initial_state<double>(const PrefillParams&, int64_t, int64_t, double*);

@@ -32,6 +32,14 @@ int64_t first_checkpoints(const PrefillParams& p, std::vector<int64_t>& first);
 // has_initial_state says so), else from initial_state (zeros when null). Not for padding entries.
 template <typename T>
 void load_initial_state(const PrefillParams& p, int64_t n, int64_t h, T* dst);
+// Where sequence n's initial state lies: row `index` of the [., H, V, K] tensor `tensor` in `dtype`
+// (initial_state, or state_pool's slot); tensor null: zeros.
+struct StateSource {
+  const void* tensor;
+  DType dtype;
+  int64_t index;
+};
+StateSource initial_state_source(const PrefillParams& p, int64_t n);
 
 // Throw flashkda::Error naming the first bad argument; nothing is written before they pass.
 // backend decides which checks can read memory (cu_seqlens on the host) and which dtypes apply.

@@ -174,6 +174,26 @@ FLASHKDA_TARGET_AVX2 inline void tile(__m256 (&lo)[kRows], __m256 (&hi)[kRows], 
   }
 }
 
+// dst[i * ldd + j] = src[j * lds + i] for i, j < 8: one 8 x 8 block of a transpose (unpack, shuffle
+// and 128-bit permute of eight rows).
+FLASHKDA_TARGET_AVX2 inline void transpose8x8(float* dst, int64_t ldd, const float* src, int64_t lds) {
+  __m256 r[8], t[8];
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(src + j * lds);
+#pragma GCC unroll 4
+  for (int j = 0; j < 8; j += 2) t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]), t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+#pragma GCC unroll 2
+  for (int j = 0; j < 8; j += 4) {
+    r[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44), r[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+    r[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44), r[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
 // The state pass's two products on one panel of 16 value columns (cpu/prefill.cpp; also timed alone
 // by benchmarks/cpu_small_gemm.cpp), R and U rows of 16 floats.
 

@@ -1,7 +1,7 @@
 // The CPU engine's AVX2 preprocessing helpers (src/cpu/vec_avx2.h): the two exponentials against
 // std::exp, their special values (NaN, ±inf, overflow, underflow), four vectors at once against one,
-// softplus against log1p(exp) in double, and the lane sums. Skipped, with the reason, where the
-// processor lacks AVX2 + FMA or the build is not for x86.
+// softplus against log1p(exp) in double, the 8 x 8 transpose, and the lane sums. Skipped, with the
+// reason, where the processor lacks AVX2 + FMA or the build is not for x86.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -32,6 +32,10 @@ FLASHKDA_TARGET_AVX2 std::vector<float> apply8(const std::vector<float>& x) {
 }
 std::vector<float> exp8(const std::vector<float>& x) { return apply8<false>(x); }
 std::vector<float> exp8_shift(const std::vector<float>& x) { return apply8<true>(x); }
+
+FLASHKDA_TARGET_AVX2 void transpose8(float* dst, int64_t ldd, const float* src, int64_t lds) {
+  avx2::transpose8x8(dst, ldd, src, lds);
+}
 
 // lane_sums of eight vectors given as rows.
 FLASHKDA_TARGET_AVX2 void lane_sums8(const float (&in)[8][8], float (&out)[8]) {
@@ -161,6 +165,17 @@ TEST(CpuVecAvx2, SoftplusWithinTwoUlpsAndItsLimits) {
   EXPECT_EQ(s[3], 1e30f);
   EXPECT_EQ(s[4], 0.0f);
   EXPECT_EQ(s[5], float(std::log(2.0)));
+}
+
+TEST(CpuVecAvx2, Transpose8x8WithStrides) {
+  if (!has_avx2()) GTEST_SKIP() << "this processor has no AVX2 + FMA";
+  const int64_t lds = 11, ldd = 13;
+  std::vector<float> src(8 * lds), dst(8 * ldd, -1.0f);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = float(i);
+  transpose8(dst.data(), ldd, src.data(), lds);
+  for (int64_t i = 0; i < 8; ++i)
+    for (int64_t j = 0; j < ldd; ++j)
+      EXPECT_EQ(dst[i * ldd + j], j < 8 ? src[j * lds + i] : -1.0f) << "row " << i << " column " << j;
 }
 
 TEST(CpuVecAvx2, LaneSumsSumEachVector) {
