@@ -318,26 +318,17 @@ __device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int 
 }
 
 // fn(r, t, q, k) for each of this thread's four tokens t (r = 0..3) with its q and k (channels
-// tile_channel(lane) .. + 7) read from a staged buffer. The eight 16-byte reads issue before the
-// first fn: where fn stores to shared memory (build_factors_staged), the compiler cannot move a
-// later row's read above an earlier row's stores (they may alias), and each row then waited for
-// its reads (the SASS had the four rows' reads, exponentials and stores in turn).
+// tile_channel(lane) .. + 7) read from a staged buffer.
 template <class Fn>
 __device__ __forceinline__ void for_staged_rows(const uint8_t* buf, int tid, Fn&& fn) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
-  uint4 raw_q[4], raw_k[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
     const int t = tile_token(warp, lane, r);
-    raw_q[r] = *reinterpret_cast<const uint4*>(buf + staged_offset(kStagedQ, t, c0));
-    raw_k[r] = *reinterpret_cast<const uint4*>(buf + staged_offset(kStagedK, t, c0));
-  }
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
     float q[8], k[8];
-    unpack_bf16x8(raw_q[r], q);
-    unpack_bf16x8(raw_k[r], k);
-    fn(r, tile_token(warp, lane, r), q, k);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedQ, t, c0)), q);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedK, t, c0)), k);
+    fn(r, t, q, k);
   }
 }
 
