@@ -416,21 +416,25 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
 }
 
 // x rounded to tf32 into a rows x 128 fp32 SW128 tile (sw128_offset_f32): two 16-byte granules.
-// cvt.rn.tf32.f32 is one instruction on sm_90a (F2FP.TF32.F32.PACK_B: to nearest even, NaN kept);
-// cvt.rna takes three (measured in the SASS: the count of the bf16 split it replaces), and adding
-// half a tf32 ulp to the word (one integer add, the tensor core ignoring the low 13 bits) turns
-// the canonical NaN 0x7fffffff into -0. The stores are 2-way bank-conflicted: lanes l and l + 4
-// write the same granule position of two 32-channel blocks (a multiple of 128 bytes apart).
-__device__ __forceinline__ uint32_t tf32_rn(float x) {
-  uint32_t y;
-  asm("cvt.rn.tf32.f32 %0, %1;" : "=r"(y) : "f"(x));
-  return y;
-}
+// Rounded to nearest (ties away) by adding half a tf32 ulp to the word: the tensor core ignores
+// the low 13 bits of a tf32 operand, so the product reads x rounded (CUTLASS's
+// round_half_ulp_truncate). One integer add on the ALU; cvt.rn.tf32.f32 (F2FP.TF32.F32.PACK_B)
+// runs on the conversion pipe at the exponentials' rate, and its 96 a thread and chunk (three
+// operands of 32 elements) queued there with the exponentials and the fp16/bf16 packs (run 110's
+// candidate moved the factors' reads and stores and left their cycles as they were). The add
+// turns the canonical NaN 0x7fffffff into -0 (and a word from 0x7ffff000 up, the same): every
+// operand here is a product whose NaN k_decayed, q_decayed or k_restored carry too (the same
+// product times e^mid, finite in a chunk that is not flagged wide), so a NaN input still reaches
+// the output. inf stays inf (0x7f801000 reads as 0x7f800000). The stores are 2-way bank-conflicted:
+// lanes l and l + 4 write the same granule position of two 32-channel blocks (a multiple of 128
+// bytes apart).
+__device__ __forceinline__ uint32_t tf32_rna_word(float x) { return __float_as_uint(x) + 0x1000u; }
 __device__ __forceinline__ void store_tf32(uint8_t* tile, int rows, int r, int c, const float (&x)[8]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h)
     *reinterpret_cast<uint4*>(tile + sw128_offset_f32(rows, r, c + 4 * h)) =
-        make_uint4(tf32_rn(x[4 * h]), tf32_rn(x[4 * h + 1]), tf32_rn(x[4 * h + 2]), tf32_rn(x[4 * h + 3]));
+        make_uint4(tf32_rna_word(x[4 * h]), tf32_rna_word(x[4 * h + 1]), tf32_rna_word(x[4 * h + 2]),
+                   tf32_rna_word(x[4 * h + 3]));
 }
 
 // The decayed and restored keys, q_decayed and the tf32 operands of L and Mqk, into their tiles
