@@ -222,19 +222,17 @@ def layouts(C, H, sms):
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
-def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0, late_wait=False):
+def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
     -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
     and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
     gates, fp32 states; `floor` > 0: both with that floor on the longest sequence (internal
-    fused_min_tokens) instead of the rule's; `late_wait`: every fused launch with the candidate late
-    wait for a free stage (internal fused_late_wait):
+    fused_min_tokens) instead of the rule's:
     CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
-    late = dict(fused_late_wait=1) if late_wait else {}
-    launches = [dict(fused_v2=-1), dict(fused_v2=1, **late)]
+    launches = [dict(fused_v2=-1), dict(fused_v2=1)]
     if rule:
-        extra = dict(fused_min_tokens=floor, **late) if floor > 0 else dict(late)
+        extra = dict(fused_min_tokens=floor) if floor > 0 else {}
         launches += [dict(fused_v2=0, **extra), dict(fused_v2=0, fused_persistent=1, **extra)]
     times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
@@ -242,37 +240,33 @@ def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0, late_wait=False)
     return times
 
 
-def fused_sweep_rows(reps, late_wait=False):
+def fused_sweep_rows(reps):
     """Issue 11's fused chunk-32 kernel against today's kernels on one sequence across head counts
     (internal fused_v2 1 against -1; docs/DESIGN.md "Prefill v2"): where one CTA a head fills the GPU
     well enough for the fused kernel to win, the data behind the rule (launch.cu fused_by_rule).
     Random gates, fp32 states."""
-    fused_col = "fused v2, late wait" if late_wait else "fused v2"
     rows = ["", "The fused chunk-32 kernel against today's kernels, one sequence (random gates, fp32 states; "
-            "CUDA-graph medians, ms):", "", f"| T | H | chunk-16 kernels | {fused_col} | fused / chunk-16 |",
-            "|---|---|---|---|---|"]
+            "CUDA-graph medians, ms):", "", "| T | H | chunk-16 kernels | fused v2 | fused / chunk-16 |", "|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for T in (2048, 8192, 32768):
         for H in (48, 64, 80, 96, 112, 128, 160):
-            ours, fused = chunk16_and_fused_ms(H, [T], reps, late_wait=late_wait)
+            ours, fused = chunk16_and_fused_ms(H, [T], reps)
             rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
             print(rows[-1], flush=True)
     return rows
 
 
-def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0, late_wait=False):
+def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0):
     """The fused chunk-32 kernel over several sequences (grid H x N, device cu_seqlens; internal
     fused_v2 1 against -1) across head counts and batch shapes, and the default call (the rule:
     config.h fused_rule, decided by K0 from the device cu_seqlens), with mixed lengths: a long
     prompt among short ones (which the rule leaves to the chunk-16 kernels at few heads), spread
     lengths, and many short prompts about the rule's floor.
     Random gates, fp32 states."""
-    tag = ", late wait" if late_wait else ""
     rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
             "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
-            "| N x T | H | CTAs (N H) | chunk-16 kernels | " + ("fused v2, late wait | " if late_wait else "fused v2 | ")
-            + (f"default, floor {floor}{tag} | persistent grid, floor {floor}{tag} | " if floor > 0
-               else f"default (rule){tag} | persistent grid{tag} | ") +
+            "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | "
+            + (f"default, floor {floor} | persistent grid, floor {floor} | " if floor > 0 else "default (rule) | persistent grid | ") +
             "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     # one sequence and batches about the rule's 128-token floor: where the floor could go
@@ -289,8 +283,7 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0, late_wa
         for H in ((96,) if len(seqlens) == 1 else (12, 16, 24, 32, 64, 96)):
             if head_filter and H not in head_filter:
                 continue
-            ours, fused, rule, persistent = chunk16_and_fused_ms(H, seqlens, reps, rule=True, floor=floor,
-                                                                 late_wait=late_wait)
+            ours, fused, rule, persistent = chunk16_and_fused_ms(H, seqlens, reps, rule=True, floor=floor)
             rows.append(f"| {name} | {H} | {len(seqlens) * H} | {ours:.3f} | {fused:.3f} | {rule:.3f} | {persistent:.3f} | "
                         f"{fused / ours:.2f} | {rule / min(ours, fused):.2f} |")
             print(rows[-1], flush=True)
@@ -573,9 +566,6 @@ def main():
                     help="with --fused-batch-sweep: the default and persistent columns with this floor on the longest "
                          "sequence (internal fused_min_tokens, a candidate) instead of the rule's 128 tokens")
     ap.add_argument("--fused-batch-heads", default="", help="with --fused-batch-sweep: only these H, comma-separated")
-    ap.add_argument("--fused-late-wait", action="store_true",
-                    help="with --fused-sweep / --fused-batch-sweep: every fused launch with the candidate late wait for "
-                         "a free stage (internal fused_late_wait); the default and persistent columns too")
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
@@ -633,10 +623,9 @@ def main():
     if args.layouts_sweep:
         lines += layouts_sweep_rows(args.reps, args.cases)
     if args.fused_sweep:
-        lines += fused_sweep_rows(args.reps, args.fused_late_wait)
+        lines += fused_sweep_rows(args.reps)
     if args.fused_batch_sweep:
-        lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads, args.fused_floor,
-                                        args.fused_late_wait)
+        lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads, args.fused_floor)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

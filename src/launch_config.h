@@ -65,8 +65,6 @@ struct PrefillLaunch {
   int64_t fused_min_tokens = 0;  // GPU, a candidate: the fused kernel's rule with this floor on the longest
                                  // sequence instead of 128 tokens (and, where K0 chooses without the persistent
                                  // grid, a mean of this many tokens); 0 = rule
-  int fused_late_wait = 0;  // GPU, a candidate: 1 = the fused kernel's producer waits for a free stage after the
-                            // chunk's scan (prefill_v2 FusedArgs::late_empty_wait); 0 = before its loads
 };
 
 struct DecodeLaunch {

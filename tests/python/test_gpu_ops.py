@@ -75,26 +75,6 @@ def test_internal_launch_segments_match_reference(rng, bf16, segment_chunks):
         assert not torch.equal(o, o_serial)
 
 
-def test_internal_launch_fused_late_wait_keeps_the_fused_bits(rng, bf16):
-    """The candidate late wait for a free stage (internal fused_late_wait) reaches the fused chunk-32
-    kernel and gives its bits; the fused kernel ran (forced, its bits differ from the chunk-16
-    kernels'), over device cu_seqlens with fp32 states."""
-    from flashkda import _internal
-
-    p, t = cuda_problem(rng, bf16)
-    with _internal.launch(fused_v2=1):
-        o_f, h_f = chunk(p, t)
-    with _internal.launch(fused_v2=1, fused_late_wait=1):
-        o_l, h_l = chunk(p, t)
-    with _internal.launch(fused_v2=-1):
-        o_c, _ = chunk(p, t)
-    assert not torch.equal(o_f, o_c), "the fused kernel did not take the call"
-    assert torch.equal(o_f, o_l) and torch.equal(h_f, h_l)
-    ref_o, ref_h = reference(p)
-    assert rel_rms(to_numpy(o_l), ref_o) <= TOL_O
-    assert rel_rms(to_numpy(h_l), ref_h) <= TOL_H
-
-
 @pytest.mark.parametrize("mode", ["balanced", "fast"])
 @pytest.mark.parametrize("gate", GATES)
 def test_precision_modes_match_reference_and_differ_from_precise(rng, bf16, gate, mode):

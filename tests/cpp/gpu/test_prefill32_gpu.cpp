@@ -50,13 +50,12 @@ struct V2Call {
     pa.out = records.ptr, ca.records = records.ptr;
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
-  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()); 9: the
-  // rule's flags (mode 6) with the producer's late wait for a free stage.
+  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse, late_empty_wait;
+    bool staged, producer_regs, consumer_inverse;
   };
-  static constexpr int kModes = 10;
+  static constexpr int kModes = 9;
   static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false},
                                               {"fused32 ", false, false, false},
                                               {"fused32 staged ", true, false, false},
@@ -65,9 +64,7 @@ struct V2Call {
                                               {"fused32 inverting consumers, setmaxnreg ", false, true, true},
                                               {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true},
                                               {"fused32 staged, setmaxnreg ", true, true, false},
-                                              {"fused32 staged, inverting consumers ", true, false, true},
-                                              {"fused32 staged, inverting consumers, setmaxnreg, late empty wait ",
-                                               true, true, true, true}};
+                                              {"fused32 staged, inverting consumers ", true, false, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -76,7 +73,6 @@ struct V2Call {
       f.produce = pa, f.consume = ca, f.stage_inputs = m.staged;
       f.producer_regs = m.producer_regs;
       f.consumer_inverse = m.consumer_inverse;
-      f.late_empty_wait = m.late_empty_wait;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -799,27 +795,24 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
   // Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) in eight
-  // variants (inputs loaded or staged by TMA, setmaxnreg or not, the consumers inverting or not),
-  // and a ninth: the last (the rule's flags) with the late wait for a free stage.
+  // variants (inputs loaded or staged by TMA, setmaxnreg or not, the consumers inverting or not).
   long long* clocks = nullptr;
   ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * o.H), cudaSuccess);
-  for (int variant = 0; variant < 9; ++variant) {
-    const bool staged = variant & 1 || variant == 8, regs = variant & 2 || variant == 8, cinv = variant & 4 || variant == 8;
+  for (int variant = 0; variant < 8; ++variant) {
+    const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca, clocked.stage_inputs = staged;
     clocked.phase_clocks = clocks;
     clocked.producer_regs = regs;
     clocked.consumer_inverse = cinv;
-    clocked.late_empty_wait = variant == 8;
     ASSERT_EQ(fused_chunks(clocked, nullptr), cudaSuccess);
     std::vector<long long> sums(size_t(kPhaseClocks) * o.H);
     ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
     const char* names[kPhaseClocks] = {"empty wait", "load", "normalise", "scan", "factors", "L/Mqk wgmma",
                                        "L/Mqk stores", "inverse products and stores", "arrive+loop", "gate", "full wait",
                                        "recurrence", "out stores+release", "inverse", "inverse substitution", "chunks"};
-    std::printf("[ measure  ] fused kernel%s%s%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
-                staged ? " (staged inputs)" : "", regs ? " (setmaxnreg 184 / 160)" : "", cinv ? " (inverting consumers)" : "",
-                variant == 8 ? " (late empty wait)" : "");
+    std::printf("[ measure  ] fused kernel%s%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
+                staged ? " (staged inputs)" : "", regs ? " (setmaxnreg 184 / 160)" : "", cinv ? " (inverting consumers)" : "");
     for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 14, 7, 8, 10, 13, 11, 12}) {
       double mean = 0;
       for (int h = 0; h < o.H; ++h)

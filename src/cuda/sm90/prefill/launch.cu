@@ -385,11 +385,11 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
 // persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
 // split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
 cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
-                             bool check_only, bool late_wait = false) {
+                             bool check_only) {
   const int64_t items = detail::num_sequences(p) * p.H;
   return sm90::prefill_v2::fused_prefill(p, kp.error_flag, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
-                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, late_wait);
+                                          persistent ? std::min<int64_t>(items, sm_count()) : 0);
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
@@ -427,8 +427,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       launch_k0(kp, stream);
       error_flag = kp.error_flag;
     }
-    const cudaError_t err =
-        sm90::prefill_v2::fused_prefill(p, error_flag, stream, false, false, nullptr, 0, launch.fused_late_wait > 0);
+    const cudaError_t err = sm90::prefill_v2::fused_prefill(p, error_flag, stream);
     if (err == cudaSuccess) return;
     // Under the rule, a fused kernel that cannot start here (its register split or the driver's
     // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
@@ -488,7 +487,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,
              [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, stream); });
-  if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, stream, false, launch.fused_late_wait > 0));
+  if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, stream, false));
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {

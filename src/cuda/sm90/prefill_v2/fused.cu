@@ -222,49 +222,35 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   if constexpr (kStaged) {
     if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
   }
-  // FusedArgs::late_empty_wait: the wait for the stage after the chunk's scan, where the record's
-  // first write is (produce_chunk's before_record), instead of before its loads.
-  const bool late_wait = a.late_empty_wait && !a.time_consumers_only;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
     const int stage = int(gc % kStages);
     const float beta_raw = beta_next;
     if (c + 1 < staged_chunks) beta_next = load_beta_raw(pa, h, c + 1, tid);
-    const auto wait_empty = [&] {
-      if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
-      mark(0);
-    };
-    const auto copy_v = [&] {
-      if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
-        // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
-        // accesses of this stage's v were generic-proxy loads and stores, ordered before here by
-        // the empty barrier; the copies write through the async proxy.
-        fence_proxy_async_shared();
-        mbarrier_expect_tx(&full[stage], kVBytes);
-        uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
-        tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
-        tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
-      }
-    };
-    if (!late_wait) {
-      wait_empty();
-      if (a.time_consumers_only && gc >= kStages) {
-        mbarrier_arrive(&full[stage]);
-        continue;
-      }
-      copy_v();
+    if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
+    mark(0);
+    if (a.time_consumers_only && gc >= kStages) {
+      mbarrier_arrive(&full[stage]);
+      continue;
+    }
+    if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
+      // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
+      // accesses of this stage's v were generic-proxy loads and stores, ordered before here by
+      // the empty barrier; the copies write through the async proxy.
+      fence_proxy_async_shared();
+      mbarrier_expect_tx(&full[stage], kVBytes);
+      uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
+      tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
+      tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
     }
     if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
     const auto refill = [&] {
       if (kStaged && tid == 32 && c + 1 < staged_chunks)
         issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
     };
-    const auto before_record = [&] {
-      if (late_wait) wait_empty(), copy_v();
-    };
     produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv, kStaged>(
         pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_raw, sm_gate, true,
-        reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark, refill, before_record);
+        reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark, refill);
     mbarrier_arrive(&full[stage]);
     mark(8);
   }
@@ -631,13 +617,12 @@ FusedArgs fused_args(const PrefillParams& p) {
 }
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict,
-                          bool check_only, int* next_item, int64_t item_ctas, bool late_empty_wait) {
+                          bool check_only, int* next_item, int64_t item_ctas) {
   FusedArgs f = fused_args(p);
   f.error_flag = error_flag;
   f.on_verdict = on_verdict, f.check_only = check_only;
   f.next_item = next_item, f.item_ctas = item_ctas;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
-  f.late_empty_wait = late_empty_wait;
   return fused_chunks(f, stream);
 }
 

@@ -77,11 +77,6 @@ struct FusedArgs {
   // of CTAs that exit, not N H of them. Null: the grid is H x num_seqs.
   int* next_item = nullptr;
   int64_t item_ctas = 0;
-  // A candidate: the producer waits for a free stage after the chunk's gate, norms and scan (which
-  // touch only its scratch and the staged inputs), where it first writes the record, so that they
-  // overlap the consumers' last chunk in that stage; false: before the chunk's loads. The same bits
-  // (tested with the rule's flags on one sequence: test_prefill32_gpu's mode 9).
-  bool late_empty_wait = false;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -96,10 +91,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; on_verdict,
-// check_only, next_item, item_ctas and late_empty_wait as FusedArgs says.
+// check_only, next_item and item_ctas as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict = false,
-                          bool check_only = false, int* next_item = nullptr, int64_t item_ctas = 0,
-                          bool late_empty_wait = false);
+                          bool check_only = false, int* next_item = nullptr, int64_t item_ctas = 0);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 

@@ -700,26 +700,21 @@ constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
 struct NoAfter {
   __device__ __forceinline__ void operator()() const {}
 };
-// before_record(): run by every thread before the first write of rec or l_beta (after the scan),
-// so that a fused producer may wait for its stage to come free there rather than before the
-// chunk's element-wise steps (FusedArgs::late_empty_wait). So where beta goes to l_beta (kInvert
-// false), it is loaded into the scratch's beta first and copied by the thread that loaded it.
 template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
-          class AfterFactors = NoAfter, class BeforeRecord = NoAfter>
+          class AfterFactors = NoAfter>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                               uint8_t* scratch, uint8_t* staged = nullptr,
                                               float beta_raw = 0.f, const float* sm_gate = nullptr,
                                               bool beta_ahead = false, float* l_beta = nullptr,
-                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{},
-                                              const BeforeRecord& before_record = BeforeRecord{}) {
-  float* const beta_loaded = reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta);
-  float* const sm_beta = kInvert ? beta_loaded : l_beta + kLBetaOffBeta;
+                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
+  float* const sm_beta =
+      kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
   const int64_t row0 = chunk * kChunk;
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
 
   ThreadTile q, k, a;  // q, k unused where staged
-  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_raw, a, beta_loaded);
-  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, beta_loaded, beta_ahead, beta_raw);
+  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_raw, a, sm_beta);
+  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_raw);
   mark(1);
   gate_chunk<kGate>(p, h, rows, tid, q, k, a, sm_gate);
   mark(9);
@@ -734,8 +729,6 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   const bool wide =
       scan_log_decay<Sync>(tid, a, offset, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
   mark(3);
-  before_record();
-  if (!kInvert && tid < kChunk) sm_beta[tid] = beta_loaded[tid];  // read after the factors' barrier
   if (tid < 16) {
     float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
     dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
