@@ -269,10 +269,10 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0):
             + (f"default, floor {floor} | persistent grid, floor {floor} | " if floor > 0 else "default (rule) | persistent grid | ") +
             "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
-    # one sequence and batches about the rule's 128-token floor: where the floor could go
-    shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 64), (1, 128), (1, 256), (1, 384), (1, 512), (1, 1024),
+    # one sequence and batches about the rule's 64-token floor: where the floor could go
+    shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 32), (1, 64), (1, 128), (1, 256), (1, 384), (1, 512), (1, 1024),
                                                    (16, 512), (8, 1024), (8, 2048), (4, 4096), (64, 384), (128, 128),
-                                                   (256, 64))]
+                                                   (256, 64), (256, 32))]
     shapes += [("2048 + 30 x 64", [2048] + [64] * 30), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512]),
                ("256 x 200", [200] * 256)]  # many short prompts
     shape_filter = [x.strip() for x in only_shapes.split(",") if x.strip()]
@@ -564,7 +564,7 @@ def main():
                     help="with --fused-batch-sweep: only these shapes, comma-separated names (e.g. '8 x 1024,256 x 200')")
     ap.add_argument("--fused-floor", type=int, default=0,
                     help="with --fused-batch-sweep: the default and persistent columns with this floor on the longest "
-                         "sequence (internal fused_min_tokens, a candidate) instead of the rule's 128 tokens")
+                         "sequence (internal fused_min_tokens, a candidate) instead of the rule's 64 tokens")
     ap.add_argument("--fused-batch-heads", default="", help="with --fused-batch-sweep: only these H, comma-separated")
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")

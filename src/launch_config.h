@@ -55,7 +55,7 @@ struct PrefillLaunch {
                      // the precise mode, fp32 states or none or a pool (fp32 or bf16) without checkpoints),
                      // today's kernels for the rest: 1 = wherever it serves, -1 = never, 0 = rule (where
                      // its CTAs, one a sequence and head, keep 2/3 of the SMs busy over the longest sequence
-                     // of at least 128 tokens: cuda/sm90/prefill/config.h fused_rule; decided on the host
+                     // of at least 64 tokens: cuda/sm90/prefill/config.h fused_rule; decided on the host
                      // without cu_seqlens, by K0 on the GPU with them; docs/DESIGN.md "Prefill v2")
   int fused_persistent = 0;  // GPU, a candidate, where K0 may choose the fused kernel (device cu_seqlens): 1 = a
                              // persistent grid of at most #SMs CTAs taking (sequence, head) items in turn, so a
@@ -63,7 +63,7 @@ struct PrefillLaunch {
                              // choose at any mean length; 0 = rule (a CTA an item, and K0 may choose only where
                              // the sequences average the rule's floor or more; docs/DESIGN.md "Prefill v2")
   int64_t fused_min_tokens = 0;  // GPU, a candidate: the fused kernel's rule with this floor on the longest
-                                 // sequence instead of 128 tokens (and, where K0 chooses without the persistent
+                                 // sequence instead of 64 tokens (and, where K0 chooses without the persistent
                                  // grid, a mean of this many tokens); 0 = rule
 };
 

@@ -416,7 +416,7 @@ TEST_F(Prefill32Gpu, FusedServesBatchesAndVarlen) {
 }
 
 // The rule (fused_v2 = 0, config.h fused_rule) for calls without cu_seqlens, which the host decides:
-// the fused kernel where it serves B sequences of T >= 128 tokens with 3 B H >= 2 SMs, today's
+// the fused kernel where it serves B sequences of T >= 64 tokens with 3 B H >= 2 SMs, today's
 // kernels below either edge; a pool call the same. The two paths give different bits (chunk 32
 // against 16), so each side of each edge shows which one ran.
 TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
@@ -430,7 +430,7 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
     int64_t B, T, H;
     bool fused;
   };
-  for (const Case c : {Case{1, 128, h_min, true}, Case{1, 128, h_min - 1, false}, Case{1, 127, h_min, false},
+  for (const Case c : {Case{1, 64, h_min, true}, Case{1, 64, h_min - 1, false}, Case{1, 63, h_min, false},
                        Case{2, 512, h_min2, true}, Case{2, 512, h_min2 - 1, false}}) {
     KdaOptions o;
     o.B = c.B, o.T = c.T, o.H = c.H, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32, o.seed = 5;
@@ -672,7 +672,7 @@ TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
   }
 }
 
-// The candidate internal fused_min_tokens moves the rule's 128-token floor: sequences of 256 tokens
+// The candidate internal fused_min_tokens moves the rule's 64-token floor: sequences of 256 tokens
 // take the fused kernel by the rule (the forced kernel's bits) and the chunk-16 kernels under a
 // 512-token floor, both where the host decides (B equal sequences, no cu_seqlens) and where K0 does
 // (device cu_seqlens).
@@ -695,7 +695,7 @@ TEST_F(Prefill32Gpu, RuleFloorOptionMovesTheEdge) {
     ASSERT_TRUE(fused_serves(d_rule.params()));
     const std::vector<unsigned char> fused = run_bits(in, d_always), today = run_bits(in, d_never);
     EXPECT_FALSE(fused == today) << "the fused kernel and today's kernels gave the same bits";
-    EXPECT_TRUE(run_bits(in, d_rule) == fused) << "the rule's 128-token floor left 256 tokens to the chunk-16 kernels";
+    EXPECT_TRUE(run_bits(in, d_rule) == fused) << "the rule's 64-token floor left 256 tokens to the chunk-16 kernels";
     EXPECT_TRUE(run_bits(in, d_floor) == today) << "256 tokens took the fused kernel under a 512-token floor";
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
   }

@@ -136,19 +136,20 @@ TEST(PrefillRecordLayoutKr, PreciseRecordUnchanged) {
 
 // The fused kernel's rule (config.h fused_rule), host-callable, so its edges are checked in CI too
 // (the GPU suite checks that the launcher follows it): 2/3 of the SMs busy over the longest
-// sequence, and the longest sequence at least the floor (128 tokens, or the candidate's).
+// sequence, and the longest sequence at least the floor (64 tokens, or the candidate's).
 TEST(PrefillFusedRule, EdgesOfSmsAndFloor) {
   constexpr int64_t sms = 132, h_min = (2 * sms + 2) / 3;  // 88: the least H with 3 H >= 2 SMs
   const auto one = [&](int64_t H, int64_t T, int64_t floor = kFusedMinTokens) {
     return fused_rule(H, (T + kFusedChunk - 1) / kFusedChunk, T, sms, floor);
   };
-  EXPECT_EQ(kFusedMinTokens, 128);
-  EXPECT_TRUE(one(h_min, 128));
-  EXPECT_FALSE(one(h_min - 1, 128));
-  EXPECT_FALSE(one(h_min, 127));
+  EXPECT_EQ(kFusedMinTokens, 64);
+  EXPECT_TRUE(one(h_min, 64));
+  EXPECT_FALSE(one(h_min - 1, 64));
+  EXPECT_FALSE(one(h_min, 63));
   EXPECT_TRUE(one(h_min, 8192));
   EXPECT_FALSE(one(h_min, 256, 512));  // a raised floor (internal fused_min_tokens)
-  EXPECT_TRUE(one(h_min, 64, 64));     // a lowered one
+  EXPECT_TRUE(one(h_min, 32, 32));     // a lowered one
+  EXPECT_FALSE(one(h_min, 32));
   // several sequences: the chunks of all against the longest's; a long prompt among short ones
   EXPECT_TRUE(fused_rule(16, 8 * 64, 2048, sms));                   // 8 x 2048 at H = 16
   EXPECT_FALSE(fused_rule(32, 64 + 30 * 2, 2048, sms));             // 2048 + 30 x 64 at H = 32

@@ -193,13 +193,13 @@ constexpr int32_t kCallValid = 0, kCallRefused = 1, kCallFused = 2;
 // many run, while the chunk-16 kernels slow down as more heads share the GPU. So the fused kernel
 // takes a call it serves when its CTAs keep 2/3 of the SMs busy over the longest sequence,
 // 3 H sum_n ceil(len_n / 32) >= 2 SMs ceil(max_n len_n / 32), and the longest sequence has at
-// least 128 tokens (run 107: the fused kernel 0.80-0.82x the chunk-16 kernels on 1 x 128 at H = 96
-// and 128 x 128 at H = 12-96, 0.84x on "2048 + 30 x 64" at H = 64-96, whose mean is 128; run 103
-// from 256 tokens 0.78-0.88x; shorter not yet measured). For B sequences of T tokens:
-// 3 B H >= 2 SMs, T >= 128. The host applies it without cu_seqlens, K0
+// least 64 tokens (runs 109-110: the fused kernel forced 0.79x the chunk-16 kernels on 1 x 64 at
+// H = 96 and 0.84-0.86x on 256 x 64 at H = 12-96; run 107: 0.80-0.82x on 1 x 128 at H = 96 and
+// 128 x 128 at H = 12-96; run 103 from 256 tokens 0.78-0.88x; shorter not yet measured). For B
+// sequences of T tokens: 3 B H >= 2 SMs, T >= 64. The host applies it without cu_seqlens, K0
 // (Params::fused_sms) with them.
 // min_tokens: the floor (internal::PrefillLaunch::fused_min_tokens, a candidate, replaces it).
-constexpr int64_t kFusedChunk = 32, kFusedMinTokens = 128;
+constexpr int64_t kFusedChunk = 32, kFusedMinTokens = 64;
 __host__ __device__ inline bool fused_rule(int64_t H, int64_t total_chunks32, int64_t longest_tokens, int64_t sms,
                                            int64_t min_tokens = kFusedMinTokens) {
   return longest_tokens >= min_tokens &&
