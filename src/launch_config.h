@@ -52,7 +52,7 @@ struct PrefillLaunch {
                      // global memory; staged inputs, the consumers inverting, setmaxnreg 184 / 160) for the
                      // calls it serves (prefill_v2::fused_serves: up to 65 535 sequences, by B or device
                      // cu_seqlens, K = V = 128, bf16 q/k/v/g, the lower-bound gate with L2-normalised q and k,
-                     // the precise mode, fp32 states or none or a pool (fp32 or bf16) without checkpoints),
+                     // the precise mode, fp32 states or none or a pool (fp32 or bf16), with or without checkpoints),
                      // today's kernels for the rest: 1 = wherever it serves, -1 = never, 0 = rule (where
                      // its CTAs, one a sequence and head, keep 2/3 of the SMs busy over the longest sequence
                      // of at least 64 tokens: cuda/sm90/prefill/config.h fused_rule; decided on the host

@@ -217,6 +217,142 @@ TEST_P(ServingPrefillGpu, FusedPoolPrefill) {
   EXPECT_LT(e_state, GetParam() == DType::kBF16 ? 6e-3 : 5e-4);
 }
 
+// Checkpoints through the fused chunk-32 kernel (internal fused_v2 = 1; the rule would leave this
+// small call to the chunk-16 kernels), over a pool with device cu_seqlens, so K0 numbers each
+// sequence's first checkpoint: dense ones, with fp32 states each the final state of the fused
+// prefill cut at its position, bit for bit (the chunks up to there are the same); padding
+// sequences' dense checkpoints zero; into pool slots (every other one skipped, one past the pool)
+// the dense ones; against the fp64 reference. Then without cu_seqlens or a pool, one sequence (the
+// one-sequence kernel) and a batch of two (first checkpoint n T / every): each sequence's last
+// checkpoint is its final state, bit for bit, and all against the reference.
+TEST_P(ServingPrefillGpu, FusedCheckpoints) {
+  const DType dtype = GetParam();
+  internal::PrefillLaunch fused;
+  fused.fused_v2 = 1;
+  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/-1, fused);
+  SCOPED_TRACE(c.in.describe());
+  PrefillParams p = c.params();
+  p.checkpoint_every = 64;
+  const int64_t count = 3 + 1 + 0 + 2 + 0 + 4 + 16;
+  HostTensor dense(dtype, count * kState);
+  void* d_dense = c.dev.upload(dense.bytes.data(), dense.bytes.size());  // poisoned with its guard bytes
+  p.checkpoints = d_dense, p.checkpoint_dtype = dtype, p.num_checkpoints = count;
+  ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(p));
+  c.dev.poison();
+  c.run(p, fused);
+  cudaMemcpy(dense.bytes.data(), d_dense, dense.bytes.size(), cudaMemcpyDeviceToHost);
+  EXPECT_TRUE(dense.guard_intact());
+  EXPECT_EQ(count_nonfinite(dense.values()), 0);
+  const HostTensor out_pool = c.in.out, pool_after = c.pool;
+
+  int64_t ck = 0;
+  std::vector<int64_t> owner;
+  for (int64_t n = 0; n < c.in.N; ++n) {
+    const Range r = range_of(c.in, n);
+    for (int64_t j = 0; j < r.len() / 64; ++j, ++ck) {
+      owner.push_back(n);
+      if (!c.live(n)) {
+        for (int64_t i = 0; i < kState; ++i) ASSERT_EQ(dense.get(ck * kState + i), 0.0) << "padding checkpoint " << ck;
+        continue;
+      }
+      // fp32 states only: a bf16 pool's cut prefill would need bf16 states, which the fused kernel
+      // leaves to the chunk-16 kernels (other bits).
+      if (dtype != DType::kF32 || (j > 3 && j + 1 < r.len() / 64)) continue;
+      KdaInputs cut = cut_sequence(c.in, r, 64 * (j + 1));
+      DeviceProblem dcut(cut, fused);
+      HostTensor h0(dtype, kState), ht(dtype, kState);
+      for (int64_t i = 0; i < kState; ++i) h0.set(i, c.has_init[n] ? c.pool_before.get(c.slots[n] * kState + i) : 0.0);
+      void* d_h0 = dcut.upload(h0.bytes.data(), h0.bytes.size());
+      void* d_ht = dcut.upload(ht.bytes.data(), ht.bytes.size());
+      PrefillParams q = dcut.params();
+      q.initial_state = d_h0, q.initial_state_dtype = dtype;
+      q.final_state = d_ht, q.final_state_dtype = dtype;
+      ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(q));
+      DeviceBuffer ws(internal::workspace_size(q, fused));
+      internal::forward(q, fused, ws.ptr, ws.bytes);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      cudaMemcpy(ht.bytes.data(), d_ht, ht.bytes.size(), cudaMemcpyDeviceToHost);
+      EXPECT_TRUE(same_bytes(dense, ck * kState, ht, 0, kState)) << "checkpoint " << ck << " (sequence " << n
+                                                                  << ", after " << 64 * (j + 1) << " tokens)";
+    }
+  }
+  ASSERT_EQ(ck, count);
+
+  std::vector<double> ref_out(c.in.out.count), ref_ck(size_t(count * kState), std::nan(""));
+  std::vector<double> ref_state(size_t(c.in.N * kState));
+  HostTensor ref_pool = c.pool_before;
+  PrefillParams host = c.host_params(ref_pool, c.slots);
+  host.checkpoint_every = 64, host.num_checkpoints = count;
+  reference_forward(host, ref_out.data(), ref_state.data(), ref_ck.data());
+  const double tol = dtype == DType::kBF16 ? 6e-3 : 5e-4;
+  const double e = rel_rms(dense.values(), ref_ck);
+  report("gpu fused checkpoints rel-RMS", e);
+  EXPECT_LT(e, tol);
+  EXPECT_LT(rel_rms(out_pool.values(), ref_out), 2e-3);
+  EXPECT_LT(rel_rms(states_in_slots(pool_after, c.slots, c.P), ref_state), tol);
+
+  // Into pool slots: the free slots, every other checkpoint skipped (-1), one past the pool.
+  std::vector<int32_t> free_slots;
+  for (int64_t s = 0; s < c.P; ++s)
+    if (!c.slot_named(s)) free_slots.push_back(int32_t(s));
+  std::vector<int32_t> ck_slots(size_t(count), -1);
+  for (int64_t i = 0, f = 0; i < count && f < int64_t(free_slots.size()); i += 2) ck_slots[i] = free_slots[f++];
+  ck_slots[1] = int32_t(c.P);
+  c.reset_pool();
+  PrefillParams ps = c.params();
+  ps.checkpoint_every = 64;
+  ps.checkpoint_slots = static_cast<const int32_t*>(c.dev.upload(ck_slots.data(), ck_slots.size() * 4));
+  ps.num_checkpoints = count;
+  ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(ps));
+  c.run(ps, fused);
+  for (int64_t i = 0; i < count; ++i) {
+    const int32_t s = ck_slots[i];
+    if (s < 0 || s >= c.P) continue;
+    if (!c.live(owner[i])) {
+      EXPECT_TRUE(same_bytes(c.pool, s * kState, c.pool_before, s * kState, kState)) << "padding checkpoint slot " << i;
+    } else {
+      EXPECT_TRUE(same_bytes(c.pool, s * kState, dense, i * kState, kState)) << "checkpoint slot " << i;
+    }
+  }
+  for (int32_t s : free_slots)
+    if (std::find(ck_slots.begin(), ck_slots.end(), s) == ck_slots.end())
+      EXPECT_TRUE(same_bytes(c.pool, s * kState, c.pool_before, s * kState, kState)) << "unnamed slot " << s;
+
+  // Without cu_seqlens or a pool: B sequences of 320 tokens, fp32 states, checkpoints every 64.
+  for (const int64_t B : {int64_t(1), int64_t(2)}) {
+    KdaOptions o;
+    o.B = B, o.T = 320, o.H = kH;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d(in, fused);
+    const int64_t per = o.T / 64, n_ck = B * per;
+    HostTensor cks(dtype, n_ck * kState);
+    void* d_cks = d.upload(cks.bytes.data(), cks.bytes.size());
+    PrefillParams pb = d.params();
+    pb.checkpoint_every = 64, pb.checkpoints = d_cks, pb.checkpoint_dtype = dtype, pb.num_checkpoints = n_ck;
+    ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(pb));
+    d.poison();
+    internal::forward(pb, fused, d.workspace->ptr, d.workspace->bytes);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    cudaMemcpy(cks.bytes.data(), d_cks, cks.bytes.size(), cudaMemcpyDeviceToHost);
+    EXPECT_TRUE(cks.guard_intact());
+    EXPECT_EQ(count_nonfinite(cks.values()), 0);
+    if (dtype == DType::kF32)
+      for (int64_t n = 0; n < B; ++n)
+        EXPECT_TRUE(same_bytes(cks, (n * per + per - 1) * kState, in.final_state, n * kState, kState))
+            << "the last checkpoint of sequence " << n << " against its final state";
+    std::vector<double> r_out(in.out.count), r_state(size_t(B * kState)), r_ck(size_t(n_ck * kState), std::nan(""));
+    PrefillParams hb = in.params();
+    hb.checkpoint_every = 64, hb.num_checkpoints = n_ck;
+    reference_forward(hb, r_out.data(), r_state.data(), r_ck.data());
+    const double eb = rel_rms(cks.values(), r_ck);
+    report("gpu fused checkpoints B=" + std::to_string(B) + " rel-RMS", eb);
+    EXPECT_LT(eb, tol);
+  }
+}
+
 // Checkpoints, serial: each equals the final state of the same GPU prefill cut at its position, bit
 // for bit (the chunks up to there are the same); padding sequences' dense checkpoints are zero;
 // the same checkpoints into pool slots (every other one skipped) equal the dense ones; and in

@@ -387,7 +387,7 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
 cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
                              bool check_only) {
   const int64_t items = detail::num_sequences(p) * p.H;
-  return sm90::prefill_v2::fused_prefill(p, kp.error_flag, stream, true, check_only,
+  return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
                                           persistent ? std::min<int64_t>(items, sm_count()) : 0);
 }
@@ -420,15 +420,19 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const bool fused_serves = launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
   if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
     const int* error_flag = nullptr;
+    const int32_t* ckpt_start = nullptr;
     if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
       auto* ws = static_cast<uint8_t*>(workspace);
-      Params kp = kernel_params(p, ws);  // no segments, no checkpoints: K0 checks and scans only
+      // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
+      // and checks their count against the lengths.
+      Params kp = kernel_params(p, ws);
       const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
       if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.header);  // nothing else is carved
       launch_k0(kp, stream);
       error_flag = kp.error_flag;
+      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start;
     }
-    const cudaError_t err = sm90::prefill_v2::fused_prefill(p, error_flag, stream);
+    const cudaError_t err = sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream);
     if (err == cudaSuccess) return;
     // Under the rule, a fused kernel that cannot start here (its register split or the driver's
     // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.

@@ -104,15 +104,20 @@ __device__ __forceinline__ void sequence_span(const FusedArgs& a, int64_t n, int
   bos = cu(n), len = cu(n + 1) - bos;
 }
 
-// K0 refused the call (invalid cu_seqlens, a live slot named twice): out and final_state filled
-// with NaN, a disjoint share by each CTA, the pool left as it was (as the chunk-16 kernels do:
-// loud, never silent garbage).
+// K0 refused the call (invalid cu_seqlens, a live slot named twice, a checkpoint count the lengths
+// do not give): out, final_state and dense checkpoints filled with NaN, a disjoint share by each
+// CTA, the pool left as it was (as the chunk-16 kernels do: loud, never silent garbage).
 __device__ __noinline__ void poison_fused_outputs(const FusedArgs& a) {
   const int64_t threads = int64_t(gridDim.x) * gridDim.y * blockDim.x;
   const int64_t first = (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
   const float nan = __int_as_float(0x7fc00000);
   const int64_t n_out = a.consume.T * a.consume.H * kHeadDim;
   for (int64_t i = first; i < n_out; i += threads) static_cast<__nv_bfloat16*>(a.consume.out)[i] = __float2bfloat16(nan);
+  if (a.checkpoints != nullptr) {
+    const int64_t n_ckpt = a.num_checkpoints * a.consume.H * kHeadDim * kHeadDim;
+    for (int64_t i = first; i < n_ckpt; i += threads)
+      prefill::store_state_elem(a.checkpoints, a.checkpoints_bf16 ? ElemType::kBF16 : ElemType::kF32, i, nan);
+  }
   if (a.consume.final_state == nullptr) return;
   const int64_t n_state = a.num_seqs * a.consume.H * kHeadDim * kHeadDim;
   for (int64_t i = first; i < n_state; i += threads) a.consume.final_state[i] = nan;
@@ -129,6 +134,36 @@ __device__ __noinline__ void zero_head_rows(void* out, int64_t len, int H, int h
     o[((i / (kHeadDim / 8)) * row + int64_t(h) * kHeadDim) / 8 + i % (kHeadDim / 8)] = make_uint4(0, 0, 0, 0);
 }
 
+// A padding sequence's dense checkpoints (FusedArgs::checkpoints; len / checkpoint_every of them
+// from first_ckpt): head h's [V, K] state of each zero, as its output rows. Out of line and called
+// where zero_head_rows is, for the same reasons.
+__device__ __noinline__ void zero_head_checkpoints(const FusedArgs& a, int64_t first_ckpt, int64_t len, int h,
+                                                   int thread, int threads) {
+  if (a.checkpoints == nullptr || a.checkpoint_every <= 0) return;
+  constexpr int64_t kState = int64_t(kHeadDim) * kHeadDim;
+  const ElemType type = a.checkpoints_bf16 ? ElemType::kBF16 : ElemType::kF32;
+  for (int64_t c = first_ckpt; c < first_ckpt + len / a.checkpoint_every && c < a.num_checkpoints; ++c)
+    for (int64_t i = thread; i < kState; i += threads)
+      prefill::store_state_elem(a.checkpoints, type, (c * a.consume.H + h) * kState + i, 0.f);
+}
+
+// Checkpoint ck of head h (FusedArgs::checkpoints or checkpoint_slots): this thread's rows of the
+// state S (the consumers' S_st, its rows' 1 / m in inv), stored as the final state is.
+__device__ __forceinline__ void store_checkpoint(const FusedArgs& a, int64_t ck, int h, const float (&S)[64], int v_row,
+                                                 int t4, const float (&inv)[2]) {
+  if (ck >= a.num_checkpoints) return;
+  const int64_t state = int64_t(kHeadDim) * kHeadDim, head = h * state;
+  if (a.checkpoints != nullptr) {
+    prefill::store_state_rows(S, a.checkpoints, a.checkpoints_bf16 ? ElemType::kBF16 : ElemType::kF32,
+                              ck * a.consume.H * state + head, v_row, t4, inv);
+  } else {
+    const int64_t slot = a.checkpoint_slots[ck];
+    if (slot >= 0 && slot < a.pool_size)
+      prefill::store_state_rows(S, a.state_pool, a.pool_bf16 ? ElemType::kBF16 : ElemType::kF32,
+                                slot * a.consume.H * state + head, v_row, t4, inv);
+  }
+}
+
 // FusedArgs::producer_regs: the producer's registers after setmaxnreg, and the consumers'.
 // setmaxnreg.inc only takes registers that the CTA already holds (the launch's count for all 384
 // threads) and the consumers gave back: asking for more waits forever (run 84: 192 / 160 hung).
@@ -143,6 +178,7 @@ struct SeqArgs {
   ProduceArgs produce;  // T < 0: a padding sequence of -(T + 1) tokens
   ConsumeArgs consume;
   int64_t bos;          // its first token in the TMA maps' rows
+  int64_t first_ckpt;   // its first checkpoint (FusedArgs::checkpoint_every)
   int head;             // fused_persistent_kernel: the current item's head, -1 once none is left
 };
 
@@ -183,6 +219,9 @@ __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t 
     if (a.consume.final_state != nullptr) sc.final_state = a.consume.final_state + state;
   }
   seq.produce = sp, seq.consume = sc, seq.bos = bos;
+  seq.first_ckpt = a.checkpoint_every <= 0   ? 0
+                   : a.ckpt_start != nullptr ? int64_t(a.ckpt_start[n])
+                                             : n * (a.produce.T / a.num_seqs / a.checkpoint_every);
 }
 
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
@@ -261,11 +300,12 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   }
 }
 
-// The consumers' side of the same item (p: its sequence's arguments).
+// The consumers' side of the same item (p: its sequence's arguments; first_ckpt: its first
+// checkpoint, FusedArgs::checkpoint_every).
 template <bool kStaged, bool kClock, bool kConsumerInv>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
-                                             int64_t num_chunks, int64_t base, long long* clock_sums,
-                                             long long& last_clock) {
+                                             int64_t num_chunks, int64_t base, int64_t first_ckpt,
+                                             long long* clock_sums, long long& last_clock) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
@@ -286,6 +326,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     if (ctid < 64) invert_zero_upper(ctid, own_inv, own_inv + kSmallBytes);
     fence_proxy_async_shared();
   }
+  // Checkpoints: after chunk next_ckpt (every period chunks; -1: none), checkpoint ck, where that
+  // chunk is full (a sequence's last partial piece has none).
+  const int64_t ckpt_period = a.checkpoint_every / kChunk;
+  int64_t next_ckpt = a.checkpoint_every > 0 ? ckpt_period - 1 : -1, ck = first_ckpt;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;
     const int stage = int(gc % kStages);
@@ -339,6 +383,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // TMA overwrites them: fenced by each writing thread, then released by its arrival.
     fence_proxy_async_shared();
     mbarrier_arrive(&empty[stage]);
+    if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
+      if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
+      next_ckpt += ckpt_period, ++ck;
+    }
     mark(12);
   }
   if (kClock && tid == kThreads)
@@ -380,8 +428,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   if constexpr (kSeqs) {
     __syncthreads();  // the sequence's arguments
-    if (seq_produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): zero output rows, no state
+    if (seq_produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): zero output rows and
+      // dense checkpoints, no state
       zero_head_rows(seq_consume.out, -seq_produce.T - 1, a.consume.H, h, int(threadIdx.x), int(blockDim.x));
+      zero_head_checkpoints(a, seq.first_ckpt, -seq_produce.T - 1, h, int(threadIdx.x), int(blockDim.x));
       return;
     }
   }
@@ -400,6 +450,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     consume_item<kStaged, kClock, kConsumerInv>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0,
+                                                kSeqs ? seq.first_ckpt : 0,
                                                 clock_sums, last_clock);
   }
 }
@@ -442,7 +493,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
       items_sync();
       const int h = seq.head;
       if (h < 0) break;
-      if (seq_produce.T < 0) zero_head_rows(seq_consume.out, -seq_produce.T - 1, int(H), h, tid, kThreads);
+      if (seq_produce.T < 0) {
+        zero_head_rows(seq_consume.out, -seq_produce.T - 1, int(H), h, tid, kThreads);
+        zero_head_checkpoints(a, seq.first_ckpt, -seq_produce.T - 1, h, tid, kThreads);
+      }
       const int64_t chunks = item_chunks();
       if (chunks > 0)
         produce_item<GateForm::kLowerBound, false, kStaged, false, kConsumerInv>(params, ring, seq_produce, h, seq.bos,
@@ -457,7 +511,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
       const int h = seq.head;
       if (h < 0) break;
       const int64_t chunks = item_chunks();
-      consume_item<kStaged, false, kConsumerInv>(params, ring, seq_consume, h, chunks, base, nullptr, last_clock);
+      consume_item<kStaged, false, kConsumerInv>(params, ring, seq_consume, h, chunks, base, seq.first_ckpt, nullptr,
+                                                 last_clock);
       base += chunks;
       items_sync();
     }
@@ -555,6 +610,13 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   const bool f32 = pa.g_type == ElemType::kF32;
   if (args.on_verdict && (args.error_flag == nullptr || args.cu_seqlens == nullptr)) return cudaErrorInvalidValue;
+  if (args.checkpoint_every < 0 ||
+      (args.checkpoint_every > 0 &&
+       (args.checkpoint_every % 64 != 0 || args.num_checkpoints < 0 ||
+        (args.checkpoints == nullptr) == (args.checkpoint_slots == nullptr) ||
+        (args.checkpoint_slots != nullptr && args.state_pool == nullptr) ||
+        (args.cu_seqlens != nullptr && args.ckpt_start == nullptr))))
+    return cudaErrorInvalidValue;
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
     if (args.num_seqs < 1 || args.num_seqs > kMaxFusedSeqs ||
         ((args.cu_seqlens != nullptr || args.state_pool != nullptr) && args.error_flag == nullptr) ||
@@ -584,13 +646,12 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
 bool fused_serves(const PrefillParams& p) {
   const int64_t N = detail::num_sequences(p);
   const bool states = p.state_pool != nullptr
-                          ? p.checkpoint_every == 0 && p.initial_state == nullptr && p.final_state == nullptr
+                          ? p.initial_state == nullptr && p.final_state == nullptr
                           : (p.initial_state == nullptr || p.initial_state_dtype == DType::kF32) &&
                                 (p.final_state == nullptr || p.final_state_dtype == DType::kF32);
   return N >= 1 && N <= kMaxFusedSeqs && p.B * p.T > 0 && p.B * p.T < (int64_t(1) << 31) && p.K == kHeadDim &&
          p.V == kHeadDim && p.dtype == DType::kBF16 && p.g_dtype == DType::kBF16 &&
-         p.pre.gate == GateForm::kLowerBound && p.pre.l2norm_qk && p.precision == Precision::kPrecise &&
-         p.checkpoint_every == 0 && states;
+         p.pre.gate == GateForm::kLowerBound && p.pre.l2norm_qk && p.precision == Precision::kPrecise && states;
 }
 
 FusedArgs fused_args(const PrefillParams& p) {
@@ -613,13 +674,19 @@ FusedArgs fused_args(const PrefillParams& p) {
     f.state_pool = p.state_pool, f.pool_bf16 = p.state_pool_dtype == DType::kBF16, f.pool_size = p.pool_size;
     f.state_indices = p.state_indices, f.has_initial_state = p.has_initial_state;
   }
+  if (p.checkpoint_every > 0 && p.num_checkpoints > 0) {  // none: no destination is required
+    f.checkpoint_every = p.checkpoint_every, f.num_checkpoints = p.num_checkpoints;
+    f.checkpoints = p.checkpoints, f.checkpoints_bf16 = p.checkpoint_dtype == DType::kBF16;
+    f.checkpoint_slots = p.checkpoint_slots;
+  }
   return f;
 }
 
-cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict,
-                          bool check_only, int* next_item, int64_t item_ctas) {
+cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
+                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas) {
   FusedArgs f = fused_args(p);
   f.error_flag = error_flag;
+  f.ckpt_start = ckpt_start;
   f.on_verdict = on_verdict, f.check_only = check_only;
   f.next_item = next_item, f.item_ctas = item_ctas;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;

@@ -55,7 +55,7 @@ struct FusedArgs {
   // cu_seqlens are invalid or a live slot is named twice; out (and final_state) are then NaN and
   // the pool is left as it was. Null: nothing to check (one sequence, or a batch of equal lengths).
   const int* error_flag = nullptr;
-  // A state pool (SPEC §9, without checkpoints): sequence n starts from slot state_indices[n]
+  // A state pool (SPEC §9; checkpoints below): sequence n starts from slot state_indices[n]
   // (zeros where has_initial_state[n] is false) and its final state goes back there, fp32 or bf16
   // (pool_bf16); a slot outside [0, pool_size) is padding: zero output rows, nothing read or written.
   // consume.initial_state and final_state are then null.
@@ -77,6 +77,20 @@ struct FusedArgs {
   // of CTAs that exit, not N H of them. Null: the grid is H x num_seqs.
   int* next_item = nullptr;
   int64_t item_ctas = 0;
+  // Checkpoints (SPEC §9): the state after every checkpoint_every tokens of each sequence (a
+  // multiple of 64; 0 = none; a sequence's last partial piece has none), numbered sequence by
+  // sequence: sequence n's first is ckpt_start[n] (K0's, in the workspace header, with cu_seqlens),
+  // else n (T / num_seqs / checkpoint_every). Each goes into the dense checkpoints ([C, H, V, K],
+  // bf16 with checkpoints_bf16, else fp32) or, with a pool, into slot checkpoint_slots[c] in the
+  // pool's dtype (outside [0, pool_size): not written); c >= num_checkpoints: not written. A
+  // padding sequence's dense checkpoints are zero, a refused call's NaN, as the chunk-16 kernels
+  // write them.
+  int64_t checkpoint_every = 0;
+  void* checkpoints = nullptr;
+  bool checkpoints_bf16 = false;
+  const int32_t* checkpoint_slots = nullptr;
+  int64_t num_checkpoints = 0;
+  const int32_t* ckpt_start = nullptr;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -86,14 +100,16 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // The fused kernel as a prefill (internal::PrefillLaunch::fused_v2): whether it serves a validated
 // call (up to 65 535 sequences, by B or by device cu_seqlens, fewer than 2^31 tokens (the TMA
 // coordinates); K = V = 128, bf16 q, k, v and g, the lower-bound gate with L2-normalised q and k,
-// the precise mode; fp32 initial and final states or none, or a state pool (fp32 or bf16) without
-// checkpoints), and the call through it with its best candidate flags (staged inputs, inverting
+// the precise mode; fp32 initial and final states or none, or a state pool (fp32 or bf16); with or
+// without checkpoints), and the call through it with its best candidate flags (staged inputs, inverting
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
-// error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; on_verdict,
-// check_only, next_item and item_ctas as FusedArgs says.
-cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, cudaStream_t stream, bool on_verdict = false,
-                          bool check_only = false, int* next_item = nullptr, int64_t item_ctas = 0);
+// error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
+// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item and item_ctas as
+// FusedArgs says.
+cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
+                          bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
+                          int64_t item_ctas = 0);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
