@@ -11,6 +11,7 @@
 #include <cstring>
 #include <vector>
 
+#include "cuda/sm90/prefill/config.h"
 #include "cuda/sm90/prefill_v2/consume.h"
 #include "cuda/sm90/prefill_v2/fused.h"
 #include "cuda/sm90/prefill_v2/layout.h"
@@ -479,12 +480,13 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
 // The rule with device cu_seqlens, which K0 decides (the host cannot read the lengths): the
 // chunk-16 kernels, then the fused kernel, each running the call only on K0's verdict. The
 // expected side of each case from the rule's formula: 3 H sum ceil(len / 32) >= 2 SMs
-// ceil(longest / 32), longest >= 512. Equal lengths on both sides of the edge (int32 and int64
-// cu_seqlens), mixed lengths, a long sequence among short ones (enough CTAs for the host's
-// pre-check, not for the rule, and enough chunks for the strided K1 to walk its grid twice), each
-// also with the kernels launched early and replayed from a CUDA graph; a captured call replayed
-// after its cu_seqlens changed across the edge (K0 decides again); invalid cu_seqlens (all NaN), and
-// a state pool with a padding slot, then with a live slot named twice (all NaN, the pool unchanged).
+// ceil(longest / 32), longest >= kFusedMinTokens. Equal lengths on both sides of the edge
+// (int32 and int64 cu_seqlens), mixed lengths, a long sequence among short ones (enough CTAs for
+// the host's pre-check, not for the rule, and enough chunks for the strided K1 to walk its grid
+// twice), each also with the kernels launched early and replayed from a CUDA graph; a captured
+// call replayed after its cu_seqlens changed across the edge (K0 decides again); invalid cu_seqlens
+// (all NaN), and a state pool with a padding slot, then with a live slot named twice (all NaN, the
+// pool unchanged).
 TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -493,7 +495,7 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
   auto rule_holds = [&](const std::vector<int64_t>& lens) {
     int64_t total32 = 0, longest = 0;
     for (const int64_t l : lens) total32 += (l + 31) / 32, longest = std::max(longest, l);
-    return longest >= 512 && 3 * H * total32 >= 2 * int64_t(sms) * ((longest + 31) / 32);
+    return longest >= prefill::kFusedMinTokens && 3 * H * total32 >= 2 * int64_t(sms) * ((longest + 31) / 32);
   };
   internal::PrefillLaunch always, never, early;
   always.fused_v2 = 1, never.fused_v2 = -1;
@@ -596,6 +598,56 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
     pool.run(d, d_slots, internal::PrefillLaunch{}, true);
     EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count) << "a slot named twice: outputs not all NaN";
     EXPECT_TRUE(pool.now() == pool.init) << "a slot named twice: the pool was written";
+  }
+}
+
+// Checkpoints with device cu_seqlens where K0 chooses: K0 numbers each sequence's first
+// checkpoint whichever kernels it picks (the fused kernel reads those numbers too). Equal lengths on
+// each side of the rule's edge, dense fp32 checkpoints every 64 tokens, through the rule and the
+// persistent grid: every output, final state and checkpoint written (the poison is NaN), and the
+// bits of the kernels the rule names (fused_v2 = 1 or -1).
+TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensNumbersCheckpoints) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  constexpr int64_t H = 8, kLen = 512, kEvery = 64;
+  const int64_t n_min = (2 * int64_t(sms) + 3 * H - 1) / (3 * H);  // equal lengths: 3 N H >= 2 SMs
+  internal::PrefillLaunch always, never, persistent;
+  always.fused_v2 = 1, never.fused_v2 = -1, persistent.fused_persistent = 1;
+  for (const int64_t N : {n_min, n_min - 1}) {
+    const bool fused = N >= n_min;
+    KdaOptions o;
+    o.seqlens = std::vector<int64_t>(size_t(N), kLen), o.H = H, o.seed = 19;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    const int64_t count = N * (kLen / kEvery), state = H * o.V * o.K;
+    auto bits = [&](internal::PrefillLaunch launch) {
+      DeviceProblem d(in, launch);
+      test::HostTensor cks(DType::kF32, count * state);  // NaN-poisoned
+      void* d_cks = d.upload(cks.bytes.data(), cks.bytes.size());
+      PrefillParams p = d.params();
+      p.checkpoint_every = kEvery, p.checkpoints = d_cks, p.checkpoint_dtype = DType::kF32, p.num_checkpoints = count;
+      EXPECT_TRUE(fused_serves(p));
+      DeviceBuffer ws(internal::workspace_size(p, launch));
+      d.poison();
+      internal::forward(p, launch, ws.ptr, ws.bytes);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      d.download();
+      cudaMemcpy(cks.bytes.data(), d_cks, cks.bytes.size(), cudaMemcpyDeviceToHost);
+      EXPECT_TRUE(cks.guard_intact());
+      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+      EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+      EXPECT_EQ(test::count_nonfinite(cks.values()), 0) << "checkpoints left unwritten";
+      std::vector<unsigned char> b(in.out.bytes.begin(), in.out.bytes.end());
+      b.insert(b.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+      b.insert(b.end(), cks.bytes.begin(), cks.bytes.end());
+      return b;
+    };
+    const std::vector<unsigned char> want = bits(fused ? always : never), other = bits(fused ? never : always);
+    EXPECT_FALSE(want == other) << "the fused kernel and today's kernels gave the same bits";
+    EXPECT_TRUE(bits({}) == want) << (fused ? "the rule did not give the call to the fused kernel"
+                                            : "the rule gave the call to the fused kernel");
+    EXPECT_TRUE(bits(persistent) == want) << "the persistent grid: other bits";
   }
 }
 

@@ -229,7 +229,7 @@ TEST_P(ServingPrefillGpu, FusedCheckpoints) {
   const DType dtype = GetParam();
   internal::PrefillLaunch fused;
   fused.fused_v2 = 1;
-  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/-1, fused);
+  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/3, /*past_pool=*/-1, fused);
   SCOPED_TRACE(c.in.describe());
   PrefillParams p = c.params();
   p.checkpoint_every = 64;
@@ -360,7 +360,7 @@ TEST_P(ServingPrefillGpu, FusedCheckpoints) {
 // inside segments from their partial transitions) they match the fp64 reference.
 TEST_P(ServingPrefillGpu, CheckpointsEqualTruncatedPrefill) {
   const DType dtype = GetParam();
-  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/4, /*past_pool=*/-1, kSerial,
+  PoolCase c({200, 64, 0, 130, 63, 256, 1030}, dtype, 12, /*padding=*/3, /*past_pool=*/-1, kSerial,
              /*decaying=*/true);
   SCOPED_TRACE(c.in.describe());
   PrefillParams p = c.params();

@@ -99,7 +99,9 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   }
   __syncthreads();
   // Refused or the fused kernel's: no chunks, so K1 does nothing (K2 fills refused outputs with NaN).
+  // Checkpoints are numbered unless refused: the fused kernel reads ckpt_start too.
   const bool no_chunks = *p.error_flag != kCallValid;
+  const bool refused = *p.error_flag == kCallRefused;
   for (int64_t base = 0; base <= N; base += kScanThreads) {
     const int64_t i = base + threadIdx.x;
     int chunks = 0;
@@ -116,7 +118,7 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
     int ckpt_prefix = 0, ckpt_total = 0;
     if (p.checkpoint_every > 0) {  // ckpt_start[n]: the first checkpoint of sequence n
       __syncthreads();
-      const int ckpts = !no_chunks && i < N ? int((cu_at(p, i + 1) - cu_at(p, i)) / p.checkpoint_every) : 0;
+      const int ckpts = !refused && i < N ? int((cu_at(p, i + 1) - cu_at(p, i)) / p.checkpoint_every) : 0;
       Scan(tmp.scan).ExclusiveSum(ckpts, ckpt_prefix, ckpt_total);
       if (i <= N) p.ckpt_start[i] = ckpt_carry + ckpt_prefix;
     }
