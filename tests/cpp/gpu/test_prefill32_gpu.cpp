@@ -601,6 +601,67 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
   }
 }
 
+// internal::PrefillLaunch::fused_pieces (a candidate): each sequence in pieces, a piece after the
+// first starting fused_warmup chunks early from zero where the warm-up's chunk bounds put the incoming
+// state below 2^-30, else every piece stops and the chunk-16 kernels run the call. Random gates
+// (every channel decays within a chunk): the pieces run (other bits than the chunk-16 kernels',
+// within the reference's bounds and near the unsplit fused kernel's), one sequence and two of an odd
+// length, more pieces than chunks, the state none or fp32, graph replays equal to the eager call;
+// long-memory channels (dt_bias -30: no decay), in every head or in one: the chunk-16 kernels' bits.
+TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
+  struct Case {
+    int64_t B, T, H, pieces;
+    int warmup;
+    bool states, long_memory_all, long_memory_one;
+  };
+  const Case cases[] = {{1, 2048, 4, 4, 1, true, false, false},  {2, 301, 3, 3, 2, false, false, false},
+                        {1, 96, 2, 5, 1, true, false, false},    {1, 1000, 2, 4, 1, true, true, false},
+                        {1, 1000, 3, 4, 1, true, false, true}};
+  for (const Case& c : cases) {
+    KdaOptions o;
+    o.B = c.B, o.T = c.T, o.H = c.H;
+    if (c.states) o.initial_state = StateKind::kF32;
+    o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (c.long_memory_all || c.long_memory_one)
+      for (int64_t ch = 0; ch < (c.long_memory_one ? o.K : o.H * o.K); ch += 4) in.dt_bias[ch] = -30.f;
+    const bool falls_back = c.long_memory_all || c.long_memory_one;
+    SCOPED_TRACE(in.describe() + " pieces " + std::to_string(c.pieces) + " warmup " + std::to_string(c.warmup));
+    internal::PrefillLaunch pieces, never, always;
+    pieces.fused_pieces = c.pieces, pieces.fused_warmup = c.warmup;
+    never.fused_v2 = -1, always.fused_v2 = 1;
+    DeviceProblem d_pieces(in, pieces), d_never(in, never), d_always(in, always);
+    ASSERT_TRUE(fused_pieces_serve(d_pieces.params()));
+    const std::vector<unsigned char> today = run_bits(in, d_never), fused = run_bits(in, d_always);
+    const std::vector<unsigned char> got = run_bits(in, d_pieces);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
+    if (falls_back) {
+      EXPECT_TRUE(got == today) << "a warm-up that bounds nothing: not the chunk-16 kernels' bits";
+    } else {
+      EXPECT_FALSE(got == today) << "the pieces did not run (the chunk-16 kernels' bits)";
+      const test::Reference ref = test::run_reference(in);
+      const double e_out = test::rel_rms(in.out.values(), ref.out), e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+      test::report("fused pieces " + std::to_string(c.pieces) + " T=" + std::to_string(c.T) + " out", e_out);
+      test::report("fused pieces " + std::to_string(c.pieces) + " T=" + std::to_string(c.T) + " state", e_state);
+      EXPECT_LE(e_out, 2e-3);
+      EXPECT_LE(e_state, 5e-4);
+      // against the unsplit fused kernel: the warm-up's state differs by its rounding and by less
+      // than 2^-30 of the dropped state, so the outputs by a few bf16 roundings
+      const std::vector<unsigned char> mine = got;
+      const size_t out_bytes = in.out.bytes.size();
+      test::HostTensor a = in.out, b = in.out;
+      std::copy(mine.begin(), mine.begin() + std::ptrdiff_t(out_bytes), a.bytes.begin());
+      std::copy(fused.begin(), fused.begin() + std::ptrdiff_t(out_bytes), b.bytes.begin());
+      const double e_fused = test::rel_rms(a.values(), b.values());
+      test::report("fused pieces against the unsplit fused kernel, out", e_fused);
+      EXPECT_LE(e_fused, 1e-3);
+    }
+    EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
+  }
+}
+
 // Checkpoints with device cu_seqlens where K0 chooses: K0 numbers each sequence's first
 // checkpoint whichever kernels it picks (the fused kernel reads those numbers too). Equal lengths on
 // each side of the rule's edge, dense fp32 checkpoints every 64 tokens, through the rule and the

@@ -94,6 +94,9 @@ __device__ __forceinline__ bool call_refused(const Params& p) {
 __device__ __forceinline__ bool call_fused(const Params& p) {
   return p.fused_sms > 0 && *p.error_flag == kCallFused;
 }
+// Whether the fused kernel's pieces ran the call (Params::pieces_flag, internal::PrefillLaunch::
+// fused_pieces): the chunk-16 kernels do nothing.
+__device__ __forceinline__ bool pieces_ran(const Params& p) { return p.pieces_flag != nullptr && *p.pieces_flag == 0; }
 
 // ---- Serving prefill (config.h Params, docs/SPEC.md §9) ------------------------------------------
 // The state slot of sequence n: n for dense states, its pool slot with state_indices, -1 for

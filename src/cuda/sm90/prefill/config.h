@@ -244,6 +244,8 @@ struct Params {
   int64_t fused_sms;          // > 0 (cu_seqlens): K0 gives a valid call to the fused kernel where
                               // fused_rule holds with this many SMs (launch.cu forward); 0: never
   int64_t fused_min_tokens;   // with fused_sms: the rule's floor on the longest sequence (config.h fused_rule)
+  const int* pieces_flag;     // internal::PrefillLaunch::fused_pieces: zero where the fused kernel's pieces ran the
+                              // call (every chunk-16 kernel then returns at once: pieces_ran), else null or 1
   int32_t* fused_next;        // workspace header, zeroed by K0 where fused_sms > 0: the next (sequence,
                               // head) item of the fused kernel's persistent grid (FusedArgs::next_item)
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]

@@ -308,10 +308,21 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
+// internal::PrefillLaunch::fused_pieces (a candidate): whether the call runs in pieces, and their
+// workspace after the chunk-16 kernels' (the flag, then the last pieces' final states).
+bool runs_fused_pieces(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return launch.fused_pieces > 0 && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_pieces_serve(p);
+}
+size_t fused_pieces_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  if (!runs_fused_pieces(p, launch)) return 0;
+  return align_up(sizeof(int)) + align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4);
+}
+
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
                           checkpoint_partials(p, launch), prefill_run_chunks(p, launch), pool_slots(p))
-      .total;
+             .total +
+         fused_pieces_bytes(p, launch);
 }
 
 namespace {
@@ -417,7 +428,19 @@ int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
-  const bool fused_serves = launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
+  // internal::PrefillLaunch::fused_pieces (a candidate): the fused kernel in pieces, then the chunk-16
+  // kernels, which run the call only where a piece's warm-up did not bound its transition.
+  const int* pieces_flag = nullptr;
+  if (runs_fused_pieces(p, launch)) {
+    uint8_t* const at = static_cast<uint8_t*>(workspace) + (prefill_workspace_size(p, launch) - fused_pieces_bytes(p, launch));
+    int* const flag = reinterpret_cast<int*>(at);
+    float* const finals = reinterpret_cast<float*>(at + align_up(sizeof(int)));
+    const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
+    FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, stream));
+    FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
+    pieces_flag = flag;
+  }
+  const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
   if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
     const int* error_flag = nullptr;
     const int32_t* ckpt_start = nullptr;
@@ -445,6 +468,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   // kernel launched after them, while they do nothing.
   const bool persistent = launch.fused_persistent > 0;
   kp.fused_min_tokens = fused_min_tokens(launch);
+  kp.pieces_flag = pieces_flag;
   const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
   if (fused_after) kp.fused_sms = sm_count();
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;

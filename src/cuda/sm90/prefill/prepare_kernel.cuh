@@ -159,6 +159,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) prepare_kernel(c
   extern __shared__ __align__(16) uint8_t smem_raw[];
   wait_for_prerequisites();  // K0 (launched early after it)
   allow_dependents();
+  if (pieces_ran(p)) return;
   if constexpr (kStrided) {
     if (call_fused(p)) return;
     for (int64_t b = blockIdx.x; b < p.chunk_slots * p.H; b += gridDim.x) {

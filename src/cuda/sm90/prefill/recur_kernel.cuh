@@ -774,6 +774,7 @@ template <int kWarps, class Split, bool kSeg, bool kBulk = false>
 __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constant__ Params p) {
   wait_for_prerequisites();
   allow_dependents();
+  if (pieces_ran(p)) return;
   recur_body<kWarps, Split, kSeg, 3, kBulk>(p);
 }
 
@@ -784,6 +785,7 @@ template <class Split, bool kBulk = false>
 __global__ void __launch_bounds__(128, 3) recur_seg3_kernel(const __grid_constant__ Params p) {
   wait_for_prerequisites();
   allow_dependents();
+  if (pieces_ran(p)) return;
   recur_body<4, Split, true, kSeg3Stages, kBulk>(p);
 }
 

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   ChainSmem& sm = *reinterpret_cast<ChainSmem*>(smem_raw);
   wait_for_prerequisites();  // K2 (launched early after it)
   allow_dependents();
-  if (call_refused(p) || call_fused(p)) return;  // refused: K2 filled the outputs with NaN
+  if (call_refused(p) || call_fused(p) || pieces_ran(p)) return;  // refused: K2 filled the outputs with NaN
   const int64_t n = blockIdx.x / p.H;
   const int h = int(blockIdx.x % p.H);
   int64_t first, count;
@@ -255,7 +255,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   extern __shared__ __align__(16) uint8_t smem_raw[];
   CombineSmem& sm = *reinterpret_cast<CombineSmem*>(smem_raw);
   wait_for_prerequisites();  // the chain (launched early after it)
-  if (call_refused(p) || call_fused(p)) return;
+  if (call_refused(p) || call_fused(p) || pieces_ran(p)) return;
   const int h = int(blockIdx.x % p.H);
   const int64_t tile = blockIdx.x / p.H;
   SegmentRef seg;

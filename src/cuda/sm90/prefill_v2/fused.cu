@@ -180,6 +180,13 @@ struct SeqArgs {
   int64_t bos;          // its first token in the TMA maps' rows
   int64_t first_ckpt;   // its first checkpoint (FusedArgs::checkpoint_every)
   int head;             // fused_persistent_kernel: the current item's head, -1 once none is left
+  // FusedArgs::pieces: the piece's warm-up chunks (0: the first piece), and its stop: abort (set by
+  // the consumers' thread 0 once a warm-up bound failed or FusedArgs::pieces_flag is set; the
+  // producer reads it after each empty-stage wait) and stopped_at (the chunk at which the producer
+  // stopped, written before its last arrival on the full barrier; INT64_MAX: none).
+  int warmup;
+  volatile int abort;
+  volatile int64_t stopped_at;
 };
 
 // Sequence n's arguments: the call's shifted to the sequence's first token (bos; the TMA maps keep
@@ -224,6 +231,40 @@ __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t 
                                              : n * (a.produce.T / a.num_seqs / a.checkpoint_every);
 }
 
+// FusedArgs::pieces: CTA row y = n pieces + p takes piece p of sequence n (write_sequence_args's
+// arguments, shifted again): its chunks [p L, min((p + 1) L, chunks)) of L = ceil(chunks / pieces),
+// from warmup = min(FusedArgs::warmup, p L) chunks earlier, from zero (the first piece from the
+// sequence's initial state); the last piece's final state into FusedArgs::pieces_final. A piece past
+// the sequence's chunks has none (T = 0).
+__device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, SeqArgs& seq) {
+  const int64_t n = y / a.pieces, piece = y % a.pieces, H = a.consume.H, row = H * kHeadDim;
+  write_sequence_args(a, n, seq);
+  const int64_t len = seq.produce.T, chunks = (len + kChunk - 1) / kChunk;
+  const int64_t per = (chunks + a.pieces - 1) / a.pieces, begin = piece * per;
+  const int64_t end = begin + per < chunks ? begin + per : chunks;
+  const int64_t warmup = begin < a.warmup ? begin : a.warmup, first = begin - warmup;
+  const int64_t shift = first * kChunk;
+  const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : 0;
+  const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
+  const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
+  ProduceArgs& sp = seq.produce;
+  ConsumeArgs& sc = seq.consume;
+  sp.q = static_cast<const __nv_bfloat16*>(sp.q) + shift * row;
+  sp.k = static_cast<const __nv_bfloat16*>(sp.k) + shift * row;
+  sp.g = static_cast<const uint8_t*>(sp.g) + shift * row * g_elem;
+  sp.beta = static_cast<const uint8_t*>(sp.beta) + shift * H * b_elem;
+  sc.v = static_cast<const __nv_bfloat16*>(sc.v) + shift * row;
+  sc.out = static_cast<__nv_bfloat16*>(sc.out) + shift * row;
+  sp.T = sc.T = T;
+  if (piece > 0) sc.initial_state = nullptr;
+  const bool last = begin < chunks && end == chunks;
+  sc.final_state = last && a.consume.final_state != nullptr ? a.pieces_final + n * H * kHeadDim * kHeadDim : nullptr;
+  seq.bos += shift;
+  seq.warmup = int(warmup);
+  seq.abort = 0;
+  seq.stopped_at = INT64_MAX;
+}
+
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
 // arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the bytes).
 __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
@@ -237,10 +278,13 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // token bos in the TMA maps' rows), num_chunks chunks of 32 tokens. base: the chunks of the CTA's
 // earlier items (a persistent CTA's): the ring's stages and its barriers' phases run on across items,
 // as if their chunks were one sequence's.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv>
+// kPieces (FusedArgs::pieces): after each empty-stage wait the producer reads the consumers' stop
+// (SeqArgs::abort in `stop`); once set it writes the chunk as stopped_at, arrives on the stage's full
+// barrier without filling it and leaves, after the staged rows in flight have landed.
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
-                                             long long& last_clock) {
+                                             long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
   uint8_t* const scratch = ring + L::kOffScratch;
@@ -268,6 +312,14 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     if (c + 1 < staged_chunks) beta_next = load_beta_raw(pa, h, c + 1, tid);
     if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
     mark(0);
+    if constexpr (kPieces) {
+      if (stop->abort) {  // uniform: written before the consumers' arrivals that the wait acquired
+        if (tid == 0) stop->stopped_at = c;
+        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows, issued with chunk c - 1
+        mbarrier_arrive(&full[stage]);
+        break;
+      }
+    }
     if (a.time_consumers_only && gc >= kStages) {
       mbarrier_arrive(&full[stage]);
       continue;
@@ -300,12 +352,67 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   }
 }
 
+// FusedArgs::pieces: a piece's warm-up must bound its transition by 2^-30 (the incoming state's
+// share of the piece's start state below fp32's rounding of it, as the chunk-16 kernels' transition
+// skipping requires).
+constexpr float kPieceLog2Bound = -30.f;
+
+// FusedArgs::pieces: an upper bound on log2 ||A|| of the chunk's state transition
+// A = diag(e^Gamma) - sum_ij inv_b[i][j] k_decayed_j k_restored_i^T (W^T = S^T k_decayed^T,
+// U_i = sum_j inv_b[i][j] u_j, S^T += U^T k_restored: consume.cuh), by the triangle inequality over
+// its rank-one terms, max_c e^{Gamma_c} + sum_ij |inv_b[i][j]| |k_restored_i| |k_decayed_j|, the sum
+// doubled against the rounding of the stage's fp16 / split operands and of these fp32 sums (the
+// chunk-16 kernels' chunk bound, prepare_chunk.cuh chunk_log_bound). All 256 consumer threads,
+// after the chunk's recurrence (the inverse's scratch is free until the next chunk's inverse); the
+// result in consumer thread 0. rec: the stage's operands; inv: the consumers' inv_b (hi, lo).
+__device__ __forceinline__ float chunk_log2_bound(int ctid, const uint8_t* rec, const uint8_t* inv, float* scratch) {
+  const int t = ctid >> 3, lane = ctid & 31;
+  float sd = 0.f, sr = 0.f;  // row t's |k_decayed|^2, |k_restored|^2 over this thread's 16 channels
+  for (int e = 0; e < 16; ++e) {
+    const int off = sw128_offset(kChunk, t, 16 * (ctid & 7) + e);
+    const float d = __half2float(*reinterpret_cast<const __half*>(rec + ChunkOperands::kOffKDecayed + off));
+    const float r = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(rec + ChunkOperands::kOffKRestored + off)) +
+                    __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(rec + ChunkOperands::kOffKRestoredLo + off));
+    sd = fmaf(d, d, sd), sr = fmaf(r, r, sr);
+  }
+  for (int x = 1; x < 8; x <<= 1)
+    sd += __shfl_xor_sync(0xffffffffu, sd, x), sr += __shfl_xor_sync(0xffffffffu, sr, x);
+  if ((ctid & 7) == 0) scratch[t] = sqrtf(sd), scratch[kChunk + t] = sqrtf(sr);
+  if (ctid < kHeadDim) {  // max_c e^{Gamma_c}, a warp's 32 channels
+    float g = reinterpret_cast<const float*>(rec + ChunkOperands::kOffGamma)[ctid];
+    for (int x = 16; x >= 1; x >>= 1) g = fmaxf(g, __shfl_xor_sync(0xffffffffu, g, x));
+    if (lane == 0) scratch[2 * kChunk + (ctid >> 5)] = g;
+  }
+  consumers_sync();
+  float bound = 0.f;
+  if (ctid < 32) {  // lane j: |k_decayed_j| sum_i |inv_b[i][j]| |k_restored_i|
+    float sum = 0.f;
+    for (int i = 0; i < kChunk; ++i) {
+      const int off = sw64_offset(i, lane);
+      const float x = __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(inv + off)) +
+                      __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(inv + kSmallBytes + off));
+      sum = fmaf(fabsf(x), scratch[kChunk + i], sum);
+    }
+    sum *= scratch[lane];
+    for (int x = 16; x >= 1; x >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, x);
+    const float g = fmaxf(fmaxf(scratch[2 * kChunk], scratch[2 * kChunk + 1]),
+                          fmaxf(scratch[2 * kChunk + 2], scratch[2 * kChunk + 3]));
+    bound = __log2f(g + 2.f * sum) + 0.01f;  // NaN stays NaN: the piece is not skipped
+  }
+  consumers_sync();  // the scratch read before anyone writes it again
+  return bound;
+}
+
 // The consumers' side of the same item (p: its sequence's arguments; first_ckpt: its first
-// checkpoint, FusedArgs::checkpoint_every).
-template <bool kStaged, bool kClock, bool kConsumerInv>
+// checkpoint, FusedArgs::checkpoint_every). kPieces (FusedArgs::pieces): the item's first
+// stop->warmup chunks write no output and are bounded (chunk_log2_bound); once their bounds'
+// product is not below 2^-30, or FusedArgs::pieces_flag is set, the consumers set stop->abort and
+// drain: they release each stage the producer fills until the one it marks (stop->stopped_at), and
+// leave without a final state.
+template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
-                                             long long* clock_sums, long long& last_clock) {
+                                             long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
@@ -330,17 +437,38 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   // chunk is full (a sequence's last partial piece has none).
   const int64_t ckpt_period = a.checkpoint_every / kChunk;
   int64_t next_ckpt = a.checkpoint_every > 0 ? ckpt_period - 1 : -1, ck = first_ckpt;
+  const int warmup = kPieces ? stop->warmup : 0;
+  float log2_bound = 0.f;  // consumer thread 0: the warm-up's bounds so far
+  bool draining = false;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;
     const int stage = int(gc % kStages);
-    if (c <= 1 || c % prefill::kRenormChunks == 0) rs.renormalise(S);
+    // kPieces: another piece's failed warm-up (read ahead of the wait, which hides its latency)
+    const bool failed = kPieces && ctid == 0 && *static_cast<volatile int*>(a.pieces_flag) != 0;
+    if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
     mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
+    if constexpr (kPieces) {
+      if (draining) {  // release what the producer fills until the chunk at which it stopped
+        if (stop->stopped_at <= c) break;
+        mbarrier_arrive(&empty[stage]);
+        continue;
+      }
+      if (failed) stop->abort = 1;
+    }
     mark(10);
     if constexpr (kConsumerInv) {
       // Every consumer warp is past chunk c - 1's U product (its reads of own_inv) before the
       // tiles are rewritten: a wgmma completing in one warp is not documented to mean the whole
       // warpgroup's operand reads are done.
       consumers_sync();
+      if constexpr (kPieces) {  // read by all after the barrier; thread 0 writes it only before one
+        if (stop->abort) {
+          draining = true;
+          if (stop->stopped_at <= c) break;
+          mbarrier_arrive(&empty[stage]);
+          continue;
+        }
+      }
       const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
       invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
                             own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
@@ -363,6 +491,22 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     consume_chunk(p, h, c, v_row, t4, ring + stage * L::kStageSpan,
                   kConsumerInv ? own_inv : ring + stage * L::kStageSpan + ChunkOperands::kOffInvB, v_at, S, rs, o);
     mark(11);
+    if constexpr (kPieces) {
+      if (c < warmup) {  // a warm-up chunk: its bound, no output; at the last, the verdict
+        const float b = chunk_log2_bound(ctid, ring + stage * L::kStageSpan, own_inv,
+                                         reinterpret_cast<float*>(own_inv + 2 * kSmallBytes));
+        if (ctid == 0) {
+          log2_bound += b;
+          if (c + 1 == warmup && !(log2_bound <= kPieceLog2Bound)) {  // NaN: not erased either
+            atomicExch(a.pieces_flag, 1);
+            stop->abort = 1;  // the others read it after the next chunk's first barrier
+          }
+        }
+        fence_proxy_async_shared();
+        mbarrier_arrive(&empty[stage]);
+        continue;
+      }
+    }
     // The output through the stage's v: each slot's bf16 where this thread read its v (no other
     // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
     // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
@@ -391,13 +535,14 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   }
   if (kClock && tid == kThreads)
     for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
+  if (draining) return;  // FusedArgs::pieces: stopped; the chunk-16 kernels run the call
   if (p.final_state != nullptr)
     prefill::store_state_rows(S, p.final_state, p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
                               int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false>
+          bool kSeqs = false, bool kPieces = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -423,7 +568,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
         return;
       }
     }
-    if (tid == 0) write_sequence_args(a, blockIdx.y, seq);
+    if (tid == 0) {
+      if constexpr (kPieces) write_piece_args(a, blockIdx.y, seq);
+      else write_sequence_args(a, blockIdx.y, seq);
+    }
   }
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   if constexpr (kSeqs) {
@@ -445,13 +593,12 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv>(params, ring, pa, h, bos, num_chunks, 0, clock_sums,
-                                                                 last_clock);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
+                                                                          clock_sums, last_clock, &seq);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume_item<kStaged, kClock, kConsumerInv>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0,
-                                                kSeqs ? seq.first_ckpt : 0,
-                                                clock_sums, last_clock);
+    consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
+                                                         0, kSeqs ? seq.first_ckpt : 0, clock_sums, last_clock, &seq);
   }
 }
 
@@ -550,7 +697,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -562,7 +709,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
-    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs>;
+    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -574,7 +721,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   }
   if (args.check_only) return cudaSuccess;
   const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))
-                                : dim3(static_cast<unsigned>(args.consume.H), static_cast<unsigned>(kSeqs ? args.num_seqs : 1));
+                                : dim3(static_cast<unsigned>(args.consume.H),
+                                       static_cast<unsigned>(kSeqs ? args.num_seqs * (kPieces ? args.pieces : 1) : 1));
   kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
@@ -599,6 +747,14 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   }
 }
 
+// FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
+// (*flag zero; else the chunk-16 kernels write them).
+__global__ void pieces_finish_kernel(const int* flag, const float4* from, float4* to, int64_t count) {
+  if (*flag != 0) return;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x)
+    to[i] = from[i];
+}
+
 }  // namespace
 
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
@@ -617,6 +773,16 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.checkpoint_slots != nullptr && args.state_pool == nullptr) ||
         (args.cu_seqlens != nullptr && args.ckpt_start == nullptr))))
     return cudaErrorInvalidValue;
+  if (args.pieces > 0) {  // a candidate: B equal sequences, the rule's flags, no checkpoints
+    if (args.pieces > kMaxFusedSeqs || args.num_seqs < 1 || args.num_seqs * args.pieces > kMaxFusedSeqs ||
+        args.warmup < 1 || args.pieces_flag == nullptr || (ca.final_state != nullptr && args.pieces_final == nullptr) ||
+        args.cu_seqlens != nullptr || args.state_pool != nullptr || args.checkpoint_every != 0 ||
+        pa.T % args.num_seqs != 0 || pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs ||
+        !args.producer_regs || !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only ||
+        args.next_item != nullptr || args.on_verdict)
+      return cudaErrorInvalidValue;
+    return launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
+  }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
     if (args.num_seqs < 1 || args.num_seqs > kMaxFusedSeqs ||
         ((args.cu_seqlens != nullptr || args.state_pool != nullptr) && args.error_flag == nullptr) ||
@@ -691,6 +857,28 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
   f.next_item = next_item, f.item_ctas = item_ctas;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   return fused_chunks(f, stream);
+}
+
+bool fused_pieces_serve(const PrefillParams& p) {
+  return fused_serves(p) && p.cu_seqlens == nullptr && p.state_pool == nullptr && p.checkpoint_every == 0;
+}
+
+cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
+                                 cudaStream_t stream) {
+  if (!fused_pieces_serve(p) || pieces < 1) return cudaErrorInvalidValue;
+  FusedArgs f = fused_args(p);
+  f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
+  f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
+  const cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), stream);
+  return err != cudaSuccess ? err : fused_chunks(f, stream);
+}
+
+cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream) {
+  if (p.final_state == nullptr) return cudaSuccess;
+  const int64_t count = detail::num_sequences(p) * p.H * kHeadDim * kHeadDim / 4;
+  pieces_finish_kernel<<<264, 256, 0, stream>>>(flag, reinterpret_cast<const float4*>(final_states),
+                                                static_cast<float4*>(p.final_state), count);
+  return cudaGetLastError();
 }
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
