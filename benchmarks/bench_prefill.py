@@ -443,6 +443,10 @@ def implementations(args):
     if args.candidates or args.fused_v2:  # prefill v2's fused kernel wherever it serves the call, and never
         impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
         impls.append(("flashkda chunk-16", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=-1))))
+    for pieces in args.fused_pieces:  # the fused kernel in pieces (a candidate; DESIGN.md "Prefill v2")
+        impls.append((f"flashkda pieces {pieces}",
+                      lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n,
+                                                                              fused_warmup=args.fused_warmup))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
@@ -541,6 +545,12 @@ def main():
                     help="also flashkda through prefill v2's fused chunk-32 kernel wherever it serves the call (one "
                          "sequence, the lower-bound gate, fp32 states: internal fused_v2 1; the rule runs it from "
                          "H >= 2/3 of the SMs), and through the chunk-16 kernels only (fused_v2 -1)")
+    ap.add_argument("--fused-pieces", type=int, nargs="*", default=[],
+                    help="also flashkda through the fused kernel with each sequence in this many pieces, each after "
+                         "the first from a warm-up (internal fused_pieces, a candidate; one column per count; where a "
+                         "warm-up does not bound its transition the chunk-16 kernels run the call)")
+    ap.add_argument("--fused-warmup", type=int, default=1,
+                    help="with --fused-pieces: the warm-up in 32-token chunks (internal fused_warmup)")
     ap.add_argument("--skip-variants", action="store_true",
                     help="also segments without transition skipping and transition skipping on the former chunk "
                          "bound, the product of each token's max_c e^a (internal skip_transitions -1, skip_bound -1; "

@@ -115,7 +115,8 @@ sanitize() {  # name, tool, command...
 
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  pending_tests=(test_prefill32_gpu '*FusedServesBatchesAndVarlen*:*RuleWithDeviceCuSeqlens*')  # pairs: binary, gtest filter
+  pending_tests=(test_prefill32_gpu '*FusedPieces*:*RuleWithDeviceCuSeqlensNumbersCheckpoints*'  # pairs: binary, gtest filter
+                 test_serving_prefill_gpu '*FusedCheckpoints*')
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
