@@ -32,9 +32,12 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   if (blocks == 0) return;
   // Where K0 may give the call to the fused kernel, K1's CTAs may all find nothing to do: four waves
   // of them take every chunk in turn (prepare_kernel kStrided).
-  if (p.fused_sms > 0) blocks = std::min<int64_t>(blocks, 4 * kPrepCtasPerSm * p.fused_sms);
+  // So too after the fused kernel's pieces (Params::pieces_flag), which run the call unless a warm-up
+  // fails.
+  const bool strided = p.fused_sms > 0 || p.pieces_flag != nullptr;
+  if (strided) blocks = std::min<int64_t>(blocks, 4 * kPrepCtasPerSm * (p.fused_sms > 0 ? p.fused_sms : sm_count()));
   constexpr int smem = sizeof(PrepareSmem);
-  auto kernel = p.fused_sms > 0 ? prepare_kernel<Split, true> : prepare_kernel<Split, false>;
+  auto kernel = strided ? prepare_kernel<Split, true> : prepare_kernel<Split, false>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   launch_early(k0 && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem),
                stream, p);
@@ -311,7 +314,8 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // internal::PrefillLaunch::fused_pieces (a candidate): whether the call runs in pieces, and their
 // workspace after the chunk-16 kernels' (the flag, then the last pieces' final states).
 bool runs_fused_pieces(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return launch.fused_pieces > 0 && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_pieces_serve(p);
+  return launch.fused_pieces > 0 && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_pieces_serve(p) &&
+         detail::num_sequences(p) * launch.fused_pieces <= 65535;  // the grid's y
 }
 size_t fused_pieces_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   if (!runs_fused_pieces(p, launch)) return 0;
@@ -436,9 +440,12 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     int* const flag = reinterpret_cast<int*>(at);
     float* const finals = reinterpret_cast<float*>(at + align_up(sizeof(int)));
     const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
-    FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, stream));
-    FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
-    pieces_flag = flag;
+    // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
+    // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
+    if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, stream) == cudaSuccess) {
+      FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
+      pieces_flag = flag;
+    }
   }
   const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
   if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {

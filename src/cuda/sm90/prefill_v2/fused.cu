@@ -181,11 +181,15 @@ struct SeqArgs {
   int64_t first_ckpt;   // its first checkpoint (FusedArgs::checkpoint_every)
   int head;             // fused_persistent_kernel: the current item's head, -1 once none is left
   // FusedArgs::pieces: the piece's warm-up chunks (0: the first piece), and its stop: abort (set by
-  // the consumers' thread 0 once a warm-up bound failed or FusedArgs::pieces_flag is set; the
-  // producer reads it after each empty-stage wait) and stopped_at (the chunk at which the producer
-  // stopped, written before its last arrival on the full barrier; INT64_MAX: none).
+  // the consumers' thread 0 once a warm-up bound failed or FusedArgs::pieces_flag is set, read by the
+  // consumers after a barrier), its snapshot stage_stop[s] (written by the consumers' thread 0 before
+  // it releases stage s, read by the producer after its wait for that release: every producer warp
+  // reads the same value, which the consumers rewrite only after the producer's next arrival on
+  // full[s]) and stopped_at (the chunk at which the producer stopped, written before its last
+  // arrival on the full barrier; INT64_MAX: none).
   int warmup;
   volatile int abort;
+  volatile int stage_stop[2];
   volatile int64_t stopped_at;
 };
 
@@ -243,7 +247,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   const int64_t per = (chunks + a.pieces - 1) / a.pieces, begin = piece * per;
   const int64_t end = begin + per < chunks ? begin + per : chunks;
   const int64_t warmup = begin < a.warmup ? begin : a.warmup, first = begin - warmup;
-  const int64_t shift = first * kChunk;
+  const int64_t shift = begin < chunks ? first * kChunk : 0;  // an empty piece stays at the sequence's start
   const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : 0;
   const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
   const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
@@ -261,7 +265,9 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   sc.final_state = last && a.consume.final_state != nullptr ? a.pieces_final + n * H * kHeadDim * kHeadDim : nullptr;
   seq.bos += shift;
   seq.warmup = int(warmup);
-  seq.abort = 0;
+  // a CTA that starts after another piece stopped the call leaves at once (read once, here: uniform)
+  seq.abort = *static_cast<volatile int*>(a.pieces_flag) != 0;
+  seq.stage_stop[0] = seq.stage_stop[1] = 0;
   seq.stopped_at = INT64_MAX;
 }
 
@@ -279,8 +285,9 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // earlier items (a persistent CTA's): the ring's stages and its barriers' phases run on across items,
 // as if their chunks were one sequence's.
 // kPieces (FusedArgs::pieces): after each empty-stage wait the producer reads the consumers' stop
-// (SeqArgs::abort in `stop`); once set it writes the chunk as stopped_at, arrives on the stage's full
-// barrier without filling it and leaves, after the staged rows in flight have landed.
+// as they released that stage (SeqArgs::stage_stop in `stop`); once set it writes the chunk as
+// stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
+// rows in flight have landed.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
@@ -313,7 +320,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
     mark(0);
     if constexpr (kPieces) {
-      if (stop->abort) {  // uniform: written before the consumers' arrivals that the wait acquired
+      if (gc >= kStages && stop->stage_stop[stage]) {  // uniform: as the release the wait acquired left it
         if (tid == 0) stop->stopped_at = c;
         if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows, issued with chunk c - 1
         mbarrier_arrive(&full[stage]);
@@ -438,6 +445,11 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   const int64_t ckpt_period = a.checkpoint_every / kChunk;
   int64_t next_ckpt = a.checkpoint_every > 0 ? ckpt_period - 1 : -1, ck = first_ckpt;
   const int warmup = kPieces ? stop->warmup : 0;
+  // kPieces: the stop as the producer will read it once this stage is free (stage_stop)
+  const auto release = [&](int s) {
+    if (kPieces && ctid == 0) stop->stage_stop[s] = stop->abort;
+    mbarrier_arrive(&empty[s]);
+  };
   float log2_bound = 0.f;  // consumer thread 0: the warm-up's bounds so far
   bool draining = false;
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -450,7 +462,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     if constexpr (kPieces) {
       if (draining) {  // release what the producer fills until the chunk at which it stopped
         if (stop->stopped_at <= c) break;
-        mbarrier_arrive(&empty[stage]);
+        release(stage);
         continue;
       }
       if (failed) stop->abort = 1;
@@ -465,7 +477,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
         if (stop->abort) {
           draining = true;
           if (stop->stopped_at <= c) break;
-          mbarrier_arrive(&empty[stage]);
+          release(stage);
           continue;
         }
       }
@@ -503,7 +515,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
           }
         }
         fence_proxy_async_shared();
-        mbarrier_arrive(&empty[stage]);
+        release(stage);
         continue;
       }
     }
@@ -526,7 +538,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // This thread's generic writes of the stage's v (the output slots) before the producer's
     // TMA overwrites them: fenced by each writing thread, then released by its arrival.
     fence_proxy_async_shared();
-    mbarrier_arrive(&empty[stage]);
+    release(stage);
     if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
       if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
       next_ckpt += ckpt_period, ++ck;
@@ -536,6 +548,14 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   if (kClock && tid == kThreads)
     for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
   if (draining) return;  // FusedArgs::pieces: stopped; the chunk-16 kernels run the call
+  if constexpr (kPieces) {
+    // A non-finite state would reach every later token in the serial recurrence, but the next
+    // piece starts from zero: the chunk-16 kernels (their transition skipping carries it) run the call.
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) bad |= !isfinite(S[i]);
+    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(a.pieces_flag, 1);
+  }
   if (p.final_state != nullptr)
     prefill::store_state_rows(S, p.final_state, p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
                               int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
@@ -576,6 +596,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   if constexpr (kSeqs) {
     __syncthreads();  // the sequence's arguments
+    if (kPieces && seq.abort) return;  // another piece stopped the call before this CTA started
     if (seq_produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): zero output rows and
       // dense checkpoints, no state
       zero_head_rows(seq_consume.out, -seq_produce.T - 1, a.consume.H, h, int(threadIdx.x), int(blockDim.x));
