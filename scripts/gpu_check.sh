@@ -3,7 +3,8 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [pending] [sanitize] [python] [bench] [decode] [fused] [profile] [v2] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [python] [bench] [decode] [fused] [pieces] [pending] [sanitize] [profile] [v2] [ab]
+#   (the steps run in this order whatever the order given: the benchmarks before the sanitizers)
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy (other arguments in
 #   $BENCH_ARGS);
@@ -14,7 +15,8 @@
 #   v2 = prefill v2's chunk-32 producer and recurrence (test_produce32_gpu, test_prefill32_gpu, then ncu of the producer);
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); fused = prefill v2's fused
 #   kernel against today's kernels across head counts and batches (bench_prefill.py --fused-sweep
-#   --fused-batch-sweep, extra arguments in $FUSED_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   --fused-batch-sweep, extra arguments in $FUSED_ARGS); pieces = the fused kernel in pieces (a
+#   candidate: bench_prefill.py --fused-pieces on the few-head table and H = 96, $PIECES_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -113,31 +115,7 @@ sanitize() {  # name, tool, command...
   if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
 }
 
-if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
-  step pending
-  pending_tests=(test_prefill32_gpu '*FusedPieces*:*RuleWithDeviceCuSeqlensNumbersCheckpoints*'  # pairs: binary, gtest filter
-                 test_serving_prefill_gpu '*FusedCheckpoints*')
-  for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
-    t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
-    timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
-    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "${pending_tests[i]} failed or timed out: sanitizers skipped"; continue; }
-    for tool in memcheck racecheck synccheck; do sanitize "pending_${pending_tests[i]}" $tool "$t" --gtest_filter="$f"; done
-  done
-fi
-
-if want sanitize; then
-  step compute-sanitizer
-  san=(--gtest_filter='*VarlenWithEmptySequencesInt32*:*SegmentsSmall*:GateFormsAndFlags:*SkipTransitions*')
-  # SANITIZE_TOOLS: a subset (e.g. synccheck alone, ~3 of the set's ~10 minutes) where the rest ran clean already
-  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
-    sanitize prefill "$tool" build-gpu/tests/cpp/test_prefill_gpu "${san[@]}"
-    [ -x build-gpu/tests/cpp/test_decode_gpu ] && sanitize decode "$tool" build-gpu/tests/cpp/test_decode_gpu
-    [ -x build-gpu/tests/cpp/test_serving_prefill_gpu ] && sanitize serving "$tool" \
-      build-gpu/tests/cpp/test_serving_prefill_gpu --gtest_filter='*PoolMatches*:*WrongCheckpoint*:*FusedCheckpoints/0'
-  done
-fi
-
-if want python || want bench || want profile || want decode || want fused; then
+if want python || want bench || want profile || want decode || want fused || want pieces; then
   step python-build
   CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
     python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
@@ -172,6 +150,39 @@ if want fused; then
   python3 benchmarks/bench_prefill.py --fused-sweep --fused-batch-sweep --table none --no-accuracy --no-peers ${FUSED_ARGS:-} 2>&1 |
     tee "$OUT/bench_fused.log" | tail -25 || status=1
 fi
+if want pieces; then  # the fused kernel in pieces (a candidate), both gate regimes; $PIECES_ARGS: extra arguments
+  step pieces
+  for table in "--table few --fused-pieces 4 8 11" "--table many --cases H=96 --fused-pieces 3 4"; do
+    # shellcheck disable=SC2086
+    python3 benchmarks/bench_prefill.py $table --no-peers --no-serial --no-balanced --no-fast --no-accuracy --reps 10 \
+      ${PIECES_ARGS:-} 2>&1 | tee -a "$OUT/bench_pieces.log" | tail -30 || status=1
+  done
+fi
+# The sanitizers last: the benchmarks' figures first where a call's time runs out.
+if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
+  step pending
+  pending_tests=(test_prefill32_gpu '*FusedPieces*:*RuleWithDeviceCuSeqlensNumbersCheckpoints*'  # pairs: binary, gtest filter
+                 test_serving_prefill_gpu '*FusedCheckpoints*')
+  for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
+    t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
+    timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
+    [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "${pending_tests[i]} failed or timed out: sanitizers skipped"; continue; }
+    for tool in memcheck racecheck synccheck; do sanitize "pending_${pending_tests[i]}" $tool "$t" --gtest_filter="$f"; done
+  done
+fi
+
+if want sanitize; then
+  step compute-sanitizer
+  san=(--gtest_filter='*VarlenWithEmptySequencesInt32*:*SegmentsSmall*:GateFormsAndFlags:*SkipTransitions*')
+  # SANITIZE_TOOLS: a subset (e.g. synccheck alone, ~3 of the set's ~10 minutes) where the rest ran clean already
+  for tool in ${SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    sanitize prefill "$tool" build-gpu/tests/cpp/test_prefill_gpu "${san[@]}"
+    [ -x build-gpu/tests/cpp/test_decode_gpu ] && sanitize decode "$tool" build-gpu/tests/cpp/test_decode_gpu
+    [ -x build-gpu/tests/cpp/test_serving_prefill_gpu ] && sanitize serving "$tool" \
+      build-gpu/tests/cpp/test_serving_prefill_gpu --gtest_filter='*PoolMatches*:*WrongCheckpoint*:*FusedCheckpoints/0'
+  done
+fi
+
 if want profile; then
   step profile
   python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
