@@ -608,10 +608,10 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
 // A_log up to 1 about one warm-up in twenty does not, in a model of these gates): the pieces run
 // (other bits than the chunk-16 kernels', within the reference's bounds and near the unsplit fused
 // kernel's), one sequence and two of an odd length, more pieces than chunks, the state none or
-// fp32, graph replays equal to the eager call. The chunk-16 kernels' bits where the pieces must not
-// run: long-memory channels (dt_bias -30: no decay) in every head or in one, and a NaN value in the
-// first piece's chunks (the exact recurrence carries it into every later token, a piece from zero
-// would not).
+// fp32, H = 96, graph replays equal to the eager call. The bits of the kernels the rule picks (the
+// chunk-16 kernels, at H = 96 the fused kernel) where the pieces must not run: long-memory channels
+// (dt_bias -30: no decay) in every head or in one, and a NaN value in the first piece's chunks (the
+// exact recurrence carries it into every later token, a piece from zero would not).
 TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
   struct Case {
     int64_t B, T, H, pieces;
@@ -620,7 +620,8 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
   };
   const Case cases[] = {{1, 2048, 4, 4, 1, true, false, false, false}, {2, 301, 3, 3, 2, false, false, false, false},
                         {1, 96, 2, 5, 1, true, false, false, false},   {1, 1000, 2, 4, 1, true, true, false, false},
-                        {1, 1000, 3, 4, 1, true, false, true, false},  {1, 1000, 2, 4, 1, true, false, false, true}};
+                        {1, 1000, 3, 4, 1, true, false, true, false},  {1, 1000, 2, 4, 1, true, false, false, true},
+                        {1, 512, 96, 4, 1, true, false, false, false},  {1, 512, 96, 4, 1, true, true, false, false}};
   for (const Case& c : cases) {
     KdaOptions o;
     o.B = c.B, o.T = c.T, o.H = c.H, o.A_log_max = 0.0;
@@ -635,9 +636,10 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     internal::PrefillLaunch pieces, never, always;
     pieces.fused_pieces = c.pieces, pieces.fused_warmup = c.warmup;
     never.fused_v2 = -1, always.fused_v2 = 1;
-    DeviceProblem d_pieces(in, pieces), d_never(in, never), d_always(in, always);
+    DeviceProblem d_pieces(in, pieces), d_never(in, never), d_always(in, always), d_rule(in);
     ASSERT_TRUE(fused_pieces_serve(d_pieces.params()));
-    const std::vector<unsigned char> today = run_bits(in, d_never), fused = run_bits(in, d_always);
+    const std::vector<unsigned char> today = run_bits(in, d_never), fused = run_bits(in, d_always),
+                                     rule = run_bits(in, d_rule);
     const std::vector<unsigned char> got = run_bits(in, d_pieces);
     if (!c.nan_value) {
       EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
@@ -645,7 +647,7 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     }
     EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
     if (falls_back) {
-      EXPECT_TRUE(got == today) << "a warm-up that bounds nothing: not the chunk-16 kernels' bits";
+      EXPECT_TRUE(got == rule) << "a warm-up that bounds nothing: not the bits of the kernels the rule picks";
     } else {
       EXPECT_FALSE(got == today) << "the pieces did not run (the chunk-16 kernels' bits)";
       const test::Reference ref = test::run_reference(in);

@@ -445,6 +445,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, stream) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
+      // Where a piece stopped the call, the kernels the rule picks run it: the fused kernel (where it
+      // cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
+      if (fused_by_rule(p, launch) && sm90::prefill_v2::fused_after_pieces(p, flag, stream) == cudaSuccess) return;
     }
   }
   const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);

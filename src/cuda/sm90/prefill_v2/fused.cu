@@ -580,6 +580,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   SeqArgs& seq = *reinterpret_cast<SeqArgs*>(ring + L::kOffSeqArgs);
   ProduceArgs& seq_produce = seq.produce;
   ConsumeArgs& seq_consume = seq.consume;
+  if (!kPieces && a.run_if_flag != nullptr && *a.run_if_flag == 0) return;  // the pieces ran the call (uniform)
   if constexpr (kSeqs) {
     if (a.error_flag != nullptr) {  // uniform: every thread reads the same verdict
       const int verdict = *a.error_flag;
@@ -892,6 +893,13 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
   const cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), stream);
   return err != cudaSuccess ? err : fused_chunks(f, stream);
+}
+
+cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, cudaStream_t stream) {
+  FusedArgs f = fused_args(p);
+  f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
+  f.run_if_flag = flag;
+  return fused_chunks(f, stream);
 }
 
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream) {

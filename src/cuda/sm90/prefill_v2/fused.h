@@ -106,6 +106,9 @@ struct FusedArgs {
   int warmup = 1;
   int* pieces_flag = nullptr;
   float* pieces_final = nullptr;
+  // The pieces' fallback where the rule gives the call to this kernel: launched after the pieces, it
+  // runs the call only where *run_if_flag is non-zero (a piece stopped it). Null: always.
+  const int* run_if_flag = nullptr;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -137,5 +140,8 @@ bool fused_pieces_serve(const PrefillParams& p);
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  cudaStream_t stream);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
+// The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
+// pieces' fallback where the rule gives the call to the fused kernel).
+cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, cudaStream_t stream);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
