@@ -671,6 +671,101 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
   }
 }
 
+// The pieces through a state pool (fp32, P = 5 slots of a fixed pattern, sequence 1 padding): the
+// live sequences' outputs and final states bit for bit the pieces' plain call from the gathered
+// states, the padding rows zero, the slots no sequence names unchanged; with long-memory channels
+// the rule's pool call (the pieces stop it); a live slot named twice: K0 refuses, all NaN, the pool
+// unchanged.
+TEST_F(Prefill32Gpu, FusedPiecesThroughAPool) {
+  constexpr int64_t B = 3, T = 640, H = 4, P = 5, kState = H * 128 * 128;
+  internal::PrefillLaunch pieces;
+  pieces.fused_pieces = 4;
+  for (const bool long_memory : {false, true}) {
+    KdaOptions o;
+    o.B = B, o.T = T, o.H = H, o.A_log_max = 0.0, o.seed = 23;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (long_memory)
+      for (int64_t ch = 0; ch < H * o.K; ch += 4) in.dt_bias[ch] = -30.f;
+    SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
+    TestPool pool(P, size_t(kState));
+    std::vector<int32_t> slots = {3, -1, 0};
+    for (int64_t n = 0; n < B; ++n)
+      for (int64_t i = 0; i < kState; ++i)
+        in.initial_state.set(n * kState + i, slots[n] >= 0 ? double(pool.init[size_t(slots[n] * kState + i)]) : 0.0);
+    DeviceProblem d(in, pieces), d_rule(in);
+    void* d_slots = d.upload(slots.data(), slots.size() * 4);
+    const auto pool_call = [&](DeviceProblem& dp, const internal::PrefillLaunch& launch) {
+      PrefillParams p = dp.params();
+      p.initial_state = nullptr, p.final_state = nullptr;
+      p.state_pool = pool.buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
+      p.state_indices = static_cast<const int32_t*>(d_slots);
+      EXPECT_TRUE(fused_pieces_serve(p));
+      EXPECT_EQ(cudaMemcpy(pool.buf.ptr, pool.init.data(), pool.buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      DeviceBuffer ws(internal::workspace_size(p, launch));
+      dp.poison();
+      internal::forward(p, launch, ws.ptr, ws.bytes);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      dp.download();
+      std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+      const std::vector<float> after = pool.now();
+      const auto* raw = reinterpret_cast<const unsigned char*>(after.data());
+      bits.insert(bits.end(), raw, raw + after.size() * 4);
+      return std::make_pair(bits, after);
+    };
+    const auto [got, pool_after] = pool_call(d, pieces);
+    const test::HostTensor out_pool = in.out;
+    for (int64_t slot : {int64_t(1), int64_t(2), int64_t(4)})
+      EXPECT_TRUE(std::equal(pool_after.begin() + slot * kState, pool_after.begin() + (slot + 1) * kState,
+                             pool.init.begin() + slot * kState))
+          << "slot " << slot << ", named by no sequence, changed";
+    const size_t row_bytes = size_t(H) * o.V * 2, seq_bytes = size_t(T) * row_bytes;
+    EXPECT_TRUE(std::all_of(out_pool.bytes.begin() + std::ptrdiff_t(seq_bytes),
+                            out_pool.bytes.begin() + std::ptrdiff_t(2 * seq_bytes), [](unsigned char b) { return b == 0; }))
+        << "the padding sequence's output rows are not zero";
+    if (long_memory) {
+      EXPECT_TRUE(got == pool_call(d_rule, internal::PrefillLaunch{}).first) << "not the rule's pool call";
+    } else {
+      const std::vector<unsigned char> plain = run_bits(in, d);  // the pieces' plain call
+      for (int64_t n : {int64_t(0), int64_t(2)}) {
+        EXPECT_TRUE(std::equal(out_pool.bytes.begin() + std::ptrdiff_t(n * seq_bytes),
+                               out_pool.bytes.begin() + std::ptrdiff_t((n + 1) * seq_bytes),
+                               plain.begin() + std::ptrdiff_t(n * seq_bytes)))
+            << "sequence " << n << "'s outputs differ from the plain call's";
+        EXPECT_TRUE(std::equal(pool_after.begin() + slots[size_t(n)] * kState,
+                               pool_after.begin() + (slots[size_t(n)] + 1) * kState,
+                               in.final_state.values().begin() + n * kState,
+                               [](float a, double b) { return a == float(b); }))
+            << "slot " << slots[size_t(n)] << " is not sequence " << n << "'s final state";
+      }
+      internal::PrefillLaunch never;
+      never.fused_v2 = -1;
+      DeviceProblem d_never(in, never);
+      EXPECT_FALSE(run_bits(in, d_never) == plain) << "the pieces did not run (the chunk-16 kernels' bits)";
+    }
+  }
+  {  // a live slot named twice: refused
+    KdaOptions o;
+    o.B = 2, o.T = 256, o.H = H, o.seed = 29;
+    KdaInputs in(o);
+    DeviceProblem d(in, pieces);
+    const std::vector<int32_t> slots = {1, 1};
+    void* d_slots = d.upload(slots.data(), 8);
+    TestPool pool(P, size_t(kState));
+    ASSERT_EQ(cudaMemcpy(pool.buf.ptr, pool.init.data(), pool.buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    PrefillParams p = d.params();
+    p.state_pool = pool.buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
+    p.state_indices = static_cast<const int32_t*>(d_slots);
+    DeviceBuffer ws(internal::workspace_size(p, pieces));
+    d.poison();
+    internal::forward(p, pieces, ws.ptr, ws.bytes);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count) << "a slot named twice: outputs not all NaN";
+    EXPECT_TRUE(pool.now() == pool.init) << "a slot named twice: the pool was written";
+  }
+}
+
 // Checkpoints with device cu_seqlens where K0 chooses: K0 numbers each sequence's first
 // checkpoint whichever kernels it picks (the fused kernel reads those numbers too). Equal lengths on
 // each side of the rule's edge, dense fp32 checkpoints every 64 tokens, through the rule and the

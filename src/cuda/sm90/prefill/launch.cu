@@ -440,14 +440,24 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     int* const flag = reinterpret_cast<int*>(at);
     float* const finals = reinterpret_cast<float*>(at + align_up(sizeof(int)));
     const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
+    const int* error_flag = nullptr;
+    if (p.state_pool != nullptr) {  // K0 first: the slot check, whose refusal the kernels after the pieces carry out
+      Params kp = kernel_params(p, static_cast<uint8_t*>(workspace));
+      const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
+      if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace) + l.header);
+      launch_k0(kp, stream);
+      error_flag = kp.error_flag;
+    }
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
-    if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, stream) == cudaSuccess) {
+    if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, error_flag, stream) ==
+        cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       // Where a piece stopped the call, the kernels the rule picks run it: the fused kernel (where it
       // cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
-      if (fused_by_rule(p, launch) && sm90::prefill_v2::fused_after_pieces(p, flag, stream) == cudaSuccess) return;
+      if (fused_by_rule(p, launch) && sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, stream) == cudaSuccess)
+        return;
     }
   }
   const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);

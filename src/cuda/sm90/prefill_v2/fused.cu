@@ -243,6 +243,15 @@ __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t 
 __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, SeqArgs& seq) {
   const int64_t n = y / a.pieces, piece = y % a.pieces, H = a.consume.H, row = H * kHeadDim;
   write_sequence_args(a, n, seq);
+  // a CTA that starts after another piece stopped the call leaves at once (read once, here: uniform)
+  seq.abort = *static_cast<volatile int*>(a.pieces_flag) != 0;
+  seq.stage_stop[0] = seq.stage_stop[1] = 0;
+  seq.stopped_at = INT64_MAX;
+  seq.warmup = 0;
+  if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows
+    if (piece > 0) seq.produce.T = seq.consume.T = 0;
+    return;
+  }
   const int64_t len = seq.produce.T, chunks = (len + kChunk - 1) / kChunk;
   const int64_t per = (chunks + a.pieces - 1) / a.pieces, begin = piece * per;
   const int64_t end = begin + per < chunks ? begin + per : chunks;
@@ -261,14 +270,14 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   sc.out = static_cast<__nv_bfloat16*>(sc.out) + shift * row;
   sp.T = sc.T = T;
   if (piece > 0) sc.initial_state = nullptr;
+  // The last piece's final state into pieces_final [n] in the state's dtype (a bf16 pool's: bf16).
   const bool last = begin < chunks && end == chunks;
-  sc.final_state = last && a.consume.final_state != nullptr ? a.pieces_final + n * H * kHeadDim * kHeadDim : nullptr;
+  const int64_t at = n * H * kHeadDim * kHeadDim;
+  float* const final_at = sc.states_bf16 ? reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(a.pieces_final) + at)
+                                         : a.pieces_final + at;
+  sc.final_state = last && sc.final_state != nullptr ? final_at : nullptr;
   seq.bos += shift;
   seq.warmup = int(warmup);
-  // a CTA that starts after another piece stopped the call leaves at once (read once, here: uniform)
-  seq.abort = *static_cast<volatile int*>(a.pieces_flag) != 0;
-  seq.stage_stop[0] = seq.stage_stop[1] = 0;
-  seq.stopped_at = INT64_MAX;
 }
 
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
@@ -585,7 +594,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     if (a.error_flag != nullptr) {  // uniform: every thread reads the same verdict
       const int verdict = *a.error_flag;
       if (a.on_verdict ? verdict != prefill::kCallFused : verdict == prefill::kCallRefused) {
-        if (!a.on_verdict) poison_fused_outputs(a);  // else the chunk-16 kernels ran the call
+        if constexpr (kPieces) {  // the kernels after the pieces refuse it (NaN outputs, the pool unchanged)
+          if (tid == 0) atomicExch(a.pieces_flag, 1);
+        } else if (!a.on_verdict) {
+          poison_fused_outputs(a);  // else the chunk-16 kernels ran the call
+        }
         return;
       }
     }
@@ -771,10 +784,19 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
 // (*flag zero; else the chunk-16 kernels write them).
-__global__ void pieces_finish_kernel(const int* flag, const float4* from, float4* to, int64_t count) {
+// With a pool (slots: state_indices), sequence n's `per` 16-byte units into slot slots[n] where it
+// is in [0, P) (padding sequences have none).
+__global__ void pieces_finish_kernel(const int* flag, const float4* from, float4* to, int64_t count,
+                                     const int32_t* slots, int64_t P, int64_t per) {
   if (*flag != 0) return;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x)
-    to[i] = from[i];
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
+    if (slots == nullptr) {
+      to[i] = from[i];
+    } else {
+      const int64_t slot = slots[i / per];
+      if (slot >= 0 && slot < P) to[slot * per + i % per] = from[i];
+    }
+  }
 }
 
 }  // namespace
@@ -797,8 +819,10 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (args.pieces > 0) {  // a candidate: B equal sequences, the rule's flags, no checkpoints
     if (args.pieces > kMaxFusedSeqs || args.num_seqs < 1 || args.num_seqs * args.pieces > kMaxFusedSeqs ||
-        args.warmup < 1 || args.pieces_flag == nullptr || (ca.final_state != nullptr && args.pieces_final == nullptr) ||
-        args.cu_seqlens != nullptr || args.state_pool != nullptr || args.checkpoint_every != 0 ||
+        args.warmup < 1 || args.pieces_flag == nullptr ||
+        ((ca.final_state != nullptr || args.state_pool != nullptr) && args.pieces_final == nullptr) ||
+        (args.state_pool != nullptr && (args.error_flag == nullptr || args.state_indices == nullptr)) ||
+        args.cu_seqlens != nullptr || args.checkpoint_every != 0 ||
         pa.T % args.num_seqs != 0 || pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs ||
         !args.producer_regs || !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only ||
         args.next_item != nullptr || args.on_verdict)
@@ -882,31 +906,37 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
 }
 
 bool fused_pieces_serve(const PrefillParams& p) {
-  return fused_serves(p) && p.cu_seqlens == nullptr && p.state_pool == nullptr && p.checkpoint_every == 0;
+  return fused_serves(p) && p.cu_seqlens == nullptr && p.checkpoint_every == 0;
 }
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
-                                 cudaStream_t stream) {
-  if (!fused_pieces_serve(p) || pieces < 1) return cudaErrorInvalidValue;
+                                 const int* error_flag, cudaStream_t stream) {
+  if (!fused_pieces_serve(p) || pieces < 1 || (p.state_pool != nullptr && error_flag == nullptr))
+    return cudaErrorInvalidValue;
   FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
+  f.error_flag = error_flag;
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
   const cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), stream);
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 
-cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, cudaStream_t stream) {
+cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, cudaStream_t stream) {
   FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
+  f.error_flag = error_flag;
   f.run_if_flag = flag;
   return fused_chunks(f, stream);
 }
 
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream) {
-  if (p.final_state == nullptr) return cudaSuccess;
-  const int64_t count = detail::num_sequences(p) * p.H * kHeadDim * kHeadDim / 4;
+  void* const to = p.state_pool != nullptr ? p.state_pool : p.final_state;
+  if (to == nullptr) return cudaSuccess;
+  const int64_t elem = p.state_pool != nullptr && p.state_pool_dtype == DType::kBF16 ? 2 : 4;
+  const int64_t per = p.H * kHeadDim * kHeadDim * elem / 16;  // 16-byte units of a sequence's state
   pieces_finish_kernel<<<264, 256, 0, stream>>>(flag, reinterpret_cast<const float4*>(final_states),
-                                                static_cast<float4*>(p.final_state), count);
+                                                static_cast<float4*>(to), detail::num_sequences(p) * per,
+                                                p.state_pool != nullptr ? p.state_indices : nullptr, p.pool_size, per);
   return cudaGetLastError();
 }
 

@@ -91,17 +91,19 @@ struct FusedArgs {
   const int32_t* checkpoint_slots = nullptr;
   int64_t num_checkpoints = 0;
   const int32_t* ckpt_start = nullptr;
-  // A candidate (internal::PrefillLaunch::fused_pieces; B equal sequences without cu_seqlens, a pool
-  // or checkpoints): each sequence cut into `pieces` runs of equal chunks, CTA (h, n pieces + p)
-  // taking piece p, so that N H pieces CTAs fill the GPU at few heads. A piece after the first starts
-  // `warmup` chunks early from a zero state and writes no output for those chunks; while it runs
-  // them its consumers bound each chunk's transition (chunk_log2_bound), and where the product of
-  // the bounds is not below 2^-30 (the incoming state is not provably erased) the piece sets
-  // *pieces_flag (zeroed by the caller before the launch) and every CTA of the call stops at its next
-  // chunk: the launcher's chunk-16 kernels, launched after, then run the whole call (they do
-  // nothing while the flag is zero). Outputs go to consume.out; the last piece's final state to
-  // pieces_final ([num_seqs, H, V, K] fp32, workspace), which fused_pieces_finish copies to the
-  // final state only where the flag stayed zero.
+  // A candidate (internal::PrefillLaunch::fused_pieces; B equal sequences without cu_seqlens or
+  // checkpoints, with or without a pool): each sequence cut into `pieces` runs of equal chunks,
+  // CTA (h, n pieces + p) taking piece p, so that N H pieces CTAs fill the GPU at few heads. A
+  // piece after the first starts `warmup` chunks early from a zero state and writes no output for
+  // those chunks; while it runs them its consumers bound each chunk's transition
+  // (chunk_log2_bound), and where the product of the bounds is not below 2^-30 (the incoming state
+  // is not provably erased), or a piece's state ends non-finite, the piece sets *pieces_flag
+  // (zeroed by the caller before the launch) and every CTA of the call stops at its next chunk: the
+  // kernels the launcher's rule picks, launched after, then run the whole call (they do nothing
+  // while the flag is zero: run_if_flag, prefill Params::pieces_flag). Outputs go to consume.out; the last piece's final state to
+  // pieces_final ([num_seqs, H, V, K] in the state's dtype, workspace), which fused_pieces_finish
+  // copies to the final state or the pool's slot only where the flag stayed zero. With a pool, K0's
+  // refusal (error_flag) sets the flag: the kernels after the pieces refuse the call.
   int64_t pieces = 0;
   int warmup = 1;
   int* pieces_flag = nullptr;
@@ -132,16 +134,17 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
 FusedArgs fused_args(const PrefillParams& p);
 
 // FusedArgs::pieces (internal::PrefillLaunch::fused_pieces, a candidate): whether it serves a call
-// fused_serves does (B equal sequences: no cu_seqlens, no pool, no checkpoints); the call in
+// fused_serves does (B equal sequences: no cu_seqlens, no checkpoints; a pool or not); the call in
 // `pieces` pieces a sequence, each after the first starting `warmup` chunks early (flag zeroed
-// here, final_states: [B, H, V, K] fp32); then fused_pieces_finish, which copies final_states to
-// p.final_state where no piece set the flag.
+// here, final_states: [B, H, V, K] in the state's dtype, fp32 room; error_flag: K0's, required with
+// a pool, whose refusal the pieces leave to the kernels after them); then fused_pieces_finish,
+// which copies final_states to p.final_state or the pool's slots where no piece set the flag.
 bool fused_pieces_serve(const PrefillParams& p);
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
-                                 cudaStream_t stream);
+                                 const int* error_flag, cudaStream_t stream);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
-cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, cudaStream_t stream);
+cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, cudaStream_t stream);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
