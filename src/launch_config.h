@@ -69,7 +69,7 @@ struct PrefillLaunch {
                              // checkpoints): each sequence cut into this many pieces, CTAs of the fused kernel
                              // at once, a piece after the first starting fused_warmup 32-token chunks early from
                              // zero where the warm-up provably erases the incoming state (below 2^-30; else the
-                             // chunk-16 kernels run the call: prefill_v2 FusedArgs::pieces); 0 = none
+                             // kernels the rule picks run the call: prefill_v2 FusedArgs::pieces); 0 = none
   int fused_warmup = 0;      // with fused_pieces: the warm-up in 32-token chunks; 0 = 1
 };
 

@@ -650,6 +650,7 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
       EXPECT_TRUE(got == rule) << "a warm-up that bounds nothing: not the bits of the kernels the rule picks";
     } else {
       EXPECT_FALSE(got == today) << "the pieces did not run (the chunk-16 kernels' bits)";
+      EXPECT_FALSE(got == rule) << "the pieces did not run (the bits of the kernels the rule picks)";
       const test::Reference ref = test::run_reference(in);
       const double e_out = test::rel_rms(in.out.values(), ref.out), e_state = test::rel_rms(in.final_state.values(), ref.final_state);
       test::report("fused pieces " + std::to_string(c.pieces) + " T=" + std::to_string(c.T) + " out", e_out);
@@ -744,26 +745,93 @@ TEST_F(Prefill32Gpu, FusedPiecesThroughAPool) {
       EXPECT_FALSE(run_bits(in, d_never) == plain) << "the pieces did not run (the chunk-16 kernels' bits)";
     }
   }
-  {  // a live slot named twice: refused
-    KdaOptions o;
-    o.B = 2, o.T = 256, o.H = H, o.seed = 29;
-    KdaInputs in(o);
-    DeviceProblem d(in, pieces);
-    const std::vector<int32_t> slots = {1, 1};
-    void* d_slots = d.upload(slots.data(), 8);
-    TestPool pool(P, size_t(kState));
-    ASSERT_EQ(cudaMemcpy(pool.buf.ptr, pool.init.data(), pool.buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  // H = 96 (the rule's kernel after the pieces is the fused kernel, with K0's verdict): long memory,
+  // the rule's pool call; a live slot named twice, refused (the fused kernel's NaN, the pool unchanged).
+  // And at H = 4 the same slot twice (the chunk-16 kernels' refusal).
+  for (const int64_t heads : {int64_t(96), int64_t(4)}) {
+    const int64_t state = heads * 128 * 128;
+    for (const bool twice : {false, true}) {
+      if (heads == 4 && !twice) continue;
+      KdaOptions o;
+      o.B = 2, o.T = 256, o.H = heads, o.seed = 29;
+      KdaInputs in(o);
+      for (int64_t ch = 0; ch < heads * o.K; ch += 4) in.dt_bias[ch] = -30.f;
+      SCOPED_TRACE(in.describe() + (twice ? " a slot named twice" : " long memory"));
+      DeviceProblem d(in, pieces);
+      const std::vector<int32_t> slots = twice ? std::vector<int32_t>{1, 1} : std::vector<int32_t>{1, 3};
+      void* d_slots = d.upload(slots.data(), 8);
+      TestPool pool(4, size_t(state));
+      auto run = [&](const internal::PrefillLaunch& launch) {
+        EXPECT_EQ(cudaMemcpy(pool.buf.ptr, pool.init.data(), pool.buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+        PrefillParams p = d.params();
+        p.state_pool = pool.buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = 4;
+        p.state_indices = static_cast<const int32_t*>(d_slots);
+        EXPECT_TRUE(fused_pieces_serve(p));
+        DeviceBuffer ws(internal::workspace_size(p, launch));
+        d.poison();
+        EXPECT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);  // so that NaN must be written
+        internal::forward(p, launch, ws.ptr, ws.bytes);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        d.download();
+        return std::make_pair(in.out.bytes, pool.now());
+      };
+      const auto got = run(pieces);
+      if (twice) {
+        EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count) << "a slot named twice: outputs not all NaN";
+        EXPECT_TRUE(got.second == pool.init) << "a slot named twice: the pool was written";
+      } else {
+        EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+        EXPECT_TRUE(got == run(internal::PrefillLaunch{})) << "not the rule's pool call";
+      }
+    }
+  }
+}
+
+// The pieces through a bf16 pool against an fp32 pool holding the same (bf16) values: the same
+// outputs, and each bf16 slot the fp32 slot's final state rounded to bf16 (the pieces run: random
+// gates with A_log <= 0).
+TEST_F(Prefill32Gpu, FusedPiecesThroughABf16Pool) {
+  constexpr int64_t B = 2, T = 320, H = 4, P = 3, kState = H * 128 * 128;
+  internal::PrefillLaunch pieces;
+  pieces.fused_pieces = 3;
+  KdaOptions o;
+  o.B = B, o.T = T, o.H = H, o.A_log_max = 0.0, o.seed = 31;
+  KdaInputs in(o);
+  DeviceProblem d(in, pieces);
+  const std::vector<int32_t> slots = {2, 0};
+  void* d_slots = d.upload(slots.data(), 8);
+  test::HostTensor bf(DType::kBF16, P * kState), f32(DType::kF32, P * kState);
+  for (int64_t i = 0; i < P * kState; ++i) bf.set(i, 0.01 * double(int64_t(i * 2654435761u % 201) - 100));
+  for (int64_t i = 0; i < P * kState; ++i) f32.set(i, bf.get(i));  // the same values
+  std::vector<std::vector<unsigned char>> outs;
+  std::vector<test::HostTensor> pools;
+  for (test::HostTensor* pool : {&f32, &bf}) {
+    DeviceBuffer buf(pool->data_bytes());
+    ASSERT_EQ(cudaMemcpy(buf.ptr, pool->bytes.data(), pool->data_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
     PrefillParams p = d.params();
-    p.state_pool = pool.buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
+    p.state_pool = buf.ptr, p.state_pool_dtype = pool->dtype, p.pool_size = P;
     p.state_indices = static_cast<const int32_t*>(d_slots);
+    ASSERT_TRUE(fused_pieces_serve(p));
     DeviceBuffer ws(internal::workspace_size(p, pieces));
     d.poison();
     internal::forward(p, pieces, ws.ptr, ws.bytes);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), in.out.count) << "a slot named twice: outputs not all NaN";
-    EXPECT_TRUE(pool.now() == pool.init) << "a slot named twice: the pool was written";
+    outs.push_back(in.out.bytes);
+    test::HostTensor after = *pool;
+    ASSERT_EQ(cudaMemcpy(after.bytes.data(), buf.ptr, after.data_bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
+    pools.push_back(after);
   }
+  EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+  EXPECT_TRUE(outs[0] == outs[1]) << "the bf16 pool's outputs differ from the fp32 pool's";
+  test::HostTensor rounded(DType::kBF16, P * kState);
+  for (int64_t i = 0; i < P * kState; ++i) rounded.set(i, pools[0].get(i));
+  EXPECT_TRUE(std::equal(rounded.bytes.begin(), rounded.bytes.begin() + std::ptrdiff_t(rounded.data_bytes()),
+                         pools[1].bytes.begin()))
+      << "the bf16 slots are not the fp32 slots' final states rounded to bf16";
+  EXPECT_TRUE(std::equal(pools[1].bytes.begin() + std::ptrdiff_t(kState * 2), pools[1].bytes.begin() + std::ptrdiff_t(2 * kState * 2),
+                         bf.bytes.begin() + std::ptrdiff_t(kState * 2)))
+      << "slot 1, named by no sequence, changed";
 }
 
 // Checkpoints with device cu_seqlens where K0 chooses: K0 numbers each sequence's first

@@ -454,10 +454,14 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
         cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
-      // Where a piece stopped the call, the kernels the rule picks run it: the fused kernel (where it
-      // cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
-      if (fused_by_rule(p, launch) && sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, stream) == cudaSuccess)
-        return;
+      // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
+      // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
+      if (launch.fused_v2 > 0 || fused_by_rule(p, launch)) {
+        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, stream) == cudaSuccess) return;
+        (void)cudaGetLastError();  // an attribute query's error, which the next launch check would read
+      }
+    } else {
+      (void)cudaGetLastError();
     }
   }
   const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);

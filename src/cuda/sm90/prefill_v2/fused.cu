@@ -239,7 +239,7 @@ __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t 
 // arguments, shifted again): its chunks [p L, min((p + 1) L, chunks)) of L = ceil(chunks / pieces),
 // from warmup = min(FusedArgs::warmup, p L) chunks earlier, from zero (the first piece from the
 // sequence's initial state); the last piece's final state into FusedArgs::pieces_final. A piece past
-// the sequence's chunks has none (T = 0).
+// the sequence's chunks, and a padding sequence's pieces after its first, are padding of no rows.
 __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, SeqArgs& seq) {
   const int64_t n = y / a.pieces, piece = y % a.pieces, H = a.consume.H, row = H * kHeadDim;
   write_sequence_args(a, n, seq);
@@ -248,8 +248,8 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.stage_stop[0] = seq.stage_stop[1] = 0;
   seq.stopped_at = INT64_MAX;
   seq.warmup = 0;
-  if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows
-    if (piece > 0) seq.produce.T = seq.consume.T = 0;
+  if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows,
+    if (piece > 0) seq.produce.T = seq.consume.T = -1;  // the others are padding of no rows (the CTA leaves)
     return;
   }
   const int64_t len = seq.produce.T, chunks = (len + kChunk - 1) / kChunk;
@@ -257,7 +257,8 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   const int64_t end = begin + per < chunks ? begin + per : chunks;
   const int64_t warmup = begin < a.warmup ? begin : a.warmup, first = begin - warmup;
   const int64_t shift = begin < chunks ? first * kChunk : 0;  // an empty piece stays at the sequence's start
-  const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : 0;
+  // a piece past the sequence's chunks: padding of no rows (the CTA leaves at once)
+  const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : -1;
   const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
   const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
   ProduceArgs& sp = seq.produce;
@@ -556,10 +557,11 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   }
   if (kClock && tid == kThreads)
     for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
-  if (draining) return;  // FusedArgs::pieces: stopped; the chunk-16 kernels run the call
+  if (draining) return;  // FusedArgs::pieces: stopped; the rule's kernels run the call after the pieces
   if constexpr (kPieces) {
     // A non-finite state would reach every later token in the serial recurrence, but the next
-    // piece starts from zero: the chunk-16 kernels (their transition skipping carries it) run the call.
+    // piece starts from zero: the rule's kernels run the call (the chunk-16 kernels' transition
+    // skipping carries it; the fused kernel runs each sequence whole).
     bool bad = false;
 #pragma unroll
     for (int i = 0; i < 64; ++i) bad |= !isfinite(S[i]);
@@ -783,7 +785,7 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 }
 
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
-// (*flag zero; else the chunk-16 kernels write them).
+// (*flag zero; else the rule's kernels after the pieces write them).
 // With a pool (slots: state_indices), sequence n's `per` 16-byte units into slot slots[n] where it
 // is in [0, P) (padding sequences have none).
 __global__ void pieces_finish_kernel(const int* flag, const float4* from, float4* to, int64_t count,
@@ -817,6 +819,8 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.checkpoint_slots != nullptr && args.state_pool == nullptr) ||
         (args.cu_seqlens != nullptr && args.ckpt_start == nullptr))))
     return cudaErrorInvalidValue;
+  if (args.run_if_flag != nullptr && (args.pieces > 0 || args.next_item != nullptr || args.on_verdict))
+    return cudaErrorInvalidValue;  // the pieces' fallback is a plain launch of the rule's kernel
   if (args.pieces > 0) {  // a candidate: B equal sequences, the rule's flags, no checkpoints
     if (args.pieces > kMaxFusedSeqs || args.num_seqs < 1 || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
