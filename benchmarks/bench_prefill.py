@@ -290,6 +290,26 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0):
     return rows
 
 
+def fused_order_rows(reps):
+    """Mixed lengths through device cu_seqlens at many heads, the default call (the fused kernel's
+    rule) with K0's longest-first order of the sequences against the batch's order (internal
+    fused_order -1). Random gates, fp32 states."""
+    rows = ["", "Longest first: the default call with K0's order of the sequences and in the batch's order "
+            "(random gates, fp32 states; CUDA-graph medians, ms):", "",
+            "| lengths | H | longest first | batch order | longest first / batch order |", "|---|---|---|---|---|"]
+    print("\n".join(rows), flush=True)
+    for name, seqlens in (("1300, 547, 2048, 963, 271, 3063", [1300, 547, 2048, 963, 271, 3063]),
+                          ("64 x 128 + 3063", [128] * 64 + [3063]), ("8 mixed 512-1024", [1024, 700, 512, 900, 600, 800, 1000, 512])):
+        for H in (64, 96):
+            x = make_inputs(H, seqlens, True)
+            first, batch = (time_graph_ms(run_flashkda(x, True, launch=dict(fused_order=o))[0], reps=reps) for o in (0, -1))
+            del x
+            torch.cuda.empty_cache()
+            rows.append(f"| {name} | {H} | {first:.3f} | {batch:.3f} | {first / batch:.2f} |")
+            print(rows[-1], flush=True)
+    return rows
+
+
 def layouts_sweep_rows(reps, cases=""):
     """Transition skipping's layouts: the default call against the same call without skipping and with
     the candidate layouts of `layouts` (segments and pieces forced), one sequence at few heads, both
@@ -545,6 +565,9 @@ def main():
                     help="also flashkda through prefill v2's fused chunk-32 kernel wherever it serves the call (one "
                          "sequence, the lower-bound gate, fp32 states: internal fused_v2 1; the rule runs it from "
                          "H >= 2/3 of the SMs), and through the chunk-16 kernels only (fused_v2 -1)")
+    ap.add_argument("--fused-order", action="store_true",
+                    help="also mixed lengths at H = 64 and 96 with K0's longest-first order of the sequences against "
+                         "the batch's order (internal fused_order -1)")
     ap.add_argument("--fused-pieces", type=int, nargs="*", default=[],
                     help="also flashkda through the fused kernel with each sequence in this many pieces, each after "
                          "the first from a warm-up (internal fused_pieces, a candidate; one column per count; where a "
@@ -636,6 +659,8 @@ def main():
         lines += fused_sweep_rows(args.reps)
     if args.fused_batch_sweep:
         lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads, args.fused_floor)
+    if args.fused_order:
+        lines += fused_order_rows(args.reps)
     if not args.no_accuracy:
         lines += ["", "Accuracy, rel-RMS vs the fp64 token recurrence (H=4, fp32 initial state x0.1, bf16 inputs, "
                   "lower-bound gate):", "", "| inputs | implementation | output | final state |", "|---|---|---|---|"]

@@ -156,7 +156,7 @@ fi
 if want fused; then
   step fused-sweep
   # shellcheck disable=SC2086  # $FUSED_ARGS: extra arguments, e.g. --fused-floor 128
-  python3 benchmarks/bench_prefill.py --fused-sweep --fused-batch-sweep --table none --no-accuracy --no-peers ${FUSED_ARGS:-} 2>&1 |
+  python3 benchmarks/bench_prefill.py --fused-sweep --fused-batch-sweep --fused-order --table none --no-accuracy --no-peers ${FUSED_ARGS:-} 2>&1 |
     tee "$OUT/bench_fused.log" | tail -25 || status=1
 fi
 if want pieces; then  # the fused kernel in pieces (a candidate), both gate regimes; $PIECES_ARGS: extra arguments

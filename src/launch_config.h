@@ -71,6 +71,8 @@ struct PrefillLaunch {
                              // zero where the warm-up provably erases the incoming state (below 2^-30; else the
                              // kernels the rule picks run the call: prefill_v2 FusedArgs::pieces); 0 = none
   int fused_warmup = 0;      // with fused_pieces: the warm-up in 32-token chunks; 0 = 1
+  int fused_order = 0;       // GPU, device cu_seqlens through the fused kernel: 0 = rule (K0 orders the
+                             // sequences longest first, the CTAs take them in that order); -1 = the batch's order
 };
 
 struct DecodeLaunch {

@@ -129,8 +129,8 @@ constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift
 // [segment outputs] (workspace_layout in launch.cu).
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-// chunk_start, error_flag, seg_start, ckpt_start and fused_next (Params).
-inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(3 * num_seqs + 5) * sizeof(int32_t)); }
+// chunk_start, error_flag, seg_start, ckpt_start, fused_next and fused_order (Params).
+inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(4 * num_seqs + 5) * sizeof(int32_t)); }
 // Upper bound on chunks over all sequences: sum ceil(len/16) <= ceil(total/16) + N.
 inline int64_t max_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return (total_tokens + kChunk - 1) / kChunk + num_seqs;
@@ -246,6 +246,8 @@ struct Params {
   int64_t fused_min_tokens;   // with fused_sms: the rule's floor on the longest sequence (config.h fused_rule)
   const int* pieces_flag;     // internal::PrefillLaunch::fused_pieces: zero where the fused kernel's pieces ran the
                               // call (every chunk-16 kernel then returns at once: pieces_ran), else null or 1
+  int32_t* fused_order;       // workspace header [N] (with cu_seqlens): K0's order of the sequences, longest
+                              // first (order_longest_first), in which the fused kernel's CTAs take them
   int32_t* fused_next;        // workspace header, zeroed by K0 where fused_sms > 0: the next (sequence,
                               // head) item of the fused kernel's persistent grid (FusedArgs::next_item)
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]

@@ -370,7 +370,7 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.error_flag = kp.chunk_start + (N + 1);
   kp.seg_start = kp.error_flag + 1;
   kp.ckpt_start = kp.seg_start + (N + 1);
-  kp.fused_next = kp.ckpt_start + (N + 1);
+  kp.fused_next = kp.ckpt_start + (N + 1);  // then fused_order's room (set where the fused kernel may run)
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
   return kp;
 }
@@ -404,7 +404,7 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
   const int64_t items = detail::num_sequences(p) * p.H;
   return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
-                                          persistent ? std::min<int64_t>(items, sm_count()) : 0);
+                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order);
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
@@ -467,19 +467,21 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
   if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
     const int* error_flag = nullptr;
-    const int32_t* ckpt_start = nullptr;
+    const int32_t *ckpt_start = nullptr, *order = nullptr;
     if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
       auto* ws = static_cast<uint8_t*>(workspace);
       // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
       // and checks their count against the lengths.
       Params kp = kernel_params(p, ws);
+      if (p.cu_seqlens != nullptr && launch.fused_order >= 0) kp.fused_order = kp.fused_next + 1;  // longest first
       const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
       if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.header);  // nothing else is carved
       launch_k0(kp, stream);
       error_flag = kp.error_flag;
-      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start;
+      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
     }
-    const cudaError_t err = sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream);
+    const cudaError_t err =
+        sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream, false, false, nullptr, 0, order);
     if (err == cudaSuccess) return;
     // Under the rule, a fused kernel that cannot start here (its register split or the driver's
     // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
@@ -494,7 +496,10 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   kp.fused_min_tokens = fused_min_tokens(launch);
   kp.pieces_flag = pieces_flag;
   const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
-  if (fused_after) kp.fused_sms = sm_count();
+  if (fused_after) {
+    kp.fused_sms = sm_count();
+    if (launch.fused_order >= 0) kp.fused_order = kp.fused_next + 1;  // K0 orders the sequences, longest first
+  }
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);

@@ -50,6 +50,36 @@ __device__ inline void check_distinct_slots(const Params& p) {
   if (__syncthreads_or(twice) && threadIdx.x == 0) *p.error_flag = 1;
 }
 
+// Params::fused_order: the sequences longest first, by a counting sort on their length in 32-token
+// chunks (kOrderBuckets classes, the longest class from kOrderBuckets - 1 chunks up; ties in any order,
+// which changes no bits: each sequence and head is one CTA's work wherever it stands). The fused
+// kernel's CTAs take sequence order[y] in grid row y, so a batch's longest sequences start first
+// instead of wherever they stand (docs/DESIGN.md "Longest first"). Invalid cu_seqlens give some
+// order too (lengths clamped), never read: the call is refused. Every thread of the CTA calls it.
+constexpr int kOrderBuckets = 512;
+__device__ __forceinline__ int order_bucket(const Params& p, int64_t n) {
+  const int64_t len = cu_at(p, n + 1) - cu_at(p, n);
+  const int64_t chunks = len <= 0 ? 0 : (len + kFusedChunk - 1) / kFusedChunk;
+  return kOrderBuckets - 1 - int(chunks < kOrderBuckets - 1 ? chunks : kOrderBuckets - 1);  // 0: the longest
+}
+template <class ScanStorage>
+__device__ void order_longest_first(const Params& p, ScanStorage& scan_storage) {
+  using Scan = cub::BlockScan<int, kScanThreads>;
+  __shared__ int next[kOrderBuckets];  // counts, then each class's next place
+  for (int b = threadIdx.x; b < kOrderBuckets; b += blockDim.x) next[b] = 0;
+  __syncthreads();
+  for (int64_t n = threadIdx.x; n < p.num_seqs; n += blockDim.x) atomicAdd(&next[order_bucket(p, n)], 1);
+  __syncthreads();
+  static_assert(kOrderBuckets <= kScanThreads, "one class a thread");
+  const int count = threadIdx.x < kOrderBuckets ? next[threadIdx.x] : 0;
+  int first = 0;
+  Scan(scan_storage).ExclusiveSum(count, first);  // class b's first place: the longer classes' sizes
+  if (threadIdx.x < kOrderBuckets) next[threadIdx.x] = first;
+  __syncthreads();
+  for (int64_t n = threadIdx.x; n < p.num_seqs; n += blockDim.x)
+    p.fused_order[atomicAdd(&next[order_bucket(p, n)], 1)] = int32_t(n);
+}
+
 __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_constant__ Params p) {
   using Reduce = cub::BlockReduce<int, kScanThreads>;
   using Reduce64 = cub::BlockReduce<long long, kScanThreads>;
@@ -128,6 +158,10 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   }
   // The caller's num_checkpoints must be what the lengths give (the host cannot read them).
   if (threadIdx.x == 0 && p.checkpoint_every > 0 && ckpt_carry != p.num_checkpoints) *p.error_flag = 1;
+  if (p.fused_order != nullptr) {
+    __syncthreads();  // tmp.scan
+    order_longest_first(p, tmp.scan);
+  }
   if (p.state_indices != nullptr) check_distinct_slots(p);
 }
 

@@ -606,7 +606,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     }
     if (tid == 0) {
       if constexpr (kPieces) write_piece_args(a, blockIdx.y, seq);
-      else write_sequence_args(a, blockIdx.y, seq);
+      else write_sequence_args(a, a.order != nullptr ? int64_t(a.order[blockIdx.y]) : int64_t(blockIdx.y), seq);
     }
   }
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
@@ -672,7 +672,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(cons
       if (tid == 0) {
         const int64_t item = atomicAdd(a.next_item, 1);
         seq.head = item < a.num_seqs * H ? int(item % H) : -1;
-        if (seq.head >= 0) write_sequence_args(a, item / H, seq);
+        if (seq.head >= 0) write_sequence_args(a, a.order != nullptr ? int64_t(a.order[item / H]) : item / H, seq);
       }
       items_sync();
       const int h = seq.head;
@@ -899,10 +899,11 @@ FusedArgs fused_args(const PrefillParams& p) {
 }
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas) {
+                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order) {
   FusedArgs f = fused_args(p);
   f.error_flag = error_flag;
   f.ckpt_start = ckpt_start;
+  f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
   f.next_item = next_item, f.item_ctas = item_ctas;
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;

@@ -111,6 +111,11 @@ struct FusedArgs {
   // The pieces' fallback where the rule gives the call to this kernel: launched after the pieces, it
   // runs the call only where *run_if_flag is non-zero (a piece stopped it). Null: always.
   const int* run_if_flag = nullptr;
+  // With cu_seqlens: K0's order of the sequences, longest first ([num_seqs], prefill
+  // Params::fused_order): grid row y (the persistent grid's y-th sequence) takes sequence order[y],
+  // so that the longest sequences' CTAs start first instead of wherever they stand in the batch.
+  // Null: in the batch's order.
+  const int32_t* order = nullptr;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -125,11 +130,11 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
-// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item and item_ctas as
-// FusedArgs says.
+// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas and order
+// as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
-                          int64_t item_ctas = 0);
+                          int64_t item_ctas = 0, const int32_t* order = nullptr);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
