@@ -834,6 +834,43 @@ TEST_F(Prefill32Gpu, FusedPiecesThroughABf16Pool) {
       << "slot 1, named by no sequence, changed";
 }
 
+// Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints
+// 3 N + 5 on, after chunk_start, the verdict, seg_start, ckpt_start and the persistent grid's
+// counter) is a permutation with the length classes (ceil(len / 32)) non-increasing, through the
+// forced fused kernel and the rule's path (K0 choosing); the calls' bits equal those in the batch's
+// order (fused_order = -1), which has no order written.
+TEST_F(Prefill32Gpu, LongestFirstOrder) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  std::vector<int64_t> lens = {100, 0, 301, 33, 64, 700, 64, 1};
+  while (int64_t(lens.size()) * 16 < 2 * sms) lens.push_back(37 * int64_t(lens.size()) % 500 + 64);  // the rule holds at H = 16
+  const int64_t N = int64_t(lens.size());
+  KdaOptions o;
+  o.seqlens = lens, o.H = 16, o.seed = 37;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  SCOPED_TRACE(in.describe());
+  internal::PrefillLaunch forced, rule, forced_batch, rule_batch;
+  forced.fused_v2 = forced_batch.fused_v2 = 1;
+  forced_batch.fused_order = rule_batch.fused_order = -1;
+  for (const auto& [first, batch] : {std::make_pair(forced, forced_batch), std::make_pair(rule, rule_batch)}) {
+    DeviceProblem d(in, first), d_batch(in, batch);
+    const std::vector<unsigned char> bits = run_bits(in, d);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    std::vector<int32_t> order(size_t(N), -1);
+    ASSERT_EQ(cudaMemcpy(order.data(), static_cast<int32_t*>(d.workspace->ptr) + 3 * N + 5, size_t(N) * 4,
+                         cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    std::vector<int32_t> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    for (int64_t n = 0; n < N; ++n) ASSERT_EQ(sorted[size_t(n)], n) << "K0's order is not a permutation";
+    for (int64_t i = 1; i < N; ++i)
+      EXPECT_GE((lens[size_t(order[size_t(i - 1)])] + 31) / 32, (lens[size_t(order[size_t(i)])] + 31) / 32)
+          << "K0's order is not longest first at place " << i;
+    EXPECT_TRUE(bits == run_bits(in, d_batch)) << "longest first changed the bits";
+  }
+}
+
 // Checkpoints with device cu_seqlens where K0 chooses: K0 numbers each sequence's first
 // checkpoint whichever kernels it picks (the fused kernel reads those numbers too). Equal lengths on
 // each side of the rule's edge, dense fp32 checkpoints every 64 tokens, through the rule and the

@@ -124,7 +124,8 @@ __host__ __device__ constexpr int kr_offset(int t, int c) {
 // computes that chunk's L and Mqk pairwise with exp(G_i - G_j) <= 1 instead.
 constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift);
 
-// Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1], ckpt_start[N+1] int32] [chunk records,
+// Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1], ckpt_start[N+1], fused_next,
+// fused_order[N] int32] [chunk records,
 // slot-major, head-minor] and, when sequences are split into segments, [segment states]
 // [segment outputs] (workspace_layout in launch.cu).
 constexpr size_t kAlign = 256;

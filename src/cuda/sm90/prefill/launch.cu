@@ -375,6 +375,10 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   return kp;
 }
 
+// Params::fused_order's room in the workspace header (after fused_next), where K0 writes the order
+// of the sequences for the fused kernel.
+int32_t* order_slot(const Params& kp) { return kp.fused_next + 1; }
+
 // The rule's floor on the longest sequence: internal::PrefillLaunch::fused_min_tokens (a candidate), or
 // kFusedMinTokens.
 int64_t fused_min_tokens(const internal::PrefillLaunch& launch) {
@@ -473,7 +477,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
       // and checks their count against the lengths.
       Params kp = kernel_params(p, ws);
-      if (p.cu_seqlens != nullptr && launch.fused_order >= 0) kp.fused_order = kp.fused_next + 1;  // longest first
+      if (p.cu_seqlens != nullptr && launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // longest first
       const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
       if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.header);  // nothing else is carved
       launch_k0(kp, stream);
@@ -498,7 +502,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
   if (fused_after) {
     kp.fused_sms = sm_count();
-    if (launch.fused_order >= 0) kp.fused_order = kp.fused_next + 1;  // K0 orders the sequences, longest first
+    if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
   }
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);

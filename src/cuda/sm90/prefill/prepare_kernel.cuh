@@ -11,7 +11,9 @@
 //     num_checkpoints raises it too (K2 then fills the outputs with NaN). With a pool it raises it
 //     when a live slot (in [0, P)) is named twice across state_indices and checkpoint_slots (the
 //     CPU backend's rule, detail::check_pool_slots): K2 then fills the outputs and dense
-//     checkpoints with NaN and no kernel writes the pool.
+//     checkpoints with NaN and no kernel writes the pool. With Params::fused_order (where the fused
+//     kernel may run the call) it also writes the sequences' order, longest first, in which the
+//     fused kernel's CTAs take them (order_longest_first).
 // K1: grid = chunk_slots * H (fewer where K0 may give the call to the fused kernel), block = 128.
 //     One CTA builds, for one 16-token chunk of one head: q_decayed, k_decayed, k_restored,
 //     Mqk, inv_b = (I + L)^-1 diag(b) and exp(G_C), in the record layout of config.h.
@@ -58,9 +60,21 @@ __device__ inline void check_distinct_slots(const Params& p) {
 // order too (lengths clamped), never read: the call is refused. Every thread of the CTA calls it.
 constexpr int kOrderBuckets = 512;
 __device__ __forceinline__ int order_bucket(const Params& p, int64_t n) {
-  const int64_t len = cu_at(p, n + 1) - cu_at(p, n);
-  const int64_t chunks = len <= 0 ? 0 : (len + kFusedChunk - 1) / kFusedChunk;
+  const int64_t d = cu_at(p, n + 1) - cu_at(p, n);  // clamped before any arithmetic (invalid cu_seqlens)
+  const int64_t len = d < 0 ? 0 : d > p.total_tokens ? p.total_tokens : d;
+  const int64_t chunks = (len + kFusedChunk - 1) / kFusedChunk;
   return kOrderBuckets - 1 - int(chunks < kOrderBuckets - 1 ? chunks : kOrderBuckets - 1);  // 0: the longest
+}
+// The lanes of a warp whose sequences share a class take one atomic between them (equal lengths, the
+// common batch, would otherwise queue every thread on one word): the leader adds the group's size
+// and each lane its rank in the group. Every lane of the warp calls it (bucket -1: none).
+__device__ __forceinline__ int warp_grouped_add(int* next, int bucket) {
+  const unsigned group = __match_any_sync(0xffffffffu, bucket);
+  const int lane = threadIdx.x & 31, leader = __ffs(group) - 1;
+  int base = 0;
+  if (bucket >= 0 && lane == leader) base = atomicAdd(&next[bucket], __popc(group));
+  base = __shfl_sync(0xffffffffu, base, leader);
+  return base + __popc(group & ((1u << lane) - 1));
 }
 template <class ScanStorage>
 __device__ void order_longest_first(const Params& p, ScanStorage& scan_storage) {
@@ -68,7 +82,10 @@ __device__ void order_longest_first(const Params& p, ScanStorage& scan_storage) 
   __shared__ int next[kOrderBuckets];  // counts, then each class's next place
   for (int b = threadIdx.x; b < kOrderBuckets; b += blockDim.x) next[b] = 0;
   __syncthreads();
-  for (int64_t n = threadIdx.x; n < p.num_seqs; n += blockDim.x) atomicAdd(&next[order_bucket(p, n)], 1);
+  for (int64_t base = 0; base < p.num_seqs; base += blockDim.x) {  // whole warps in every pass
+    const int64_t n = base + threadIdx.x;
+    warp_grouped_add(next, n < p.num_seqs ? order_bucket(p, n) : -1);
+  }
   __syncthreads();
   static_assert(kOrderBuckets <= kScanThreads, "one class a thread");
   const int count = threadIdx.x < kOrderBuckets ? next[threadIdx.x] : 0;
@@ -76,8 +93,12 @@ __device__ void order_longest_first(const Params& p, ScanStorage& scan_storage) 
   Scan(scan_storage).ExclusiveSum(count, first);  // class b's first place: the longer classes' sizes
   if (threadIdx.x < kOrderBuckets) next[threadIdx.x] = first;
   __syncthreads();
-  for (int64_t n = threadIdx.x; n < p.num_seqs; n += blockDim.x)
-    p.fused_order[atomicAdd(&next[order_bucket(p, n)], 1)] = int32_t(n);
+  for (int64_t base = 0; base < p.num_seqs; base += blockDim.x) {
+    const int64_t n = base + threadIdx.x;
+    const int bucket = n < p.num_seqs ? order_bucket(p, n) : -1;
+    const int at = warp_grouped_add(next, bucket);
+    if (bucket >= 0) p.fused_order[at] = int32_t(n);
+  }
 }
 
 __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_constant__ Params p) {
@@ -158,10 +179,10 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   }
   // The caller's num_checkpoints must be what the lengths give (the host cannot read them).
   if (threadIdx.x == 0 && p.checkpoint_every > 0 && ckpt_carry != p.num_checkpoints) *p.error_flag = 1;
-  if (p.fused_order != nullptr) {
-    __syncthreads();  // tmp.scan
-    order_longest_first(p, tmp.scan);
-  }
+  // The order, where the fused kernel runs the call (not where K0 left it to the chunk-16 kernels or
+  // refused it); the barrier: tmp.scan free, thread 0's verdict seen by all.
+  __syncthreads();
+  if (p.fused_order != nullptr && (p.fused_sms == 0 || *p.error_flag == kCallFused)) order_longest_first(p, tmp.scan);
   if (p.state_indices != nullptr) check_distinct_slots(p);
 }
 

@@ -641,8 +641,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
 // The fused kernel on a persistent grid (FusedArgs::next_item; the rule's flags, lower-bound bf16
 // gates, several sequences, launched on K0's verdict): FusedArgs::item_ctas CTAs, each taking
-// (sequence, head) items in turn from K0's zeroed counter until none is left, sequences in order
-// and heads within them. Thread 0 writes the item's arguments where fused_kernel's do, and both
+// (sequence, head) items in turn from K0's zeroed counter until none is left, sequences in K0's
+// order (FusedArgs::order: longest first) and heads within them. Thread 0 writes the item's arguments where fused_kernel's do, and both
 // roles meet at a barrier of all 384 threads (items_sync) before an item and after it; the ring's
 // stages and its barriers' phases run on across the CTA's items. Where K0 left the call to the
 // chunk-16 kernels, the grid is one wave of CTAs that exit.
