@@ -65,8 +65,8 @@ struct PrefillLaunch {
   int64_t fused_min_tokens = 0;  // GPU, a candidate: the fused kernel's rule with this floor on the longest
                                  // sequence instead of 64 tokens (and, where K0 chooses without the persistent
                                  // grid, a mean of this many tokens); 0 = rule
-  int64_t fused_pieces = 0;  // GPU, a candidate (calls of B equal sequences the fused kernel serves, no
-                             // checkpoints): each sequence cut into this many pieces, CTAs of the fused kernel
+  int64_t fused_pieces = 0;  // GPU, a candidate (calls the fused kernel serves, without checkpoints): each
+                             // sequence cut into this many pieces, CTAs of the fused kernel
                              // at once, a piece after the first starting fused_warmup 32-token chunks early from
                              // zero where the warm-up provably erases the incoming state (below 2^-30; else the
                              // kernels the rule picks run the call: prefill_v2 FusedArgs::pieces); 0 = none

@@ -670,6 +670,37 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     }
     EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
   }
+  // Device cu_seqlens (K0 first), an empty sequence among them (its final state its initial one):
+  // random gates, the pieces run; long memory, the chunk-16 kernels' bits (the rule's, K0 deciding).
+  for (const bool long_memory : {false, true}) {
+    KdaOptions o;
+    o.seqlens = {700, 0, 301, 1500}, o.H = 4, o.A_log_max = 0.0;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (long_memory)
+      for (int64_t ch = 0; ch < o.H * o.K; ch += 4) in.dt_bias[ch] = -30.f;
+    SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
+    internal::PrefillLaunch pieces, never;
+    pieces.fused_pieces = 4, never.fused_v2 = -1;
+    DeviceProblem d_pieces(in, pieces), d_never(in, never), d_rule(in);
+    ASSERT_TRUE(fused_pieces_serve(d_pieces.params()));
+    const std::vector<unsigned char> today = run_bits(in, d_never), rule = run_bits(in, d_rule);
+    const std::vector<unsigned char> got = run_bits(in, d_pieces);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    const int64_t state = o.H * o.V * o.K;
+    for (int64_t i = 0; i < state; ++i)  // the empty sequence's final state: its initial one
+      ASSERT_EQ(in.final_state.get(state + i), in.initial_state.get(state + i)) << "the empty sequence's state";
+    if (long_memory) {
+      EXPECT_TRUE(got == rule) << "a warm-up that bounds nothing: not the rule's bits";
+    } else {
+      EXPECT_FALSE(got == today) << "the pieces did not run (the chunk-16 kernels' bits)";
+      const test::Reference ref = test::run_reference(in);
+      EXPECT_LE(test::rel_rms(in.out.values(), ref.out), 2e-3);
+      EXPECT_LE(test::rel_rms(in.final_state.values(), ref.final_state), 5e-4);
+    }
+    EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
+  }
 }
 
 // The pieces through a state pool (fp32, P = 5 slots of a fixed pattern, sequence 1 padding): the

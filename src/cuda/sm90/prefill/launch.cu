@@ -445,7 +445,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     float* const finals = reinterpret_cast<float*>(at + align_up(sizeof(int)));
     const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
     const int* error_flag = nullptr;
-    if (p.state_pool != nullptr) {  // K0 first: the slot check, whose refusal the kernels after the pieces carry out
+    if (p.state_pool != nullptr || p.cu_seqlens != nullptr) {
+      // K0 first: the slot check and the cu_seqlens' order, whose refusal the kernels after the pieces
+      // carry out
       Params kp = kernel_params(p, static_cast<uint8_t*>(workspace));
       const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
       if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace) + l.header);

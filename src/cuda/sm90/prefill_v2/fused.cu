@@ -257,8 +257,10 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   const int64_t end = begin + per < chunks ? begin + per : chunks;
   const int64_t warmup = begin < a.warmup ? begin : a.warmup, first = begin - warmup;
   const int64_t shift = begin < chunks ? first * kChunk : 0;  // an empty piece stays at the sequence's start
-  // a piece past the sequence's chunks: padding of no rows (the CTA leaves at once)
-  const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : -1;
+  // a piece past the sequence's chunks: padding of no rows (the CTA leaves at once); but an empty
+  // sequence's first piece is an item of no chunks, whose final state is its initial one
+  const bool empty_first = chunks == 0 && piece == 0;
+  const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : empty_first ? 0 : -1;
   const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
   const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
   ProduceArgs& sp = seq.produce;
@@ -272,7 +274,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   sp.T = sc.T = T;
   if (piece > 0) sc.initial_state = nullptr;
   // The last piece's final state into pieces_final [n] in the state's dtype (a bf16 pool's: bf16).
-  const bool last = begin < chunks && end == chunks;
+  const bool last = (begin < chunks && end == chunks) || empty_first;
   const int64_t at = n * H * kHeadDim * kHeadDim;
   float* const final_at = sc.states_bf16 ? reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(a.pieces_final) + at)
                                          : a.pieces_final + at;
@@ -821,13 +823,14 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (args.run_if_flag != nullptr && (args.pieces > 0 || args.next_item != nullptr || args.on_verdict))
     return cudaErrorInvalidValue;  // the pieces' fallback is a plain launch of the rule's kernel
-  if (args.pieces > 0) {  // a candidate: B equal sequences, the rule's flags, no checkpoints
+  if (args.pieces > 0) {  // a candidate: the rule's flags, no checkpoints
     if (args.pieces > kMaxFusedSeqs || args.num_seqs < 1 || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
         ((ca.final_state != nullptr || args.state_pool != nullptr) && args.pieces_final == nullptr) ||
         (args.state_pool != nullptr && (args.error_flag == nullptr || args.state_indices == nullptr)) ||
-        args.cu_seqlens != nullptr || args.checkpoint_every != 0 ||
-        pa.T % args.num_seqs != 0 || pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs ||
+        (args.cu_seqlens != nullptr && args.error_flag == nullptr) || args.checkpoint_every != 0 ||
+        (args.cu_seqlens == nullptr && pa.T % args.num_seqs != 0) || pa.gate != GateForm::kLowerBound || f32 ||
+        !args.stage_inputs ||
         !args.producer_regs || !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only ||
         args.next_item != nullptr || args.on_verdict)
       return cudaErrorInvalidValue;
@@ -910,13 +913,12 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
   return fused_chunks(f, stream);
 }
 
-bool fused_pieces_serve(const PrefillParams& p) {
-  return fused_serves(p) && p.cu_seqlens == nullptr && p.checkpoint_every == 0;
-}
+bool fused_pieces_serve(const PrefillParams& p) { return fused_serves(p) && p.checkpoint_every == 0; }
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, cudaStream_t stream) {
-  if (!fused_pieces_serve(p) || pieces < 1 || (p.state_pool != nullptr && error_flag == nullptr))
+  if (!fused_pieces_serve(p) || pieces < 1 ||
+      ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
   FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;

@@ -91,8 +91,8 @@ struct FusedArgs {
   const int32_t* checkpoint_slots = nullptr;
   int64_t num_checkpoints = 0;
   const int32_t* ckpt_start = nullptr;
-  // A candidate (internal::PrefillLaunch::fused_pieces; B equal sequences without cu_seqlens or
-  // checkpoints, with or without a pool): each sequence cut into `pieces` runs of equal chunks,
+  // A candidate (internal::PrefillLaunch::fused_pieces; no checkpoints): each sequence (of B equal
+  // ones or by device cu_seqlens, with or without a pool) cut into `pieces` runs of equal chunks,
   // CTA (h, n pieces + p) taking piece p, so that N H pieces CTAs fill the GPU at few heads. A
   // piece after the first starts `warmup` chunks early from a zero state and writes no output for
   // those chunks; while it runs them its consumers bound each chunk's transition
@@ -139,11 +139,11 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
 FusedArgs fused_args(const PrefillParams& p);
 
 // FusedArgs::pieces (internal::PrefillLaunch::fused_pieces, a candidate): whether it serves a call
-// fused_serves does (B equal sequences: no cu_seqlens, no checkpoints; a pool or not); the call in
-// `pieces` pieces a sequence, each after the first starting `warmup` chunks early (flag zeroed
-// here, final_states: [B, H, V, K] in the state's dtype, fp32 room; error_flag: K0's, required with
-// a pool, whose refusal the pieces leave to the kernels after them); then fused_pieces_finish,
-// which copies final_states to p.final_state or the pool's slots where no piece set the flag.
+// fused_serves does (no checkpoints); the call in `pieces` pieces a sequence, each after the first
+// starting `warmup` chunks early (flag zeroed here, final_states: [N, H, V, K] in the state's
+// dtype, fp32 room; error_flag: K0's, required with cu_seqlens or a pool, whose refusal the pieces
+// leave to the kernels after them); then fused_pieces_finish, which copies final_states to
+// p.final_state or the pool's slots where no piece set the flag.
 bool fused_pieces_serve(const PrefillParams& p);
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, cudaStream_t stream);
