@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -207,6 +208,42 @@ TEST(PrefillV2Layout, F32Sw128TileCoversEveryByteOnce) {
   }
   static_assert(prefill_v2::ProduceScratch::kOffB - prefill_v2::ProduceScratch::kOffA == 64 * kHeadDim * 4);
   static_assert(prefill_v2::ProduceScratch::kOffL - prefill_v2::ProduceScratch::kOffB == 32 * kHeadDim * 4);
+}
+
+// The fused kernel's pieces (prefill_v2 piece_span, FusedArgs::pieces): for lengths about the chunk
+// edges and piece counts beyond the chunks, every chunk of the sequence is some piece's own exactly
+// once and in order; a piece's warm-up never starts before the sequence, is the asked one where it
+// fits, and its tokens run from its first warm-up chunk to its end (the last one partial); exactly one
+// piece writes the final state (an empty sequence's first); pieces without chunks leave (T = -1).
+TEST(PrefillV2Pieces, SpansCoverTheSequenceOnce) {
+  using prefill_v2::piece_span;
+  for (const int64_t len : {int64_t(0), int64_t(1), int64_t(31), int64_t(32), int64_t(33), int64_t(96), int64_t(301),
+                            int64_t(1000), int64_t(8192), int64_t(8193)})
+    for (const int64_t pieces : {int64_t(1), int64_t(2), int64_t(3), int64_t(4), int64_t(11), int64_t(40)})
+      for (const int64_t warmup : {int64_t(1), int64_t(2), int64_t(5)}) {
+        SCOPED_TRACE("len " + std::to_string(len) + " pieces " + std::to_string(pieces) + " warmup " +
+                     std::to_string(warmup));
+        const int64_t chunks = (len + 31) / 32;
+        int64_t next = 0, lasts = 0;
+        for (int64_t p = 0; p < pieces; ++p) {
+          const prefill_v2::PieceSpan s = piece_span(len, pieces, warmup, p);
+          lasts += s.last;
+          if (s.begin >= chunks) {
+            EXPECT_EQ(s.T, chunks == 0 && p == 0 ? 0 : -1);
+            EXPECT_EQ(s.shift, 0);
+            continue;
+          }
+          EXPECT_EQ(s.begin, next) << "piece " << p;
+          EXPECT_GT(s.end, s.begin);
+          next = s.end;
+          EXPECT_EQ(s.warmup, std::min(warmup, s.begin));
+          EXPECT_EQ(s.shift, (s.begin - s.warmup) * 32);
+          EXPECT_EQ(s.shift + s.T, std::min(s.end * 32, len)) << "piece " << p << " ends elsewhere";
+          EXPECT_EQ(s.last, s.end == chunks);
+        }
+        EXPECT_EQ(next, chunks) << "the pieces do not reach the sequence's end";
+        EXPECT_EQ(lasts, 1) << "not exactly one piece writes the final state";
+      }
 }
 
 }  // namespace

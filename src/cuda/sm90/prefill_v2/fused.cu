@@ -252,15 +252,10 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
     if (piece > 0) seq.produce.T = seq.consume.T = -1;  // the others are padding of no rows (the CTA leaves)
     return;
   }
-  const int64_t len = seq.produce.T, chunks = (len + kChunk - 1) / kChunk;
-  const int64_t per = (chunks + a.pieces - 1) / a.pieces, begin = piece * per;
-  const int64_t end = begin + per < chunks ? begin + per : chunks;
-  const int64_t warmup = begin < a.warmup ? begin : a.warmup, first = begin - warmup;
-  const int64_t shift = begin < chunks ? first * kChunk : 0;  // an empty piece stays at the sequence's start
-  // a piece past the sequence's chunks: padding of no rows (the CTA leaves at once); but an empty
-  // sequence's first piece is an item of no chunks, whose final state is its initial one
-  const bool empty_first = chunks == 0 && piece == 0;
-  const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : empty_first ? 0 : -1;
+  // layout.h piece_span: a piece past the sequence's chunks is padding of no rows (the CTA leaves at
+  // once); an empty sequence's first piece an item of no chunks, whose final state is its initial one
+  const PieceSpan span = piece_span(seq.produce.T, a.pieces, a.warmup, piece);
+  const int64_t shift = span.shift;
   const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
   const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
   ProduceArgs& sp = seq.produce;
@@ -271,16 +266,15 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   sp.beta = static_cast<const uint8_t*>(sp.beta) + shift * H * b_elem;
   sc.v = static_cast<const __nv_bfloat16*>(sc.v) + shift * row;
   sc.out = static_cast<__nv_bfloat16*>(sc.out) + shift * row;
-  sp.T = sc.T = T;
+  sp.T = sc.T = span.T;
   if (piece > 0) sc.initial_state = nullptr;
   // The last piece's final state into pieces_final [n] in the state's dtype (a bf16 pool's: bf16).
-  const bool last = (begin < chunks && end == chunks) || empty_first;
   const int64_t at = n * H * kHeadDim * kHeadDim;
   float* const final_at = sc.states_bf16 ? reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(a.pieces_final) + at)
                                          : a.pieces_final + at;
-  sc.final_state = last && sc.final_state != nullptr ? final_at : nullptr;
+  sc.final_state = span.last && sc.final_state != nullptr ? final_at : nullptr;
   seq.bos += shift;
-  seq.warmup = int(warmup);
+  seq.warmup = int(span.warmup);
 }
 
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128

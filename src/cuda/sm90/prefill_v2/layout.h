@@ -79,4 +79,23 @@ struct ProduceScratch {
   static constexpr int kBytes = kOffGate + (kHeadDim + 4) * 4;
 };
 
+// FusedArgs::pieces: piece `piece` of `pieces` of a sequence of len tokens, each after the first
+// starting up to `warmup` chunks early: its own chunks [begin, end), the chunks it starts early
+// (warmup, never before the sequence's start), its first token (shift) and tokens (T: -1 where the
+// piece has no chunks, the CTA leaving at once, but 0 for an empty sequence's first piece, which
+// carries its state), and whether it ends the sequence (last: it writes the final state).
+struct PieceSpan {
+  int64_t begin, end, warmup, shift, T;
+  bool last;
+};
+__host__ __device__ constexpr PieceSpan piece_span(int64_t len, int64_t pieces, int64_t warmup, int64_t piece) {
+  const int64_t chunks = (len + kChunk - 1) / kChunk, per = (chunks + pieces - 1) / pieces, begin = piece * per;
+  const int64_t end = begin + per < chunks ? begin + per : chunks;
+  const int64_t early = begin < warmup ? begin : warmup;
+  const int64_t shift = begin < chunks ? (begin - early) * kChunk : 0;  // an empty piece at the sequence's start
+  const bool empty_first = chunks == 0 && piece == 0;
+  const int64_t T = begin < chunks ? (end * kChunk < len ? end * kChunk : len) - shift : empty_first ? 0 : -1;
+  return {begin, end, early, shift, T, (begin < chunks && end == chunks) || empty_first};
+}
+
 }  // namespace flashkda::cuda::sm90::prefill_v2
