@@ -233,6 +233,28 @@ struct CapturedCall {
 // The call replayed twice from a CUDA graph: its bits.
 std::vector<unsigned char> graph_replay_bits(KdaInputs& in, DeviceProblem& d) { return CapturedCall(in, d).replay(2); }
 
+// d's call with its states in a pool of P slots of `dtype` at `pool`, sequence n in slot slots[n]
+// (device int32; outside [0, P): padding), and no state tensors.
+PrefillParams in_pool(const DeviceProblem& d, void* pool, DType dtype, int64_t P, const void* slots) {
+  PrefillParams p = d.params();
+  p.initial_state = nullptr, p.final_state = nullptr;
+  p.state_pool = pool, p.state_pool_dtype = dtype, p.pool_size = P;
+  p.state_indices = static_cast<const int32_t*>(slots);
+  return p;
+}
+
+// p (d's call with arguments of its own: a pool, checkpoints) through `launch` with a workspace
+// sized for it, on d's poisoned outputs (zeros first: on zeros); d's outputs downloaded.
+void forward_call(DeviceProblem& d, const PrefillParams& p, const internal::PrefillLaunch& launch,
+                  bool zeros_first = false) {
+  DeviceBuffer ws(internal::workspace_size(p, launch));
+  d.poison();
+  if (zeros_first) ASSERT_EQ(cudaMemset(d.out, 0, d.in.out.data_bytes()), cudaSuccess);
+  internal::forward(p, launch, ws.ptr, ws.bytes);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d.download();
+}
+
 // A state pool of P fp32 slots holding a fixed pattern (the pool cases of the rule's tests):
 // run() makes d's call with its states in the pool at the device slots, from that pattern, on
 // poisoned outputs (zeros first: on zeros), and downloads the outputs; now() is the pool after it.
@@ -245,16 +267,17 @@ struct TestPool {
   }
   void run(DeviceProblem& d, const void* slots, const internal::PrefillLaunch& launch, bool zeros_first = false) {
     ASSERT_EQ(cudaMemcpy(buf.ptr, init.data(), buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    PrefillParams p = d.params();
-    p.state_pool = buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
-    p.state_indices = static_cast<const int32_t*>(slots);
+    const PrefillParams p = in_pool(d, buf.ptr, DType::kF32, P, slots);
     ASSERT_TRUE(fused_serves(p));
-    DeviceBuffer ws(internal::workspace_size(p, launch));
-    d.poison();
-    if (zeros_first) ASSERT_EQ(cudaMemset(d.out, 0, d.in.out.data_bytes()), cudaSuccess);
-    internal::forward(p, launch, ws.ptr, ws.bytes);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    d.download();
+    forward_call(d, p, launch, zeros_first);
+  }
+  // The outputs' bytes, then the pool's (after run).
+  std::vector<unsigned char> bits(const KdaInputs& in) const {
+    std::vector<unsigned char> b(in.out.bytes.begin(), in.out.bytes.end());
+    const std::vector<float> after = now();
+    const auto* raw = reinterpret_cast<const unsigned char*>(after.data());
+    b.insert(b.end(), raw, raw + buf.bytes);
+    return b;
   }
   std::vector<float> now() const {
     std::vector<float> host(init.size());
@@ -457,15 +480,9 @@ TEST_F(Prefill32Gpu, RuleRunsTheFusedKernelFromTwoThirdsOfTheSms) {
     std::vector<std::vector<unsigned char>> outs;
     for (const internal::PrefillLaunch& launch : {internal::PrefillLaunch{}, never, always}) {
       ASSERT_EQ(cudaMemset(pool.ptr, 0, pool.bytes), cudaSuccess);
-      PrefillParams p = d.params();
-      p.state_pool = pool.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = 2;
-      p.state_indices = static_cast<const int32_t*>(d_slot);
+      const PrefillParams p = in_pool(d, pool.ptr, DType::kF32, 2, d_slot);
       ASSERT_TRUE(fused_serves(p));
-      DeviceBuffer ws(internal::workspace_size(p, launch));
-      d.poison();
-      internal::forward(p, launch, ws.ptr, ws.bytes);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      d.download();
+      forward_call(d, p, launch);
       outs.push_back(in.out.bytes);
     }
     EXPECT_TRUE(outs[0] == outs[2]) << "the rule did not run the pool call through the fused kernel";
@@ -659,12 +676,9 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
       EXPECT_LE(e_state, 5e-4);
       // against the unsplit fused kernel: the warm-up's state differs by its rounding and by less
       // than 2^-30 of the dropped state, so the outputs by a few bf16 roundings
-      const std::vector<unsigned char> mine = got;
-      const size_t out_bytes = in.out.bytes.size();
-      test::HostTensor a = in.out, b = in.out;
-      std::copy(mine.begin(), mine.begin() + std::ptrdiff_t(out_bytes), a.bytes.begin());
-      std::copy(fused.begin(), fused.begin() + std::ptrdiff_t(out_bytes), b.bytes.begin());
-      const double e_fused = test::rel_rms(a.values(), b.values());
+      test::HostTensor unsplit = in.out;  // in.out: still the pieces' outputs
+      std::copy(fused.begin(), fused.begin() + std::ptrdiff_t(in.out.bytes.size()), unsplit.bytes.begin());
+      const double e_fused = test::rel_rms(in.out.values(), unsplit.values());
       test::report("fused pieces against the unsplit fused kernel, out", e_fused);
       EXPECT_LE(e_fused, 1e-3);
     }
@@ -728,22 +742,9 @@ TEST_F(Prefill32Gpu, FusedPiecesThroughAPool) {
     DeviceProblem d(in, pieces), d_rule(in);
     void* d_slots = d.upload(slots.data(), slots.size() * 4);
     const auto pool_call = [&](DeviceProblem& dp, const internal::PrefillLaunch& launch) {
-      PrefillParams p = dp.params();
-      p.initial_state = nullptr, p.final_state = nullptr;
-      p.state_pool = pool.buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = P;
-      p.state_indices = static_cast<const int32_t*>(d_slots);
-      EXPECT_TRUE(fused_pieces_serve(p));
-      EXPECT_EQ(cudaMemcpy(pool.buf.ptr, pool.init.data(), pool.buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-      DeviceBuffer ws(internal::workspace_size(p, launch));
-      dp.poison();
-      internal::forward(p, launch, ws.ptr, ws.bytes);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      dp.download();
-      std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-      const std::vector<float> after = pool.now();
-      const auto* raw = reinterpret_cast<const unsigned char*>(after.data());
-      bits.insert(bits.end(), raw, raw + after.size() * 4);
-      return std::make_pair(bits, after);
+      EXPECT_TRUE(fused_pieces_serve(in_pool(dp, pool.buf.ptr, DType::kF32, P, d_slots)));
+      pool.run(dp, d_slots, launch);
+      return std::make_pair(pool.bits(in), pool.now());
     };
     const auto [got, pool_after] = pool_call(d, pieces);
     const test::HostTensor out_pool = in.out;
@@ -793,17 +794,8 @@ TEST_F(Prefill32Gpu, FusedPiecesThroughAPool) {
       void* d_slots = d.upload(slots.data(), 8);
       TestPool pool(4, size_t(state));
       auto run = [&](const internal::PrefillLaunch& launch) {
-        EXPECT_EQ(cudaMemcpy(pool.buf.ptr, pool.init.data(), pool.buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
-        PrefillParams p = d.params();
-        p.state_pool = pool.buf.ptr, p.state_pool_dtype = DType::kF32, p.pool_size = 4;
-        p.state_indices = static_cast<const int32_t*>(d_slots);
-        EXPECT_TRUE(fused_pieces_serve(p));
-        DeviceBuffer ws(internal::workspace_size(p, launch));
-        d.poison();
-        EXPECT_EQ(cudaMemset(d.out, 0, in.out.data_bytes()), cudaSuccess);  // so that NaN must be written
-        internal::forward(p, launch, ws.ptr, ws.bytes);
-        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        d.download();
+        EXPECT_TRUE(fused_pieces_serve(in_pool(d, pool.buf.ptr, DType::kF32, 4, d_slots)));
+        pool.run(d, d_slots, launch, /*zeros_first=*/true);  // so that NaN must be written
         return std::make_pair(in.out.bytes, pool.now());
       };
       const auto got = run(pieces);
@@ -839,15 +831,9 @@ TEST_F(Prefill32Gpu, FusedPiecesThroughABf16Pool) {
   for (test::HostTensor* pool : {&f32, &bf}) {
     DeviceBuffer buf(pool->data_bytes());
     ASSERT_EQ(cudaMemcpy(buf.ptr, pool->bytes.data(), pool->data_bytes(), cudaMemcpyHostToDevice), cudaSuccess);
-    PrefillParams p = d.params();
-    p.state_pool = buf.ptr, p.state_pool_dtype = pool->dtype, p.pool_size = P;
-    p.state_indices = static_cast<const int32_t*>(d_slots);
+    const PrefillParams p = in_pool(d, buf.ptr, pool->dtype, P, d_slots);
     ASSERT_TRUE(fused_pieces_serve(p));
-    DeviceBuffer ws(internal::workspace_size(p, pieces));
-    d.poison();
-    internal::forward(p, pieces, ws.ptr, ws.bytes);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    d.download();
+    forward_call(d, p, pieces);
     outs.push_back(in.out.bytes);
     test::HostTensor after = *pool;
     ASSERT_EQ(cudaMemcpy(after.bytes.data(), buf.ptr, after.data_bytes(), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -929,11 +915,7 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensNumbersCheckpoints) {
       PrefillParams p = d.params();
       p.checkpoint_every = kEvery, p.checkpoints = d_cks, p.checkpoint_dtype = DType::kF32, p.num_checkpoints = count;
       EXPECT_TRUE(fused_serves(p));
-      DeviceBuffer ws(internal::workspace_size(p, launch));
-      d.poison();
-      internal::forward(p, launch, ws.ptr, ws.bytes);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      d.download();
+      forward_call(d, p, launch);
       cudaMemcpy(cks.bytes.data(), d_cks, cks.bytes.size(), cudaMemcpyDeviceToHost);
       EXPECT_TRUE(cks.guard_intact());
       EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
@@ -1005,11 +987,7 @@ TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
     void* d_slots = d.upload(slots.data(), slots.size() * 4);
     auto run_pool = [&](const internal::PrefillLaunch& launch) {  // the outputs' bytes, then the pool's
       pool.run(d, d_slots, launch);
-      std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-      const std::vector<float> after = pool.now();
-      const auto* b = reinterpret_cast<const unsigned char*>(after.data());
-      bits.insert(bits.end(), b, b + pool.buf.bytes);
-      return bits;
+      return pool.bits(in);
     };
     const std::vector<unsigned char> bits = run_pool(persistent);
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);

@@ -35,7 +35,7 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   // So too after the fused kernel's pieces (Params::pieces_flag), which run the call unless a warm-up
   // fails.
   const bool strided = p.fused_sms > 0 || p.pieces_flag != nullptr;
-  if (strided) blocks = std::min<int64_t>(blocks, 4 * kPrepCtasPerSm * (p.fused_sms > 0 ? p.fused_sms : sm_count()));
+  if (strided) blocks = std::min<int64_t>(blocks, 4 * kPrepCtasPerSm * sm_count());  // fused_sms is the SM count
   constexpr int smem = sizeof(PrepareSmem);
   auto kernel = strided ? prepare_kernel<Split, true> : prepare_kernel<Split, false>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -322,11 +322,15 @@ size_t fused_pieces_bytes(const PrefillParams& p, const internal::PrefillLaunch&
   return align_up(sizeof(int)) + align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4);
 }
 
-size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+// The kernels' workspace (workspace_layout) without the pieces' area, which follows it.
+size_t kernels_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
                           checkpoint_partials(p, launch), prefill_run_chunks(p, launch), pool_slots(p))
-             .total +
-         fused_pieces_bytes(p, launch);
+      .total;
+}
+
+size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return kernels_workspace_size(p, launch) + fused_pieces_bytes(p, launch);
 }
 
 namespace {
@@ -378,6 +382,19 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
 // Params::fused_order's room in the workspace header (after fused_next), where K0 writes the order
 // of the sequences for the fused kernel.
 int32_t* order_slot(const Params& kp) { return kp.fused_next + 1; }
+
+// K0 alone ahead of a fused launch (device cu_seqlens or a pool: what the host cannot check): its
+// verdict, each sequence's first checkpoint and, with `order`, the sequences' order in the
+// workspace header, and a pool's slot bits right after the header (nothing else is carved).
+Params launch_k0_ahead(const PrefillParams& p, void* workspace, bool order, cudaStream_t stream) {
+  auto* ws = static_cast<uint8_t*>(workspace);
+  Params kp = kernel_params(p, ws);
+  if (order) kp.fused_order = order_slot(kp);
+  const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
+  if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.header);
+  launch_k0(kp, stream);
+  return kp;
+}
 
 // The rule's floor on the longest sequence: internal::PrefillLaunch::fused_min_tokens (a candidate), or
 // kFusedMinTokens.
@@ -440,20 +457,14 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   // kernels, which run the call only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;
   if (runs_fused_pieces(p, launch)) {
-    uint8_t* const at = static_cast<uint8_t*>(workspace) + (prefill_workspace_size(p, launch) - fused_pieces_bytes(p, launch));
+    uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
     int* const flag = reinterpret_cast<int*>(at);
     float* const finals = reinterpret_cast<float*>(at + align_up(sizeof(int)));
     const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
-    const int* error_flag = nullptr;
-    if (p.state_pool != nullptr || p.cu_seqlens != nullptr) {
-      // K0 first: the slot check and the cu_seqlens' order, whose refusal the kernels after the pieces
-      // carry out
-      Params kp = kernel_params(p, static_cast<uint8_t*>(workspace));
-      const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
-      if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(static_cast<uint8_t*>(workspace) + l.header);
-      launch_k0(kp, stream);
-      error_flag = kp.error_flag;
-    }
+    // K0 first (the cu_seqlens' and the slots' check), whose refusal the kernels after the pieces carry out
+    const int* const error_flag = p.state_pool != nullptr || p.cu_seqlens != nullptr
+                                      ? launch_k0_ahead(p, workspace, false, stream).error_flag
+                                      : nullptr;
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
     if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, error_flag, stream) ==
@@ -475,14 +486,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const int* error_flag = nullptr;
     const int32_t *ckpt_start = nullptr, *order = nullptr;
     if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
-      auto* ws = static_cast<uint8_t*>(workspace);
       // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
-      // and checks their count against the lengths.
-      Params kp = kernel_params(p, ws);
-      if (p.cu_seqlens != nullptr && launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // longest first
-      const Layout l = workspace_layout(detail::num_sequences(p), p.H, kp.total_tokens, 0, 0, 0, pool_slots(p));
-      if (l.slot_bits > 0) kp.slot_bits = reinterpret_cast<uint32_t*>(ws + l.header);  // nothing else is carved
-      launch_k0(kp, stream);
+      // and checks their count against the lengths; with cu_seqlens it orders the sequences, longest first.
+      const Params kp = launch_k0_ahead(p, workspace, p.cu_seqlens != nullptr && launch.fused_order >= 0, stream);
       error_flag = kp.error_flag;
       if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
     }

@@ -193,33 +193,40 @@ struct SeqArgs {
   volatile int64_t stopped_at;
 };
 
+// The rows' arguments (q, k, g, beta, v, out) moved `tokens` tokens on.
+__device__ __forceinline__ void advance_rows(const FusedArgs& a, ProduceArgs& sp, ConsumeArgs& sc, int64_t tokens) {
+  const int64_t H = a.consume.H, row = H * kHeadDim;
+  const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
+  const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
+  sp.q = static_cast<const __nv_bfloat16*>(sp.q) + tokens * row;
+  sp.k = static_cast<const __nv_bfloat16*>(sp.k) + tokens * row;
+  sp.g = static_cast<const uint8_t*>(sp.g) + tokens * row * g_elem;
+  sp.beta = static_cast<const uint8_t*>(sp.beta) + tokens * H * b_elem;
+  sc.v = static_cast<const __nv_bfloat16*>(sc.v) + tokens * row;
+  sc.out = static_cast<__nv_bfloat16*>(sc.out) + tokens * row;
+}
+
+// The state `at` elements into `base`, fp32 or bf16 (the kernels' state pointers are float*).
+__device__ __forceinline__ float* state_at(void* base, bool bf16, int64_t at) {
+  return bf16 ? reinterpret_cast<float*>(static_cast<__nv_bfloat16*>(base) + at) : static_cast<float*>(base) + at;
+}
+
 // Sequence n's arguments: the call's shifted to the sequence's first token (bos; the TMA maps keep
 // the call's rows, their coordinates add bos) and state, or with a pool to its slot (outside
 // [0, P): padding, marked by a negative length, -(len + 1)).
 __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t n, SeqArgs& seq) {
-  const int64_t H = a.consume.H, row = H * kHeadDim;
+  const int64_t H = a.consume.H;
   int64_t bos = 0, len = 0;
   sequence_span(a, n, bos, len);
-  const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
-  const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
   ProduceArgs sp = a.produce;
-  sp.q = static_cast<const __nv_bfloat16*>(a.produce.q) + bos * row;
-  sp.k = static_cast<const __nv_bfloat16*>(a.produce.k) + bos * row;
-  sp.g = static_cast<const uint8_t*>(a.produce.g) + bos * row * g_elem;
-  sp.beta = static_cast<const uint8_t*>(a.produce.beta) + bos * H * b_elem;
-  sp.T = len;
   ConsumeArgs sc = a.consume;
-  sc.v = static_cast<const __nv_bfloat16*>(a.consume.v) + bos * row;
-  sc.out = static_cast<__nv_bfloat16*>(a.consume.out) + bos * row;
-  sc.T = len;
+  advance_rows(a, sp, sc, bos);
+  sp.T = sc.T = len;
   if (a.state_pool != nullptr) {  // the sequence's slot; outside [0, P): padding (T < 0 below)
     const int64_t slot = a.state_indices[n];
     const bool live = slot >= 0 && slot < a.pool_size;
     const bool read = live && (a.has_initial_state == nullptr || a.has_initial_state[n]);
-    const int64_t at = slot * H * kHeadDim * kHeadDim;
-    float* const f32 = static_cast<float*>(a.state_pool) + at;
-    float* const bf16 = reinterpret_cast<float*>(static_cast<__nv_bfloat16*>(a.state_pool) + at);
-    float* const ptr = a.pool_bf16 ? bf16 : f32;
+    float* const ptr = state_at(a.state_pool, a.pool_bf16, slot * H * kHeadDim * kHeadDim);
     sc.initial_state = read ? ptr : nullptr;
     sc.final_state = live ? ptr : nullptr;
     sc.states_bf16 = a.pool_bf16;
@@ -241,7 +248,7 @@ __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t 
 // sequence's initial state); the last piece's final state into FusedArgs::pieces_final. A piece past
 // the sequence's chunks, and a padding sequence's pieces after its first, are padding of no rows.
 __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, SeqArgs& seq) {
-  const int64_t n = y / a.pieces, piece = y % a.pieces, H = a.consume.H, row = H * kHeadDim;
+  const int64_t n = y / a.pieces, piece = y % a.pieces;
   write_sequence_args(a, n, seq);
   // a CTA that starts after another piece stopped the call leaves at once (read once, here: uniform)
   seq.abort = *static_cast<volatile int*>(a.pieces_flag) != 0;
@@ -255,25 +262,15 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   // layout.h piece_span: a piece past the sequence's chunks is padding of no rows (the CTA leaves at
   // once); an empty sequence's first piece an item of no chunks, whose final state is its initial one
   const PieceSpan span = piece_span(seq.produce.T, a.pieces, a.warmup, piece);
-  const int64_t shift = span.shift;
-  const size_t g_elem = a.produce.g_type == ElemType::kF32 ? 4 : 2;
-  const size_t b_elem = a.produce.beta_type == ElemType::kF32 ? 4 : 2;
   ProduceArgs& sp = seq.produce;
   ConsumeArgs& sc = seq.consume;
-  sp.q = static_cast<const __nv_bfloat16*>(sp.q) + shift * row;
-  sp.k = static_cast<const __nv_bfloat16*>(sp.k) + shift * row;
-  sp.g = static_cast<const uint8_t*>(sp.g) + shift * row * g_elem;
-  sp.beta = static_cast<const uint8_t*>(sp.beta) + shift * H * b_elem;
-  sc.v = static_cast<const __nv_bfloat16*>(sc.v) + shift * row;
-  sc.out = static_cast<__nv_bfloat16*>(sc.out) + shift * row;
+  advance_rows(a, sp, sc, span.shift);
   sp.T = sc.T = span.T;
   if (piece > 0) sc.initial_state = nullptr;
   // The last piece's final state into pieces_final [n] in the state's dtype (a bf16 pool's: bf16).
-  const int64_t at = n * H * kHeadDim * kHeadDim;
-  float* const final_at = sc.states_bf16 ? reinterpret_cast<float*>(reinterpret_cast<__nv_bfloat16*>(a.pieces_final) + at)
-                                         : a.pieces_final + at;
+  float* const final_at = state_at(a.pieces_final, sc.states_bf16, n * a.consume.H * kHeadDim * kHeadDim);
   sc.final_state = span.last && sc.final_state != nullptr ? final_at : nullptr;
-  seq.bos += shift;
+  seq.bos += span.shift;
   seq.warmup = int(span.warmup);
 }
 
@@ -817,26 +814,24 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (args.run_if_flag != nullptr && (args.pieces > 0 || args.next_item != nullptr || args.on_verdict))
     return cudaErrorInvalidValue;  // the pieces' fallback is a plain launch of the rule's kernel
-  if (args.pieces > 0) {  // a candidate: the rule's flags, no checkpoints
-    if (args.pieces > kMaxFusedSeqs || args.num_seqs < 1 || args.num_seqs * args.pieces > kMaxFusedSeqs ||
+  // The several-sequence kernels (and the pieces): the rule's flags only, K0's verdict with
+  // cu_seqlens or a pool, B equal lengths without cu_seqlens.
+  const bool sequences_valid =
+      args.num_seqs >= 1 && args.num_seqs <= kMaxFusedSeqs &&
+      ((args.cu_seqlens == nullptr && args.state_pool == nullptr) || args.error_flag != nullptr) &&
+      (args.state_pool == nullptr || args.state_indices != nullptr) && pa.T % (args.cu_seqlens ? 1 : args.num_seqs) == 0 &&
+      pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
+      args.phase_clocks == nullptr && !args.time_consumers_only;
+  if (args.pieces > 0) {  // a candidate: no checkpoints, no persistent grid, no verdict to wait for
+    if (!sequences_valid || args.pieces > kMaxFusedSeqs || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
         ((ca.final_state != nullptr || args.state_pool != nullptr) && args.pieces_final == nullptr) ||
-        (args.state_pool != nullptr && (args.error_flag == nullptr || args.state_indices == nullptr)) ||
-        (args.cu_seqlens != nullptr && args.error_flag == nullptr) || args.checkpoint_every != 0 ||
-        (args.cu_seqlens == nullptr && pa.T % args.num_seqs != 0) || pa.gate != GateForm::kLowerBound || f32 ||
-        !args.stage_inputs ||
-        !args.producer_regs || !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only ||
-        args.next_item != nullptr || args.on_verdict)
+        args.checkpoint_every != 0 || args.next_item != nullptr || args.on_verdict)
       return cudaErrorInvalidValue;
     return launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
   }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
-    if (args.num_seqs < 1 || args.num_seqs > kMaxFusedSeqs ||
-        ((args.cu_seqlens != nullptr || args.state_pool != nullptr) && args.error_flag == nullptr) ||
-        (args.state_pool != nullptr && args.state_indices == nullptr) || pa.T % (args.cu_seqlens ? 1 : args.num_seqs) != 0 ||
-        pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
-        !args.consumer_inverse || args.phase_clocks != nullptr || args.time_consumers_only)
-      return cudaErrorInvalidValue;
+    if (!sequences_valid) return cudaErrorInvalidValue;
     if (args.next_item != nullptr) {  // the persistent grid: K0 zeroes the counter, so only on its verdict
       if (!args.on_verdict || args.item_ctas < 1 || args.item_ctas > args.num_seqs * ca.H ||
           args.num_seqs * ca.H >= int64_t(INT32_MAX) - args.item_ctas)
@@ -895,15 +890,24 @@ FusedArgs fused_args(const PrefillParams& p) {
   return f;
 }
 
+namespace {
+// The call's arguments with the rule's flags (staged inputs, inverting consumers, setmaxnreg) and
+// K0's verdict.
+FusedArgs rule_args(const PrefillParams& p, const int* error_flag) {
+  FusedArgs f = fused_args(p);
+  f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
+  f.error_flag = error_flag;
+  return f;
+}
+}  // namespace
+
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order) {
-  FusedArgs f = fused_args(p);
-  f.error_flag = error_flag;
+  FusedArgs f = rule_args(p, error_flag);
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
   f.next_item = next_item, f.item_ctas = item_ctas;
-  f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   return fused_chunks(f, stream);
 }
 
@@ -914,18 +918,14 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
-  FusedArgs f = fused_args(p);
-  f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
-  f.error_flag = error_flag;
+  FusedArgs f = rule_args(p, error_flag);
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
   const cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), stream);
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, cudaStream_t stream) {
-  FusedArgs f = fused_args(p);
-  f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
-  f.error_flag = error_flag;
+  FusedArgs f = rule_args(p, error_flag);
   f.run_if_flag = flag;
   return fused_chunks(f, stream);
 }
