@@ -72,7 +72,12 @@ if want build; then
       cmake --build /tmp/gtest-build -j "$JOBS" && cmake --install /tmp/gtest-build; } >> "$OUT/build.log" 2>&1 ||
       echo "GoogleTest from .deps/googletest failed to build (build.log)"
   fi
-  cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
+  # The Python extension in the same tree where nanobind is there: the python step then stages it
+  # beside python/flashkda instead of compiling every kernel a second time through pip (minutes).
+  py_ext=OFF
+  python3 -c "import nanobind" 2> /dev/null && py_ext=ON
+  cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DFLASHKDA_BUILD_PYTHON=$py_ext \
+    -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
     cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; step done status=1 build failed; exit 1; }
   grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20
 fi
@@ -126,8 +131,15 @@ sanitize() {  # name, tool, command...
 
 if want python || want bench || want profile || want decode || want fused || want pieces; then
   step python-build
-  CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
-    python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
+  ext=$(compgen -G "build-gpu/python/_C*.so" | head -1)
+  if [ -n "$ext" ]; then  # the build step's extension: the package staged on PYTHONPATH, nothing compiled
+    rm -rf /tmp/pyflashkda && mkdir -p /tmp/pyflashkda && cp -r python/flashkda /tmp/pyflashkda/ &&
+      cp "$ext" /tmp/pyflashkda/flashkda/ && export PYTHONPATH=/tmp/pyflashkda${PYTHONPATH:+:$PYTHONPATH} &&
+      echo "flashkda from $ext (staged in /tmp/pyflashkda)" || status=1
+  else
+    CMAKE_ARGS="-DFLASHKDA_CUDA=ON -DCUTLASS_DIR=$CUTLASS" CMAKE_BUILD_PARALLEL_LEVEL=$JOBS \
+      python3 -m pip install --no-build-isolation --no-deps -q . >> "$OUT/build.log" 2>&1 || { status=1; tail -30 "$OUT/build.log"; }
+  fi
   if [ -n "$peers_pid" ]; then
     wait "$peers_pid" || { echo "peer setup failed"; tail -20 /tmp/peers.log; }
     { echo "=== peers"; tail -20 /tmp/peers.log; } >> "$OUT/build.log"
