@@ -333,7 +333,8 @@ TEST_P(ServingPrefillGpu, FusedCheckpoints) {
     pb.checkpoint_every = 64, pb.checkpoints = d_cks, pb.checkpoint_dtype = dtype, pb.num_checkpoints = n_ck;
     ASSERT_TRUE(cuda::sm90::prefill_v2::fused_serves(pb));
     d.poison();
-    internal::forward(pb, fused, d.workspace->ptr, d.workspace->bytes);
+    DeviceBuffer ws(internal::workspace_size(pb, fused));  // checkpoints: more than d's workspace
+    internal::forward(pb, fused, ws.ptr, ws.bytes);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
     cudaMemcpy(cks.bytes.data(), d_cks, cks.bytes.size(), cudaMemcpyDeviceToHost);
