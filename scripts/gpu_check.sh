@@ -131,7 +131,8 @@ sanitize() {  # name, tool, command...
 
 if want python || want bench || want profile || want decode || want fused || want pieces; then
   step python-build
-  ext=$(compgen -G "build-gpu/python/_C*.so" | head -1)
+  # Only an extension this call's build step made (py_ext: an older one in build-gpu may predate the tree)
+  ext=$([ "${py_ext:-OFF}" = ON ] && compgen -G "build-gpu/python/_C*.so" | head -1)
   if [ -n "$ext" ]; then  # the build step's extension: the package staged on PYTHONPATH, nothing compiled
     rm -rf /tmp/pyflashkda && mkdir -p /tmp/pyflashkda && cp -r python/flashkda /tmp/pyflashkda/ &&
       cp "$ext" /tmp/pyflashkda/flashkda/ && export PYTHONPATH=/tmp/pyflashkda${PYTHONPATH:+:$PYTHONPATH} &&
