@@ -2,7 +2,7 @@
 both precision modes and with and without segments, plus the host time of one eager call.
 Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick | --host-only | --verdict]
+    python benchmarks/profile_prefill.py [--quick | --host-only | --verdict | --pieces]
 
 --quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
 time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
@@ -126,9 +126,31 @@ def verdict_profile():
             torch.cuda.empty_cache()
 
 
+def pieces_profile():
+    """The fused kernel in pieces (internal fused_pieces, a candidate) against the default call, one
+    sequence at H = 12 and 32, random gates and long memory: each kernel's time, the gaps and the
+    call's span (us). With long memory the warm-ups stop the pieces and the rule's kernels rerun the
+    call: which of them costs what the measured +4-16% is."""
+    print("| case | gates | launch | kernels (us each, gaps in brackets) | span us |")
+    print("|---|---|---|---|---|")
+    for T, H, P in ((8192, 12, 11), (131072, 12, 11), (32768, 32, 4)):
+        for regime in ("random", "long"):
+            x = make_inputs(H, [T], True, regime)
+            for label, launch in (("default", {}), (f"pieces {P}", dict(fused_pieces=P))):
+                names, means, gaps, span = call_spans(run_flashkda(x, True, launch=launch)[0])
+                parts = [f"{n.split('<')[0]} {m:.1f}" + (f" [{gaps[i]:.1f}]" if i < len(gaps) else "")
+                         for i, (n, m) in enumerate(zip(names, means))]
+                print(f"| T={T} H={H} | {regime} | {label} | {'; '.join(parts)} | {span:.1f} |", flush=True)
+            del x
+            torch.cuda.empty_cache()
+
+
 def main():
     if "--verdict" in sys.argv[1:]:
         verdict_profile()
+        return
+    if "--pieces" in sys.argv[1:]:
+        pieces_profile()
         return
     if "--quick" not in sys.argv[1:]:
         host_overhead()
