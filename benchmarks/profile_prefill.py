@@ -108,6 +108,15 @@ def call_spans(fn, reps=10):
     return names, means, gaps, spans[len(spans) // 2]
 
 
+def span_row(x, launch):
+    """The last two cells of a spans table for flashkda's call with `launch` on x (fp32 states): each
+    kernel's mean us with the gap after it in brackets, then the call's span."""
+    names, means, gaps, span = call_spans(run_flashkda(x, True, launch=launch)[0])
+    parts = [f"{n.split('<')[0]} {m:.1f}" + (f" [{gaps[i]:.1f}]" if i < len(gaps) else "")
+             for i, (n, m) in enumerate(zip(names, means))]
+    return f"{'; '.join(parts)} | {span:.1f}"
+
+
 def verdict_profile():
     """K0's choice (the fused kernel launched after the chunk-16 kernels, on its verdict) against the
     fused kernel forced, on batches through device cu_seqlens: the call's kernels, their times, the
@@ -118,10 +127,7 @@ def verdict_profile():
         for H in (16, 96):
             x = make_inputs(H, seqlens, True)
             for label, launch in (("default", {}), ("fused v2", dict(fused_v2=1)), ("chunk-16", dict(fused_v2=-1))):
-                names, means, gaps, span = call_spans(run_flashkda(x, True, launch=launch)[0])
-                parts = [f"{n.split('<')[0]} {m:.1f}" + (f" [{gaps[i]:.1f}]" if i < len(gaps) else "")
-                         for i, (n, m) in enumerate(zip(names, means))]
-                print(f"| {name} | {H} | {label} | {'; '.join(parts)} | {span:.1f} |", flush=True)
+                print(f"| {name} | {H} | {label} | {span_row(x, launch)} |", flush=True)
             del x
             torch.cuda.empty_cache()
 
@@ -137,10 +143,7 @@ def pieces_profile():
         for regime in ("random", "long"):
             x = make_inputs(H, [T], True, regime)
             for label, launch in (("default", {}), (f"pieces {P}", dict(fused_pieces=P))):
-                names, means, gaps, span = call_spans(run_flashkda(x, True, launch=launch)[0])
-                parts = [f"{n.split('<')[0]} {m:.1f}" + (f" [{gaps[i]:.1f}]" if i < len(gaps) else "")
-                         for i, (n, m) in enumerate(zip(names, means))]
-                print(f"| T={T} H={H} | {regime} | {label} | {'; '.join(parts)} | {span:.1f} |", flush=True)
+                print(f"| T={T} H={H} | {regime} | {label} | {span_row(x, launch)} |", flush=True)
             del x
             torch.cuda.empty_cache()
 
