@@ -467,6 +467,10 @@ def implementations(args):
         impls.append((f"flashkda pieces {pieces}",
                       lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n,
                                                                               fused_warmup=args.fused_warmup))))
+    for pieces in args.fused_chain:  # the same, chained: a piece whose warm-up bounds nothing waits for the one before
+        impls.append((f"flashkda chained {pieces}",
+                      lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n, fused_chain=1,
+                                                                              fused_warmup=args.fused_warmup))))
     if args.candidates:  # internal candidates (src/launch_config.h), not public modes
         impls.append(("flashkda split-state precise",
                       lambda x, s: run_flashkda(x, s, launch=dict(f16_operands=-1))))
@@ -572,6 +576,10 @@ def main():
                     help="also flashkda through the fused kernel with each sequence in this many pieces, each after "
                          "the first from a warm-up (internal fused_pieces, a candidate; one column per count; where a "
                          "warm-up does not bound its transition the chunk-16 kernels run the call)")
+    ap.add_argument("--fused-chain", type=int, nargs="*", default=[],
+                    help="a column per piece count: the fused kernel in chained pieces (internal fused_pieces with "
+                         "fused_chain = 1: a piece whose warm-up does not bound its transition waits for the piece "
+                         "before it instead of stopping the call)")
     ap.add_argument("--fused-warmup", type=int, default=1,
                     help="with --fused-pieces: the warm-up in 32-token chunks (internal fused_warmup)")
     ap.add_argument("--skip-variants", action="store_true",

@@ -3,7 +3,7 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [python] [bench] [decode] [fused] [pieces] [pending] [sanitize] [profile] [v2] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [python] [bench] [decode] [fused] [pieces] [chain] [pending] [sanitize] [profile] [v2] [ab]
 #   (the steps run in this order whatever the order given: the benchmarks before the sanitizers)
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy (other arguments in
@@ -16,7 +16,8 @@
 #   decode = the decode benchmark (extra arguments in $DECODE_ARGS); fused = prefill v2's fused
 #   kernel against today's kernels across head counts and batches (bench_prefill.py --fused-sweep
 #   --fused-batch-sweep, extra arguments in $FUSED_ARGS); pieces = the fused kernel in pieces (a
-#   candidate: bench_prefill.py --fused-pieces on the few-head table and H = 96, $PIECES_ARGS); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   candidate: bench_prefill.py --fused-pieces on the few-head table and H = 96, $PIECES_ARGS); chain = the same
+#   chained (--fused-chain, one sequence at many heads, $CHAIN_CASES, $CHAIN_PIECES); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -129,7 +130,7 @@ sanitize() {  # name, tool, command...
   if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
 }
 
-if want python || want bench || want profile || want decode || want fused || want pieces; then
+if want python || want bench || want profile || want decode || want fused || want pieces || want chain; then
   step python-build
   # Only an extension this call's build step made (py_ext: an older one in build-gpu may predate the tree)
   ext=$([ "${py_ext:-OFF}" = ON ] && compgen -G "build-gpu/python/_C*.so" | head -1)
@@ -179,6 +180,14 @@ if want pieces; then  # the fused kernel in pieces (a candidate), both gate regi
     timeout 420 python3 benchmarks/bench_prefill.py $table --no-peers --no-serial --no-balanced --no-fast --no-accuracy --reps 10 \
       ${PIECES_ARGS:-} 2>&1 | tee -a "$OUT/bench_pieces.log" | tail -30 || status=1
   done
+fi
+if want chain; then  # the fused kernel in chained pieces (a candidate): piece counts on one sequence at many heads,
+  # both gate regimes, beside the unchained pieces; $CHAIN_CASES (bench --cases), $CHAIN_PIECES
+  step chain
+  # shellcheck disable=SC2086
+  timeout 480 python3 benchmarks/bench_prefill.py --table many --cases "${CHAIN_CASES:-one seq}" --fused-pieces 4 \
+    --fused-chain ${CHAIN_PIECES:-2 3 4 6 8 11} --no-peers --no-serial --no-balanced --no-fast --no-accuracy --reps 10 2>&1 |
+    tee "$OUT/bench_chain.log" | tail -40 || status=1
 fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"

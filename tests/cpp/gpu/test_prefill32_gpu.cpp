@@ -867,6 +867,138 @@ TEST_F(Prefill32Gpu, FusedPiecesThroughABf16Pool) {
       << "slot 1, named by no sequence, changed";
 }
 
+// internal::PrefillLaunch::fused_chain (a candidate, with fused_pieces): a piece whose warm-up does
+// not bound its transition waits for the piece before it and goes on from its end state instead of
+// stopping the call. Random gates (every warm-up bounds): the bits of the pieces without the chain.
+// Long-memory channels (dt_bias -30) in every head or in one: the call is not stopped, every chained
+// piece is exact (the reference's bounds, and near the unsplit fused kernel's outputs), at H = 96
+// with more pieces than the GPU holds at once (tickets across waves, none waiting forever), with
+// device cu_seqlens and an empty sequence, through a state pool; a NaN value still stops the call
+// (the rule's bits); graph replays equal the eager call.
+TEST_F(Prefill32Gpu, FusedPiecesChained) {
+  struct Case {
+    int64_t B, T, H, pieces;
+    int warmup;
+    bool long_memory_all, long_memory_one, nan_value;
+  };
+  const Case cases[] = {{1, 2048, 4, 4, 1, false, false, false}, {1, 1000, 2, 4, 1, true, false, false},
+                        {1, 1000, 3, 4, 2, false, true, false},  {2, 301, 3, 3, 1, true, false, false},
+                        {1, 1000, 2, 4, 1, false, false, true},  {1, 2048, 96, 4, 1, true, false, false},
+                        {1, 2048, 96, 4, 1, false, false, false}};
+  for (const Case& c : cases) {
+    KdaOptions o;
+    o.B = c.B, o.T = c.T, o.H = c.H, o.A_log_max = 0.0;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (c.long_memory_all || c.long_memory_one)
+      for (int64_t ch = 0; ch < (c.long_memory_one ? o.K : o.H * o.K); ch += 4) in.dt_bias[ch] = -30.f;
+    if (c.nan_value) in.v.set((100 * o.H + 1) * o.V + 7, std::nan(""));  // token 100, head 1
+    const bool chains = c.long_memory_all || c.long_memory_one;
+    SCOPED_TRACE(in.describe() + " chained pieces " + std::to_string(c.pieces) + " warmup " + std::to_string(c.warmup));
+    internal::PrefillLaunch chained, unchained, always;
+    chained.fused_pieces = unchained.fused_pieces = c.pieces;
+    chained.fused_warmup = unchained.fused_warmup = c.warmup;
+    chained.fused_chain = 1, always.fused_v2 = 1;
+    DeviceProblem d_chained(in, chained), d_unchained(in, unchained), d_always(in, always), d_rule(in);
+    ASSERT_TRUE(fused_pieces_serve(d_chained.params()));
+    const std::vector<unsigned char> fused = run_bits(in, d_always), rule = run_bits(in, d_rule),
+                                     unchained_bits = run_bits(in, d_unchained);
+    const std::vector<unsigned char> got = run_bits(in, d_chained);
+    EXPECT_EQ(pieces_stopped(d_chained), c.nan_value) << "the pieces' flag";
+    EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
+    if (c.nan_value) {
+      EXPECT_TRUE(got == rule) << "a NaN before a warm-up: not the bits of the kernels the rule picks";
+    } else {
+      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+      EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+      if (!chains) EXPECT_TRUE(got == unchained_bits) << "no piece chains: not the unchained pieces' bits";
+      if (chains) EXPECT_FALSE(got == unchained_bits) << "the chained pieces gave the stopped call's bits";
+      const test::Reference ref = test::run_reference(in);
+      const double e_out = test::rel_rms(in.out.values(), ref.out), e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+      const std::string name = "chained pieces " + std::to_string(c.pieces) + " T=" + std::to_string(c.T) + " H=" + std::to_string(c.H);
+      test::report(name + " out", e_out);
+      test::report(name + " state", e_state);
+      EXPECT_LE(e_out, 2e-3);
+      EXPECT_LE(e_state, 5e-4);
+      test::HostTensor unsplit = in.out;  // in.out: still the chained pieces' outputs
+      std::copy(fused.begin(), fused.begin() + std::ptrdiff_t(in.out.bytes.size()), unsplit.bytes.begin());
+      const double e_fused = test::rel_rms(in.out.values(), unsplit.values());
+      test::report(name + " against the unsplit fused kernel, out", e_fused);
+      EXPECT_LE(e_fused, 1e-3);
+    }
+    EXPECT_TRUE(got == graph_replay_bits(in, d_chained)) << "a graph replay's bits differ from the eager call's";
+  }
+  // Device cu_seqlens (K0 first) with an empty sequence, long memory: every piece after a sequence's
+  // first chains; the empty sequence's final state is its initial one.
+  {
+    KdaOptions o;
+    o.seqlens = {700, 0, 301, 1500}, o.H = 4, o.A_log_max = 0.0;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    for (int64_t ch = 0; ch < o.H * o.K; ch += 4) in.dt_bias[ch] = -30.f;
+    SCOPED_TRACE(in.describe() + " long memory, chained");
+    internal::PrefillLaunch chained;
+    chained.fused_pieces = 4, chained.fused_chain = 1;
+    DeviceProblem d(in, chained);
+    ASSERT_TRUE(fused_pieces_serve(d.params()));
+    const std::vector<unsigned char> got = run_bits(in, d);
+    EXPECT_FALSE(pieces_stopped(d)) << "the pieces' flag";
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    const int64_t state = o.H * o.V * o.K;
+    for (int64_t i = 0; i < state; ++i)
+      ASSERT_EQ(in.final_state.get(state + i), in.initial_state.get(state + i)) << "the empty sequence's state";
+    const test::Reference ref = test::run_reference(in);
+    EXPECT_LE(test::rel_rms(in.out.values(), ref.out), 2e-3);
+    EXPECT_LE(test::rel_rms(in.final_state.values(), ref.final_state), 5e-4);
+    EXPECT_TRUE(got == graph_replay_bits(in, d)) << "a graph replay's bits differ from the eager call's";
+  }
+  // Through a state pool (fp32, sequence 1 padding), long memory: the live sequences' outputs and
+  // slots bit for bit the chained plain call from the gathered states, the padding rows zero, the
+  // other slots unchanged.
+  {
+    constexpr int64_t B = 3, T = 640, H = 4, P = 5, kState = H * 128 * 128;
+    internal::PrefillLaunch chained;
+    chained.fused_pieces = 4, chained.fused_chain = 1;
+    KdaOptions o;
+    o.B = B, o.T = T, o.H = H, o.A_log_max = 0.0, o.seed = 37;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    for (int64_t ch = 0; ch < H * o.K; ch += 4) in.dt_bias[ch] = -30.f;
+    SCOPED_TRACE(in.describe() + " long memory, chained, through a pool");
+    TestPool pool(P, size_t(kState));
+    const std::vector<int32_t> slots = {3, -1, 0};
+    for (int64_t n = 0; n < B; ++n)
+      for (int64_t i = 0; i < kState; ++i)
+        in.initial_state.set(n * kState + i, slots[n] >= 0 ? double(pool.init[size_t(slots[n] * kState + i)]) : 0.0);
+    DeviceProblem d(in, chained);
+    void* d_slots = d.upload(slots.data(), slots.size() * 4);
+    EXPECT_TRUE(fused_pieces_serve(in_pool(d, pool.buf.ptr, DType::kF32, P, d_slots)));
+    pool.run(d, d_slots, chained);
+    const test::HostTensor out_pool = in.out;
+    const std::vector<float> pool_after = pool.now();
+    for (int64_t slot : {int64_t(1), int64_t(2), int64_t(4)})
+      EXPECT_TRUE(std::equal(pool_after.begin() + slot * kState, pool_after.begin() + (slot + 1) * kState,
+                             pool.init.begin() + slot * kState))
+          << "slot " << slot << ", named by no sequence, changed";
+    const size_t seq_bytes = size_t(T) * H * o.V * 2;
+    EXPECT_TRUE(std::all_of(out_pool.bytes.begin() + std::ptrdiff_t(seq_bytes),
+                            out_pool.bytes.begin() + std::ptrdiff_t(2 * seq_bytes), [](unsigned char b) { return b == 0; }))
+        << "the padding sequence's output rows are not zero";
+    const std::vector<unsigned char> plain = run_bits(in, d);  // the chained plain call
+    for (int64_t n : {int64_t(0), int64_t(2)}) {
+      EXPECT_TRUE(std::equal(out_pool.bytes.begin() + std::ptrdiff_t(n * seq_bytes),
+                             out_pool.bytes.begin() + std::ptrdiff_t((n + 1) * seq_bytes),
+                             plain.begin() + std::ptrdiff_t(n * seq_bytes)))
+          << "sequence " << n << "'s outputs differ from the plain call's";
+      EXPECT_TRUE(std::equal(pool_after.begin() + slots[size_t(n)] * kState,
+                             pool_after.begin() + (slots[size_t(n)] + 1) * kState,
+                             in.final_state.values().begin() + n * kState, [](float a, double b) { return a == float(b); }))
+          << "slot " << slots[size_t(n)] << " is not sequence " << n << "'s final state";
+    }
+  }
+}
+
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints
 // 3 N + 5 on, after chunk_start, the verdict, seg_start, ckpt_start and the persistent grid's
 // counter) is a permutation with the length classes (ceil(len / 32)) non-increasing, through the

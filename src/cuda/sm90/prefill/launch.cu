@@ -312,14 +312,22 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 }
 
 // internal::PrefillLaunch::fused_pieces (a candidate): whether the call runs in pieces, and their
-// workspace after the chunk-16 kernels' (the flag, then the last pieces' final states).
+// workspace after the chunk-16 kernels' (the flag, with fused_chain the counter and the ready flags
+// after it; the last pieces' final states; with fused_chain every piece's end state).
 bool runs_fused_pieces(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return launch.fused_pieces > 0 && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_pieces_serve(p) &&
          detail::num_sequences(p) * launch.fused_pieces <= 65535;  // the grid's y
 }
+size_t fused_pieces_flag_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  return align_up(sizeof(int) * size_t(launch.fused_chain > 0 ? sm90::prefill_v2::fused_chain_flags(p, launch.fused_pieces) : 1));
+}
 size_t fused_pieces_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   if (!runs_fused_pieces(p, launch)) return 0;
-  return align_up(sizeof(int)) + align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4);
+  return fused_pieces_flag_bytes(p, launch) +
+         align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4) +
+         (launch.fused_chain > 0 ? align_up(size_t(detail::num_sequences(p)) * size_t(launch.fused_pieces) *
+                                            size_t(p.H) * kHeadDim * kHeadDim * 4)
+                                 : 0);
 }
 
 // The kernels' workspace (workspace_layout) without the pieces' area, which follows it.
@@ -459,7 +467,12 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   if (runs_fused_pieces(p, launch)) {
     uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
     int* const flag = reinterpret_cast<int*>(at);
-    float* const finals = reinterpret_cast<float*>(at + align_up(sizeof(int)));
+    float* const finals = reinterpret_cast<float*>(at + fused_pieces_flag_bytes(p, launch));
+    float* const chain_states =
+        launch.fused_chain > 0
+            ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(finals) +
+                                       align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4))
+            : nullptr;
     const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
     // K0 first (the cu_seqlens' and the slots' check), whose refusal the kernels after the pieces carry out
     const int* const error_flag = p.state_pool != nullptr || p.cu_seqlens != nullptr
@@ -467,8 +480,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
                                       : nullptr;
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
-    if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, error_flag, stream) ==
-        cudaSuccess) {
+    if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, error_flag, stream,
+                                               chain_states) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused

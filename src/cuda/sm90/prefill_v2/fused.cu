@@ -179,19 +179,49 @@ struct SeqArgs {
   ConsumeArgs consume;
   int64_t bos;          // its first token in the TMA maps' rows
   int64_t first_ckpt;   // its first checkpoint (FusedArgs::checkpoint_every)
-  int head;             // fused_persistent_kernel: the current item's head, -1 once none is left
+  int head;             // fused_persistent_kernel: the current item's head, -1 once none is left;
+                        // FusedArgs::pieces: the CTA's head (pieces_chain: its ticket's)
+  // FusedArgs::pieces_chain: the piece's index among the call's (y H + h of CTA row y = n pieces + p),
+  // whether it publishes its end state (a sequence's pieces but its last), and the consumers' verdict
+  // after the warm-up (set by their thread 0, read by all after a barrier): wait for the piece before.
+  int64_t item;
+  int publish;
+  volatile int chain;
   // FusedArgs::pieces: the piece's warm-up chunks (0: the first piece), and its stop: abort (set by
   // the consumers' thread 0 once a warm-up bound failed or FusedArgs::pieces_flag is set, read by the
   // consumers after a barrier), its snapshot stage_stop[s] (written by the consumers' thread 0 before
   // it releases stage s, read by the producer after its wait for that release: every producer warp
   // reads the same value, which the consumers rewrite only after the producer's next arrival on
   // full[s]) and stopped_at (the chunk at which the producer stopped, written before its last
-  // arrival on the full barrier; INT64_MAX: none).
+  // arrival on the full barrier; INT64_MAX: none; written and read by 64-bit shared atomics,
+  // stopped_at_store / stopped_at_load, as the consumers may read it while the producer writes it).
   int warmup;
   volatile int abort;
   volatile int stage_stop[2];
   volatile int64_t stopped_at;
 };
+
+// SeqArgs::stopped_at, by atomics: the draining consumers compare it with chunks the producer has
+// already filled, so either value gives the same decision, but plain accesses race (run 112's
+// racecheck: 14 hazards).
+__device__ __forceinline__ void stopped_at_store(SeqArgs* stop, int64_t c) {
+  atomicExch(reinterpret_cast<unsigned long long*>(const_cast<int64_t*>(&stop->stopped_at)),
+             static_cast<unsigned long long>(c));
+}
+__device__ __forceinline__ int64_t stopped_at_load(SeqArgs* stop) {
+  return static_cast<int64_t>(atomicAdd(reinterpret_cast<unsigned long long*>(const_cast<int64_t*>(&stop->stopped_at)), 0ull));
+}
+
+// FusedArgs::pieces_chain: a piece's ready flag, set with release semantics once its end state is
+// in global memory, and read with acquire semantics by the piece after it.
+__device__ __forceinline__ void ready_release(int* flag) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;" ::"l"(flag), "r"(1) : "memory");
+}
+__device__ __forceinline__ int ready_acquire(const int* flag) {
+  int r;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(r) : "l"(flag) : "memory");
+  return r;
+}
 
 // The rows' arguments (q, k, g, beta, v, out) moved `tokens` tokens on.
 __device__ __forceinline__ void advance_rows(const FusedArgs& a, ProduceArgs& sp, ConsumeArgs& sc, int64_t tokens) {
@@ -255,6 +285,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.stage_stop[0] = seq.stage_stop[1] = 0;
   seq.stopped_at = INT64_MAX;
   seq.warmup = 0;
+  seq.publish = 0, seq.chain = 0;
   if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows,
     if (piece > 0) seq.produce.T = seq.consume.T = -1;  // the others are padding of no rows (the CTA leaves)
     return;
@@ -272,6 +303,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   sc.final_state = span.last && sc.final_state != nullptr ? final_at : nullptr;
   seq.bos += span.shift;
   seq.warmup = int(span.warmup);
+  seq.publish = a.pieces_chain && !span.last;  // FusedArgs::pieces_chain: the next piece may need it
 }
 
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
@@ -324,7 +356,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     mark(0);
     if constexpr (kPieces) {
       if (gc >= kStages && stop->stage_stop[stage]) {  // uniform: as the release the wait acquired left it
-        if (tid == 0) stop->stopped_at = c;
+        if (tid == 0) stopped_at_store(stop, c);
         if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows, issued with chunk c - 1
         mbarrier_arrive(&full[stage]);
         break;
@@ -413,6 +445,33 @@ __device__ __forceinline__ float chunk_log2_bound(int ctid, const uint8_t* rec, 
   return bound;
 }
 
+// FusedArgs::pieces_chain, all 256 consumer threads at the top of the piece's first chunk after its
+// warm-up (SeqArgs::chain set): thread 0 waits until the piece before has published its end state
+// (or the call stopped: SeqArgs::abort, read by all after the barrier), then every thread loads its
+// rows of that state (by L2: the flag's acquire and the barrier order them after its writes) in
+// place of the warm-up's, its row scales anew.
+__device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int ctid, int v_row, int t4, float (&S)[64],
+                                         prefill::RowScale& rs) {
+  if (ctid == 0) {
+    const int* const ready = a.pieces_ready + (stop->item - a.consume.H);
+    int r;
+    while ((r = ready_acquire(ready)) == 0 && *static_cast<volatile int*>(a.pieces_flag) == 0) __nanosleep(256);
+    if (r == 0) stop->abort = 1;
+  }
+  consumers_sync();
+  if (stop->abort) return;
+  const float* const from = a.pieces_states + (stop->item - a.consume.H) * kHeadDim * kHeadDim;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float2 s2 = __ldcg(reinterpret_cast<const float2*>(from + (v_row + 8 * half) * kHeadDim + 8 * j + 2 * t4));
+      S[4 * j + 2 * half] = s2.x, S[4 * j + 2 * half + 1] = s2.y;
+    }
+  rs = prefill::RowScale{};
+  rs.renormalise(S);
+}
+
 // The consumers' side of the same item (p: its sequence's arguments; first_ckpt: its first
 // checkpoint, FusedArgs::checkpoint_every). kPieces (FusedArgs::pieces): the item's first
 // stop->warmup chunks write no output and are bounded (chunk_log2_bound); once their bounds'
@@ -464,7 +523,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
     if constexpr (kPieces) {
       if (draining) {  // release what the producer fills until the chunk at which it stopped
-        if (stop->stopped_at <= c) break;
+        if (stopped_at_load(stop) <= c) break;
         release(stage);
         continue;
       }
@@ -477,9 +536,12 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       // warpgroup's operand reads are done.
       consumers_sync();
       if constexpr (kPieces) {  // read by all after the barrier; thread 0 writes it only before one
+        // FusedArgs::pieces_chain: the warm-up did not bound the transition; the piece before's end
+        // state, once published, replaces the warm-up's (or the call stopped meanwhile: drain)
+        if (c == warmup && warmup > 0 && stop->chain) chain_in(a, stop, ctid, v_row, t4, S, rs);
         if (stop->abort) {
           draining = true;
-          if (stop->stopped_at <= c) break;
+          if (stopped_at_load(stop) <= c) break;
           release(stage);
           continue;
         }
@@ -513,8 +575,12 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
         if (ctid == 0) {
           log2_bound += b;
           if (c + 1 == warmup && !(log2_bound <= kPieceLog2Bound)) {  // NaN: not erased either
-            atomicExch(a.pieces_flag, 1);
-            stop->abort = 1;  // the others read it after the next chunk's first barrier
+            if (a.pieces_chain) {
+              stop->chain = 1;  // the others read it after the next chunk's first barrier
+            } else {
+              atomicExch(a.pieces_flag, 1);
+              stop->abort = 1;  // likewise
+            }
           }
         }
         fence_proxy_async_shared();
@@ -559,6 +625,12 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 #pragma unroll
     for (int i = 0; i < 64; ++i) bad |= !isfinite(S[i]);
     if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(a.pieces_flag, 1);
+    if (stop->publish) {  // FusedArgs::pieces_chain: the end state for the next piece, then its flag
+      prefill::store_state_rows(S, a.pieces_states, ElemType::kF32, stop->item * kHeadDim * kHeadDim, v_row, t4, rs.inv);
+      __threadfence();
+      consumers_sync();
+      if (ctid == 0) ready_release(a.pieces_ready + stop->item);
+    }
   }
   if (p.final_state != nullptr)
     prefill::store_state_rows(S, p.final_state, p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
@@ -573,7 +645,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   extern __shared__ uint8_t smem_raw[];
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
-  const int tid = threadIdx.x, wg = tid / kThreads, h = blockIdx.x;
+  const int tid = threadIdx.x, wg = tid / kThreads;
+  int h = blockIdx.x;  // kPieces: the piece's head (with pieces_chain its ticket's), from seq below
   // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
   // state (the TMA maps keep the call's rows: their coordinates add bos); else the call's own. The
   // shifted arguments live in shared memory (the free bytes between the clocks and the staged
@@ -598,13 +671,20 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       }
     }
     if (tid == 0) {
-      if constexpr (kPieces) write_piece_args(a, blockIdx.y, seq);
-      else write_sequence_args(a, a.order != nullptr ? int64_t(a.order[blockIdx.y]) : int64_t(blockIdx.y), seq);
+      if constexpr (kPieces) {
+        // FusedArgs::pieces_chain: the CTA's piece by ticket, sequence by sequence, piece by piece
+        // and head by head, so that a piece's predecessor is held by a CTA that took its ticket first
+        const int64_t H = a.consume.H;
+        const int64_t y = a.pieces_chain ? atomicAdd(a.pieces_next, 1) : int64_t(blockIdx.y) * H + blockIdx.x;
+        seq.head = int(y % H), seq.item = y;
+        write_piece_args(a, y / H, seq);
+      } else write_sequence_args(a, a.order != nullptr ? int64_t(a.order[blockIdx.y]) : int64_t(blockIdx.y), seq);
     }
   }
   const ProduceArgs& pa = kSeqs ? seq_produce : a.produce;
   if constexpr (kSeqs) {
     __syncthreads();  // the sequence's arguments
+    if (kPieces) h = seq.head;
     if (kPieces && seq.abort) return;  // another piece stopped the call before this CTA started
     if (seq_produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): zero output rows and
       // dense checkpoints, no state
@@ -826,7 +906,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     if (!sequences_valid || args.pieces > kMaxFusedSeqs || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
         ((ca.final_state != nullptr || args.state_pool != nullptr) && args.pieces_final == nullptr) ||
-        args.checkpoint_every != 0 || args.next_item != nullptr || args.on_verdict)
+        args.checkpoint_every != 0 || args.next_item != nullptr || args.on_verdict ||
+        (args.pieces_chain &&
+         (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
     return launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
   }
@@ -913,14 +995,23 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
 
 bool fused_pieces_serve(const PrefillParams& p) { return fused_serves(p) && p.checkpoint_every == 0; }
 
+int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
+  return 2 + detail::num_sequences(p) * pieces * p.H;
+}
+
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
-                                 const int* error_flag, cudaStream_t stream) {
+                                 const int* error_flag, cudaStream_t stream, float* chain_states) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
   FusedArgs f = rule_args(p, error_flag);
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
-  const cudaError_t err = cudaMemsetAsync(flag, 0, sizeof(int), stream);
+  size_t flag_bytes = sizeof(int);
+  if (chain_states != nullptr) {  // the stop flag, the counter, the ready flags: one block, zeroed together
+    f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
+    flag_bytes = fused_chain_flags(p, pieces) * sizeof(int);
+  }
+  const cudaError_t err = cudaMemsetAsync(flag, 0, flag_bytes, stream);
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 

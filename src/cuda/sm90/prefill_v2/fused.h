@@ -108,6 +108,20 @@ struct FusedArgs {
   int warmup = 1;
   int* pieces_flag = nullptr;
   float* pieces_final = nullptr;
+  // With pieces, chained (internal::PrefillLaunch::fused_chain, a candidate): a piece whose warm-up
+  // does not bound its transition does not stop the call; its consumers wait for the piece before it
+  // to publish its end state and go on from that (exact: the serial walk, a piece at a time). Every
+  // piece but a sequence's last publishes its end state (fp32) into pieces_states [N pieces][H][V][K]
+  // and then sets pieces_ready [N pieces][H] (both workspace, the flags zeroed by the caller with
+  // pieces_flag). The CTAs take their pieces in turn from the counter pieces_next (zeroed likewise),
+  // sequence by sequence and piece by piece, so the piece a CTA waits for belongs to a CTA that took
+  // its ticket earlier and is running or done (no deadlock, whatever order the grid's CTAs start
+  // in). A non-finite end state, or K0's refusal, still stops the call (pieces_flag), and a waiting
+  // piece then stops too.
+  bool pieces_chain = false;
+  int* pieces_next = nullptr;
+  int* pieces_ready = nullptr;
+  float* pieces_states = nullptr;
   // The pieces' fallback where the rule gives the call to this kernel: launched after the pieces, it
   // runs the call only where *run_if_flag is non-zero (a piece stopped it). Null: always.
   const int* run_if_flag = nullptr;
@@ -145,8 +159,13 @@ FusedArgs fused_args(const PrefillParams& p);
 // leave to the kernels after them); then fused_pieces_finish, which copies final_states to
 // p.final_state or the pool's slots where no piece set the flag.
 bool fused_pieces_serve(const PrefillParams& p);
+// Chained (FusedArgs::pieces_chain) where chain_states ([N pieces][H][V][K] fp32) is non-null: flag
+// then heads a block of 2 + N pieces H ints that the call zeroes, the stop flag, the counter
+// (pieces_next) and the ready flags (pieces_ready).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
-                                 const int* error_flag, cudaStream_t stream);
+                                 const int* error_flag, cudaStream_t stream, float* chain_states = nullptr);
+// The ints of that block: 2 + N pieces H.
+int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
