@@ -883,8 +883,8 @@ TEST_F(Prefill32Gpu, FusedPiecesChained) {
   };
   const Case cases[] = {{1, 2048, 4, 4, 1, false, false, false}, {1, 1000, 2, 4, 1, true, false, false},
                         {1, 1000, 3, 4, 2, false, true, false},  {2, 301, 3, 3, 1, true, false, false},
-                        {1, 1000, 2, 4, 1, false, false, true},  {1, 2048, 96, 4, 1, true, false, false},
-                        {1, 2048, 96, 4, 1, false, false, false}};
+                        {1, 1000, 2, 4, 1, false, false, true},  {1, 1024, 96, 4, 1, true, false, false},
+                        {1, 1024, 96, 4, 1, false, false, false}};
   for (const Case& c : cases) {
     KdaOptions o;
     o.B = c.B, o.T = c.T, o.H = c.H, o.A_log_max = 0.0;
