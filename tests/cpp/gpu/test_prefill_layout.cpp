@@ -157,6 +157,33 @@ TEST(PrefillFusedRule, EdgesOfSmsAndFloor) {
   EXPECT_TRUE(fused_rule(64, 64 + 30 * 2, 2048, sms));              // ... at H = 64
 }
 
+// The chained pieces' rule (config.h fused_chain_pieces), host-callable: only where the N H CTAs
+// leave SMs idle, pieces of at least 64 chunks, and only where the wave model gains 15% (one
+// sequence on 132 SMs: four pieces at H = 96 from T = 8192, three at H = 88, none at 112 or 128,
+// none below T = 8192; two sequences at H = 48 as one at 96).
+TEST(PrefillFusedRule, ChainedPieces) {
+  constexpr int64_t sms = 132;
+  const auto one = [&](int64_t H, int64_t T, int64_t N = 1) { return fused_chain_pieces(H, N, T / 32, sms); };
+  EXPECT_EQ(one(96, 8192), 4);
+  EXPECT_EQ(one(96, 32768), 4);
+  EXPECT_EQ(one(96, 131072), 11);
+  EXPECT_EQ(one(88, 8192), 3);
+  EXPECT_EQ(one(48, 8192, 2), 4);
+  EXPECT_EQ(one(96, 4096), 1);  // pieces of 32 chunks: shorter than kMinChainPieceChunks
+  EXPECT_EQ(one(96, 2048), 1);
+  EXPECT_EQ(one(112, 8192), 1);  // no count gains 15%
+  EXPECT_EQ(one(128, 8192), 1);
+  EXPECT_EQ(one(132, 8192), 1);  // no idle SM
+  EXPECT_EQ(one(12, 8192, 11), 1);
+  for (int64_t H = 1; H < sms; ++H)  // never more pieces than the cap, never pieces shorter than the floor
+    for (int64_t T : {int64_t(2048), int64_t(8192), int64_t(65536), int64_t(1) << 20}) {
+      const int64_t P = one(H, T);
+      EXPECT_GE(P, 1);
+      EXPECT_LE(P, kMaxChainPieces);
+      if (P > 1) EXPECT_GE((T / 32 + P - 1) / P, kMinChainPieceChunks) << "H " << H << " T " << T;
+    }
+}
+
 // Prefill v2's SW128 bf16 tile (sw128_offset, in bit operations) against its definition, and a
 // consumer thread's slots in the fused kernel's staged v (sw128_slot_offset): each slot at the
 // thread's slot 0 plus the slot's constant, for every thread (warpgroup 1 or 2, warp w, lane 4 g + t4).

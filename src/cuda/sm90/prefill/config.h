@@ -207,6 +207,31 @@ __host__ __device__ inline bool fused_rule(int64_t H, int64_t total_chunks32, in
          3 * H * total_chunks32 >= 2 * sms * ((longest_tokens + kFusedChunk - 1) / kFusedChunk);
 }
 
+// The fused kernel in chained pieces (prefill_v2 FusedArgs::pieces_chain; docs/DESIGN.md "Chained
+// pieces"): where the fused kernel takes a call of N sequences of `chunks` 32-token chunks each and
+// its N H CTAs (one an SM) leave SMs idle, each sequence cut into P pieces run as P N H CTAs in
+// ceil(P N H / SMs) waves, each piece after the first with a warm-up chunk and every CTA with a fixed
+// cost of about kChainPieceFixed chunks (its pipeline's fill, its state's load and store; run 113,
+// an H100: T = 2048 at H = 96 in four pieces gained 8%, where the waves alone predict 20%). The rule
+// takes the P in [2, kMaxChainPieces] that minimises waves x (ceil(chunks / P) + 1 + fixed), pieces
+// of at least kMinChainPieceChunks chunks (shorter ones lost with long-memory channels in run 113:
+// T = 2048 H = 96 +10%, the waits between pieces), where that is at most kChainGain of one piece's
+// chunks + fixed; else 1 (no pieces). One sequence at H = 96 on 132 SMs: 4 pieces from T = 8192
+// (run 113, an H100: 1.249 -> 1.012 ms on random gates, 1.277 -> 1.262 with long memory).
+constexpr int64_t kChainPieceFixed = 3, kMaxChainPieces = 16, kMinChainPieceChunks = 64;
+constexpr double kChainGain = 0.85;
+__host__ __device__ inline int64_t fused_chain_pieces(int64_t H, int64_t N, int64_t chunks, int64_t sms) {
+  if (H < 1 || N < 1 || sms < 1 || N * H >= sms) return 1;
+  const double whole = double(chunks + kChainPieceFixed);
+  int64_t best = 1;
+  double best_cost = whole;
+  for (int64_t P = 2; P <= kMaxChainPieces && (chunks + P - 1) / P >= kMinChainPieceChunks; ++P) {
+    const double cost = double((P * N * H + sms - 1) / sms) * double((chunks + P - 1) / P + 1 + kChainPieceFixed);
+    if (cost < best_cost) best = P, best_cost = cost;
+  }
+  return best_cost <= kChainGain * whole ? best : 1;
+}
+
 // The element type of an optional kernel operand: kNone marks an absent one (DType has no such value).
 enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
 

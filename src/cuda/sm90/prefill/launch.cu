@@ -287,6 +287,7 @@ using namespace sm90::prefill;  // this file's kernels and their Params
 namespace {
 
 Params kernel_params(const PrefillParams& p, uint8_t* ws);
+bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch);
 
 }  // namespace
 
@@ -311,23 +312,40 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// internal::PrefillLaunch::fused_pieces (a candidate): whether the call runs in pieces, and their
-// workspace after the chunk-16 kernels' (the flag, with fused_chain the counter and the ready flags
-// after it; the last pieces' final states; with fused_chain every piece's end state).
+// The fused kernel in pieces: internal::PrefillLaunch::fused_pieces where it is set (a count; -1:
+// never), else the rule's chained pieces (config.h fused_chain_pieces) for a call the fused kernel
+// takes by its rule without cu_seqlens (fused_v2 0; internal fused_chain -1 turns the rule off); 0:
+// none. Chained: the rule's, or fused_chain 1 with a forced count.
+int64_t fused_pieces_count(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  if (launch.fused_pieces != 0) return launch.fused_pieces > 0 ? launch.fused_pieces : 0;
+  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || p.cu_seqlens != nullptr ||
+      !sm90::prefill_v2::fused_pieces_serve(p) || !fused_by_rule(p, launch))
+    return 0;
+  const int64_t pieces = fused_chain_pieces(p.H, p.B, (p.T + kFusedChunk - 1) / kFusedChunk, sm_count());
+  return pieces > 1 ? pieces : 0;
+}
+bool fused_pieces_chained(const internal::PrefillLaunch& launch) {
+  return launch.fused_pieces == 0 || launch.fused_chain > 0;
+}
+
+// Whether the call runs in pieces, and their workspace after the chunk-16 kernels' (the flag, when
+// chained the counter and the ready flags after it; the last pieces' final states; when chained
+// every piece's end state).
 bool runs_fused_pieces(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return launch.fused_pieces > 0 && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_pieces_serve(p) &&
-         detail::num_sequences(p) * launch.fused_pieces <= 65535;  // the grid's y
+  const int64_t pieces = fused_pieces_count(p, launch);
+  return pieces > 0 && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_pieces_serve(p) &&
+         detail::num_sequences(p) * pieces <= 65535;  // the grid's y
 }
 size_t fused_pieces_flag_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return align_up(sizeof(int) * size_t(launch.fused_chain > 0 ? sm90::prefill_v2::fused_chain_flags(p, launch.fused_pieces) : 1));
+  return align_up(sizeof(int) * size_t(fused_pieces_chained(launch)
+                                           ? sm90::prefill_v2::fused_chain_flags(p, fused_pieces_count(p, launch))
+                                           : 1));
 }
 size_t fused_pieces_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   if (!runs_fused_pieces(p, launch)) return 0;
-  return fused_pieces_flag_bytes(p, launch) +
-         align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4) +
-         (launch.fused_chain > 0 ? align_up(size_t(detail::num_sequences(p)) * size_t(launch.fused_pieces) *
-                                            size_t(p.H) * kHeadDim * kHeadDim * 4)
-                                 : 0);
+  const size_t states = size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4;
+  return fused_pieces_flag_bytes(p, launch) + align_up(states) +
+         (fused_pieces_chained(launch) ? align_up(states * size_t(fused_pieces_count(p, launch))) : 0);
 }
 
 // The kernels' workspace (workspace_layout) without the pieces' area, which follows it.
@@ -469,25 +487,30 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     int* const flag = reinterpret_cast<int*>(at);
     float* const finals = reinterpret_cast<float*>(at + fused_pieces_flag_bytes(p, launch));
     float* const chain_states =
-        launch.fused_chain > 0
+        fused_pieces_chained(launch)
             ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(finals) +
                                        align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4))
             : nullptr;
     const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
-    // K0 first (the cu_seqlens' and the slots' check), whose refusal the kernels after the pieces carry out
-    const int* const error_flag = p.state_pool != nullptr || p.cu_seqlens != nullptr
-                                      ? launch_k0_ahead(p, workspace, false, stream).error_flag
-                                      : nullptr;
+    // K0 first (the cu_seqlens' and the slots' check, each sequence's first checkpoint), whose refusal
+    // the kernels after the pieces carry out
+    const int* error_flag = nullptr;
+    const int32_t* ckpt_start = nullptr;
+    if (p.state_pool != nullptr || p.cu_seqlens != nullptr) {
+      const Params kp = launch_k0_ahead(p, workspace, false, stream);
+      error_flag = kp.error_flag;
+      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start;
+    }
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
-    if (sm90::prefill_v2::fused_pieces_prefill(p, launch.fused_pieces, warmup, flag, finals, error_flag, stream,
-                                               chain_states) == cudaSuccess) {
+    if (sm90::prefill_v2::fused_pieces_prefill(p, fused_pieces_count(p, launch), warmup, flag, finals, error_flag,
+                                               ckpt_start, stream, chain_states) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
       // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
       if (launch.fused_v2 > 0 || fused_by_rule(p, launch)) {
-        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, stream) == cudaSuccess) return;
+        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, ckpt_start, stream) == cudaSuccess) return;
         (void)cudaGetLastError();  // an attribute query's error, which the next launch check would read
       }
     } else {

@@ -185,6 +185,7 @@ struct SeqArgs {
   // whether it publishes its end state (a sequence's pieces but its last), and the consumers' verdict
   // after the warm-up (set by their thread 0, read by all after a barrier): wait for the piece before.
   int64_t item;
+  int64_t chunk0;  // FusedArgs::pieces: the sequence's chunk at the piece's first (its warm-up's)
   int publish;
   volatile int chain;
   // FusedArgs::pieces: the piece's warm-up chunks (0: the first piece), and its stop: abort (set by
@@ -285,7 +286,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.stage_stop[0] = seq.stage_stop[1] = 0;
   seq.stopped_at = INT64_MAX;
   seq.warmup = 0;
-  seq.publish = 0, seq.chain = 0;
+  seq.publish = 0, seq.chain = 0, seq.chunk0 = 0;
   if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows,
     if (piece > 0) seq.produce.T = seq.consume.T = -1;  // the others are padding of no rows (the CTA leaves)
     return;
@@ -303,6 +304,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   sc.final_state = span.last && sc.final_state != nullptr ? final_at : nullptr;
   seq.bos += span.shift;
   seq.warmup = int(span.warmup);
+  seq.chunk0 = span.begin - span.warmup;
   seq.publish = a.pieces_chain && !span.last;  // FusedArgs::pieces_chain: the next piece may need it
 }
 
@@ -507,6 +509,11 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   const int64_t ckpt_period = a.checkpoint_every / kChunk;
   int64_t next_ckpt = a.checkpoint_every > 0 ? ckpt_period - 1 : -1, ck = first_ckpt;
   const int warmup = kPieces ? stop->warmup : 0;
+  if (kPieces && a.checkpoint_every > 0) {
+    // a piece's first checkpoint: the sequence's j-th, the first whose chunk is past the warm-up
+    const int64_t j = (stop->chunk0 + warmup) / ckpt_period;
+    next_ckpt = (j + 1) * ckpt_period - 1 - stop->chunk0, ck = first_ckpt + j;
+  }
   // kPieces: the stop as the producer will read it once this stage is free (stage_stop)
   const auto release = [&](int s) {
     if (kPieces && ctid == 0) stop->stage_stop[s] = stop->abort;
@@ -902,11 +909,11 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (args.state_pool == nullptr || args.state_indices != nullptr) && pa.T % (args.cu_seqlens ? 1 : args.num_seqs) == 0 &&
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
-  if (args.pieces > 0) {  // a candidate: no checkpoints, no persistent grid, no verdict to wait for
+  if (args.pieces > 0) {  // no persistent grid, no verdict to wait for
     if (!sequences_valid || args.pieces > kMaxFusedSeqs || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
         ((ca.final_state != nullptr || args.state_pool != nullptr) && args.pieces_final == nullptr) ||
-        args.checkpoint_every != 0 || args.next_item != nullptr || args.on_verdict ||
+        args.next_item != nullptr || args.on_verdict ||
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
@@ -993,19 +1000,21 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
   return fused_chunks(f, stream);
 }
 
-bool fused_pieces_serve(const PrefillParams& p) { return fused_serves(p) && p.checkpoint_every == 0; }
+bool fused_pieces_serve(const PrefillParams& p) { return fused_serves(p); }
 
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
   return 2 + detail::num_sequences(p) * pieces * p.H;
 }
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
-                                 const int* error_flag, cudaStream_t stream, float* chain_states) {
+                                 const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
+                                 float* chain_states) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
   FusedArgs f = rule_args(p, error_flag);
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
+  f.ckpt_start = ckpt_start;
   size_t flag_bytes = sizeof(int);
   if (chain_states != nullptr) {  // the stop flag, the counter, the ready flags: one block, zeroed together
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
@@ -1015,8 +1024,10 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 
-cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, cudaStream_t stream) {
+cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
+                               cudaStream_t stream) {
   FusedArgs f = rule_args(p, error_flag);
+  f.ckpt_start = ckpt_start;
   f.run_if_flag = flag;
   return fused_chunks(f, stream);
 }

@@ -91,7 +91,7 @@ struct FusedArgs {
   const int32_t* checkpoint_slots = nullptr;
   int64_t num_checkpoints = 0;
   const int32_t* ckpt_start = nullptr;
-  // A candidate (internal::PrefillLaunch::fused_pieces; no checkpoints): each sequence (of B equal
+  // Pieces (internal::PrefillLaunch::fused_pieces, or the rule's chained pieces): each sequence (of B equal
   // ones or by device cu_seqlens, with or without a pool) cut into `pieces` runs of equal chunks,
   // CTA (h, n pieces + p) taking piece p, so that N H pieces CTAs fill the GPU at few heads. A
   // piece after the first starts `warmup` chunks early from a zero state and writes no output for
@@ -153,7 +153,8 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
 FusedArgs fused_args(const PrefillParams& p);
 
 // FusedArgs::pieces (internal::PrefillLaunch::fused_pieces, a candidate): whether it serves a call
-// fused_serves does (no checkpoints); the call in `pieces` pieces a sequence, each after the first
+// fused_serves does (checkpoints too: a piece writes those after its warm-up; ckpt_start: K0's, with
+// cu_seqlens); the call in `pieces` pieces a sequence, each after the first
 // starting `warmup` chunks early (flag zeroed here, final_states: [N, H, V, K] in the state's
 // dtype, fp32 room; error_flag: K0's, required with cu_seqlens or a pool, whose refusal the pieces
 // leave to the kernels after them); then fused_pieces_finish, which copies final_states to
@@ -163,12 +164,14 @@ bool fused_pieces_serve(const PrefillParams& p);
 // then heads a block of 2 + N pieces H ints that the call zeroes, the stop flag, the counter
 // (pieces_next) and the ready flags (pieces_ready).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
-                                 const int* error_flag, cudaStream_t stream, float* chain_states = nullptr);
+                                 const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
+                                 float* chain_states = nullptr);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
-cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, cudaStream_t stream);
+cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
+                               cudaStream_t stream);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
