@@ -1001,10 +1001,12 @@ TEST_F(Prefill32Gpu, FusedPiecesChained) {
   }
 }
 
-// Checkpoints in pieces (dense, fp32): a piece writes those after its warm-up, numbered from the
-// sequence's start, so the chained pieces give the unsplit fused kernel's checkpoints to within its
-// rounding (random gates: pieces from their warm-ups; long memory: chained), checkpoints at piece
-// boundaries and right after a warm-up of two chunks included, the last partial piece without one.
+// Checkpoints in pieces (dense, fp32, poisoned first): a piece writes those after its warm-up,
+// numbered from the sequence's start, so the chained pieces (the call's flag block says they ran:
+// not stopped, every ticket taken) give the unsplit fused kernel's checkpoints to within its rounding
+// (random gates: pieces from their warm-ups; long memory: chained), checkpoints at piece boundaries
+// and right after a warm-up of two chunks included, the last partial piece without one. Run 113 (an
+// H100): equal bit for bit in all four cases.
 TEST_F(Prefill32Gpu, FusedPiecesCheckpoints) {
   constexpr int64_t T = 2000, H = 4, kState = H * 128 * 128;
   for (const bool long_memory : {false, true})
@@ -1029,7 +1031,21 @@ TEST_F(Prefill32Gpu, FusedPiecesCheckpoints) {
         PrefillParams p = d.params();
         p.checkpoint_every = every, p.checkpoints = d_dense, p.checkpoint_dtype = DType::kF32, p.num_checkpoints = count;
         ASSERT_TRUE(fused_pieces_serve(p));
-        forward_call(d, p, launch);
+        DeviceBuffer ws(internal::workspace_size(p, launch));
+        d.poison();
+        internal::forward(p, launch, ws.ptr, ws.bytes);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        d.download();
+        if (launch.fused_pieces > 0) {  // the pieces ran: their flag zero, the counter at 4 H tickets taken
+          internal::PrefillLaunch plain = launch;
+          plain.fused_pieces = -1;
+          int flags[2] = {-1, -1};
+          ASSERT_EQ(cudaMemcpy(flags, static_cast<const unsigned char*>(ws.ptr) + internal::workspace_size(p, plain),
+                               sizeof(flags), cudaMemcpyDeviceToHost),
+                    cudaSuccess);
+          EXPECT_EQ(flags[0], 0) << "the pieces stopped";
+          EXPECT_EQ(flags[1], 4 * H) << "not every piece took its ticket: the call did not run in chained pieces";
+        }
         ASSERT_EQ(cudaMemcpy(dense.bytes.data(), d_dense, dense.bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
         EXPECT_TRUE(dense.guard_intact());
         EXPECT_EQ(test::count_nonfinite(dense.values()), 0);
@@ -1049,7 +1065,8 @@ TEST_F(Prefill32Gpu, FusedPiecesCheckpoints) {
         std::vector<double> b(unsplit.begin() + c * kState, unsplit.begin() + (c + 1) * kState);
         EXPECT_LE(test::rel_rms(a, b), 1e-4) << "checkpoint " << c;
       }
-      EXPECT_FALSE(bits[0] == bits[1] && !long_memory) << "random gates: the pieces did not run";
+      // (the outputs may equal the unsplit kernel's bit for bit: run 113 measured that where one chunk's
+      // warm-up erases the incoming state, A_log <= 0, and where the pieces chain)
     }
 }
 
