@@ -1094,6 +1094,15 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
   EXPECT_FALSE(rule == whole) << "the unsplit fused kernel's bits: the rule cut no pieces";
   EXPECT_TRUE(run_bits(in, d_off) == whole) << "fused_chain -1: not the unsplit fused kernel";
   EXPECT_TRUE(rule == graph_replay_bits(in, d_rule)) << "a graph replay's bits differ from the eager call's";
+  // One sequence by device cu_seqlens [0, T] (what engines pass): the rule cuts the same pieces (K0
+  // ahead of them checks the cu_seqlens), so the same bits.
+  const int32_t cu[2] = {0, int32_t(T)};
+  PrefillParams p = d_rule.params();
+  p.cu_seqlens = d_rule.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
+  forward_call(d_rule, p, internal::PrefillLaunch{});
+  std::vector<unsigned char> by_cu(in.out.bytes.begin(), in.out.bytes.end());
+  by_cu.insert(by_cu.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+  EXPECT_TRUE(by_cu == rule) << "one sequence by cu_seqlens: not the bits of the same call without them";
 }
 
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints

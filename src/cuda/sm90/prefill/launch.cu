@@ -288,6 +288,7 @@ namespace {
 
 Params kernel_params(const PrefillParams& p, uint8_t* ws);
 bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch);
+int64_t fused_min_tokens(const internal::PrefillLaunch& launch);
 
 }  // namespace
 
@@ -314,12 +315,19 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 
 // The fused kernel in pieces: internal::PrefillLaunch::fused_pieces where it is set (a count; -1:
 // never), else the rule's chained pieces (config.h fused_chain_pieces) for a call the fused kernel
-// takes by its rule without cu_seqlens (fused_v2 0; internal fused_chain -1 turns the rule off); 0:
-// none. Chained: the rule's, or fused_chain 1 with a forced count.
+// takes by its rule (fused_v2 0; internal fused_chain -1 turns the rule off): B equal sequences
+// without cu_seqlens, or one sequence with them (its length is the call's T if they are valid; K0,
+// launched ahead of the pieces, refuses them otherwise); 0: none. Chained: the rule's, or
+// fused_chain 1 with a forced count.
 int64_t fused_pieces_count(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   if (launch.fused_pieces != 0) return launch.fused_pieces > 0 ? launch.fused_pieces : 0;
-  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || p.cu_seqlens != nullptr ||
-      !sm90::prefill_v2::fused_pieces_serve(p) || !fused_by_rule(p, launch))
+  const bool one_by_cu = p.cu_seqlens != nullptr && detail::num_sequences(p) == 1;
+  const bool by_rule = p.cu_seqlens == nullptr
+                           ? fused_by_rule(p, launch)
+                           : one_by_cu && fused_rule(p.H, (p.T + kFusedChunk - 1) / kFusedChunk, p.T, sm_count(),
+                                                     fused_min_tokens(launch));
+  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || (p.cu_seqlens != nullptr && !one_by_cu) ||
+      !sm90::prefill_v2::fused_pieces_serve(p) || !by_rule)
     return 0;
   const int64_t pieces = fused_chain_pieces(p.H, p.B, (p.T + kFusedChunk - 1) / kFusedChunk, sm_count());
   return pieces > 1 ? pieces : 0;
