@@ -733,6 +733,26 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
   }
 }
 
+// A pool call against the plain call from the gathered states (plain: run_bits' outputs then final
+// states): each live sequence's output rows bit for bit, and its slot in the pool after the call
+// (pool_after) its final state.
+void expect_pool_is_plain_call(const KdaInputs& in, const test::HostTensor& out_pool, const std::vector<float>& pool_after,
+                               const std::vector<unsigned char>& plain, const std::vector<int32_t>& slots,
+                               std::initializer_list<int64_t> live) {
+  const int64_t state = in.opt.H * in.opt.V * in.opt.K;
+  const size_t seq_bytes = size_t(in.opt.T) * size_t(in.opt.H) * size_t(in.opt.V) * 2;
+  const std::vector<double> finals = in.final_state.values();
+  for (int64_t n : live) {
+    EXPECT_TRUE(std::equal(out_pool.bytes.begin() + std::ptrdiff_t(n * seq_bytes),
+                           out_pool.bytes.begin() + std::ptrdiff_t((n + 1) * seq_bytes),
+                           plain.begin() + std::ptrdiff_t(n * seq_bytes)))
+        << "sequence " << n << "'s outputs differ from the plain call's";
+    EXPECT_TRUE(std::equal(pool_after.begin() + slots[size_t(n)] * state, pool_after.begin() + (slots[size_t(n)] + 1) * state,
+                           finals.begin() + n * state, [](float a, double b) { return a == float(b); }))
+        << "slot " << slots[size_t(n)] << " is not sequence " << n << "'s final state";
+  }
+}
+
 // The pieces through a state pool (fp32, P = 5 slots of a fixed pattern, sequence 1 padding): the
 // live sequences' outputs and final states bit for bit the pieces' plain call from the gathered
 // states, the padding rows zero, the slots no sequence names unchanged; with long-memory channels
@@ -776,17 +796,7 @@ TEST_F(Prefill32Gpu, FusedPiecesThroughAPool) {
       EXPECT_TRUE(got == pool_call(d_rule, internal::PrefillLaunch{}).first) << "not the rule's pool call";
     } else {
       const std::vector<unsigned char> plain = run_bits(in, d);  // the pieces' plain call
-      for (int64_t n : {int64_t(0), int64_t(2)}) {
-        EXPECT_TRUE(std::equal(out_pool.bytes.begin() + std::ptrdiff_t(n * seq_bytes),
-                               out_pool.bytes.begin() + std::ptrdiff_t((n + 1) * seq_bytes),
-                               plain.begin() + std::ptrdiff_t(n * seq_bytes)))
-            << "sequence " << n << "'s outputs differ from the plain call's";
-        EXPECT_TRUE(std::equal(pool_after.begin() + slots[size_t(n)] * kState,
-                               pool_after.begin() + (slots[size_t(n)] + 1) * kState,
-                               in.final_state.values().begin() + n * kState,
-                               [](float a, double b) { return a == float(b); }))
-            << "slot " << slots[size_t(n)] << " is not sequence " << n << "'s final state";
-      }
+      expect_pool_is_plain_call(in, out_pool, pool_after, plain, slots, {0, 2});
       internal::PrefillLaunch never;
       never.fused_v2 = -1;
       DeviceProblem d_never(in, never);
@@ -988,16 +998,7 @@ TEST_F(Prefill32Gpu, FusedPiecesChained) {
                             out_pool.bytes.begin() + std::ptrdiff_t(2 * seq_bytes), [](unsigned char b) { return b == 0; }))
         << "the padding sequence's output rows are not zero";
     const std::vector<unsigned char> plain = run_bits(in, d);  // the chained plain call
-    for (int64_t n : {int64_t(0), int64_t(2)}) {
-      EXPECT_TRUE(std::equal(out_pool.bytes.begin() + std::ptrdiff_t(n * seq_bytes),
-                             out_pool.bytes.begin() + std::ptrdiff_t((n + 1) * seq_bytes),
-                             plain.begin() + std::ptrdiff_t(n * seq_bytes)))
-          << "sequence " << n << "'s outputs differ from the plain call's";
-      EXPECT_TRUE(std::equal(pool_after.begin() + slots[size_t(n)] * kState,
-                             pool_after.begin() + (slots[size_t(n)] + 1) * kState,
-                             in.final_state.values().begin() + n * kState, [](float a, double b) { return a == float(b); }))
-          << "slot " << slots[size_t(n)] << " is not sequence " << n << "'s final state";
-    }
+    expect_pool_is_plain_call(in, out_pool, pool_after, plain, slots, {0, 2});
   }
 }
 
