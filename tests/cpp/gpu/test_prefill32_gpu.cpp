@@ -1104,6 +1104,17 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
   std::vector<unsigned char> by_cu(in.out.bytes.begin(), in.out.bytes.end());
   by_cu.insert(by_cu.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
   EXPECT_TRUE(by_cu == rule) << "one sequence by cu_seqlens: not the bits of the same call without them";
+  // A workspace large enough for the call without pieces only: the call runs unsplit, not refused.
+  const PrefillParams q = d_rule.params();
+  DeviceBuffer small(internal::workspace_size(q, off));
+  ASSERT_LT(small.bytes, internal::workspace_size(q, internal::PrefillLaunch{}));
+  d_rule.poison();
+  internal::forward(q, internal::PrefillLaunch{}, small.ptr, small.bytes);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d_rule.download();
+  std::vector<unsigned char> unsplit_ws(in.out.bytes.begin(), in.out.bytes.end());
+  unsplit_ws.insert(unsplit_ws.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+  EXPECT_TRUE(unsplit_ws == whole) << "a workspace without room for the pieces: not the unsplit call's bits";
 }
 
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints

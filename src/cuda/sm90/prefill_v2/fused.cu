@@ -460,6 +460,7 @@ __device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int 
     while ((r = ready_acquire(ready)) == 0 && *static_cast<volatile int*>(a.pieces_flag) == 0) __nanosleep(256);
     if (r == 0) stop->abort = 1;
   }
+  __syncwarp();  // warp 0 converged before the aligned barrier (thread 0 alone spun: see items_sync)
   consumers_sync();
   if (stop->abort) return;
   const float* const from = a.pieces_states + (stop->item - a.consume.H) * kHeadDim * kHeadDim;
