@@ -3,7 +3,7 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [python] [bench] [decode] [fused] [pieces] [chain] [pending] [sanitize] [profile] [v2] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [python] [bench] [decode] [fused] [pieces] [chain] [pending] [sanitize] [profile] [v2] [decode-profile] [ab]
 #   (the steps run in this order whatever the order given: the benchmarks before the sanitizers)
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy (other arguments in
@@ -17,7 +17,8 @@
 #   kernel against today's kernels across head counts and batches (bench_prefill.py --fused-sweep
 #   --fused-batch-sweep, extra arguments in $FUSED_ARGS); pieces = the fused kernel in pieces (a
 #   candidate: bench_prefill.py --fused-pieces on the few-head table and H = 96, $PIECES_ARGS); chain = the same
-#   chained (--fused-chain, one sequence at many heads, $CHAIN_CASES, $CHAIN_PIECES); profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   chained (--fused-chain, one sequence at many heads, $CHAIN_CASES, $CHAIN_PIECES); decode-profile = ncu of the
+#   persistent decode kernel on a bf16 pool beside a device copy of the same bytes; profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -130,7 +131,7 @@ sanitize() {  # name, tool, command...
   if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
 }
 
-if want python || want bench || want profile || want decode || want fused || want pieces || want chain; then
+if want python || want bench || want profile || want decode || want fused || want pieces || want chain || want decode-profile; then
   step python-build
   # Only an extension this call's build step made (py_ext: an older one in build-gpu may predate the tree)
   ext=$([ "${py_ext:-OFF}" = ON ] && compgen -G "build-gpu/python/_C*.so" | head -1)
@@ -250,6 +251,31 @@ if want v2; then  # prefill v2's standalone chunk-32 producer: its checks and ti
         echo "ncu failed (profile.log)"
       cat /tmp/ncu_v2.log >> "$OUT/profile.log"
       grep -E "inst_executed|Duration|Registers|Achieved Occupancy|Issue Slots|Executed Ipc|Memory Throughput|DRAM Through|Theoretical Occ|Block Limit|Stall (Long|Barrier|Wait|Short|Math|MIO)" /tmp/ncu_v2.log | sed -n 1,40p
+    done
+  fi
+fi
+if want decode-profile; then  # issue 13: why bf16 pools move 73-78% of the copy rate (ncu of the
+  # persistent decode kernel at N = 256, H = 32, T = 1, bf16 pool, beside a device copy of the same bytes)
+  step decode-profile
+  if command -v ncu > /dev/null; then
+    : > "$OUT/profile.log"
+    sections="--section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+      --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum"
+    # shellcheck disable=SC2086
+    ncu --clock-control none -k regex:"decode_persistent_kernel" --launch-skip 1 -c 1 $sections --print-details all \
+      python3 benchmarks/bench_decode.py --H 32 --N 256 --T 1 --state bf16 --no-fla --no-check --inner 1 --outer 1 \
+      --eager-reps 1 > /tmp/ncu_decode.log 2>&1 || echo "ncu (decode) failed (profile.log)"
+    # (a device-to-device copy_ is a memcpy, which ncu does not profile: an elementwise multiply
+    # reads and writes the same bytes in one kernel)
+    # shellcheck disable=SC2086
+    ncu --clock-control none --kernel-name-base demangled -k regex:"MulFunctor" -c 1 $sections --print-details all \
+      python3 -c "import torch; a = torch.ones(256 * 32 * 128 * 128, dtype=torch.bfloat16, device='cuda')
+b = torch.empty_like(a); torch.mul(a, 2, out=b); torch.cuda.synchronize()" > /tmp/ncu_copy.log 2>&1 ||
+      echo "ncu (copy) failed (profile.log)"
+    for f in /tmp/ncu_decode.log /tmp/ncu_copy.log; do
+      echo "=== $f" | tee -a "$OUT/profile.log"; cat "$f" >> "$OUT/profile.log"
+      grep -E "Duration|DRAM Throughput|dram__bytes|lts__t_sectors|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG)|L2 Hit|Mem Busy|Max Bandwidth" "$f" | sed -n 1,40p
     done
   fi
 fi
