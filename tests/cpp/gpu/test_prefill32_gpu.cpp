@@ -1018,8 +1018,8 @@ TEST_F(Prefill32Gpu, FusedPiecesChainedOverWaves) {
 // numbered from the sequence's start, so the chained pieces (the call's flag block says they ran:
 // not stopped, every ticket taken) give the unsplit fused kernel's checkpoints to within its rounding
 // (random gates: pieces from their warm-ups; long memory: chained), checkpoints at piece boundaries
-// and right after a warm-up of two chunks included, the last partial piece without one. Run 113 (an
-// H100): equal bit for bit in all four cases.
+// and right after a warm-up of two chunks included, the last partial piece without one. Run 114 (an
+// H100): equal bit for bit in all four cases. And through a pool with checkpoint slots (not yet run).
 TEST_F(Prefill32Gpu, FusedPiecesCheckpoints) {
   constexpr int64_t T = 2000, H = 4, kState = H * 128 * 128;
   for (const bool long_memory : {false, true})
@@ -1081,6 +1081,41 @@ TEST_F(Prefill32Gpu, FusedPiecesCheckpoints) {
       // (the outputs may equal the unsplit kernel's bit for bit: run 113 measured that where one chunk's
       // warm-up erases the incoming state, A_log <= 0, and where the pieces chain)
     }
+  // Through a pool with checkpoint slots (fp32; two sequences in slots 1 and 0, long memory, so the
+  // pieces chain; every checkpoint the last chunk of a piece, one slot -1): the pool after the
+  // chained pieces near the unsplit call's, the skipped checkpoint's slot untouched.
+  {
+    constexpr int64_t P = 8;
+    KdaOptions o;
+    o.B = 2, o.T = 1000, o.H = H, o.A_log_max = 0.0, o.seed = 47;
+    KdaInputs in(o);
+    for (int64_t ch = 0; ch < H * o.K; ch += 4) in.dt_bias[ch] = -30.f;
+    SCOPED_TRACE(in.describe() + " long memory, a pool with checkpoint slots");
+    const std::vector<int32_t> seq_slots = {1, 0}, ck_slots = {2, 3, -1, 5, 6, 7};
+    internal::PrefillLaunch chained, fused;
+    chained.fused_pieces = 4, chained.fused_chain = 1, fused.fused_v2 = 1;
+    std::vector<std::vector<double>> pools;
+    for (const internal::PrefillLaunch& launch : {chained, fused}) {
+      TestPool pool(P, size_t(kState));
+      DeviceProblem d(in, launch);
+      void* d_slots = d.upload(seq_slots.data(), seq_slots.size() * 4);
+      void* d_ck = d.upload(ck_slots.data(), ck_slots.size() * 4);
+      PrefillParams p = in_pool(d, pool.buf.ptr, DType::kF32, P, d_slots);
+      p.checkpoint_every = 256, p.checkpoint_slots = static_cast<const int32_t*>(d_ck), p.num_checkpoints = 6;
+      ASSERT_TRUE(fused_pieces_serve(p));
+      ASSERT_EQ(cudaMemcpy(pool.buf.ptr, pool.init.data(), pool.buf.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+      forward_call(d, p, launch);
+      const std::vector<float> after = pool.now();
+      EXPECT_TRUE(std::equal(after.begin() + 4 * kState, after.begin() + 5 * kState, pool.init.begin() + 4 * kState))
+          << "slot 4, named by no sequence and no checkpoint, changed";
+      pools.emplace_back(after.begin(), after.end());
+    }
+    for (int64_t slot : {0, 1, 2, 3, 5, 6, 7}) {
+      const std::vector<double> a(pools[0].begin() + slot * kState, pools[0].begin() + (slot + 1) * kState),
+          b(pools[1].begin() + slot * kState, pools[1].begin() + (slot + 1) * kState);
+      EXPECT_LE(test::rel_rms(a, b), 1e-4) << "slot " << slot;
+    }
+  }
 }
 
 // The rule (no internal option): one sequence the fused kernel takes with SMs left idle runs in
