@@ -317,43 +317,40 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // never), else the rule's chained pieces (config.h fused_chain_pieces) for a call the fused kernel
 // takes by its rule (fused_v2 0; internal fused_chain -1 turns the rule off): B equal sequences
 // without cu_seqlens, or one sequence with them (its length is the call's T if they are valid; K0,
-// launched ahead of the pieces, refuses them otherwise); 0: none. Chained: the rule's, or
-// fused_chain 1 with a forced count.
+// launched ahead of the pieces, refuses them otherwise); 0: none.
 int64_t fused_pieces_count(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   if (launch.fused_pieces != 0) return launch.fused_pieces > 0 ? launch.fused_pieces : 0;
-  const bool one_by_cu = p.cu_seqlens != nullptr && detail::num_sequences(p) == 1;
-  const bool by_rule = p.cu_seqlens == nullptr
-                           ? fused_by_rule(p, launch)
-                           : one_by_cu && fused_rule(p.H, (p.T + kFusedChunk - 1) / kFusedChunk, p.T, sm_count(),
-                                                     fused_min_tokens(launch));
-  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || (p.cu_seqlens != nullptr && !one_by_cu) ||
-      !sm90::prefill_v2::fused_pieces_serve(p) || !by_rule)
-    return 0;
-  const int64_t pieces = fused_chain_pieces(p.H, p.B, (p.T + kFusedChunk - 1) / kFusedChunk, sm_count());
+  const int64_t chunks = (p.T + kFusedChunk - 1) / kFusedChunk;
+  const bool by_rule = p.cu_seqlens == nullptr ? fused_by_rule(p, launch)
+                                               : detail::num_sequences(p) == 1 &&
+                                                     fused_rule(p.H, chunks, p.T, sm_count(), fused_min_tokens(launch));
+  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || !by_rule || !sm90::prefill_v2::fused_pieces_serve(p)) return 0;
+  const int64_t pieces = fused_chain_pieces(p.H, p.B, chunks, sm_count());
   return pieces > 1 ? pieces : 0;
 }
-bool fused_pieces_chained(const internal::PrefillLaunch& launch) {
-  return launch.fused_pieces == 0 || launch.fused_chain > 0;
-}
 
-// Whether the call runs in pieces, and their workspace after the chunk-16 kernels' (the flag, when
-// chained the counter and the ready flags after it; the last pieces' final states; when chained
-// every piece's end state).
-bool runs_fused_pieces(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+// The pieces' area of the workspace, after the chunk-16 kernels': the flag (when chained, the
+// counter and the ready flags after it), the last pieces' final states, and when chained every
+// piece's end state. pieces 0: the call does not run in pieces (total 0). Chained: the rule's
+// pieces, or fused_chain 1 with a forced count.
+struct PiecesArea {
+  int64_t pieces = 0;
+  bool chained = false;
+  size_t finals = 0, states = 0, total = 0;  // offsets from the area's start, its bytes
+};
+PiecesArea fused_pieces_area(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  PiecesArea a;
   const int64_t pieces = fused_pieces_count(p, launch);
-  return pieces > 0 && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_pieces_serve(p) &&
-         detail::num_sequences(p) * pieces <= 65535;  // the grid's y
-}
-size_t fused_pieces_flag_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return align_up(sizeof(int) * size_t(fused_pieces_chained(launch)
-                                           ? sm90::prefill_v2::fused_chain_flags(p, fused_pieces_count(p, launch))
-                                           : 1));
-}
-size_t fused_pieces_bytes(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  if (!runs_fused_pieces(p, launch)) return 0;
+  if (pieces <= 0 || launch.fused_v2 < 0 || !sm90::prefill_v2::fused_pieces_serve(p) ||
+      detail::num_sequences(p) * pieces > 65535)  // the grid's y
+    return a;
+  a.pieces = pieces;
+  a.chained = launch.fused_pieces == 0 || launch.fused_chain > 0;
   const size_t states = size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4;
-  return fused_pieces_flag_bytes(p, launch) + align_up(states) +
-         (fused_pieces_chained(launch) ? align_up(states * size_t(fused_pieces_count(p, launch))) : 0);
+  a.finals = align_up(sizeof(int) * size_t(a.chained ? sm90::prefill_v2::fused_chain_flags(p, pieces) : 1));
+  a.states = a.finals + align_up(states);
+  a.total = a.states + (a.chained ? align_up(states * size_t(pieces)) : 0);
+  return a;
 }
 
 // The kernels' workspace (workspace_layout) without the pieces' area, which follows it.
@@ -364,7 +361,7 @@ size_t kernels_workspace_size(const PrefillParams& p, const internal::PrefillLau
 }
 
 size_t prefill_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  return kernels_workspace_size(p, launch) + fused_pieces_bytes(p, launch);
+  return kernels_workspace_size(p, launch) + fused_pieces_area(p, launch).total;
 }
 
 namespace {
@@ -490,15 +487,11 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   // internal::PrefillLaunch::fused_pieces (a candidate): the fused kernel in pieces, then the chunk-16
   // kernels, which run the call only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;
-  if (runs_fused_pieces(p, launch)) {
+  if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
     uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
     int* const flag = reinterpret_cast<int*>(at);
-    float* const finals = reinterpret_cast<float*>(at + fused_pieces_flag_bytes(p, launch));
-    float* const chain_states =
-        fused_pieces_chained(launch)
-            ? reinterpret_cast<float*>(reinterpret_cast<uint8_t*>(finals) +
-                                       align_up(size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4))
-            : nullptr;
+    float* const finals = reinterpret_cast<float*>(at + area.finals);
+    float* const chain_states = area.chained ? reinterpret_cast<float*>(at + area.states) : nullptr;
     const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
     // K0 first (the cu_seqlens' and the slots' check, each sequence's first checkpoint), whose refusal
     // the kernels after the pieces carry out
@@ -511,7 +504,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     }
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
-    if (sm90::prefill_v2::fused_pieces_prefill(p, fused_pieces_count(p, launch), warmup, flag, finals, error_flag,
+    if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, error_flag,
                                                ckpt_start, stream, chain_states) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
