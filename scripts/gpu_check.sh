@@ -3,7 +3,7 @@
 # (CPU and GPU), compute-sanitizer on small GPU cases, build + test the Python package, and the
 # benchmarks against the peers. Logs and tables go under $OUT (default ./gpu-out).
 #
-#   scripts/gpu_check.sh [build] [test] [gpu-tests] [python] [bench] [decode] [fused] [pieces] [chain] [pending] [sanitize] [profile] [v2] [decode-profile] [ab]
+#   scripts/gpu_check.sh [build] [test] [gpu-tests] [python] [bench] [decode] [fused] [pieces] [chain] [pending] [sanitize] [profile] [v2] [decode-profile] [fused-profile] [ab]
 #   (the steps run in this order whatever the order given: the benchmarks before the sanitizers)
 #   (default: build test sanitize python bench decode; bench = prefill against the peers, both
 #   SPEC §7 tables and both gate regimes, CUDA-graph medians, plus accuracy (other arguments in
@@ -18,7 +18,8 @@
 #   --fused-batch-sweep, extra arguments in $FUSED_ARGS); pieces = the fused kernel in pieces (a
 #   candidate: bench_prefill.py --fused-pieces on the few-head table and H = 96, $PIECES_ARGS); chain = the same
 #   chained (--fused-chain, one sequence at many heads, $CHAIN_CASES, $CHAIN_PIECES); decode-profile = ncu of the
-#   persistent decode kernel on a bf16 pool beside a device copy of the same bytes; profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   persistent decode kernel on a bf16 pool beside a device copy of the same bytes; fused-profile = ncu of the
+#   unsplit fused chunk-32 kernel at T = 8192 H = 96 with per-instruction source counters; profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -131,7 +132,7 @@ sanitize() {  # name, tool, command...
   if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
 }
 
-if want python || want bench || want profile || want decode || want fused || want pieces || want chain || want decode-profile; then
+if want python || want bench || want profile || want decode || want fused || want pieces || want chain || want decode-profile || want fused-profile; then
   step python-build
   # Only an extension this call's build step made (py_ext: an older one in build-gpu may predate the tree)
   ext=$([ "${py_ext:-OFF}" = ON ] && compgen -G "build-gpu/python/_C*.so" | head -1)
@@ -254,18 +255,31 @@ if want v2; then  # prefill v2's standalone chunk-32 producer: its checks and ti
     done
   fi
 fi
+# ncu's per-instruction source page of a profiled kernel (report $1) as CSV into $OUT/$2, for reading the
+# hot spots against the SASS and its line info (-lineinfo) on a machine without ncu.
+ncu_source_csv() {
+  ncu -i "$1" --page source --csv --print-source sass > "$OUT/$2" 2> /tmp/ncu_source.err ||
+    { echo "ncu source page of $1 failed:"; head -5 /tmp/ncu_source.err; }
+}
 if want decode-profile; then  # issue 13: why bf16 pools move 73-78% of the copy rate (ncu of the
-  # persistent decode kernel at N = 256, H = 32, T = 1, bf16 pool, beside a device copy of the same bytes)
+  # persistent decode kernel at N = 256, H = 32, T = 1 and 4, bf16 pool, beside a device copy of the
+  # same bytes), with the per-instruction source counters of both decode cases (decode_source_t*.csv)
   step decode-profile
   if command -v ncu > /dev/null; then
     : > "$OUT/profile.log"
     sections="--section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
       --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables --section LaunchStats \
-      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum"
-    # shellcheck disable=SC2086
-    ncu --clock-control none -k regex:"decode_persistent_kernel" --launch-skip 1 -c 1 $sections --print-details all \
-      python3 benchmarks/bench_decode.py --H 32 --N 256 --T 1 --state bf16 --no-fla --no-check --inner 1 --outer 1 \
-      --eager-reps 1 > /tmp/ncu_decode.log 2>&1 || echo "ncu (decode) failed (profile.log)"
+      --section InstructionStats --section SourceCounters \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,lts__t_sectors_srcunit_tex_op_read.sum,lts__t_sectors_srcunit_tex_op_write.sum,smsp__inst_executed.sum"
+    for T in 1 4; do
+      # shellcheck disable=SC2086
+      ncu --clock-control none -k regex:"decode_persistent_kernel" --launch-skip 1 -c 1 $sections --print-details all \
+        --import-source yes -f -o /tmp/ncu_decode_t$T \
+        python3 benchmarks/bench_decode.py --H 32 --N 256 --T $T --state bf16 --no-fla --no-check --inner 1 --outer 1 \
+        --eager-reps 1 > /tmp/ncu_decode_t$T.log 2>&1 || echo "ncu (decode T=$T) failed (profile.log)"
+      ncu -i /tmp/ncu_decode_t$T.ncu-rep --print-details all >> /tmp/ncu_decode_t$T.log 2>&1
+      ncu_source_csv /tmp/ncu_decode_t$T.ncu-rep decode_source_t$T.csv
+    done
     # (a device-to-device copy_ is a memcpy, which ncu does not profile: an elementwise multiply
     # reads and writes the same bytes in one kernel)
     # shellcheck disable=SC2086
@@ -273,10 +287,28 @@ if want decode-profile; then  # issue 13: why bf16 pools move 73-78% of the copy
       python3 -c "import torch; a = torch.ones(256 * 32 * 128 * 128, dtype=torch.bfloat16, device='cuda')
 b = torch.empty_like(a); torch.mul(a, 2, out=b); torch.cuda.synchronize()" > /tmp/ncu_copy.log 2>&1 ||
       echo "ncu (copy) failed (profile.log)"
-    for f in /tmp/ncu_decode.log /tmp/ncu_copy.log; do
+    for f in /tmp/ncu_decode_t1.log /tmp/ncu_decode_t4.log /tmp/ncu_copy.log; do
       echo "=== $f" | tee -a "$OUT/profile.log"; cat "$f" >> "$OUT/profile.log"
-      grep -E "Duration|DRAM Throughput|dram__bytes|lts__t_sectors|Registers Per|Achieved Occupancy|Theoretical Occ|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG)|L2 Hit|Mem Busy|Max Bandwidth" "$f" | sed -n 1,40p
+      grep -E "Duration|DRAM Throughput|dram__bytes|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG)|Mem Busy" "$f" | sed -n 1,24p
     done
+  fi
+fi
+if want fused-profile; then  # issue 11: where the fused chunk-32 kernel's cycles go, by instruction (ncu of the
+  # unsplit fused kernel at T = 8192, H = 96, one sequence, fp32 state, random gates; the per-instruction
+  # source counters in fused_source.csv, the summary in profile_fused.log)
+  step fused-profile
+  if command -v ncu > /dev/null; then
+    ncu --clock-control none -k regex:"fused" -c 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
+      --section WarpStateStats --section InstructionStats --section SourceCounters --section LaunchStats \
+      --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg --print-details all --import-source yes -f -o /tmp/ncu_fused \
+      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
+import bench_prefill as b
+_, H, lens, st = b.MANY[1]; fn = b.run_flashkda(b.make_inputs(H, lens, st), st, launch=dict(fused_v2=1, fused_chain=-1))[0]
+fn(); torch.cuda.synchronize()" > "$OUT/profile_fused.log" 2>&1 || echo "ncu (fused) failed (profile_fused.log)"
+    ncu -i /tmp/ncu_fused.ncu-rep --print-details all >> "$OUT/profile_fused.log" 2>&1
+    ncu_source_csv /tmp/ncu_fused.ncu-rep fused_source.csv
+    grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \
+      "$OUT/profile_fused.log" | sed -n 1,24p
   fi
 fi
 if want ab; then
