@@ -22,6 +22,7 @@
 
 #include "cuda/common/async_copy.cuh"
 #include "cuda/common/bulk_copy.cuh"
+#include "cuda/common/fast_div.h"
 #include "cuda/common/math.cuh"
 #include "cuda/common/preprocess.cuh"
 #include "cuda/sm90/decode/config.h"
@@ -156,16 +157,17 @@ struct alignas(16) StagedToken {
 
 // Requests tokens [t0, t0 + count) of the sequence starting at token bos: q, k, g and the CTA's
 // rows of v, with cp.async (no registers held in flight) and without committing the group.
-template <class TileT>
-__device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, const Coord& c, int64_t bos, int t0,
-                                                    int count, StagedToken* staged) {
+// kGChunks: g's 16-byte vectors a token (32 fp32, 16 bf16), so that the division by a token's
+// vectors is by a constant (a multiply and a shift, where a run-time divisor cost ~20 instructions).
+template <class TileT, int kGChunks>
+__device__ __forceinline__ void stage_token_vectors_as(const DecodeArgs& a, const Coord& c, int64_t bos, int t0,
+                                                       int count, StagedToken* staged) {
   constexpr int kQChunks = kHeadDimK * 2 / 16;
   constexpr int kVChunks = TileT::kRowsPerCta * 2 / 16;
-  const int g_chunks = a.g_is_f32 ? kHeadDimK * 4 / 16 : kHeadDimK * 2 / 16;
-  const int per_token = 2 * kQChunks + g_chunks + kVChunks;
-  for (int i = threadIdx.x; i < count * per_token; i += kThreads) {
-    const int t = i / per_token;
-    int r = i % per_token;
+  constexpr int kPerToken = 2 * kQChunks + kGChunks + kVChunks;
+  for (int i = threadIdx.x; i < count * kPerToken; i += kThreads) {
+    const int t = i / kPerToken;
+    int r = i % kPerToken;
     const int64_t row = (bos + t0 + t) * a.H + c.h;  // token-head row of q, k, g, v
     StagedToken& st = staged[t];
     if (r < kQChunks) {
@@ -174,15 +176,21 @@ __device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, const C
     } else if ((r -= kQChunks) < kQChunks) {
       cp_async_16(&st.k[r],
                   reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.k) + row * kHeadDimK) + r);
-    } else if ((r -= kQChunks) < g_chunks) {
-      const char* g_row = static_cast<const char*>(a.g) + row * kHeadDimK * (a.g_is_f32 ? 4 : 2);
+    } else if ((r -= kQChunks) < kGChunks) {
+      const char* g_row = static_cast<const char*>(a.g) + row * kGChunks * 16;
       cp_async_16(&st.g[r], reinterpret_cast<const uint4*>(g_row) + r);
     } else {
-      r -= g_chunks;
+      r -= kGChunks;
       cp_async_16(&st.v[r],
                   reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(a.v) + row * kHeadDimV + c.cta_row0) + r);
     }
   }
+}
+template <class TileT>
+__device__ __forceinline__ void stage_token_vectors(const DecodeArgs& a, const Coord& c, int64_t bos, int t0,
+                                                    int count, StagedToken* staged) {
+  if (a.g_is_f32) stage_token_vectors_as<TileT, kHeadDimK * 4 / 16>(a, c, bos, t0, count, staged);
+  else stage_token_vectors_as<TileT, kHeadDimK * 2 / 16>(a, c, bos, t0, count, staged);
 }
 
 __device__ __forceinline__ TokenWords load_token_words(const DecodeArgs& a, const Coord& c, int64_t bos, int t) {
@@ -350,38 +358,56 @@ __device__ __forceinline__ StateT* state_row(const DecodeArgs& a, int32_t slot, 
   return static_cast<StateT*>(a.state_pool) + ((int64_t(slot) * a.H + h) * kHeadDimV + row) * kHeadDimK;
 }
 
+// The thread's first state element in slot `slot` (row c.row0, column RowAccess::column(c.col, 0)):
+// its row i lies i kRowsPerPass K elements on and its vector j RowAccess::column(0, j), offsets the
+// loads and stores take as immediates (a pointer a row, formed in 64-bit arithmetic from the int
+// row, cost ~13 instructions a row and vector).
+template <typename StateT>
+__device__ __forceinline__ StateT* thread_state(const DecodeArgs& a, const Coord& c, int32_t slot) {
+  return state_row<StateT>(a, slot, c.h, c.row0) + RowAccess<StateT>::column(c.col, 0);
+}
+
 template <typename StateT, int kRows>
 __device__ __forceinline__ void load_state(const DecodeArgs& a, const Coord& c, int32_t slot,
                                            float (&state)[kRows][kKPerLane]) {
+  const StateT* const p = thread_state<StateT>(a, c, slot);
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    RowAccess<StateT>::load(state_row<StateT>(a, slot, c.h, c.row0 + i * kRowsPerPass), c.col, state[i]);
-  }
+  for (int i = 0; i < kRows; ++i) RowAccess<StateT>::load(p + i * kRowsPerPass * kHeadDimK, 0, state[i]);
 }
 
 template <typename StateT, int kRows>
 __device__ __forceinline__ void store_state(const DecodeArgs& a, const Coord& c, int32_t slot,
                                             const float (&state)[kRows][kKPerLane]) {
+  StateT* const p = thread_state<StateT>(a, c, slot);
 #pragma unroll
-  for (int i = 0; i < kRows; ++i) {
-    RowAccess<StateT>::store(state_row<StateT>(a, slot, c.h, c.row0 + i * kRowsPerPass), c.col, state[i]);
-  }
+  for (int i = 0; i < kRows; ++i) RowAccess<StateT>::store(p + i * kRowsPerPass * kHeadDimK, 0, state[i]);
 }
 
 // The thread's coordinates for work item x: rows [kRowsPerCta * (x % kCtasPerHead), +kRowsPerCta)
 // of head (x / kCtasPerHead) % H of sequence x / (kCtasPerHead * H).
 template <class TileT>
-__device__ __forceinline__ Coord coord_of(const DecodeArgs& a, int64_t x) {
+__device__ __forceinline__ Coord thread_coord(int cta_row0, int h, int64_t n) {
   Coord c;
-  c.cta_row0 = int(x % TileT::kCtasPerHead) * TileT::kRowsPerCta;
-  const int64_t nh = x / TileT::kCtasPerHead;
-  c.h = int(nh % a.H);
-  c.n = nh / a.H;
+  c.cta_row0 = cta_row0;
+  c.h = h;
+  c.n = n;
   c.lane = int(threadIdx.x) % 32;
   c.warp = int(threadIdx.x) / 32;
   c.col = c.lane % kLanesPerRow;
   c.row0 = c.cta_row0 + c.warp * TileT::kRowsPerWarp + c.lane / kLanesPerRow;
   return c;
+}
+template <class TileT>
+__device__ __forceinline__ Coord coord_of(const DecodeArgs& a, int64_t x) {
+  const int64_t nh = x / TileT::kCtasPerHead;
+  return thread_coord<TileT>(int(x % TileT::kCtasPerHead) * TileT::kRowsPerCta, int(nh % a.H), nh / a.H);
+}
+// The same for x < 2^31 with H's divider (the persistent kernels, which form three a CTA and item:
+// launch.cu keeps their items below 2^31).
+template <class TileT>
+__device__ __forceinline__ Coord coord_of(const DecodeArgs& a, int32_t x, const FastDiv32& by_h) {
+  const int32_t nh = x / TileT::kCtasPerHead, n = by_h.div(nh);
+  return thread_coord<TileT>((x % TileT::kCtasPerHead) * TileT::kRowsPerCta, nh - n * a.H, n);
 }
 
 // A sequence's tokens and start slot. len <= 0: empty (nothing read or written); slot < 0:
@@ -708,13 +734,15 @@ __device__ __forceinline__ TokenWords prefetch_item(const DecodeArgs& a, const C
   TokenWords words{0u, -1};
   if (sp.len > 0 && sp.slot >= 0) {
     using Row = RowAccess<StateT>;
+    const StateT* const src = thread_state<StateT>(a, c, sp.slot);  // and the same place in the buffer:
+    StateT* const dst = state_buf + (c.row0 - c.cta_row0) * kHeadDimK + Row::column(c.col, 0);
 #pragma unroll
     for (int i = 0; i < TileT::kRowsPerThread; ++i) {
-      const int row = c.row0 + i * kRowsPerPass;
-      const StateT* src = state_row<StateT>(a, sp.slot, c.h, row);
-      StateT* dst = state_buf + (row - c.cta_row0) * kHeadDimK;
 #pragma unroll
-      for (int j = 0; j < Row::kChunks; ++j) cp_async_16(dst + Row::column(c.col, j), src + Row::column(c.col, j));
+      for (int j = 0; j < Row::kChunks; ++j) {
+        const int off = i * kRowsPerPass * kHeadDimK + Row::column(0, j);
+        cp_async_16(dst + off, src + off);
+      }
     }
     words = stage_item_inputs<TileT>(a, c, sp, consts, staged);
   }
@@ -792,11 +820,12 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
   HeadConsts* const consts0 =
       reinterpret_cast<HeadConsts*>(reinterpret_cast<char*>(smem) + kStages * Layout::kStateBytes);
   StagedToken* const staged0 = reinterpret_cast<StagedToken*>(consts0 + kStages);
+  const FastDiv32 by_h(a.H);  // item numbers stay below 2^31 (launch.cu)
   const auto prefetch = [&](int64_t y, const Span& sp, int b) {
-    return prefetch_item<StateT, TileT>(a, coord_of<TileT>(a, y), sp, state0 + b * Layout::kStateElems, consts0 + b,
+    return prefetch_item<StateT, TileT>(a, coord_of<TileT>(a, int32_t(y), by_h), sp, state0 + b * Layout::kStateElems, consts0 + b,
                                         staged0 + b * a.stage_tokens);
   };
-  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, y).n) : Span{0, 0, -1}; };
+  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, int32_t(y), by_h).n) : Span{0, 0, -1}; };
 
   // Item i = x lives in buffer b = i % 3. Registers: spans of items i, i+1, i+2 (the last one's
   // loads issued an iteration ago) and the token scalars of items i and i+1.
@@ -823,7 +852,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     bool shared = false;  // the slot check: on a shared slot NaN outputs, no store
     Coord c;  // the item's place (64-bit divisions by H): formed once, with the check before the waits
     if constexpr (kCheckSlots) {
-      c = coord_of<TileT>(a, x);
+      c = coord_of<TileT>(a, int32_t(x), by_h);
       const bool meets = sp0.len > 0 && sp0.slot >= 0 &&
                          (marked != nullptr ? uses_a_marked_slot(a, c.n, sp0, w0, marked) : shares_a_slot(a, c.n, sp0));
       cp_async_wait_group<kStages - 1>();
@@ -831,7 +860,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     } else {
       cp_async_wait_group<kStages - 1>();  // this thread's copies of item i have landed
       __syncthreads();  // and everyone's
-      c = coord_of<TileT>(a, x);
+      c = coord_of<TileT>(a, int32_t(x), by_h);
     }
 
     if (sp0.len > 0 && sp0.slot < 0) fill_outputs<TileT>(a, c, sp0);
@@ -922,11 +951,12 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
     fence_mbarrier_init();
   }
   __syncthreads();
+  const FastDiv32 by_h(a.H);  // item numbers stay below 2^31 (launch.cu)
   const auto prefetch = [&](int64_t y, const Span& sp, int b) {
-    return prefetch_item_bulk<StateT, TileT, kRing>(a, coord_of<TileT>(a, y), sp, state0 + b * Layout::kStateElems,
+    return prefetch_item_bulk<StateT, TileT, kRing>(a, coord_of<TileT>(a, int32_t(y), by_h), sp, state0 + b * Layout::kStateElems,
                                              consts0 + b, staged0 + b * a.stage_tokens, &full[b]);
   };
-  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, y).n) : Span{0, 0, -1}; };
+  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, int32_t(y), by_h).n) : Span{0, 0, -1}; };
 
   // Registers as in decode_persistent_kernel: spans of items i..i+2, token scalars of i and i+1.
   const int64_t step = gridDim.x;
@@ -961,7 +991,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
     bool meets = false;
     Coord c;  // the item's place (64-bit divisions by H): formed once, with the check before the waits
     if constexpr (kCheckSlots) {
-      c = coord_of<TileT>(a, x);
+      c = coord_of<TileT>(a, int32_t(x), by_h);
       meets = live && (marked != nullptr ? uses_a_marked_slot(a, c.n, sp0, w0, marked) : shares_a_slot(a, c.n, sp0));
     }
     cp_async_wait_group<2>();                           // this thread's token copies of item i have landed
@@ -969,7 +999,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
     bool shared = false;
     if constexpr (kCheckSlots) shared = __syncthreads_or(meets);  // and everyone's token copies and answers
     else __syncthreads();                                          // and everyone's token copies
-    if constexpr (!kCheckSlots) c = coord_of<TileT>(a, x);
+    if constexpr (!kCheckSlots) c = coord_of<TileT>(a, int32_t(x), by_h);
 
     StateT* const rows = state0 + b * Layout::kStateElems;
     store_to = nullptr;

@@ -73,6 +73,9 @@ template <typename StateT, class TileT, bool kCheck>
 void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaStream_t stream) {
   using namespace sm90::decode;
   const int64_t items = num_heads * TileT::kCtasPerHead;
+  // The kernel's item numbers are 32-bit (coord_of with H's FastDiv32), as the tile kernels' CTAs.
+  FLASHKDA_CHECK(items <= std::numeric_limits<int32_t>::max(), ErrorCode::kUnsupported, "decode: num_seqs * H = ",
+                 num_heads, " exceeds the GPU backend's item limit");
   const size_t smem = PersistentLayout<TileT, StateT>::bytes(args.stage_tokens);
   auto kernel = decode_persistent_kernel<StateT, TileT, kCheck>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
@@ -106,6 +109,9 @@ void launch_bulk(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaSt
   using namespace sm90::decode;
   using TileT = BulkTile<StateT>;
   const int64_t items = num_heads * TileT::kCtasPerHead;
+  // The kernel's item numbers are 32-bit (coord_of with H's FastDiv32), as the tile kernels' CTAs.
+  FLASHKDA_CHECK(items <= std::numeric_limits<int32_t>::max(), ErrorCode::kUnsupported, "decode: num_seqs * H = ",
+                 num_heads, " exceeds the GPU backend's item limit");
   const size_t smem = BulkLayout<TileT, StateT, kRing>::bytes(args.stage_tokens);
   auto kernel = decode_bulk_kernel<StateT, TileT, kRing, kCheck>;
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
