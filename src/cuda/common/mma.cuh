@@ -16,11 +16,11 @@
 namespace flashkda::cuda {
 
 // Split x = hi + lo with both halves bf16: hi*b + lo*b carries ~16 mantissa bits of x.
+// (hi's halves read back by shifts and masks: the bf16x2 -> float2 conversion cost two PRMT a pair
+// that rebuilt the same register.)
 __device__ __forceinline__ void split_bf16x2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
-  __nv_bfloat162 h = __floats2bfloat162_rn(x0, x1);
-  float2 hf = __bfloat1622float2(h);
-  hi = *reinterpret_cast<uint32_t*>(&h);
-  lo = pack_bf16x2(x0 - hf.x, x1 - hf.y);
+  hi = pack_bf16x2(x0, x1);
+  lo = pack_bf16x2(x0 - bf16_lo(hi), x1 - bf16_hi(hi));
 }
 
 // The same split with hi = x truncated to bf16 (x with its low 16 bits cleared): 6 instructions

@@ -83,6 +83,10 @@ struct WarpgroupSync {  // the 128 threads of one warpgroup, named barrier kId (
 struct NoMarks {
   __device__ __forceinline__ void operator()(int) const {}
 };
+// produce_chunk's after_factors and l_mqk_product's in_flight by default: nothing.
+struct NoAfter {
+  __device__ __forceinline__ void operator()() const {}
+};
 
 struct ThreadTile {
   float x[4][8];  // [token r][channel e]
@@ -206,13 +210,25 @@ __device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows,
   if (tid < kChunk) sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
 }
 
-// The head's gate constants: dt_bias (0 where absent) and e^{A_log[h]}, read by gate_chunk from
-// global memory or, in a kernel that walks many chunks of one head, once into shared memory
-// (sm_gate: [128] dt_bias, then a_scale; followed by a barrier before use).
+// The head's gate constants, read by gate_chunk from global memory or, in a kernel that walks many
+// chunks of one head, once into shared memory (sm_gate; followed by a barrier before use): for the
+// lower-bound gate its one fma's operands (LowerBoundConsts: [128] dt_bias · c, then c, lb2), for
+// softplus [128] dt_bias (0 where absent), then e^{A_log[h]}.
+struct LowerBoundConsts {
+  float c, lb2;  // -e^{A_log[h]} log2 e and lower_bound log2 e
+};
+__device__ __forceinline__ LowerBoundConsts lower_bound_consts(const ProduceArgs& p, int h) {
+  return {-(__expf(p.A_log[h]) * kLog2e), p.lower_bound * kLog2e};
+}
 template <GateForm kGate>
 __device__ __forceinline__ void load_gate_consts(const ProduceArgs& p, int h, int tid, float* sm_gate) {
-  if constexpr (kGate != GateForm::kPrecomputed) {
-    sm_gate[tid] = p.dt_bias != nullptr ? p.dt_bias[int64_t(h) * kHeadDim + tid] : 0.f;
+  const float bias = kGate != GateForm::kPrecomputed && p.dt_bias != nullptr ? p.dt_bias[int64_t(h) * kHeadDim + tid] : 0.f;
+  if constexpr (kGate == GateForm::kLowerBound) {
+    const LowerBoundConsts k = lower_bound_consts(p, h);
+    sm_gate[tid] = bias * k.c;
+    if (tid == 0) sm_gate[kHeadDim] = k.c, sm_gate[kHeadDim + 1] = k.lb2;
+  } else if constexpr (kGate != GateForm::kPrecomputed) {
+    sm_gate[tid] = bias;
     if (tid == 0) sm_gate[kHeadDim] = __expf(p.A_log[h]);
   }
 }
@@ -221,34 +237,47 @@ template <GateForm kGate>
 __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows, int tid, ThreadTile& q,
                                            ThreadTile& k, ThreadTile& a, const float* sm_gate) {
   const int warp = tid >> 5, lane = tid & 31;
-  float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  float a_scale = 0.f;
-  if constexpr (kGate != GateForm::kPrecomputed) {
-    if (sm_gate != nullptr) {
-      const float4* b = reinterpret_cast<const float4*>(sm_gate + tile_channel(lane));
-      const float4 b0 = b[0], b1 = b[1];
-      bias[0] = b0.x, bias[1] = b0.y, bias[2] = b0.z, bias[3] = b0.w, bias[4] = b1.x, bias[5] = b1.y, bias[6] = b1.z,
-      bias[7] = b1.w;
-      a_scale = sm_gate[kHeadDim];
-    } else {
-      if (p.dt_bias != nullptr) load8<true>(p.dt_bias, int64_t(h) * kHeadDim + tile_channel(lane), bias);
-      a_scale = __expf(p.A_log[h]);
-    }
-  }
-  const float lb2 = p.lower_bound * kLog2e, a_scale2 = a_scale * kLog2e;
   if constexpr (kGate == GateForm::kLowerBound) {
     // gate.h's lower_bound, lb2 / (1 + e^{-a_scale (g + bias)}), with its exponent in log2 units
     // as one fma a channel, g (-a_scale log2 e) + bias (-a_scale log2 e), where gate.h's form takes
-    // an add and two multiplies (a fused kernel's chain: 64 instructions a thread and chunk fewer).
-    const float c = -a_scale2;
-    float bc[8];
+    // an add and two multiplies (a fused kernel's chain: 64 instructions a thread and chunk fewer);
+    // bias (-a_scale log2 e), -a_scale log2 e and lb2 from load_gate_consts where the kernel walks
+    // many chunks of the head (recomputed every chunk, they cost the producer ~11 instructions a warp).
+    float bc[8], c, lb2;
+    if (sm_gate != nullptr) {
+      const float4* b = reinterpret_cast<const float4*>(sm_gate + tile_channel(lane));
+      const float4 b0 = b[0], b1 = b[1];
+      bc[0] = b0.x, bc[1] = b0.y, bc[2] = b0.z, bc[3] = b0.w, bc[4] = b1.x, bc[5] = b1.y, bc[6] = b1.z, bc[7] = b1.w;
+      const float2 cl = *reinterpret_cast<const float2*>(sm_gate + kHeadDim);
+      c = cl.x, lb2 = cl.y;
+    } else {
+      float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      if (p.dt_bias != nullptr) load8<true>(p.dt_bias, int64_t(h) * kHeadDim + tile_channel(lane), bias);
+      const LowerBoundConsts kc = lower_bound_consts(p, h);
+      c = kc.c, lb2 = kc.lb2;
 #pragma unroll
-    for (int e = 0; e < 8; ++e) bc[e] = bias[e] * c;
+      for (int e = 0; e < 8; ++e) bc[e] = bias[e] * c;
+    }
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
       for (int e = 0; e < 8; ++e) a.x[r][e] = ProduceMath::quot(lb2, 1.f + ex2(fmaf(a.x[r][e], c, bc[e])));
   } else {
+    float bias[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    float a_scale = 0.f;
+    if constexpr (kGate != GateForm::kPrecomputed) {
+      if (sm_gate != nullptr) {
+        const float4* b = reinterpret_cast<const float4*>(sm_gate + tile_channel(lane));
+        const float4 b0 = b[0], b1 = b[1];
+        bias[0] = b0.x, bias[1] = b0.y, bias[2] = b0.z, bias[3] = b0.w, bias[4] = b1.x, bias[5] = b1.y, bias[6] = b1.z,
+        bias[7] = b1.w;
+        a_scale = sm_gate[kHeadDim];
+      } else {
+        if (p.dt_bias != nullptr) load8<true>(p.dt_bias, int64_t(h) * kHeadDim + tile_channel(lane), bias);
+        a_scale = __expf(p.A_log[h]);
+      }
+    }
+    const float a_scale2 = a_scale * kLog2e;
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
@@ -288,7 +317,7 @@ __device__ __forceinline__ void qk_row_scales(const ProduceArgs& p, int tid, int
     const float inv = rsqrtf(s1 + 1e-6f) * (b3 ? 1.f : p.scale);
 #pragma unroll
     for (int slot = 0; slot < 8; ++slot)
-      sq[slot] = __shfl_sync(0xffffffffu, inv, (lane & 16) + ((slot >> 2) << 3) + (((slot >> 1) & 1) << 2) + ((slot & 1) << 1));
+      sq[slot] = __shfl_sync(0xffffffffu, inv, ((slot >> 2) << 3) + (((slot >> 1) & 1) << 2) + ((slot & 1) << 1), 16);
   } else {
 #pragma unroll
     for (int r = 0; r < 4; ++r) sq[r] = p.scale, sq[r + 4] = 1.f;
@@ -530,8 +559,12 @@ __device__ __forceinline__ void wgmma_l_mqk(uint64_t da, uint64_t db, float (&d)
 // holds rows 16w + g (+8), columns 8n + 2t (+1) (docs/notes/wgmma.md d). tf32 operands, 16 k-steps
 // of 8 channels (32 bytes: four a 128-byte block of 32 channels), one product each (the bf16 split
 // before took three a 16-channel step: docs/DESIGN.md "Prefill v2", the tf32 L and Mqk). The
-// operand stores must be fenced to the async proxy and behind a barrier.
-__device__ __forceinline__ void l_mqk_product(const uint8_t* scratch, float (&d)[16]) {
+// operand stores must be fenced to the async proxy and behind a barrier. in_flight() runs while the
+// products are in flight (produce_chunk's after_factors: the fused kernel's refill of its staged
+// inputs, ~36 instructions of warp 1 that the warpgroup's first wgmma otherwise waited for).
+template <class InFlight = NoAfter>
+__device__ __forceinline__ void l_mqk_product(const uint8_t* scratch, float (&d)[16],
+                                              const InFlight& in_flight = InFlight{}) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(d[i]);
   cute::warpgroup_arrive();
@@ -544,6 +577,7 @@ __device__ __forceinline__ void l_mqk_product(const uint8_t* scratch, float (&d)
     wgmma_l_mqk(da + oa, db + ob, d, s > 0);
   }
   cute::warpgroup_commit_batch();
+  in_flight();
   cute::warpgroup_wait<0>();
 #pragma unroll
   for (int i = 0; i < 16; ++i) cute::warpgroup_fence_operand(d[i]);
@@ -559,27 +593,45 @@ __device__ __forceinline__ void store_split_scalar(uint8_t* hi_tile, uint8_t* lo
 }
 
 // Warps 0, 1: L = b_i d (i > j) into sm_L (fp32); warps 2, 3: Mqk = d (i >= j), split, into the
-// record. Followed by a barrier before sm_L is read.
-__device__ __forceinline__ void store_l_mqk(int tid, const float (&d)[16], const float* sm_beta, float* sm_L,
-                                            uint8_t* rec) {
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int n = 0; n < 4; ++n)
+// record. Followed by a barrier before sm_L is read. kOdd = warp & 1 (rows 16-31) as a compile-time
+// constant, so that the blocks whose mask is the same in every lane need no compare, and the
+// warp-uniform choice outside the unrolled loop (inside it, each step paid a branch and reloaded
+// beta: ~40 instructions a warp and chunk).
+template <int kOdd>
+__device__ __forceinline__ void store_l_mqk_rows(int warp, int g, int t4, const float (&d)[16], const float* sm_beta,
+                                                 float* sm_L, uint8_t* rec) {
+  if (warp < 2) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int i = 16 * (warp & 1) + g + 8 * half, j = 8 * n + 2 * t4;
-      const float x0 = d[4 * n + 2 * half], x1 = d[4 * n + 2 * half + 1];
-      if (warp < 2) {
-        const float b = sm_beta[i];
+      const int i = 16 * kOdd + g + 8 * half;
+      const float b = sm_beta[i];
+#pragma unroll
+      for (int n = 0; n < 4; ++n) {
+        const int j = 8 * n + 2 * t4;
+        const float x0 = d[4 * n + 2 * half], x1 = d[4 * n + 2 * half + 1];
         *reinterpret_cast<float2*>(sm_L + i * ProduceScratch::kLStride + j) =
             make_float2(i > j ? b * x0 : 0.f, i > j + 1 ? b * x1 : 0.f);
-      } else {
+      }
+    }
+  } else {
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = 16 * kOdd + g + 8 * half, j = 8 * n + 2 * t4;
+        const float x0 = d[4 * n + 2 * half], x1 = d[4 * n + 2 * half + 1];
         uint32_t hi, lo;
         split_bf16x2(i >= j ? x0 : 0.f, i >= j + 1 ? x1 : 0.f, hi, lo);
         *reinterpret_cast<uint32_t*>(rec + ChunkOperands::kOffMqk + sw64_offset(i, j)) = hi;
         *reinterpret_cast<uint32_t*>(rec + ChunkOperands::kOffMqkLo + sw64_offset(i, j)) = lo;
       }
-    }
+  }
+}
+__device__ __forceinline__ void store_l_mqk(int tid, const float (&d)[16], const float* sm_beta, float* sm_L,
+                                            uint8_t* rec) {
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, t4 = lane & 3;
+  if (warp & 1) store_l_mqk_rows<1>(warp, g, t4, d, sm_beta, sm_L, rec);
+  else store_l_mqk_rows<0>(warp, g, t4, d, sm_beta, sm_L, rec);
 }
 
 // sum_m row[m] x[m] over 16 entries, in order; row 16-byte aligned (read four at a time).
@@ -689,8 +741,9 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // mbarrier arrival).
 // kStaged: the chunk's inputs already in shared memory at `staged` (issue_chunk_rows, copies
 // complete; a last chunk's rows past the end zeroed in place: zero_staged_tail), read where
-// they are used; after the factors' barrier no thread reads them again and
-// after_factors() runs (the fused kernel refills the buffer there). Else loaded from global memory.
+// they are used; after the factors' barrier no thread reads them again, and after_factors() runs
+// while the L/Mqk products are in flight (the fused kernel refills the buffer there). Else loaded
+// from global memory.
 // beta_raw: the chunk's raw beta (load_beta_raw) where staged or beta_ahead, else loaded here.
 // sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
 // kInvert false: the record's inv_b is left to its consumers; L (fp32, [32][kLStride]) and beta
@@ -698,9 +751,6 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // ends after their stores (fenced for the async proxy, no barrier).
 constexpr int kLBetaOffBeta = kChunk * ProduceScratch::kLStride;
 constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
-struct NoAfter {
-  __device__ __forceinline__ void operator()() const {}
-};
 template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
           class AfterFactors = NoAfter>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
@@ -740,11 +790,10 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   else build_factors(tid, q, k, a, offset, gamma, rec, scratch);
   fence_proxy_async_shared();
   Sync::sync();
-  after_factors();
   mark(4);
 
   float d[16];
-  l_mqk_product(scratch, d);
+  l_mqk_product(scratch, d, after_factors);
   mark(5);
   float* const sm_L = kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffL) : l_beta;
   store_l_mqk(tid, d, sm_beta, sm_L, rec);
