@@ -68,6 +68,11 @@ __device__ __forceinline__ float exp_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
   return y;
 }
+__device__ __forceinline__ float ex2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 __device__ __forceinline__ float fast_rcp(float x) {
   float y;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -113,21 +118,30 @@ __device__ __forceinline__ void gemm_tk_split(const uint4 (&X)[2][kTileBytes / 1
     const int u = s * 32 + (lane ^ tk_swizzle(s));  // unit_tk(lane / 4, 4 s + lane % 4)
     const uint4 xh = X[0][u], xl = X[1][u];
     const uint4 yh = Y[0][u], yl = Y[1][u];
-    const uint32_t ah[4] = {xh.x, xh.z, xh.y, xh.w}, al[4] = {xl.x, xl.z, xl.y, xl.w};
+    // X's units hold an A fragment's registers in order (store_tk_split<true>): no moves before the mma
+    const uint32_t ah[4] = {xh.x, xh.y, xh.z, xh.w}, al[4] = {xl.x, xl.y, xl.z, xl.w};
     mma_bf16_n16(acc[0], acc[1], ah, yh);
     mma_bf16_n16(acc[0], acc[1], ah, yl);
     mma_bf16_n16(acc[0], acc[1], al, yh);
   }
 }
 
+// kAOrder: the operand is gemm_tk_split's X (ops 0 and 1), whose unit u holds an mma A fragment's
+// four registers (rows t and t + 8, channel pairs 01 and 23) in the order the mma takes them.
+template <bool kAOrder = false>
 __device__ __forceinline__ void store_tk_split(uint4* dst_hi, uint4* dst_lo, const float (&x)[4][4], int warp, int lane) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const uint2 a = split_pair(x[r][0], x[r][1]), b = split_pair(x[r][2], x[r][3]);
     const uint2 c = split_pair(x[r + 2][0], x[r + 2][1]), d = split_pair(x[r + 2][2], x[r + 2][3]);
     const int u = unit_tk(2 * warp + r, lane);
-    dst_hi[u] = make_uint4(a.x, b.x, c.x, d.x);
-    dst_lo[u] = make_uint4(a.y, b.y, c.y, d.y);
+    if constexpr (kAOrder) {
+      dst_hi[u] = make_uint4(a.x, c.x, b.x, d.x);
+      dst_lo[u] = make_uint4(a.y, c.y, b.y, d.y);
+    } else {
+      dst_hi[u] = make_uint4(a.x, b.x, c.x, d.x);
+      dst_lo[u] = make_uint4(a.y, b.y, c.y, d.y);
+    }
   }
 }
 
@@ -235,6 +249,7 @@ template <class Split, class Sync>
 __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, uint8_t* g_rec, int h, int64_t slot,
                                               int64_t row0, int rows, int tid) {
   using Rec = RecordLayout<Split>;
+  __builtin_assume(tid >= 0 && tid < kPrepThreads);
   const int lane = tid & 31, warp = tid >> 5;
   const int H = p.H;
 
@@ -288,19 +303,35 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
 
   // L2 norms: each row's 128 channels live in one warp.
   float r_q_scale[4], r_k_scale[4], r_kk[4];  // r_kk: |k|^2 after the norm (transition skipping's bound)
+  float ss[8];  // |q_r|^2 (0-3), |k_r|^2 (4-7): this lane's parts
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
-    float sq = 0.f, sk = 0.f;
+    ss[r] = ss[r + 4] = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) sq += r_q[r][e] * r_q[r][e], sk += r_k[r][e] * r_k[r][e];
-    if (p.l2norm_qk) {
-      sq = group_sum<32>(sq), sk = group_sum<32>(sk);
-      r_q_scale[r] = rsqrtf(sq + 1e-6f) * p.scale, r_k_scale[r] = rsqrtf(sk + 1e-6f);
-      r_kk[r] = sk * r_k_scale[r] * r_k_scale[r];
-    } else {
-      r_q_scale[r] = p.scale, r_k_scale[r] = 1.f;
-      r_kk[r] = p.chunk_bound != nullptr ? group_sum<32>(sk) : 0.f;
+    for (int e = 0; e < 4; ++e) ss[r] += r_q[r][e] * r_q[r][e], ss[r + 4] += r_k[r][e] * r_k[r][e];
+  }
+  if (p.l2norm_qk) {
+    // The eight row sums by one reduce-scatter (warp_sum8_scatter: group_sum<32>'s butterfly, the
+    // same operands in the same order, so the same sums; 21 shuffles instead of 40), then one
+    // rsqrt a lane and the scales broadcast from the lanes that hold them: value v (q rows 0-3, k
+    // rows 4-7) in lane 16 (v >> 2) + 8 ((v >> 1) & 1) + 4 (v & 1) (sum8_slot).
+    const float s = warp_sum8_scatter(ss, lane);
+    const float inv = rsqrtf(s + 1e-6f), scale = sum8_slot(lane) < 4 ? inv * p.scale : inv, kk = s * inv * inv;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      r_q_scale[r] = __shfl_sync(0xffffffffu, scale, 8 * (r >> 1) + 4 * (r & 1));
+      r_k_scale[r] = __shfl_sync(0xffffffffu, scale, 16 + 8 * (r >> 1) + 4 * (r & 1));
+      r_kk[r] = __shfl_sync(0xffffffffu, kk, 16 + 8 * (r >> 1) + 4 * (r & 1));
     }
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      r_q_scale[r] = p.scale, r_k_scale[r] = 1.f;
+      r_kk[r] = p.chunk_bound != nullptr ? group_sum<32>(ss[r + 4]) : 0.f;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) r_q[r][e] *= r_q_scale[r], r_k[r][e] *= r_k_scale[r];
   }
@@ -363,7 +394,8 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
       const float e_mid = exp_ftz(mid), e_gamma_mid = exp_ftz(r_Gamma[e] - mid);
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const float up = exp_ftz(r_G[r][e] - mid), down = exp_ftz(mid - r_G[r][e]);
+        const float d = (r_G[r][e] - mid) * 1.4426950408889634f;  // exp_ftz's scaling; -d == (mid - G) * log2e
+        const float up = ex2_ftz(d), down = ex2_ftz(-d);
         r_k_up[r][e] = r_k[r][e] * up;
         r_q[r][e] *= up;  // op_q
         r_k_down[r][e] = r_k[r][e] * down;
@@ -372,8 +404,8 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
         r_k_restored[r][e] = r_k_down[r][e] * e_gamma_mid;
       }
     }
-    store_tk_split(sm.ops[0][0], sm.ops[0][1], r_k_up, warp, lane);
-    store_tk_split(sm.ops[1][0], sm.ops[1][1], r_q, warp, lane);
+    store_tk_split<true>(sm.ops[0][0], sm.ops[0][1], r_k_up, warp, lane);
+    store_tk_split<true>(sm.ops[1][0], sm.ops[1][1], r_q, warp, lane);
     store_tk_split(sm.ops[2][0], sm.ops[2][1], r_k_down, warp, lane);
   } else {
 #pragma unroll
@@ -498,8 +530,10 @@ __device__ __forceinline__ void prepare_chunk(const Params& p, PrepareSmem& sm, 
     const float bj = sm.beta[j];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      const float val = r_x[i] * bj, hi = __bfloat162float(__float2bfloat16_rn(val));
-      store_bf16_at(sm.small[2], frag_index_small(i, j), hi);
+      const float val = r_x[i] * bj;
+      const __nv_bfloat16 hb = __float2bfloat16_rn(val);
+      const float hi = __bfloat162float(hb);
+      *reinterpret_cast<__nv_bfloat16*>(sm.small[2] + frag_index_small(i, j)) = hb;
       if constexpr (Split::factors) store_bf16_at(sm.small[3], frag_index_small(i, j), val - hi);
     }
     if (p.chunk_bound != nullptr && p.bound_transitions) {

@@ -193,9 +193,7 @@ constexpr int kPrepCtasPerSm = 6;
 
 // Chunk slot and head b = slot * H + h; false past the last chunk.
 template <class Split>
-__device__ __forceinline__ bool prepare_slot(const Params& p, uint8_t* smem_raw, int64_t b) {
-  const int h = int(b % p.H);
-  const int64_t slot = b / p.H;
+__device__ __forceinline__ bool prepare_at(const Params& p, uint8_t* smem_raw, int64_t slot, int h) {
   int64_t row0;
   int rows;
   if (!locate_chunk(p, slot, row0, rows)) return false;
@@ -203,6 +201,11 @@ __device__ __forceinline__ bool prepare_slot(const Params& p, uint8_t* smem_raw,
                                 p.records + (slot * p.H + h) * RecordLayout<Split>::kBytes, h, slot, row0, rows,
                                 int(threadIdx.x));
   return true;
+}
+template <class Split>
+__device__ __forceinline__ bool prepare_slot(const Params& p, uint8_t* smem_raw, uint32_t b) {  // b < 2^31
+  const uint32_t H = uint32_t(p.H);
+  return prepare_at<Split>(p, smem_raw, int64_t(b / H), int(b % H));
 }
 
 // kStrided (launch_prepare, where K0 may give the call to the fused kernel: Params::fused_sms):
@@ -217,9 +220,16 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) prepare_kernel(c
   if (pieces_ran(p)) return;
   if constexpr (kStrided) {
     if (call_fused(p)) return;
-    for (int64_t b = blockIdx.x; b < p.chunk_slots * p.H; b += gridDim.x) {
-      if (b != blockIdx.x) __syncthreads();  // every thread done with the previous chunk's shared memory
-      if (!prepare_slot<Split>(p, smem_raw, b)) return;  // and every later slot
+    // b = slot * H + h stepped by gridDim.x < chunk_slots * H < 2^31: (slot, h) carried, one division.
+    const uint32_t H = uint32_t(p.H), step = gridDim.x, dh = step % H;
+    const int64_t dslot = step / H, total = p.chunk_slots * p.H;
+    uint32_t h = blockIdx.x % H;
+    int64_t slot = blockIdx.x / H;
+    for (int64_t b = blockIdx.x; b < total; b += step) {
+      if (!prepare_at<Split>(p, smem_raw, slot, int(h))) return;  // and every later slot
+      __syncthreads();  // every thread done with this chunk's shared memory (and each warp reconverged)
+      h += dh, slot += dslot;
+      if (h >= H) h -= H, ++slot;
     }
   } else {
     prepare_slot<Split>(p, smem_raw, blockIdx.x);
