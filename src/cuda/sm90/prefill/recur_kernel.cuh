@@ -528,36 +528,85 @@ __device__ __forceinline__ void recur_body(const Params& p) {
 
   const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
-  // Chunk jc of the walk into its stage: the record by every thread's cp.async, or with kBulk by
-  // thread 0's bulk copy (issue_record), v by cp.async.
+  // kEarlyHead (three stages: the two-CTA kernels, 190 registers and more): the state's A fragments
+  // formed before the chunk's barrier and the bulk refill issued under the W and O products (the
+  // serial head from the last update to the first wgmma ~163 -> ~70 instructions), the v, record and
+  // output addresses carried from chunk to chunk, v read and the output staged by ldmatrix /
+  // stmatrix. At three CTAs an SM (168 registers, two stages) the values these keep live cost
+  // spills and serialised wgmmas (ptxas), so that kernel keeps the former code.
+  constexpr bool kEarlyHead = kStages >= 3;
+  // v: one 16-byte unit per thread and chunk (token lv_t, part lv_part), its source advanced by a
+  // chunk per fetch (chunks are fetched in order); rows past the sequence end zero-filled from the
+  // chunk's first row, as load_v does. (kVCols = 16 kWarps columns: 2 kVCols threads.)
+  constexpr int kVUnits = Smem::kVCols / 8;
+  static_assert(kChunk * kVUnits == kWarps * 32, "one v unit per thread");
+  const int lv_t = threadIdx.x / kVUnits, lv_part = threadIdx.x % kVUnits;
+  const int64_t v_token_step = int64_t(p.H) * kHeadDim;  // elements from one token to the next
+  const __nv_bfloat16* v_src =
+      static_cast<const __nv_bfloat16*>(p.v) + ((sc.bos + lv_t) * p.H + h) * kHeadDim + v_base + lv_part * 8;
+  const int64_t v_back = lv_t * v_token_step;  // to the chunk's first row
+  int64_t v_token = sc.bos + lv_t;
+  const uint32_t v_dst0 = smem_addr(&sm.stage[0].v[lv_t][lv_part * 8]);
+  constexpr uint32_t kStageBytes = sizeof(typename Smem::Stage);
   if constexpr (kBulk) init_record_barriers<kStages>(sm);
-  auto fetch = [&](int64_t jc) {
-    if constexpr (kBulk) {
-      typename Smem::Stage& st = sm.stage[jc % kStages];
+  const uint8_t* rec_src = p.records + ((sc.chunk_begin) * p.H + h) * int64_t(RecordLayout<Split>::kBytes);
+  const int64_t rec_step = int64_t(p.H) * RecordLayout<Split>::kBytes;
+  auto fetch = [&](int64_t jc, int st_idx) {
+    if constexpr (kBulk && !kEarlyHead) {
+      typename Smem::Stage& st = sm.stage[st_idx];
       if (threadIdx.x == 0) issue_record<Split, kStages>(sm, st.record, p, sc.chunk_begin + jc, h, jc);
       if (!transition_rows) load_v<Smem>(st, p, h, sc.bos + jc * kChunk, chunk_rows(jc), v_base);
+    } else if constexpr (kBulk) {
+      typename Smem::Stage& st = sm.stage[st_idx];
+      if (threadIdx.x == 0) {
+        uint64_t* full = &sm.full[st_idx];
+        mbarrier_arrive_expect_tx(full, RecordLayout<Split>::kBytes);
+        bulk_copy(st.record, rec_src, RecordLayout<Split>::kBytes, full);
+      }
+      rec_src += rec_step;
+      if (!transition_rows) {
+        const bool valid = v_token < sc.eos;
+        const uint32_t dst = v_dst0 + st_idx * kStageBytes;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(valid ? v_src : v_src - v_back),
+                     "r"(valid ? 16 : 0) : "memory");
+        v_src += kChunk * v_token_step, v_token += kChunk;
+      }
     } else {
-      load_stage<Smem, Split>(sm.stage[jc % kStages], p, sc.chunk_begin + jc, h, sc.bos + jc * kChunk,
+      load_stage<Smem, Split>(sm.stage[st_idx], p, sc.chunk_begin + jc, h, sc.bos + jc * kChunk,
                               chunk_rows(jc), v_base, !transition_rows);
     }
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
-    if (s < num_chunks) fetch(s);
+    if (s < num_chunks) fetch(s, s);
     cp_async_commit();
   }
+  int stage = 0;         // chunk j's stage
+  uint32_t phase = 0;    // parity of its full barrier's phase
+  // Output destinations of chunk j, advanced a chunk per iteration.
+  float* seg_dst = kSeg ? p.seg_out + (sc.chunk_begin * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16 : nullptr;
+  const int64_t seg_step = int64_t(p.H) * kSegOutFloats;
+  const int o_t = lane >> 1, o_part = lane & 1;
+  __nv_bfloat16* out_dst = static_cast<__nv_bfloat16*>(p.out) + ((sc.bos + o_t) * p.H + h) * kHeadDim + v_base +
+                           warp * 16 + o_part * 8;
+  const int64_t out_step = int64_t(kChunk) * p.H * kHeadDim;
+  int64_t out_token = sc.bos + o_t;
 
   for (int64_t j = 0; j < num_chunks; ++j) {
+    uint32_t r_S_hi[kKSteps][4], r_S_lo[kKSteps][4];
+    if constexpr (kEarlyHead) state_fragments<kSplitS, Split::f16>(r_S, r_S_hi, r_S_lo);  // no shared memory
     cp_async_wait_group<kStages - 2>();
     if constexpr (!kBulk) fence_proxy_async_smem();
     __syncthreads();
-    {
+    if constexpr (!kBulk || !kEarlyHead) {
       const int64_t jn = j + kStages - 1;  // into the stage of chunk j - 1, which every thread has read
-      if (jn < num_chunks) fetch(jn);
+      if (jn < num_chunks) fetch(jn, int(jn % kStages));
       cp_async_commit();
     }
-    if constexpr (kBulk) mbarrier_wait(&sm.full[j % kStages], uint32_t(j / kStages) & 1);
-    const typename Smem::Stage& s_stage = sm.stage[j % kStages];
+    // chunk j's stage and its full barrier's phase (kEarlyHead: counters, else from j as before)
+    const int st_j = kEarlyHead ? stage : int(j % kStages);
+    if constexpr (kBulk) mbarrier_wait(&sm.full[st_j], kEarlyHead ? phase : uint32_t(j / kStages) & 1);
+    const typename Smem::Stage& s_stage = sm.stage[st_j];
     const uint8_t* s_rec = s_stage.record;
 
     // W^T = S^T k_decayed^T and O^T = S^T [q_decayed | q_decayed_lo]^T over K = 128 (8 k-steps), as two wgmma groups:
@@ -565,8 +614,7 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     // warp forms u and U. A split S adds S_lo^T k_decayed^T to W and S_lo^T q_decayed^T to O (a
     // second O accumulator: different wgmma shapes never share one); a split q_decayed widens
     // the O product to [q_decayed | q_decayed_lo] (n = 32).
-    uint32_t r_S_hi[kKSteps][4], r_S_lo[kKSteps][4];
-    state_fragments<kSplitS, Split::f16>(r_S, r_S_hi, r_S_lo);
+    if constexpr (!kEarlyHead) state_fragments<kSplitS, Split::f16>(r_S, r_S_hi, r_S_lo);
     const uint64_t desc_w = smem_desc(s_rec + Rec::kOffWo, Rec::kWoLbo, Rec::kWoSbo);  // rows 0..15: k_decayed
     const uint64_t desc_o = desc_w + ((2 * Rec::kWoSbo) >> 4);  // rows 16..: q_decayed (and q_decayed_lo)
     constexpr uint64_t kStep = Rec::kWoStepBytes >> 4;
@@ -590,6 +638,11 @@ __device__ __forceinline__ void recur_body(const Params& p) {
       if constexpr (kSplitS) wgmma<WgmmaN16>(r_S_lo[s], desc_o + s * kStep, r_O_lo_acc, s > 0);
     }
     cute::warpgroup_commit_batch();
+    if constexpr (kBulk && kEarlyHead) {  // the refill of chunk j - 1's stage, under the W and O products
+      const int64_t jn = j + kStages - 1;
+      if (jn < num_chunks) fetch(jn, stage == 0 ? kStages - 1 : stage - 1);
+      cp_async_commit();
+    }
     cute::warpgroup_wait<1>();
     fence_regs(r_W_acc);
     bool o_fp32 = false;  // the range guard's fallback: O^T too, once the whole warpgroup waits for it
@@ -613,14 +666,30 @@ __device__ __forceinline__ void recur_body(const Params& p) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) r_u[nt][e] = r_W_acc[4 * nt + e];
 
-    // u^T = v^T - W^T (v = 0 on transition rows), then U^T = u^T inv_b^T.
+    // u^T = v^T - W^T (v = 0 on transition rows), then U^T = u^T inv_b^T. v^T in the accumulator
+    // layout by one ldmatrix.trans: matrix 2 nt + eh holds tokens 8 nt.., columns 8 eh.. of this
+    // warp's 16, so lane (g, t4) gets tokens 8 nt + 2 t4 + {0, 1} of column g + 8 eh.
+    uint32_t r_v[4] = {0u, 0u, 0u, 0u};
+    if (kEarlyHead && !transition_rows) {
+      const int m = lane >> 3, r = lane & 7;
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(r_v[0]), "=r"(r_v[1]), "=r"(r_v[2]), "=r"(r_v[3])
+                   : "r"(smem_addr(&s_stage.v[8 * (m >> 1) + r][warp * 16 + 8 * (m & 1)]))
+                   : "memory");
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int t = nt * 8 + 2 * t4 + (e & 1);
-        const int col = warp * 16 + g + 8 * (e >> 1);
-        const float vt = transition_rows ? 0.f : __bfloat162float(s_stage.v[t][col]);
+        float vt;
+        if constexpr (kEarlyHead) {
+          const uint32_t vv = r_v[2 * nt + (e >> 1)];
+          vt = __uint_as_float((e & 1) ? (vv & 0xffff0000u) : (vv << 16));
+        } else {
+          const int t = nt * 8 + 2 * t4 + (e & 1);
+          const int col = warp * 16 + g + 8 * (e >> 1);
+          vt = transition_rows ? 0.f : __bfloat162float(s_stage.v[t][col]);
+        }
         if constexpr (Split::f16) r_u[nt][e] = fmaf(vt, rs.m[e >> 1], -r_u[nt][e]);  // u_st = m v - W_st
         else r_u[nt][e] = vt - r_u[nt][e];
       }
@@ -685,7 +754,8 @@ __device__ __forceinline__ void recur_body(const Params& p) {
         for (int e = 0; e < 4; ++e)
           sm.out32[kSeg ? warp : 0][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = r_O[nt][e] * rs.inv[e >> 1];
       __syncwarp();
-      float* dst = p.seg_out + ((sc.chunk_begin + j) * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16;
+      float* dst = kEarlyHead ? seg_dst
+                              : p.seg_out + ((sc.chunk_begin + j) * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int unit = lane + 32 * i, t = unit >> 2, part = unit & 3;
@@ -694,21 +764,35 @@ __device__ __forceinline__ void recur_body(const Params& p) {
       }
     } else {
       // Output: stage O^T as [t][16 v] in this warp's tile, then one 16-byte store per lane.
-      const int rows = chunk_rows(j);
+      // kEarlyHead: by stmatrix.trans: matrix 2 nt + eh is rows (tokens) 8 nt.., columns 8 eh..;
+      // lane (g, t4) gives tokens 8 nt + 2 t4 + {0, 1} of column g + 8 eh (the same roundings).
+      if constexpr (kEarlyHead) {
+        uint32_t r_o16[4];
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
+        for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(r_O[nt][e] * rs.inv[e >> 1]);
+          for (int eh = 0; eh < 2; ++eh)
+            r_o16[2 * nt + eh] = pack_bf16x2(r_O[nt][2 * eh] * rs.inv[eh], r_O[nt][2 * eh + 1] * rs.inv[eh]);
+        const int m = lane >> 3, r = lane & 7;
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(
+                         smem_addr(&sm.out[warp][8 * (m >> 1) + r][8 * (m & 1)])),
+                     "r"(r_o16[0]), "r"(r_o16[1]), "r"(r_o16[2]), "r"(r_o16[3])
+                     : "memory");
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            sm.out[warp][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = __float2bfloat16_rn(r_O[nt][e] * rs.inv[e >> 1]);
+      }
       __syncwarp();
       {
-        const int t = lane >> 1, part = lane & 1;
-        if (t < rows) {
-          const int64_t row = sc.bos + j * kChunk + t;
-          __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + (row * p.H + h) * kHeadDim + v_base +
-                               warp * 16 + part * 8;
-          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sm.out[warp][t][part * 8]);
-        }
+        const bool in_seq = kEarlyHead ? out_token < sc.eos : o_t < chunk_rows(j);
+        __nv_bfloat16* const dst = kEarlyHead ? out_dst
+                                              : static_cast<__nv_bfloat16*>(p.out) +
+                                                    ((sc.bos + j * kChunk + o_t) * p.H + h) * kHeadDim + v_base +
+                                                    warp * 16 + o_part * 8;
+        if (in_seq) *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sm.out[warp][o_t][o_part * 8]);
       }
     }
     // The update must finish before S is read again and before the next iteration's barrier
@@ -740,6 +824,11 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     }
     if constexpr (Split::f16)
       if (j % kRenormChunks == 0) rs.renormalise(r_S);
+    if constexpr (kEarlyHead) {
+      if (++stage == kStages) stage = 0, phase ^= 1u;
+      if constexpr (kSeg) seg_dst += seg_step;
+      out_dst += out_step, out_token += kChunk;
+    }
   }
   cp_async_wait_all();
 
