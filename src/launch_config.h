@@ -73,9 +73,11 @@ struct PrefillLaunch {
   int fused_warmup = 0;      // with fused_pieces: the warm-up in 32-token chunks; 0 = 1
   int fused_order = 0;       // GPU, device cu_seqlens through the fused kernel: 0 = rule (K0 orders the
                              // sequences longest first, the CTAs take them in that order); -1 = the batch's order
-  int fused_chain = 0;       // with fused_pieces, a candidate: 1 = a piece whose warm-up does not bound its
-                             // transition waits for the piece before it and goes on from its end state
-                             // instead of stopping the call (prefill_v2 FusedArgs::pieces_chain); 0 = stop
+  int fused_chain = 0;       // GPU, chained pieces (prefill_v2 FusedArgs::pieces_chain: a piece whose warm-up
+                             // does not bound its transition waits for the piece before it and goes on from
+                             // its end state): 0 = rule (config.h fused_chain_pieces, where fused_pieces is 0;
+                             // forced fused_pieces stop the call instead); 1 = chain forced fused_pieces;
+                             // -1 = the rule's pieces off
 };
 
 struct DecodeLaunch {

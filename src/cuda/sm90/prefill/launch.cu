@@ -317,14 +317,15 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // never), else the rule's chained pieces (config.h fused_chain_pieces) for a call the fused kernel
 // takes by its rule (fused_v2 0; internal fused_chain -1 turns the rule off): B equal sequences
 // without cu_seqlens, or one sequence with them (its length is the call's T if they are valid; K0,
-// launched ahead of the pieces, refuses them otherwise); 0: none.
+// launched ahead of the pieces, refuses them otherwise); 0: none. Whether the fused kernel serves
+// the call in pieces is fused_pieces_area's test, for the forced count and the rule's alike.
 int64_t fused_pieces_count(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   if (launch.fused_pieces != 0) return launch.fused_pieces > 0 ? launch.fused_pieces : 0;
   const int64_t chunks = (p.T + kFusedChunk - 1) / kFusedChunk;
   const bool by_rule = p.cu_seqlens == nullptr ? fused_by_rule(p, launch)
                                                : detail::num_sequences(p) == 1 &&
                                                      fused_rule(p.H, chunks, p.T, sm_count(), fused_min_tokens(launch));
-  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || !by_rule || !sm90::prefill_v2::fused_pieces_serve(p)) return 0;
+  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || !by_rule) return 0;  // (fused_pieces_area: what serves)
   const int64_t pieces = fused_chain_pieces(p.H, p.B, chunks, sm_count());
   return pieces > 1 ? pieces : 0;
 }

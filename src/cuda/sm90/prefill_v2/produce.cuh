@@ -108,6 +108,12 @@ __device__ __forceinline__ void load8(const void* base, int64_t idx, float (&x)[
   }
 }
 
+// Eight consecutive floats of shared memory (16-byte aligned) into x.
+__device__ __forceinline__ void read8(const float* p, float (&x)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
 // q, k and the raw gate (fp32 when kF32Gate, else bf16) of this thread's rows; rows past the
 // chunk's end re-read the last valid row (all loads issue at once) and are zeroed by gate_chunk.
 // beta (logistic where a logit) into sm_beta by the first 32 threads.
@@ -199,10 +205,7 @@ __device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows,
   for (int r = 0; r < 4; ++r) {
     const int t = tile_token(warp, lane, r);
     if constexpr (kF32Gate) {
-      const float4* g = reinterpret_cast<const float4*>(buf + kStagedG + (t * kHeadDim + c0) * 4);
-      const float4 g0 = g[0], g1 = g[1];
-      a.x[r][0] = g0.x, a.x[r][1] = g0.y, a.x[r][2] = g0.z, a.x[r][3] = g0.w;
-      a.x[r][4] = g1.x, a.x[r][5] = g1.y, a.x[r][6] = g1.z, a.x[r][7] = g1.w;
+      read8(reinterpret_cast<const float*>(buf + kStagedG + (t * kHeadDim + c0) * 4), a.x[r]);
     } else {
       unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedG, t, c0)), a.x[r]);
     }
@@ -245,9 +248,7 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
     // many chunks of the head (recomputed every chunk, they cost the producer ~11 instructions a warp).
     float bc[8], c, lb2;
     if (sm_gate != nullptr) {
-      const float4* b = reinterpret_cast<const float4*>(sm_gate + tile_channel(lane));
-      const float4 b0 = b[0], b1 = b[1];
-      bc[0] = b0.x, bc[1] = b0.y, bc[2] = b0.z, bc[3] = b0.w, bc[4] = b1.x, bc[5] = b1.y, bc[6] = b1.z, bc[7] = b1.w;
+      read8(sm_gate + tile_channel(lane), bc);
       const float2 cl = *reinterpret_cast<const float2*>(sm_gate + kHeadDim);
       c = cl.x, lb2 = cl.y;
     } else {
@@ -267,10 +268,7 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
     float a_scale = 0.f;
     if constexpr (kGate != GateForm::kPrecomputed) {
       if (sm_gate != nullptr) {
-        const float4* b = reinterpret_cast<const float4*>(sm_gate + tile_channel(lane));
-        const float4 b0 = b[0], b1 = b[1];
-        bias[0] = b0.x, bias[1] = b0.y, bias[2] = b0.z, bias[3] = b0.w, bias[4] = b1.x, bias[5] = b1.y, bias[6] = b1.z,
-        bias[7] = b1.w;
+        read8(sm_gate + tile_channel(lane), bias);
         a_scale = sm_gate[kHeadDim];
       } else {
         if (p.dt_bias != nullptr) load8<true>(p.dt_bias, int64_t(h) * kHeadDim + tile_channel(lane), bias);
