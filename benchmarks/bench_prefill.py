@@ -463,6 +463,10 @@ def implementations(args):
     if args.candidates or args.fused_v2:  # prefill v2's fused kernel wherever it serves the call, and never
         impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
         impls.append(("flashkda chunk-16", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=-1))))
+    if args.fused_producers:  # two producer warpgroups in the fused kernel (a candidate; DESIGN.md "Prefill v2")
+        impls.append(("flashkda two producers", lambda x, s: run_flashkda(x, s, launch=dict(fused_producers=2))))
+        impls.append(("fused v2 two producers",
+                      lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1, fused_producers=2))))
     for pieces in args.fused_pieces:  # the fused kernel in pieces (a candidate; DESIGN.md "Prefill v2")
         impls.append((f"flashkda pieces {pieces}",
                       lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n,
@@ -569,6 +573,9 @@ def main():
                     help="also flashkda through prefill v2's fused chunk-32 kernel wherever it serves the call (one "
                          "sequence, the lower-bound gate, fp32 states: internal fused_v2 1; the rule runs it from "
                          "H >= 2/3 of the SMs), and through the chunk-16 kernels only (fused_v2 -1)")
+    ap.add_argument("--fused-producers", action="store_true",
+                    help="also the default call and the unsplit fused kernel with two producer warpgroups "
+                         "(internal fused_producers = 2, a candidate)")
     ap.add_argument("--fused-order", action="store_true",
                     help="also mixed lengths at H = 64 and 96 with K0's longest-first order of the sequences against "
                          "the batch's order (internal fused_order -1)")

@@ -78,6 +78,9 @@ struct PrefillLaunch {
                              // its end state): 0 = rule (config.h fused_chain_pieces, where fused_pieces is 0;
                              // forced fused_pieces stop the call instead); 1 = chain forced fused_pieces;
                              // -1 = the rule's pieces off
+  int fused_producers = 0;   // GPU, a candidate: the fused kernel's producer warpgroups, 2 = two building each
+                             // chunk together (prefill_v2 FusedArgs::producer_pair: the same bits, 512 threads;
+                             // not the persistent grid); 0 = rule (one)
 };
 
 struct DecodeLaunch {

@@ -54,18 +54,19 @@ struct V2Call {
   // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse;
+    bool staged, producer_regs, consumer_inverse, producer_pair;
   };
-  static constexpr int kModes = 9;
-  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false},
-                                              {"fused32 ", false, false, false},
-                                              {"fused32 staged ", true, false, false},
-                                              {"fused32 setmaxnreg ", false, true, false},
-                                              {"fused32 inverting consumers ", false, false, true},
-                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true},
-                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true},
-                                              {"fused32 staged, setmaxnreg ", true, true, false},
-                                              {"fused32 staged, inverting consumers ", true, false, true}};
+  static constexpr int kModes = 10;
+  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false, false},
+                                              {"fused32 ", false, false, false, false},
+                                              {"fused32 staged ", true, false, false, false},
+                                              {"fused32 setmaxnreg ", false, true, false, false},
+                                              {"fused32 inverting consumers ", false, false, true, false},
+                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true, false},
+                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true, false},
+                                              {"fused32 staged, setmaxnreg ", true, true, false, false},
+                                              {"fused32 staged, inverting consumers ", true, false, true, false},
+                                              {"fused32 two producer warpgroups ", true, true, true, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -74,6 +75,7 @@ struct V2Call {
       f.produce = pa, f.consume = ca, f.stage_inputs = m.staged;
       f.producer_regs = m.producer_regs;
       f.consumer_inverse = m.consumer_inverse;
+      f.producer_pair = m.producer_pair;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -1007,6 +1009,65 @@ void check_chained_pieces(const ChainedCase& c) {
   EXPECT_TRUE(got == graph_replay_bits(in, d_chained)) << "a graph replay's bits differ from the eager call's";
 }
 
+// Two producer warpgroups through the launch (internal fused_producers = 2, a candidate: FusedArgs::
+// producer_pair): the same bits as one on every path it takes, the unsplit kernel on one sequence
+// with a tail chunk, device cu_seqlens with an empty sequence (K0 first), a pool, pieces that skip
+// their start (random gates) and chained pieces (long memory), and the same bits again from a graph.
+TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
+  struct Case {
+    const char* name;
+    KdaOptions o;
+    int64_t pieces;
+    bool long_memory, pool;
+  };
+  auto options = [](int64_t T, int64_t H, std::vector<int64_t> seqlens = {}) {
+    KdaOptions o;
+    o.T = T, o.H = H, o.seqlens = std::move(seqlens), o.A_log_max = 0.0;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    return o;
+  };
+  const Case cases[] = {{"one sequence T=301", options(301, 3), 0, false, false},
+                        {"varlen with an empty sequence", options(0, 3, {100, 0, 301, 33, 64}), 0, false, false},
+                        {"pool", options(0, 3, {200, 77}), 0, false, true},
+                        {"pieces, random gates", options(2048, 4), 4, false, false},
+                        {"chained pieces, long memory", options(1000, 2), 4, true, false}};
+  for (const Case& c : cases) {
+    KdaInputs in(c.o);
+    if (c.long_memory)
+      for (int64_t ch = 0; ch < c.o.H * c.o.K; ch += 4) in.dt_bias[ch] = -30.f;
+    SCOPED_TRACE(std::string(c.name) + ": " + in.describe());
+    internal::PrefillLaunch one, two;
+    one.fused_v2 = 1;
+    if (c.pieces > 0) one.fused_pieces = c.pieces, one.fused_chain = 1;
+    two = one;
+    two.fused_producers = 2;
+    DeviceProblem d_one(in, one), d_two(in, two);
+    ASSERT_TRUE(fused_serves(d_one.params()));
+    if (c.pool) {  // slots 2, 0 of three (slot 1 named by none): the pool's bits after each call
+      constexpr int64_t P = 3;
+      const size_t state = size_t(c.o.H) * 128 * 128;
+      TestPool pool_one(P, state), pool_two(P, state);
+      const std::vector<int32_t> slots = {2, 0};
+      void* s_one = d_one.upload(slots.data(), slots.size() * 4);
+      void* s_two = d_two.upload(slots.data(), slots.size() * 4);
+      pool_one.run(d_one, s_one, one);
+      const test::HostTensor out_one = in.out;
+      pool_two.run(d_two, s_two, two);
+      EXPECT_TRUE(out_one.bytes == in.out.bytes) << "two producer warpgroups: other outputs through a pool";
+      const std::vector<float> after_one = pool_one.now(), after_two = pool_two.now();
+      EXPECT_EQ(std::memcmp(after_one.data(), after_two.data(), after_one.size() * 4), 0)
+          << "two producer warpgroups: another pool";
+      continue;
+    }
+    const std::vector<unsigned char> bits_one = run_bits(in, d_one), bits_two = run_bits(in, d_two);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    EXPECT_TRUE(bits_one == bits_two) << "two producer warpgroups: other bits";
+    if (c.pieces > 0) EXPECT_FALSE(pieces_stopped(d_two)) << "the pieces' flag";
+    EXPECT_TRUE(bits_two == graph_replay_bits(in, d_two)) << "a graph replay's bits differ from the eager call's";
+  }
+}
+
 // The same at H = 96, 384 pieces over three waves of the GPU: the tickets (no piece waits forever).
 // Apart from FusedPiecesChained so that the pending sanitizers can leave it out (their time).
 TEST_F(Prefill32Gpu, FusedPiecesChainedOverWaves) {
@@ -1439,16 +1500,19 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
   // Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) in eight
-  // variants (inputs loaded or staged by TMA, setmaxnreg or not, the consumers inverting or not).
+  // variants (inputs loaded or staged by TMA, setmaxnreg or not, the consumers inverting or not) and
+  // the candidate with two producer warpgroups (the producer's clocks: warpgroup 0's thread 0).
   long long* clocks = nullptr;
   ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * o.H), cudaSuccess);
-  for (int variant = 0; variant < 8; ++variant) {
-    const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
+  for (int variant = 0; variant < 9; ++variant) {
+    const bool pair = variant == 8, staged = pair || (variant & 1), regs = pair || (variant & 2),
+               cinv = pair || (variant & 4);
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca, clocked.stage_inputs = staged;
     clocked.phase_clocks = clocks;
     clocked.producer_regs = regs;
     clocked.consumer_inverse = cinv;
+    clocked.producer_pair = pair;
     ASSERT_EQ(fused_chunks(clocked, nullptr), cudaSuccess);
     std::vector<long long> sums(size_t(kPhaseClocks) * o.H);
     ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
@@ -1456,7 +1520,8 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
                                        "L/Mqk stores", "inverse products and stores", "arrive+loop", "gate", "full wait",
                                        "recurrence", "out stores+release", "inverse", "inverse substitution", "chunks"};
     std::printf("[ measure  ] fused kernel%s%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
-                staged ? " (staged inputs)" : "", regs ? " (setmaxnreg 184 / 160)" : "", cinv ? " (inverting consumers)" : "");
+                staged ? " (staged inputs)" : "", pair ? " (two producer warpgroups, setmaxnreg 96 / 160)" : regs ? " (setmaxnreg 184 / 160)" : "",
+                cinv ? " (inverting consumers)" : "");
     for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 14, 7, 8, 10, 13, 11, 12}) {
       double mean = 0;
       for (int h = 0; h < o.H; ++h)

@@ -21,6 +21,12 @@ namespace flashkda::cuda::sm90::prefill_v2 {
 namespace {
 
 constexpr int kFusedThreads = 3 * kThreads;
+// FusedArgs::producer_pair (a candidate): two producer warpgroups (produce_chunk_pair) before the two
+// consumer ones, 512 threads.
+template <bool kPair>
+constexpr int kProducerThreads = kPair ? 2 * kThreads : kThreads;
+template <bool kPair>
+constexpr int kCtaThreads = kProducerThreads<kPair> + 2 * kThreads;
 constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
@@ -171,6 +177,13 @@ constexpr int kProducerRegs = 184, kConsumerRegs = 160;
 constexpr int kLaunchRegs = 168;  // __launch_bounds__(384, 1): 65 536 / 384, rounded down to 8
 static_assert(kThreads * kProducerRegs + 2 * kThreads * kConsumerRegs <= 3 * kThreads * kLaunchRegs,
               "the producer would wait for registers no one frees");
+// FusedArgs::producer_pair: 512 threads launched at 128 registers; the producers give 32 back, the
+// consumers take them and keep the 160 of the three-warpgroup kernel. ptxas (not yet run on a GPU):
+// at 104 / 152 it serialised both sides' wgmmas (a wait after each: C7512), at 96 / 160 neither; the
+// producers then spill 6 registers' worth (produce_item's opaque tid), the consumers 5.
+constexpr int kPairProducerRegs = 96, kPairConsumerRegs = 160, kPairLaunchRegs = 128;
+static_assert(2 * kThreads * kPairProducerRegs + 2 * kThreads * kPairConsumerRegs <= 4 * kThreads * kPairLaunchRegs,
+              "the producers would wait for registers no one frees");
 
 // The arguments of a CTA's current sequence (FusedArgs::num_seqs), in shared memory at
 // SmemLayout::kOffSeqArgs (written by thread 0, read where they are used).
@@ -308,11 +321,12 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.publish = a.pieces_chain && !span.last;  // FusedArgs::pieces_chain: the next piece may need it
 }
 
-// The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
-// arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the bytes).
-__device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
+// The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producers' arrivals, 128
+// or with FusedArgs::producer_pair 256), empty[2] (the consumers' 256), then the staged inputs' (its
+// issuing thread and the bytes).
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full, int producers = kThreads) {
   uint64_t* const empty = full + kStages;
-  for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
+  for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], producers), mbarrier_init(&empty[s], 2 * kThreads);
   mbarrier_init(empty + kStages, 1);
   fence_mbarrier_init();
 }
@@ -325,11 +339,17 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // as they released that stage (SeqArgs::stage_stop in `stop`); once set it writes the chunk as
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
 // rows in flight have landed.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
+// kPair (FusedArgs::producer_pair): two producer warpgroups (tid 0-255) build each chunk together
+// (produce_chunk_pair: the same record); warpgroup 1 arrives after its factors and starts the next
+// chunk while warpgroup 0 runs the L/Mqk product. Staged inputs and inverting consumers only.
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
+          bool kPair = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
+  using ProducerSync = WarpgroupSync<1, kProducerThreads<kPair>>;
+  static_assert(!kPair || (kStaged && kConsumerInv), "two producer warpgroups: staged inputs, inverting consumers");
   const FusedArgs& a = params.a;
   uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
@@ -342,8 +362,8 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
-  load_gate_consts<kGate>(pa, h, tid, sm_gate);
-  WarpgroupSync<1>::sync();
+  if (!kPair || tid < kThreads) load_gate_consts<kGate>(pa, h, tid, sm_gate);
+  ProducerSync::sync();
   // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   float beta_next = load_beta_raw(pa, h, 0, tid);
   if constexpr (kStaged) {
@@ -383,9 +403,20 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       if (kStaged && tid == 32 && c + 1 < staged_chunks)
         issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
     };
-    produce_chunk<kGate, kF32Gate, WarpgroupSync<1>, !kConsumerInv, kStaged>(
-        pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_raw, sm_gate, true,
-        reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta), mark, refill);
+    float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
+    if constexpr (kPair) {
+      // tid made opaque to the compiler each chunk, so that the ~80 per-thread addresses and masks the
+      // chunk derives from it are recomputed in the loop: hoisted out of it, they spilled ~38 registers'
+      // worth at the producers' 96 (ptxas; 6 with this)
+      int ptid = tid;
+      asm volatile("" : "+r"(ptid));
+      produce_chunk_pair<kGate, kF32Gate, ProducerSync>(pa, h, c, ptid, ring + stage * L::kStageSpan, scratch, staged,
+                                                        beta_raw, sm_gate, l_beta, mark, refill);
+    } else {
+      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
+                                                                          scratch, staged, beta_raw, sm_gate, true,
+                                                                          l_beta, mark, refill);
+    }
     mbarrier_arrive(&full[stage]);
     mark(8);
   }
@@ -480,8 +511,9 @@ __device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int 
 // stop->warmup chunks write no output and are bounded (chunk_log2_bound); once their bounds'
 // product is not below 2^-30, or FusedArgs::pieces_flag is set, the consumers set stop->abort and
 // drain: they release each stage the producer fills until the one it marks (stop->stopped_at), and
-// leave without a final state.
-template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
+// leave without a final state. kProducers: the producer threads before the consumers' (128, or 256
+// with FusedArgs::producer_pair).
+template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, int kProducers = kThreads>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
@@ -489,10 +521,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   const FusedArgs& a = params.a;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   uint64_t* const empty = full + kStages;
-  const int tid = threadIdx.x, wg = tid / kThreads;
-  const PhaseMarks mark{kClock && tid == kThreads ? clock_sums : nullptr, &last_clock};
-  const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
-  const int v_row = 64 * (wg - 1) + 16 * warp + g;
+  const int tid = threadIdx.x, wg = tid / kThreads, cwg = wg - kProducers / kThreads;  // cwg: 0 or 1
+  const PhaseMarks mark{kClock && tid == kProducers ? clock_sums : nullptr, &last_clock};
+  const int ctid = tid - kProducers, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
+  const int v_row = 64 * cwg + 16 * warp + g;
   float S[64];
   prefill::load_state_rows(S, p.initial_state,
                            p.initial_state == nullptr ? ElemType::kNone : p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
@@ -604,7 +636,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     __syncwarp();
     // Pass u: tokens of parity u, lanes 2m and 2m + 1 one token's 32 bytes; a quarter-warp's 8 reads
     // (tokens 8 k + u, + 2, + 4, + 6, both halves) fall on 8 distinct granule positions.
-    const int col = 64 * (wg - 1) + 16 * warp;
+    const int col = 64 * cwg + 16 * warp;
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       const int t = 8 * (lane >> 3) + 2 * ((lane >> 1) & 3) + u, part = lane & 1;
@@ -622,7 +654,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     }
     mark(12);
   }
-  if (kClock && tid == kThreads)
+  if (kClock && tid == kProducers)
     for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
   if (draining) return;  // FusedArgs::pieces: stopped; the rule's kernels run the call after the pieces
   if constexpr (kPieces) {
@@ -645,9 +677,11 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
                               int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
 }
 
+// kPair (FusedArgs::producer_pair): two producer warpgroups, 512 threads (the rule's flags only).
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false>
-__global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
+          bool kSeqs = false, bool kPieces = false, bool kPair = false>
+__global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __grid_constant__ FusedParams params) {
+  static_assert(!kPair || (kRegSplit && kStaged && kConsumerInv), "two producer warpgroups: the rule's flags");
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
   extern __shared__ uint8_t smem_raw[];
@@ -703,20 +737,24 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   }
   const int64_t bos = kSeqs ? seq.bos : 0;
   const int64_t num_chunks = ((kSeqs ? seq_produce.T : a.consume.T) + kChunk - 1) / kChunk;
-  if (tid == 0) init_ring_barriers(full);
+  if (tid == 0) init_ring_barriers(full, kProducerThreads<kPair>);
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
   if (kClock && tid < kPhaseClocks) clock_sums[tid] = 0;
   __syncthreads();
   long long last_clock = kClock ? clock64() : 0;
 
-  if (wg == 0) {
-    if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
-                                                                          clock_sums, last_clock, &seq);
+  if (kPair ? wg < 2 : wg == 0) {
+    // kPair: the producers give registers back (128 -> 96), the consumers take them (128 -> 160)
+    if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kPairProducerRegs));
+    else if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kPair>(params, ring, pa, h, bos, num_chunks,
+                                                                                 0, clock_sums, last_clock, &seq);
   } else {
-    if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
-                                                         0, kSeqs ? seq.first_ckpt : 0, clock_sums, last_clock, &seq);
+    if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kPairConsumerRegs));
+    else if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>>(
+        params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0, kSeqs ? seq.first_ckpt : 0, clock_sums,
+        last_clock, &seq);
   }
 }
 
@@ -815,8 +853,10 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
+          bool kPair = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
+  static_assert(!(kPair && kPersistent), "the persistent grid has one producer warpgroup");
   FusedParams params{};
   params.a = args;
   const ProduceArgs& pa = args.produce;
@@ -827,7 +867,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
-    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
+    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kPair>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -835,13 +875,13 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   if constexpr (kRegSplit) {  // the split must fit the registers the launch gives the CTA (else: a hang)
     cudaFuncAttributes attr{};
     if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-    if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
+    if (attr.numRegs < (kPair ? kPairLaunchRegs : kLaunchRegs)) return cudaErrorInvalidConfiguration;
   }
   if (args.check_only) return cudaSuccess;
   const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))
                                 : dim3(static_cast<unsigned>(args.consume.H),
                                        static_cast<unsigned>(kSeqs ? args.num_seqs * (kPieces ? args.pieces : 1) : 1));
-  kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
+  kernel<<<grid, kCtaThreads<kPair>, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 template <GateForm kGate, bool kF32Gate>
@@ -910,6 +950,11 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (args.state_pool == nullptr || args.state_indices != nullptr) && pa.T % (args.cu_seqlens ? 1 : args.num_seqs) == 0 &&
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
+  if (args.producer_pair) {  // a candidate: the rule's flags (phase clocks allowed), no persistent grid
+    if (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
+        !args.consumer_inverse || args.time_consumers_only || args.next_item != nullptr)
+      return cudaErrorInvalidValue;
+  }
   if (args.pieces > 0) {  // no persistent grid, no verdict to wait for
     if (!sequences_valid || args.pieces > kMaxFusedSeqs || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
@@ -918,7 +963,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
-    return launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
+    return args.producer_pair
+               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, true>(args, stream)
+               : launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
   }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
     if (!sequences_valid) return cudaErrorInvalidValue;
@@ -928,8 +975,14 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         return cudaErrorInvalidValue;
       return launch<GateForm::kLowerBound, false, true, false, true, true, true, true>(args, stream);
     }
-    return launch<GateForm::kLowerBound, false, true, false, true, true, true>(args, stream);
+    return args.producer_pair
+               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, true>(args, stream)
+               : launch<GateForm::kLowerBound, false, true, false, true, true, true>(args, stream);
   }
+  if (args.producer_pair)
+    return args.phase_clocks != nullptr
+               ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, true>(args, stream)
+               : launch<GateForm::kLowerBound, false, true, false, true, true, false, false, false, true>(args, stream);
   if (args.phase_clocks != nullptr || args.producer_regs || args.consumer_inverse) {
     if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
     return launch_lower_bound(args, stream);
@@ -983,17 +1036,19 @@ FusedArgs fused_args(const PrefillParams& p) {
 namespace {
 // The call's arguments with the rule's flags (staged inputs, inverting consumers, setmaxnreg) and
 // K0's verdict.
-FusedArgs rule_args(const PrefillParams& p, const int* error_flag) {
+FusedArgs rule_args(const PrefillParams& p, const int* error_flag, bool producer_pair) {
   FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   f.error_flag = error_flag;
+  f.producer_pair = producer_pair;
   return f;
 }
 }  // namespace
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order) {
-  FusedArgs f = rule_args(p, error_flag);
+                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order,
+                          bool producer_pair) {
+  FusedArgs f = rule_args(p, error_flag, producer_pair && next_item == nullptr);
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
@@ -1009,11 +1064,11 @@ int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states) {
+                                 float* chain_states, bool producer_pair) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
-  FusedArgs f = rule_args(p, error_flag);
+  FusedArgs f = rule_args(p, error_flag, producer_pair);
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
   f.ckpt_start = ckpt_start;
   size_t flag_bytes = sizeof(int);
@@ -1026,8 +1081,8 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
 }
 
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream) {
-  FusedArgs f = rule_args(p, error_flag);
+                               cudaStream_t stream, bool producer_pair) {
+  FusedArgs f = rule_args(p, error_flag, producer_pair);
   f.ckpt_start = ckpt_start;
   f.run_if_flag = flag;
   return fused_chunks(f, stream);

@@ -130,6 +130,10 @@ struct FusedArgs {
   // so that the longest sequences' CTAs start first instead of wherever they stand in the batch.
   // Null: in the batch's order.
   const int32_t* order = nullptr;
+  // A candidate (internal::PrefillLaunch::fused_producers = 2; the rule's flags above, not the persistent
+  // grid): two producer warpgroups build each chunk together (produce.cuh produce_chunk_pair, the same
+  // record bit for bit, half the element-wise work a thread), 512 threads, setmaxnreg 96 / 160.
+  bool producer_pair = false;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -144,11 +148,12 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
-// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas and order
+// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas, order and
+// producer_pair (not with next_item: the persistent grid has one producer warpgroup)
 // as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
-                          int64_t item_ctas = 0, const int32_t* order = nullptr);
+                          int64_t item_ctas = 0, const int32_t* order = nullptr, bool producer_pair = false);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
@@ -165,13 +170,13 @@ bool fused_pieces_serve(const PrefillParams& p);
 // (pieces_next) and the ready flags (pieces_ready).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr);
+                                 float* chain_states = nullptr, bool producer_pair = false);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream);
+                               cudaStream_t stream, bool producer_pair = false);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
