@@ -51,12 +51,14 @@ struct V2Call {
     pa.out = records.ptr, ca.records = records.ptr;
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
-  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
+  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()); the last,
+  // kPairMode, two producer warpgroups (not yet run on a GPU: its own tests, which the device script
+  // runs apart under a short time limit).
   struct Mode {
     const char* name;
     bool staged, producer_regs, consumer_inverse, producer_pair;
   };
-  static constexpr int kModes = 10;
+  static constexpr int kModes = 10, kPairMode = 9;
   static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false, false},
                                               {"fused32 ", false, false, false, false},
                                               {"fused32 staged ", true, false, false, false},
@@ -86,16 +88,18 @@ struct V2Call {
 
 // Every path on one problem: each against the reference, each repeated for the same bits, and every
 // fused path with the two kernels' output bits (the same arithmetic in all; rows past the end do
-// not reach the outputs of the rows before them).
-void check(KdaInputs& in, double out_bound, double state_bound, const char* what) {
+// not reach the outputs of the rows before them). pair: the two kernels and kPairMode only; else
+// every mode but kPairMode.
+void check(KdaInputs& in, double out_bound, double state_bound, const char* what, bool pair = false) {
   SCOPED_TRACE(std::string(what) + ": " + in.describe());
   const test::Reference ref = test::run_reference(in);
   DeviceProblem d(in);
   V2Call v2(d);
   std::vector<unsigned char> bits[V2Call::kModes];
   const int modes = v2.candidates() ? V2Call::kModes : 3;
-  int same = 0;
+  int same = 0, compared = 0;
   for (int mode = 0; mode < modes; ++mode) {
+    if (mode > 0 && (mode == V2Call::kPairMode) != pair) continue;
     SCOPED_TRACE(V2Call::kModeTable[mode].name);
     const std::string name = std::string(V2Call::kModeTable[mode].name) + what;
     d.poison();
@@ -130,11 +134,13 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     d.download();
     EXPECT_TRUE(bits[mode] == in.out.bytes) << "a repeated call changed the output";
     if (mode > 0) {
+      compared += 1;
       same += bits[mode] == bits[0];
       EXPECT_TRUE(bits[mode] == bits[0]) << "the output differs from the two kernels'";
     }
   }
-  test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(modes - 1) + ") " + what,
+  if (pair) EXPECT_EQ(compared, 1) << "the case does not serve two producer warpgroups";
+  test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(compared) + ") " + what,
                same);
 }
 
@@ -181,6 +187,34 @@ TEST_F(Prefill32Gpu, RepeatedKey) {
     for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
     for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
     check(in, 3e-3, 2e-3, "repeated key T=2048 H=2");
+  }
+}
+
+// Two producer warpgroups (V2Call::kPairMode) on the cases above that it serves (lower-bound bf16
+// gates): the reference's bounds and the two kernels' bits.
+TEST_F(Prefill32Gpu, TwoProducerWarpgroupsOnTheChecks) {
+  {
+    KdaOptions o;
+    o.T = 301, o.H = 3, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    check(in, 2e-3, 5e-4, "random T=301 H=3 fp32 states", true);
+  }
+  {
+    KdaOptions o;
+    o.T = 1000, o.H = 2, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    for (int64_t c = 0; c < o.H * o.K; c += 4) in.dt_bias[c] = -30.f;
+    check(in, 2e-3, 5e-4, "long memory T=1000 H=2", true);
+  }
+  {
+    KdaOptions o;
+    o.T = 2048, o.H = 2, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    const int64_t row = o.H * o.K;
+    for (int64_t i = row; i < o.T * row; ++i) in.k.set(i, in.k.get(i % row));
+    for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
+    for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
+    check(in, 3e-3, 2e-3, "repeated key T=2048 H=2", true);
   }
 }
 
@@ -1451,6 +1485,51 @@ TEST_F(Prefill32Gpu, FusedVeryLongSequence131072) {
 // T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default
 // prefill (internal::forward), same inputs, medians of 20 after a warm-up; first every v2 path's
 // outputs compared bit for bit.
+// Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) for the call
+// `f` describes (its produce and consume arguments and flags; FusedArgs::phase_clocks set here): one
+// line of the producer's phases (its thread 0), then the consumers' (their thread 0).
+void print_phase_clocks(FusedArgs f, const std::string& label) {
+  const int H = f.consume.H;
+  long long* clocks = nullptr;
+  ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * H), cudaSuccess);
+  f.phase_clocks = clocks;
+  ASSERT_EQ(fused_chunks(f, nullptr), cudaSuccess);
+  std::vector<long long> sums(size_t(kPhaseClocks) * H);
+  ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(clocks);
+  const char* names[kPhaseClocks] = {"empty wait", "load", "normalise", "scan", "factors", "L/Mqk wgmma",
+                                     "L/Mqk stores", "inverse products and stores", "arrive+loop", "gate", "full wait",
+                                     "recurrence", "out stores+release", "inverse", "inverse substitution", "chunks"};
+  std::printf("[ measure  ] fused kernel%s, cycles per chunk (T=%lld H=%d, mean over heads), producer:", label.c_str(),
+              static_cast<long long>(f.consume.T), H);
+  for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 14, 7, 8, 10, 13, 11, 12}) {
+    double mean = 0;
+    for (int h = 0; h < H; ++h)
+      mean += double(sums[size_t(h) * kPhaseClocks + i]) / double(sums[size_t(h) * kPhaseClocks + 15]);
+    std::printf(" %s %.0f%s", names[i], mean / H, i == 8 ? "; consumers:" : i == 12 ? "" : ",");
+  }
+  std::printf("\n");
+}
+
+// The median of 20 event-timed runs of fn (after one unmeasured), ms.
+template <class Fn>
+double median_event_ms(Fn&& fn) {
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start), cudaEventCreate(&stop);
+  fn();
+  std::vector<float> ms(20);
+  for (auto& m : ms) {
+    cudaEventRecord(start);
+    fn();
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    cudaEventElapsedTime(&m, start, stop);
+  }
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return double(ms[ms.size() / 2]);
+}
+
 TEST_F(Prefill32Gpu, TimeAtServingShape) {
   KdaOptions o;
   o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
@@ -1459,24 +1538,10 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   today.fused_v2 = -1;
   DeviceProblem d(in, today);
   V2Call v2(d);
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start), cudaEventCreate(&stop);
-  auto median_ms = [&](auto&& fn) {
-    fn();
-    std::vector<float> ms(20);
-    for (auto& m : ms) {
-      cudaEventRecord(start);
-      fn();
-      cudaEventRecord(stop);
-      cudaEventSynchronize(stop);
-      cudaEventElapsedTime(&m, start, stop);
-    }
-    std::sort(ms.begin(), ms.end());
-    return double(ms[ms.size() / 2]);
-  };
+  const auto median_ms = [](auto&& fn) { return median_event_ms(fn); };
   // Every path's outputs at this shape, bit for bit (no reference: too long for the host).
   std::vector<unsigned char> bits[V2Call::kModes];
-  for (int mode = 0; mode < V2Call::kModes; ++mode) {
+  for (int mode = 0; mode < V2Call::kPairMode; ++mode) {
     d.poison();
     v2.run(mode);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -1484,7 +1549,7 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     bits[mode] = in.out.bytes;
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0) << V2Call::kModeTable[mode].name;
   }
-  for (int mode = 1; mode < V2Call::kModes; ++mode)
+  for (int mode = 1; mode < V2Call::kPairMode; ++mode)
     EXPECT_TRUE(bits[0] == bits[mode]) << "fused mode " << mode << ": the output differs from the two kernels'";
   const double t_today = median_ms([&] { d.run(); });
   const double t_v2 = median_ms([&] { v2.run(0); });
@@ -1494,49 +1559,61 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   consumers_only.produce = v2.pa, consumers_only.consume = v2.ca;
   consumers_only.time_consumers_only = true;
   std::printf("[ measure  ] prefill32 T=8192 H=96 candidates (ms):");
-  for (int mode = 3; mode < V2Call::kModes; ++mode)
-    std::printf(" %s%.3f%s", V2Call::kModeTable[mode].name, median_ms([&] { v2.run(mode); }), mode + 1 < V2Call::kModes ? ";" : "\n");
+  for (int mode = 3; mode < V2Call::kPairMode; ++mode)
+    std::printf(" %s%.3f%s", V2Call::kModeTable[mode].name, median_ms([&] { v2.run(mode); }),
+                mode + 1 < V2Call::kPairMode ? ";" : "\n");
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
-  // Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) in eight
-  // variants (inputs loaded or staged by TMA, setmaxnreg or not, the consumers inverting or not) and
-  // the candidate with two producer warpgroups (the producer's clocks: warpgroup 0's thread 0).
-  long long* clocks = nullptr;
-  ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * o.H), cudaSuccess);
-  for (int variant = 0; variant < 9; ++variant) {
-    const bool pair = variant == 8, staged = pair || (variant & 1), regs = pair || (variant & 2),
-               cinv = pair || (variant & 4);
+  // Where the fused kernel's cycles go in eight variants (inputs loaded or staged by TMA, setmaxnreg
+  // or not, the consumers inverting or not).
+  for (int variant = 0; variant < 8; ++variant) {
+    const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca, clocked.stage_inputs = staged;
-    clocked.phase_clocks = clocks;
     clocked.producer_regs = regs;
     clocked.consumer_inverse = cinv;
-    clocked.producer_pair = pair;
-    ASSERT_EQ(fused_chunks(clocked, nullptr), cudaSuccess);
-    std::vector<long long> sums(size_t(kPhaseClocks) * o.H);
-    ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-    const char* names[kPhaseClocks] = {"empty wait", "load", "normalise", "scan", "factors", "L/Mqk wgmma",
-                                       "L/Mqk stores", "inverse products and stores", "arrive+loop", "gate", "full wait",
-                                       "recurrence", "out stores+release", "inverse", "inverse substitution", "chunks"};
-    std::printf("[ measure  ] fused kernel%s%s%s, cycles per chunk (T=8192 H=96, mean over heads), producer:",
-                staged ? " (staged inputs)" : "", pair ? " (two producer warpgroups, setmaxnreg 96 / 160)" : regs ? " (setmaxnreg 184 / 160)" : "",
-                cinv ? " (inverting consumers)" : "");
-    for (int i : {0, 1, 9, 2, 3, 4, 5, 6, 14, 7, 8, 10, 13, 11, 12}) {
-      double mean = 0;
-      for (int h = 0; h < o.H; ++h)
-        mean += double(sums[size_t(h) * kPhaseClocks + i]) / double(sums[size_t(h) * kPhaseClocks + 15]);
-      std::printf(" %s %.0f%s", names[i], mean / o.H, i == 8 ? "; consumers:" : i == 12 ? "" : ",");
-    }
-    std::printf("\n");
+    print_phase_clocks(clocked, std::string(staged ? " (staged inputs)" : "") + (regs ? " (setmaxnreg 184 / 160)" : "") +
+                                    (cinv ? " (inverting consumers)" : ""));
   }
-  cudaFree(clocks);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::printf("[ measure  ] prefill32 T=8192 H=96: fused %.3f ms, fused with staged inputs %.3f ms, the fused "
               "kernel's consumers alone %.3f ms; producer + recurrence %.3f ms (producer %.3f, recurrence %.3f); "
               "today's prefill %.3f ms\n",
               t_fused, t_staged, t_consumers, t_v2, t_produce, t_consume, t_today);
-  cudaEventDestroy(start), cudaEventDestroy(stop);
+}
+
+// Two producer warpgroups (FusedArgs::producer_pair) at the serving shape: the bits of the rule's
+// one-producer flags (V2Call mode 6), both timed and their phase clocks (a measurement).
+TEST_F(Prefill32Gpu, TwoProducerWarpgroupsAtServingShape) {
+  KdaOptions o;
+  o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
+  KdaInputs in(o);
+  DeviceProblem d(in);
+  V2Call v2(d);
+  std::vector<unsigned char> bits[2];
+  for (int i = 0; i < 2; ++i) {
+    d.poison();
+    v2.run(i == 0 ? 6 : V2Call::kPairMode);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    bits[i] = in.out.bytes;
+    bits[i].insert(bits[i].end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+  }
+  EXPECT_TRUE(bits[0] == bits[1]) << "two producer warpgroups: other bits";
+  const double t_one = median_event_ms([&] { v2.run(6); });
+  const double t_two = median_event_ms([&] { v2.run(V2Call::kPairMode); });
+  std::printf("[ measure  ] fused32 T=8192 H=96 (staged, inverting consumers, setmaxnreg): one producer warpgroup "
+              "%.3f ms, two %.3f ms (%.2fx)\n", t_one, t_two, t_two / t_one);
+  for (const bool pair : {false, true}) {
+    FusedArgs clocked;
+    clocked.produce = v2.pa, clocked.consume = v2.ca;
+    clocked.stage_inputs = clocked.producer_regs = clocked.consumer_inverse = true;
+    clocked.producer_pair = pair;
+    print_phase_clocks(clocked, pair ? " (two producer warpgroups, setmaxnreg 96 / 160)"
+                                     : " (staged inputs, setmaxnreg 184 / 160, inverting consumers)");
+  }
 }
 
 }  // namespace
