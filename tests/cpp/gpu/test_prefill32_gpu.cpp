@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -88,8 +89,9 @@ struct V2Call {
 
 // Every path on one problem: each against the reference, each repeated for the same bits, and every
 // fused path with the two kernels' output bits (the same arithmetic in all; rows past the end do
-// not reach the outputs of the rows before them). pair: the two kernels and kPairMode only; else
-// every mode but kPairMode.
+// not reach the outputs of the rows before them). pair: the two kernels, the one-producer flags of
+// the rule (mode 6) and kPairMode only, the last two also with equal final-state bits; else every
+// mode but kPairMode.
 void check(KdaInputs& in, double out_bound, double state_bound, const char* what, bool pair = false) {
   SCOPED_TRACE(std::string(what) + ": " + in.describe());
   const test::Reference ref = test::run_reference(in);
@@ -98,8 +100,9 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
   std::vector<unsigned char> bits[V2Call::kModes];
   const int modes = v2.candidates() ? V2Call::kModes : 3;
   int same = 0, compared = 0;
+  std::vector<unsigned char> states[V2Call::kModes];
   for (int mode = 0; mode < modes; ++mode) {
-    if (mode > 0 && (mode == V2Call::kPairMode) != pair) continue;
+    if (mode > 0 && (mode == V2Call::kPairMode || (pair && mode == 6)) != pair) continue;
     SCOPED_TRACE(V2Call::kModeTable[mode].name);
     const std::string name = std::string(V2Call::kModeTable[mode].name) + what;
     d.poison();
@@ -128,6 +131,7 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     EXPECT_TRUE(in.out.guard_intact());
     EXPECT_TRUE(in.final_state.guard_intact());
     bits[mode] = in.out.bytes;
+    states[mode] = in.final_state.bytes;
     d.poison();  // the same bits again (no atomics, no order-dependent sums)
     v2.run(mode);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -139,7 +143,10 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
       EXPECT_TRUE(bits[mode] == bits[0]) << "the output differs from the two kernels'";
     }
   }
-  if (pair) EXPECT_EQ(compared, 1) << "the case does not serve two producer warpgroups";
+  if (pair) {
+    EXPECT_EQ(compared, 2) << "the case does not serve two producer warpgroups";
+    EXPECT_TRUE(states[6] == states[V2Call::kPairMode]) << "two producer warpgroups: another final state";
+  }
   test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(compared) + ") " + what,
                same);
 }
@@ -237,16 +244,19 @@ std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* dir
 // pieces' workspace area, right after the kernels' (the size of the workspace without pieces). Bits
 // alone cannot tell where the rule's kernel is the fused one: where every warm-up washes the dropped
 // state out below the fp32 rounding, the pieces give the unsplit kernel's bits.
-bool pieces_stopped(DeviceProblem& d) {
+// pieces_flags: that flag and, for chained pieces, the tickets taken after it (every CTA of the
+// pieces' grid takes one as it starts: N pieces H where the pieces' kernel ran).
+std::array<int, 2> pieces_flags(DeviceProblem& d) {
   internal::PrefillLaunch plain = d.launch;
   plain.fused_pieces = -1;
   const size_t at = internal::workspace_size(d.params(), plain);
-  int flag = -1;
-  EXPECT_EQ(cudaMemcpy(&flag, static_cast<const unsigned char*>(d.workspace->ptr) + at, sizeof(int),
-                       cudaMemcpyDeviceToHost),
+  std::array<int, 2> flags{-1, -1};
+  EXPECT_EQ(cudaMemcpy(flags.data(), static_cast<const unsigned char*>(d.workspace->ptr) + at,
+                       (d.launch.fused_chain > 0 ? 2 : 1) * sizeof(int), cudaMemcpyDeviceToHost),
             cudaSuccess);
-  return flag != 0;
+  return flags;
 }
+bool pieces_stopped(DeviceProblem& d) { return pieces_flags(d)[0] != 0; }
 
 // The call captured in a CUDA graph on a stream of its own (the capture fails if the call
 // synchronises or allocates); replay() runs it on poisoned outputs and returns its bits.
@@ -1044,15 +1054,19 @@ void check_chained_pieces(const ChainedCase& c) {
 }
 
 // Two producer warpgroups through the launch (internal fused_producers = 2, a candidate: FusedArgs::
-// producer_pair): the same bits as one on every path it takes, the unsplit kernel on one sequence
-// with a tail chunk, device cu_seqlens with an empty sequence (K0 first), a pool, pieces that skip
-// their start (random gates) and chained pieces (long memory), and the same bits again from a graph.
+// producer_pair): the same bits (outputs and final states) as one on every path it takes, the
+// unsplit kernel on one sequence with a tail chunk, device cu_seqlens with an empty sequence (K0
+// first), a pool, chained pieces on random gates (each skips its start) and long memory (each
+// waits for the one before), pieces that stop (long memory unchained, a NaN value chained: the
+// producers' stop and drain, then the fused kernel after them), and the same bits again from a
+// graph. The pieces' flag block says the pieces' kernel ran.
 TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
   struct Case {
     const char* name;
     KdaOptions o;
     int64_t pieces;
-    bool long_memory, pool;
+    int chain;  // internal fused_chain with the pieces
+    bool long_memory, nan_value, pool, stops;
   };
   auto options = [](int64_t T, int64_t H, std::vector<int64_t> seqlens = {}) {
     KdaOptions o;
@@ -1060,19 +1074,24 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
     o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
     return o;
   };
-  const Case cases[] = {{"one sequence T=301", options(301, 3), 0, false, false},
-                        {"varlen with an empty sequence", options(0, 3, {100, 0, 301, 33, 64}), 0, false, false},
-                        {"pool", options(0, 3, {200, 77}), 0, false, true},
-                        {"pieces, random gates", options(2048, 4), 4, false, false},
-                        {"chained pieces, long memory", options(1000, 2), 4, true, false}};
+  const Case cases[] = {
+      {"one sequence T=301", options(301, 3), 0, 0, false, false, false, false},
+      {"varlen with an empty sequence", options(0, 3, {100, 0, 301, 33, 64}), 0, 0, false, false, false, false},
+      {"pool", options(0, 3, {200, 77}), 0, 0, false, false, true, false},
+      {"chained pieces, random gates", options(2048, 4), 4, 1, false, false, false, false},
+      {"chained pieces, long memory", options(1000, 2), 4, 1, true, false, false, false},
+      // the pieces' stop and drain, then the fused kernel after them (fused_after_pieces)
+      {"pieces, long memory: stopped", options(1000, 2), 4, 0, true, false, false, true},
+      {"chained pieces, a NaN value: stopped", options(1000, 2), 4, 1, false, true, false, true}};
   for (const Case& c : cases) {
     KdaInputs in(c.o);
     if (c.long_memory)
       for (int64_t ch = 0; ch < c.o.H * c.o.K; ch += 4) in.dt_bias[ch] = -30.f;
+    if (c.nan_value) in.v.set((100 * c.o.H + 1) * c.o.V + 7, std::nan(""));  // token 100, head 1
     SCOPED_TRACE(std::string(c.name) + ": " + in.describe());
     internal::PrefillLaunch one, two;
     one.fused_v2 = 1;
-    if (c.pieces > 0) one.fused_pieces = c.pieces, one.fused_chain = 1;
+    if (c.pieces > 0) one.fused_pieces = c.pieces, one.fused_chain = c.chain;
     two = one;
     two.fused_producers = 2;
     DeviceProblem d_one(in, one), d_two(in, two);
@@ -1094,10 +1113,17 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
       continue;
     }
     const std::vector<unsigned char> bits_one = run_bits(in, d_one), bits_two = run_bits(in, d_two);
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
-    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
     EXPECT_TRUE(bits_one == bits_two) << "two producer warpgroups: other bits";
-    if (c.pieces > 0) EXPECT_FALSE(pieces_stopped(d_two)) << "the pieces' flag";
+    if (!c.nan_value) {
+      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+      EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    }
+    if (c.pieces > 0) {  // the pieces' kernel ran (a launch that failed before it would leave the flag zero)
+      const std::array<int, 2> flags = pieces_flags(d_two);
+      EXPECT_EQ(flags[0] != 0, c.stops) << "the pieces' flag";
+      if (c.chain > 0)
+        EXPECT_EQ(flags[1], c.pieces * c.o.H) << "not every piece took its ticket: the pieces' kernel did not run";
+    }
     EXPECT_TRUE(bits_two == graph_replay_bits(in, d_two)) << "a graph replay's bits differ from the eager call's";
   }
 }
