@@ -222,36 +222,45 @@ def layouts(C, H, sms):
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
-def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0):
+def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0, pair=False):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
     -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
     and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
     gates, fp32 states; `floor` > 0: both with that floor on the longest sequence (internal
-    fused_min_tokens) instead of the rule's:
+    fused_min_tokens) instead of the rule's; `pair`: last, the fused kernel with two producer
+    warpgroups (internal fused_producers 2, a candidate):
     CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
     launches = [dict(fused_v2=-1), dict(fused_v2=1)]
     if rule:
         extra = dict(fused_min_tokens=floor) if floor > 0 else {}
         launches += [dict(fused_v2=0, **extra), dict(fused_v2=0, fused_persistent=1, **extra)]
+    if pair:
+        launches.append(dict(fused_v2=1, fused_producers=2))
     times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
     torch.cuda.empty_cache()
     return times
 
 
-def fused_sweep_rows(reps):
+def fused_sweep_rows(reps, pair=False):
     """Issue 11's fused chunk-32 kernel against today's kernels on one sequence across head counts
     (internal fused_v2 1 against -1; docs/DESIGN.md "Prefill v2"): where one CTA a head fills the GPU
-    well enough for the fused kernel to win, the data behind the rule (launch.cu fused_by_rule).
+    well enough for the fused kernel to win, the data behind the rule (launch.cu fused_by_rule);
+    `pair`: also the fused kernel with two producer warpgroups (the candidate's rule would move).
     Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, one sequence (random gates, fp32 states; "
-            "CUDA-graph medians, ms):", "", "| T | H | chunk-16 kernels | fused v2 | fused / chunk-16 |", "|---|---|---|---|---|"]
+            "CUDA-graph medians, ms):", "",
+            "| T | H | chunk-16 kernels | fused v2 | " + ("two producers | " if pair else "") + "fused / chunk-16 |"
+            + (" two producers / chunk-16 |" if pair else ""), "|---|---|---|---|---|" + ("---|---|" if pair else "")]
     print("\n".join(rows), flush=True)
     for T in (2048, 8192, 32768):
-        for H in (48, 64, 80, 96, 112, 128, 160):
-            ours, fused = chunk16_and_fused_ms(H, [T], reps)
-            rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
+        for H in (32, 48, 64, 80, 96, 112, 128, 160) if pair else (48, 64, 80, 96, 112, 128, 160):
+            times = chunk16_and_fused_ms(H, [T], reps, pair=pair)
+            ours, fused = times[0], times[1]
+            two = f"{times[-1]:.3f} | " if pair else ""
+            rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {two}{fused / ours:.2f} |"
+                        + (f" {times[-1] / ours:.2f} |" if pair else ""))
             print(rows[-1], flush=True)
     return rows
 
@@ -671,7 +680,7 @@ def main():
     if args.layouts_sweep:
         lines += layouts_sweep_rows(args.reps, args.cases)
     if args.fused_sweep:
-        lines += fused_sweep_rows(args.reps)
+        lines += fused_sweep_rows(args.reps, pair=args.fused_producers)
     if args.fused_batch_sweep:
         lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads, args.fused_floor)
     if args.fused_order:
