@@ -472,10 +472,11 @@ def implementations(args):
     if args.candidates or args.fused_v2:  # prefill v2's fused kernel wherever it serves the call, and never
         impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
         impls.append(("flashkda chunk-16", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=-1))))
-    if args.fused_producers:  # two producer warpgroups in the fused kernel (a candidate; DESIGN.md "Prefill v2")
-        impls.append(("flashkda two producers", lambda x, s: run_flashkda(x, s, launch=dict(fused_producers=2))))
-        impls.append(("fused v2 two producers",
-                      lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1, fused_producers=2))))
+    for mode in args.fused_producers or []:  # two producer warpgroups in the fused kernel (candidates; DESIGN.md "Prefill v2")
+        name = {2: "two producers", 3: "split inverse"}[mode]
+        impls.append((f"flashkda {name}", lambda x, s, m=mode: run_flashkda(x, s, launch=dict(fused_producers=m))))
+        impls.append((f"fused v2 {name}",
+                      lambda x, s, m=mode: run_flashkda(x, s, launch=dict(fused_v2=1, fused_producers=m))))
     for pieces in args.fused_pieces:  # the fused kernel in pieces (a candidate; DESIGN.md "Prefill v2")
         impls.append((f"flashkda pieces {pieces}",
                       lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n,
@@ -582,9 +583,10 @@ def main():
                     help="also flashkda through prefill v2's fused chunk-32 kernel wherever it serves the call (one "
                          "sequence, the lower-bound gate, fp32 states: internal fused_v2 1; the rule runs it from "
                          "H >= 2/3 of the SMs), and through the chunk-16 kernels only (fused_v2 -1)")
-    ap.add_argument("--fused-producers", action="store_true",
+    ap.add_argument("--fused-producers", type=int, nargs="*", choices=(2, 3), default=None,
                     help="also the default call and the unsplit fused kernel with two producer warpgroups "
-                         "(internal fused_producers = 2, a candidate)")
+                         "(internal fused_producers = 2, a candidate) and with the inverse split between them and "
+                         "the consumers (3); no values: both")
     ap.add_argument("--fused-order", action="store_true",
                     help="also mixed lengths at H = 64 and 96 with K0's longest-first order of the sequences against "
                          "the batch's order (internal fused_order -1)")
@@ -626,6 +628,8 @@ def main():
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
+    if args.fused_producers == []:
+        args.fused_producers = [2, 3]
 
     impls, peers = implementations(args)
     if args.no_peers:
@@ -680,7 +684,7 @@ def main():
     if args.layouts_sweep:
         lines += layouts_sweep_rows(args.reps, args.cases)
     if args.fused_sweep:
-        lines += fused_sweep_rows(args.reps, pair=args.fused_producers)
+        lines += fused_sweep_rows(args.reps, pair=args.fused_producers is not None)
     if args.fused_batch_sweep:
         lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads, args.fused_floor)
     if args.fused_order:

@@ -80,7 +80,8 @@ struct PrefillLaunch {
                              // -1 = the rule's pieces off
   int fused_producers = 0;   // GPU, a candidate: the fused kernel's producer warpgroups, 2 = two building each
                              // chunk together (prefill_v2 FusedArgs::producer_pair: the same bits, 512 threads;
-                             // not the persistent grid); 0 = rule (one)
+                             // not the persistent grid); 3 = two, and they also run the inverse's forward
+                             // substitutions, the consumers its products (FusedArgs::split_inverse); 0 = rule (one)
 };
 
 struct DecodeLaunch {

@@ -52,24 +52,25 @@ struct V2Call {
     pa.out = records.ptr, ca.records = records.ptr;
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
-  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()); the last,
-  // kPairMode, two producer warpgroups (not yet run on a GPU: its own tests, which the device script
-  // runs apart under a short time limit).
+  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()); from
+  // kPairMode, two producer warpgroups, then with the inverse split (not yet run on a GPU: their own
+  // tests, which the device script runs apart under a short time limit).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse, producer_pair;
+    bool staged, producer_regs, consumer_inverse, producer_pair, split_inverse;
   };
-  static constexpr int kModes = 10, kPairMode = 9;
-  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false, false},
-                                              {"fused32 ", false, false, false, false},
-                                              {"fused32 staged ", true, false, false, false},
-                                              {"fused32 setmaxnreg ", false, true, false, false},
-                                              {"fused32 inverting consumers ", false, false, true, false},
-                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true, false},
-                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true, false},
-                                              {"fused32 staged, setmaxnreg ", true, true, false, false},
-                                              {"fused32 staged, inverting consumers ", true, false, true, false},
-                                              {"fused32 two producer warpgroups ", true, true, true, true}};
+  static constexpr int kModes = 11, kPairMode = 9, kSplitMode = 10;
+  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false, false, false},
+                                              {"fused32 ", false, false, false, false, false},
+                                              {"fused32 staged ", true, false, false, false, false},
+                                              {"fused32 setmaxnreg ", false, true, false, false, false},
+                                              {"fused32 inverting consumers ", false, false, true, false, false},
+                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true, false, false},
+                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true, false, false},
+                                              {"fused32 staged, setmaxnreg ", true, true, false, false, false},
+                                              {"fused32 staged, inverting consumers ", true, false, true, false, false},
+                                              {"fused32 two producer warpgroups ", true, true, true, true, false},
+                                              {"fused32 two producer warpgroups, split inverse ", true, true, true, true, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -79,6 +80,7 @@ struct V2Call {
       f.producer_regs = m.producer_regs;
       f.consumer_inverse = m.consumer_inverse;
       f.producer_pair = m.producer_pair;
+      f.split_inverse = m.split_inverse;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -90,8 +92,8 @@ struct V2Call {
 // Every path on one problem: each against the reference, each repeated for the same bits, and every
 // fused path with the two kernels' output bits (the same arithmetic in all; rows past the end do
 // not reach the outputs of the rows before them). pair: the two kernels, the one-producer flags of
-// the rule (mode 6) and kPairMode only, the last two also with equal final-state bits; else every
-// mode but kPairMode.
+// the rule (mode 6), kPairMode and kSplitMode only, the last three also with equal final-state bits;
+// else every mode before kPairMode.
 void check(KdaInputs& in, double out_bound, double state_bound, const char* what, bool pair = false) {
   SCOPED_TRACE(std::string(what) + ": " + in.describe());
   const test::Reference ref = test::run_reference(in);
@@ -102,7 +104,7 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
   int same = 0, compared = 0;
   std::vector<unsigned char> states[V2Call::kModes];
   for (int mode = 0; mode < modes; ++mode) {
-    if (mode > 0 && (mode == V2Call::kPairMode || (pair && mode == 6)) != pair) continue;
+    if (mode > 0 && (mode >= V2Call::kPairMode || (pair && mode == 6)) != pair) continue;
     SCOPED_TRACE(V2Call::kModeTable[mode].name);
     const std::string name = std::string(V2Call::kModeTable[mode].name) + what;
     d.poison();
@@ -144,8 +146,9 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     }
   }
   if (pair) {
-    EXPECT_EQ(compared, 2) << "the case does not serve two producer warpgroups";
+    EXPECT_EQ(compared, 3) << "the case does not serve two producer warpgroups";
     EXPECT_TRUE(states[6] == states[V2Call::kPairMode]) << "two producer warpgroups: another final state";
+    EXPECT_TRUE(states[6] == states[V2Call::kSplitMode]) << "the split inverse: another final state";
   }
   test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(compared) + ") " + what,
                same);
@@ -1089,11 +1092,13 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
       for (int64_t ch = 0; ch < c.o.H * c.o.K; ch += 4) in.dt_bias[ch] = -30.f;
     if (c.nan_value) in.v.set((100 * c.o.H + 1) * c.o.V + 7, std::nan(""));  // token 100, head 1
     SCOPED_TRACE(std::string(c.name) + ": " + in.describe());
-    internal::PrefillLaunch one, two;
+    internal::PrefillLaunch one;
     one.fused_v2 = 1;
     if (c.pieces > 0) one.fused_pieces = c.pieces, one.fused_chain = c.chain;
-    two = one;
-    two.fused_producers = 2;
+    for (const int producers : {2, 3}) {  // two producer warpgroups; with the split inverse
+    SCOPED_TRACE("fused_producers " + std::to_string(producers));
+    internal::PrefillLaunch two = one;
+    two.fused_producers = producers;
     DeviceProblem d_one(in, one), d_two(in, two);
     ASSERT_TRUE(fused_serves(d_one.params()));
     if (c.pool) {  // slots 2, 0 of three (slot 1 named by none): the pool's bits after each call
@@ -1125,6 +1130,7 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
         EXPECT_EQ(flags[1], c.pieces * c.o.H) << "not every piece took its ticket: the pieces' kernel did not run";
     }
     EXPECT_TRUE(bits_two == graph_replay_bits(in, d_two)) << "a graph replay's bits differ from the eager call's";
+    }
   }
 }
 
@@ -1609,18 +1615,20 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
               t_fused, t_staged, t_consumers, t_v2, t_produce, t_consume, t_today);
 }
 
-// Two producer warpgroups (FusedArgs::producer_pair) at the serving shape: the bits of the rule's
-// one-producer flags (V2Call mode 6), both timed and their phase clocks (a measurement).
+// Two producer warpgroups (FusedArgs::producer_pair, and with split_inverse) at the serving shape: the
+// bits of the rule's one-producer flags (V2Call mode 6), all three timed and their phase clocks (a
+// measurement).
 TEST_F(Prefill32Gpu, TwoProducerWarpgroupsAtServingShape) {
   KdaOptions o;
   o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
   KdaInputs in(o);
   DeviceProblem d(in);
   V2Call v2(d);
-  std::vector<unsigned char> bits[2];
-  for (int i = 0; i < 2; ++i) {
+  const int modes[3] = {6, V2Call::kPairMode, V2Call::kSplitMode};
+  std::vector<unsigned char> bits[3];
+  for (int i = 0; i < 3; ++i) {
     d.poison();
-    v2.run(i == 0 ? 6 : V2Call::kPairMode);
+    v2.run(modes[i]);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     d.download();
     bits[i] = in.out.bytes;
@@ -1628,17 +1636,22 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsAtServingShape) {
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
   }
   EXPECT_TRUE(bits[0] == bits[1]) << "two producer warpgroups: other bits";
+  EXPECT_TRUE(bits[0] == bits[2]) << "the split inverse: other bits";
   const double t_one = median_event_ms([&] { v2.run(6); });
   const double t_two = median_event_ms([&] { v2.run(V2Call::kPairMode); });
+  const double t_split = median_event_ms([&] { v2.run(V2Call::kSplitMode); });
   std::printf("[ measure  ] fused32 T=8192 H=96 (staged, inverting consumers, setmaxnreg): one producer warpgroup "
-              "%.3f ms, two %.3f ms (%.2fx)\n", t_one, t_two, t_two / t_one);
-  for (const bool pair : {false, true}) {
+              "%.3f ms, two %.3f ms (%.2fx), two with the split inverse %.3f ms (%.2fx)\n",
+              t_one, t_two, t_two / t_one, t_split, t_split / t_one);
+  for (int variant = 0; variant < 3; ++variant) {
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca;
     clocked.stage_inputs = clocked.producer_regs = clocked.consumer_inverse = true;
-    clocked.producer_pair = pair;
-    print_phase_clocks(clocked, pair ? " (two producer warpgroups, setmaxnreg 96 / 160)"
-                                     : " (staged inputs, setmaxnreg 184 / 160, inverting consumers)");
+    clocked.producer_pair = variant > 0;
+    clocked.split_inverse = variant == 2;
+    print_phase_clocks(clocked, variant == 0   ? " (staged inputs, setmaxnreg 184 / 160, inverting consumers)"
+                                : variant == 1 ? " (two producer warpgroups, setmaxnreg 96 / 160)"
+                                               : " (two producer warpgroups, split inverse)");
   }
 }
 

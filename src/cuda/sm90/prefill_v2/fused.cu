@@ -342,14 +342,16 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full, int producers
 // kPair (FusedArgs::producer_pair): two producer warpgroups (tid 0-255) build each chunk together
 // (produce_chunk_pair: the same record); warpgroup 1 arrives after its factors and starts the next
 // chunk while warpgroup 0 runs the L/Mqk product. Staged inputs and inverting consumers only.
+// kSplitInv (FusedArgs::split_inverse, with kPair): warp 0 also runs the inverse's substitutions.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
-          bool kPair = false>
+          bool kPair = false, bool kSplitInv = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   using ProducerSync = WarpgroupSync<1, kProducerThreads<kPair>>;
   static_assert(!kPair || (kStaged && kConsumerInv), "two producer warpgroups: staged inputs, inverting consumers");
+  static_assert(!kSplitInv || kPair, "the split inverse: two producer warpgroups");
   const FusedArgs& a = params.a;
   uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
@@ -410,8 +412,8 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       // worth at the producers' 96 (ptxas; 6 with this)
       int ptid = tid;
       asm volatile("" : "+r"(ptid));
-      produce_chunk_pair<kGate, kF32Gate, ProducerSync>(pa, h, c, ptid, ring + stage * L::kStageSpan, scratch, staged,
-                                                        beta_raw, sm_gate, l_beta, mark, refill);
+      produce_chunk_pair<kGate, kF32Gate, ProducerSync, kSplitInv>(pa, h, c, ptid, ring + stage * L::kStageSpan, scratch,
+                                                                   staged, beta_raw, sm_gate, l_beta, mark, refill);
     } else {
       produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
                                                                           scratch, staged, beta_raw, sm_gate, true,
@@ -512,8 +514,10 @@ __device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int 
 // product is not below 2^-30, or FusedArgs::pieces_flag is set, the consumers set stop->abort and
 // drain: they release each stage the producer fills until the one it marks (stop->stopped_at), and
 // leave without a final state. kProducers: the producer threads before the consumers' (128, or 256
-// with FusedArgs::producer_pair).
-template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, int kProducers = kThreads>
+// with FusedArgs::producer_pair); kSplitInv (FusedArgs::split_inverse): the producers substituted,
+// the consumers run the inverse's products only.
+template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, int kProducers = kThreads,
+          bool kSplitInv = false>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
@@ -587,8 +591,13 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
         }
       }
       const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-      invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
-                            own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
+      if constexpr (kSplitInv) {
+        invert_products_in_place(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
+                                 own_inv, own_inv + kSmallBytes, [] { consumers_sync(); });
+      } else {
+        invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
+                              own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
+      }
       fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
       consumers_sync();
       mark(13);
@@ -677,9 +686,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
                               int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
 }
 
-// kPair (FusedArgs::producer_pair): two producer warpgroups, 512 threads (the rule's flags only).
+// kPair (FusedArgs::producer_pair): two producer warpgroups, 512 threads (the rule's flags only);
+// kSplitInv (FusedArgs::split_inverse) with it.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false, bool kPair = false>
+          bool kSeqs = false, bool kPieces = false, bool kPair = false, bool kSplitInv = false>
 __global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   static_assert(!kPair || (kRegSplit && kStaged && kConsumerInv), "two producer warpgroups: the rule's flags");
   using L = SmemLayout<kStaged, kConsumerInv>;
@@ -747,12 +757,12 @@ __global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __gr
     // kPair: the producers give registers back (128 -> 96), the consumers take them (128 -> 160)
     if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kPairProducerRegs));
     else if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kPair>(params, ring, pa, h, bos, num_chunks,
-                                                                                 0, clock_sums, last_clock, &seq);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kPair, kSplitInv>(
+        params, ring, pa, h, bos, num_chunks, 0, clock_sums, last_clock, &seq);
   } else {
     if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kPairConsumerRegs));
     else if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>>(
+    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>, kSplitInv>(
         params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0, kSeqs ? seq.first_ckpt : 0, clock_sums,
         last_clock, &seq);
   }
@@ -854,7 +864,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
           bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
-          bool kPair = false>
+          bool kPair = false, bool kSplitInv = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   static_assert(!(kPair && kPersistent), "the persistent grid has one producer warpgroup");
   FusedParams params{};
@@ -867,7 +877,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
-    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kPair>;
+    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kPair, kSplitInv>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
@@ -950,6 +960,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (args.state_pool == nullptr || args.state_indices != nullptr) && pa.T % (args.cu_seqlens ? 1 : args.num_seqs) == 0 &&
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
+  if (args.split_inverse && !args.producer_pair) return cudaErrorInvalidValue;
   if (args.producer_pair) {  // a candidate: the rule's flags (phase clocks allowed), no persistent grid
     if (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
         !args.consumer_inverse || args.time_consumers_only || args.next_item != nullptr)
@@ -963,7 +974,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
-    return args.producer_pair
+    return args.split_inverse
+               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, true, true>(args, stream)
+           : args.producer_pair
                ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, true>(args, stream)
                : launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
   }
@@ -975,10 +988,16 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         return cudaErrorInvalidValue;
       return launch<GateForm::kLowerBound, false, true, false, true, true, true, true>(args, stream);
     }
-    return args.producer_pair
+    return args.split_inverse
+               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, true, true>(args, stream)
+           : args.producer_pair
                ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, true>(args, stream)
                : launch<GateForm::kLowerBound, false, true, false, true, true, true>(args, stream);
   }
+  if (args.split_inverse)
+    return args.phase_clocks != nullptr
+               ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, true, true>(args, stream)
+               : launch<GateForm::kLowerBound, false, true, false, true, true, false, false, false, true, true>(args, stream);
   if (args.producer_pair)
     return args.phase_clocks != nullptr
                ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, true>(args, stream)
@@ -1036,19 +1055,20 @@ FusedArgs fused_args(const PrefillParams& p) {
 namespace {
 // The call's arguments with the rule's flags (staged inputs, inverting consumers, setmaxnreg) and
 // K0's verdict.
-FusedArgs rule_args(const PrefillParams& p, const int* error_flag, bool producer_pair) {
+FusedArgs rule_args(const PrefillParams& p, const int* error_flag, int producers) {
   FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   f.error_flag = error_flag;
-  f.producer_pair = producer_pair;
+  f.producer_pair = producers >= 2;
+  f.split_inverse = producers == 3;
   return f;
 }
 }  // namespace
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order,
-                          bool producer_pair) {
-  FusedArgs f = rule_args(p, error_flag, producer_pair && next_item == nullptr);
+                          int producers) {
+  FusedArgs f = rule_args(p, error_flag, next_item == nullptr ? producers : 0);
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
@@ -1064,11 +1084,11 @@ int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool producer_pair) {
+                                 float* chain_states, int producers) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
-  FusedArgs f = rule_args(p, error_flag, producer_pair);
+  FusedArgs f = rule_args(p, error_flag, producers);
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
   f.ckpt_start = ckpt_start;
   size_t flag_bytes = sizeof(int);
@@ -1081,8 +1101,8 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
 }
 
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream, bool producer_pair) {
-  FusedArgs f = rule_args(p, error_flag, producer_pair);
+                               cudaStream_t stream, int producers) {
+  FusedArgs f = rule_args(p, error_flag, producers);
   f.ckpt_start = ckpt_start;
   f.run_if_flag = flag;
   return fused_chunks(f, stream);

@@ -134,6 +134,12 @@ struct FusedArgs {
   // grid): two producer warpgroups build each chunk together (produce.cuh produce_chunk_pair, the same
   // record bit for bit, half the element-wise work a thread), 512 threads, setmaxnreg 96 / 160.
   bool producer_pair = false;
+  // A candidate with producer_pair (internal fused_producers = 3): the producers' warp 0 also runs the
+  // inverse's two forward substitutions once L is stored, writing X11 and X22 over L's diagonal blocks
+  // in the stage, and the consumers only the inverse's products (produce.cuh
+  // invert_substitute_in_place, invert_products_in_place: the same bits), taking ~600 cycles of one
+  // consumer warp, which the other seven wait for, off the consumers' chain.
+  bool split_inverse = false;
 };
 constexpr int kPhaseClocks = 16;
 
@@ -148,12 +154,12 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
-// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas, order and
-// producer_pair (not with next_item: the persistent grid has one producer warpgroup)
-// as FusedArgs says.
+// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas and order
+// as FusedArgs says; producers: internal::PrefillLaunch::fused_producers (2: FusedArgs::producer_pair,
+// 3: with split_inverse; not with next_item: the persistent grid has one producer warpgroup).
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
-                          int64_t item_ctas = 0, const int32_t* order = nullptr, bool producer_pair = false);
+                          int64_t item_ctas = 0, const int32_t* order = nullptr, int producers = 0);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
@@ -170,13 +176,13 @@ bool fused_pieces_serve(const PrefillParams& p);
 // (pieces_next) and the ready flags (pieces_ready).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr, bool producer_pair = false);
+                                 float* chain_states = nullptr, int producers = 0);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream, bool producer_pair = false);
+                               cudaStream_t stream, int producers = 0);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2

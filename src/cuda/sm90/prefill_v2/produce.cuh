@@ -734,6 +734,57 @@ __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, con
   }
 }
 
+// FusedArgs::split_inverse (a candidate, with two producer warpgroups): invert_warpgroup in two parts,
+// the same fma chains in the same order (the same bits), kept apart from it so that the kernels
+// that invert whole keep their code. invert_substitute_in_place: warp 0 of the producers (lane =
+// 0..31) runs the two forward substitutions as invert_warpgroup's warp 0 does, reading L's diagonal
+// blocks from sm_L and writing X11 and X22 over them (row stride kLStride; a __syncwarp between the
+// warp's last read and first write). L21 stays, which is all invert_products reads of L.
+__device__ __forceinline__ void invert_substitute_in_place(int lane, float* sm_L) {
+  constexpr int kS = ProduceScratch::kLStride;
+  const int half = lane >> 4, j = lane & 15, base = 16 * half;
+  float* const L = sm_L + base * kS + base;  // this half's diagonal block, then its X
+  float x[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float acc = (i == j) ? 1.f : 0.f;
+#pragma unroll
+    for (int m4 = 0; m4 < i; m4 += 4) {
+      const float4 l = *reinterpret_cast<const float4*>(L + i * kS + m4);
+      const float lv[4] = {l.x, l.y, l.z, l.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (m4 + u < i) acc = fmaf(-lv[u], x[m4 + u], acc);
+    }
+    x[i] = acc;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 16; ++i) L[i * kS + j] = x[i];
+}
+// invert_products_in_place: the rest of invert_warpgroup by the 256 consumer threads, X11 and X22
+// read from where invert_substitute_in_place left them in sm_L, T in sm_T ([16][kX22Stride]).
+template <class SyncFn>
+__device__ __forceinline__ void invert_products_in_place(int tid, const float* sm_L, const float* sm_beta, float* sm_T,
+                                                         uint8_t* inv_hi, uint8_t* inv_lo, const SyncFn& sync) {
+  constexpr int kS = ProduceScratch::kX22Stride, kX = ProduceScratch::kLStride;
+  const float* const sm_X11 = sm_L;
+  const float* const sm_X22 = sm_L + 16 * kX + 16;
+  const int j = tid & 15, r = tid >> 4;  // one row a thread (256 threads)
+  float col[16];
+#pragma unroll
+  for (int m = 0; m < 16; ++m) col[m] = sm_X11[m * kX + j];
+  const float b_low = sm_beta[j], b_high = sm_beta[16 + j];
+  sm_T[r * kS + j] = dot16(sm_L + (16 + r) * kX, col);
+  store_split_scalar(inv_hi, inv_lo, sw64_offset(r, j), sm_X11[r * kX + j] * b_low);
+  store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, 16 + j), sm_X22[r * kX + j] * b_high);
+  sync();
+#pragma unroll
+  for (int m = 0; m < 16; ++m) col[m] = sm_T[m * kS + j];
+  const float acc = dot16(sm_X22 + r * kX, col);
+  store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, j), -acc * b_low);
+}
+
 // The record's inv_b by the producer's warpgroup (X12 zeroed every chunk).
 template <class Sync, class Mark>
 __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* sm_beta, float* sm_X, uint8_t* rec,
@@ -915,8 +966,11 @@ __device__ __forceinline__ bool scan_log_decay_pair(int tid, TileOf<2>& a, float
 // produce_chunk's staged form without the inverse (kInvert false: L and beta into l_beta) by two
 // warpgroups (tid 0-255; Sync: a barrier of both). The record's bits are produce_chunk's. Warpgroup
 // 1 returns after its factors; warpgroup 0 runs the L/Mqk product (after_factors while it is in
-// flight) and its stores. Each ends with its stores fenced for the async proxy.
-template <GateForm kGate, bool kF32Gate, class Sync, class Marks = NoMarks, class AfterFactors = NoAfter>
+// flight) and its stores. Each ends with its stores fenced for the async proxy. kSplitInverse
+// (FusedArgs::split_inverse): then warp 0 runs the inverse's forward substitutions, X11 and X22 over
+// L's diagonal blocks (invert_substitute_in_place), and the consumers only its products.
+template <GateForm kGate, bool kF32Gate, class Sync, bool kSplitInverse = false, class Marks = NoMarks,
+          class AfterFactors = NoAfter>
 __device__ __forceinline__ void produce_chunk_pair(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                                    uint8_t* scratch, uint8_t* staged, float beta_raw,
                                                    const float* sm_gate, float* l_beta, const Marks& mark = Marks{},
@@ -954,6 +1008,13 @@ __device__ __forceinline__ void produce_chunk_pair(const ProduceArgs& p, int h, 
     store_l_mqk(tid, d, sm_beta, l_beta, rec);
     fence_proxy_async_shared();  // Mqk's tiles (the consumers' wgmma operands)
     mark(6);
+    if constexpr (kSplitInverse) {  // warp 0 substitutes once warps 0 and 1 have stored L (named barrier 4)
+      if (tid < 64) {
+        asm volatile("bar.sync 4, 64;" ::: "memory");
+        if (tid < 32) invert_substitute_in_place(tid, l_beta);
+        mark(14);
+      }
+    }
   }
 }
 
