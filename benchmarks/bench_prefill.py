@@ -481,6 +481,10 @@ def implementations(args):
         impls.append((f"flashkda pieces {pieces}",
                       lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n,
                                                                               fused_warmup=args.fused_warmup))))
+        for mode in args.fused_producers or []:  # and with two producer warpgroups (--fused-producers)
+            impls.append((f"pieces {pieces} producers {mode}",
+                          lambda x, s, n=pieces, m=mode: run_flashkda(x, s, launch=dict(
+                              fused_pieces=n, fused_warmup=args.fused_warmup, fused_producers=m))))
     for pieces in args.fused_chain:  # the same, chained: a piece whose warm-up bounds nothing waits for the one before
         impls.append((f"flashkda chained {pieces}",
                       lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n, fused_chain=1,

@@ -691,8 +691,9 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
 // kernel's), one sequence and two of an odd length, more pieces than chunks, the state none or
 // fp32, H = 96, graph replays equal to the eager call. The bits of the kernels the rule picks (the
 // chunk-16 kernels, at H = 96 the fused kernel) where the pieces must not run: long-memory channels
-// (dt_bias -30: no decay) in every head or in one, and a NaN value in the first piece's chunks (the
-// exact recurrence carries it into every later token, a piece from zero would not).
+// (dt_bias -30: no decay) in every head or in one, which the gates' pre-check catches before the
+// pieces run (pieces_precheck_kernel: the flag 2), and a NaN value in the first piece's chunks (the
+// exact recurrence carries it into every later token, a piece from zero would not; a piece sets 1).
 TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
   struct Case {
     int64_t B, T, H, pieces;
@@ -723,6 +724,9 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
                                      rule = run_bits(in, d_rule);
     const std::vector<unsigned char> got = run_bits(in, d_pieces);
     EXPECT_EQ(pieces_stopped(d_pieces), falls_back) << "the pieces' flag";
+    // long-memory channels: the gates' pre-check stops the pieces before they run (flag 2); a NaN
+    // value, which the gates do not show: a piece (flag 1)
+    if (falls_back) EXPECT_EQ(pieces_flags(d_pieces)[0], c.nan_value ? 1 : 2) << "who stopped the pieces";
     if (!c.nan_value) {
       EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
       EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
@@ -770,6 +774,7 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     const int64_t state = o.H * o.V * o.K;
     for (int64_t i = 0; i < state; ++i)  // the empty sequence's final state: its initial one
       ASSERT_EQ(in.final_state.get(state + i), in.initial_state.get(state + i)) << "the empty sequence's state";
+    EXPECT_EQ(pieces_flags(d_pieces)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
     if (long_memory) {
       EXPECT_TRUE(got == rule) << "a warm-up that bounds nothing: not the rule's bits";
     } else {

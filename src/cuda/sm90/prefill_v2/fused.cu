@@ -915,6 +915,56 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   }
 }
 
+// FusedArgs::pieces without pieces_chain, before the pieces run: a piece stops the call where its
+// warm-up chunks' bounds multiply to more than 2^kPieceLog2Bound, and each chunk's bound
+// (chunk_log2_bound) is at least max_c e^{Gamma_c}, its channels' decay over the chunk. So where the
+// warm-up's sum over chunks of log2 max_c e^{Gamma_c} is above the bound, the piece will stop; this
+// kernel finds such pieces from the gates alone and sets the pieces' flag (kPiecesPrechecked) before
+// they start, so that every CTA of their grid leaves at once (write_piece_args' abort) instead of
+// running its warm-up and draining (run 112: ~34 us at few heads with long-memory channels). Half a
+// unit of margin against the two computations' rounding: the check stops only calls whose pieces'
+// own bounds would stop them, so the results are the rule's kernels' either way (an early exit, not
+// a decision). A NaN gate stops the call, as in the pieces. Grid (pieces - 1, N, H): piece p + 1 of
+// sequence n, head h; thread c: channel c. Lower-bound bf16 gates (what the pieces serve).
+constexpr int kPiecesPrechecked = 2;  // the flag's value where this check stopped the pieces (a piece writes 1)
+__global__ void __launch_bounds__(kHeadDim) pieces_precheck_kernel(const FusedArgs a) {
+  __shared__ float chunk_max[4];
+  const int64_t piece = int64_t(blockIdx.x) + 1, n = blockIdx.y;
+  const int h = int(blockIdx.z), c = int(threadIdx.x), warp = c >> 5, lane = c & 31;
+  if (a.error_flag != nullptr && *a.error_flag == prefill::kCallRefused) return;  // invalid lengths: the pieces refuse
+  if (a.state_pool != nullptr) {  // a padding sequence: no rows
+    const int64_t slot = a.state_indices[n];
+    if (slot < 0 || slot >= a.pool_size) return;
+  }
+  int64_t bos = 0, len = 0;
+  sequence_span(a, n, bos, len);
+  const PieceSpan span = piece_span(len, a.pieces, a.warmup, piece);
+  if (span.T < 0 || span.warmup == 0) return;  // no chunks, or none before it
+  const ProduceArgs& pa = a.produce;
+  const LowerBoundConsts k = lower_bound_consts(pa, h);
+  const float bc = pa.dt_bias != nullptr ? pa.dt_bias[int64_t(h) * kHeadDim + c] * k.c : 0.f;
+  const __nv_bfloat16* const g = static_cast<const __nv_bfloat16*>(pa.g);
+  float total = 0.f;  // the sum over the warm-up's chunks of log2 max_c e^{Gamma_c}
+  bool nan = false;
+  for (int64_t j = span.begin - span.warmup; j < span.begin; ++j) {
+    float gamma = 0.f;  // this channel's log-decay over chunk j, log2 units (as the producer's scan)
+    for (int64_t t = j * kChunk; t < (j + 1) * kChunk && t < len; ++t) {
+      const float x = __bfloat162float(g[((bos + t) * pa.H + h) * kHeadDim + c]);
+      gamma += ProduceMath::quot(k.lb2, 1.f + ex2(fmaf(x, k.c, bc)));
+    }
+    nan |= gamma != gamma;
+    float m = gamma;
+    for (int x = 16; x >= 1; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
+    if (lane == 0) chunk_max[warp] = m;
+    __syncthreads();
+    total += fmaxf(fmaxf(chunk_max[0], chunk_max[1]), fmaxf(chunk_max[2], chunk_max[3]));
+    __syncthreads();
+  }
+  if (__syncthreads_or(nan) || total > kPieceLog2Bound + 0.5f) {
+    if (c == 0) atomicExch(a.pieces_flag, kPiecesPrechecked);
+  }
+}
+
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
 // (*flag zero; else the rule's kernels after the pieces write them).
 // With a pool (slots: state_indices), sequence n's `per` 16-byte units into slot slots[n] where it
@@ -1096,7 +1146,11 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
     flag_bytes = fused_chain_flags(p, pieces) * sizeof(int);
   }
-  const cudaError_t err = cudaMemsetAsync(flag, 0, flag_bytes, stream);
+  cudaError_t err = cudaMemsetAsync(flag, 0, flag_bytes, stream);
+  if (err == cudaSuccess && !f.pieces_chain && pieces > 1 && f.num_seqs <= kMaxFusedSeqs && p.H <= 65535) {
+    pieces_precheck_kernel<<<dim3(unsigned(pieces - 1), unsigned(f.num_seqs), unsigned(p.H)), kHeadDim, 0, stream>>>(f);
+    err = cudaGetLastError();
+  }
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 
