@@ -300,20 +300,25 @@ b = torch.empty_like(a); torch.mul(a, 2, out=b); torch.cuda.synchronize()" > /tm
 fi
 if want fused-profile; then  # issue 11: where the fused chunk-32 kernel's cycles go, by instruction (ncu of the
   # unsplit fused kernel at T = 8192, H = 96, one sequence, fp32 state, random gates; the per-instruction
-  # source counters in fused_source.csv, the summary in profile_fused.log)
+  # source counters in fused_source<P>.csv, the summary in profile_fused<P>.log, for each P in
+  # $FUSED_PROFILE_PRODUCERS: internal fused_producers, 0 the rule's one producer warpgroup, 2 and 3 the
+  # two-producer candidates)
   step fused-profile
   if command -v ncu > /dev/null; then
-    ncu --clock-control none -k regex:"fused" -c 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
-      --section WarpStateStats --section InstructionStats --section SourceCounters --section LaunchStats \
-      --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg --print-details all --import-source yes -f -o /tmp/ncu_fused \
-      python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
+    for P in ${FUSED_PROFILE_PRODUCERS:-0}; do
+      ncu --clock-control none -k regex:"fused" -c 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
+        --section WarpStateStats --section InstructionStats --section SourceCounters --section LaunchStats \
+        --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg --print-details all --import-source yes -f -o /tmp/ncu_fused$P \
+        python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
 import bench_prefill as b
-_, H, lens, st = b.MANY[1]; fn = b.run_flashkda(b.make_inputs(H, lens, st), st, launch=dict(fused_v2=1, fused_chain=-1))[0]
-fn(); torch.cuda.synchronize()" > "$OUT/profile_fused.log" 2>&1 || echo "ncu (fused) failed (profile_fused.log)"
-    ncu -i /tmp/ncu_fused.ncu-rep --print-details all >> "$OUT/profile_fused.log" 2>&1
-    ncu_source_csv /tmp/ncu_fused.ncu-rep fused_source.csv
-    grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \
-      "$OUT/profile_fused.log" | sed -n 1,24p
+_, H, lens, st = b.MANY[1]
+fn = b.run_flashkda(b.make_inputs(H, lens, st), st, launch=dict(fused_v2=1, fused_chain=-1, fused_producers=$P))[0]
+fn(); torch.cuda.synchronize()" > "$OUT/profile_fused$P.log" 2>&1 || echo "ncu (fused, producers $P) failed (profile_fused$P.log)"
+      ncu -i /tmp/ncu_fused$P.ncu-rep --print-details all >> "$OUT/profile_fused$P.log" 2>&1
+      ncu_source_csv /tmp/ncu_fused$P.ncu-rep fused_source$P.csv
+      grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \
+        "$OUT/profile_fused$P.log" | sed -n 1,24p
+    done
   fi
 fi
 if want ab; then
