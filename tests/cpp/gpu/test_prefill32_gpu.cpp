@@ -247,6 +247,17 @@ std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* dir
 // pieces' workspace area, right after the kernels' (the size of the workspace without pieces). Bits
 // alone cannot tell where the rule's kernel is the fused one: where every warm-up washes the dropped
 // state out below the fp32 rounding, the pieces give the unsplit kernel's bits.
+// Moderate decay on every channel: raw gates 0, dt_bias -1.86, A_log 0 (lower bound -5), so each
+// token decays every channel by ~0.97 in log2 units and a 32-token chunk by ~-31: the gates'
+// pre-check of unchained pieces (pieces_precheck_kernel) finds max_c e^{Gamma_c} below 2^-29.5 and
+// lets them run, but a warm-up chunk's bound with its key terms (~32 beta 2^-31) is above 2^-30, so a
+// piece stops them (flag 1) and they drain: the path the pre-check otherwise takes off the tests.
+void moderate_decay(KdaInputs& in) {
+  for (int64_t i = 0; i < in.g.count; ++i) in.g.set(i, 0.0);
+  for (auto& x : in.dt_bias) x = -1.86f;
+  for (auto& x : in.A_log) x = 0.f;
+}
+
 // pieces_flags: that flag and, for chained pieces, the tickets taken after it (every CTA of the
 // pieces' grid takes one as it starts: N pieces H where the pieces' kernel ran).
 std::array<int, 2> pieces_flags(DeviceProblem& d) {
@@ -753,6 +764,23 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     }
     EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
   }
+  // Moderate decay (moderate_decay): the pre-check lets the pieces run, a warm-up's bound stops them
+  // (flag 1), they drain, and the kernels the rule picks run the call.
+  {
+    KdaOptions o;
+    o.T = 1000, o.H = 2, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    moderate_decay(in);
+    SCOPED_TRACE(in.describe() + " moderate decay");
+    internal::PrefillLaunch pieces;
+    pieces.fused_pieces = 4;
+    DeviceProblem d_pieces(in, pieces), d_rule(in);
+    const std::vector<unsigned char> rule = run_bits(in, d_rule), got = run_bits(in, d_pieces);
+    EXPECT_EQ(pieces_flags(d_pieces)[0], 1) << "not stopped by a piece's warm-up (2: the pre-check; 0: the pieces ran)";
+    EXPECT_TRUE(got == rule) << "a warm-up that bounds nothing: not the bits of the kernels the rule picks";
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
+  }
   // Device cu_seqlens (K0 first), an empty sequence among them (its final state its initial one):
   // random gates, the pieces run; long memory, the chunk-16 kernels' bits (the rule's, K0 deciding).
   for (const bool long_memory : {false, true}) {
@@ -1065,16 +1093,16 @@ void check_chained_pieces(const ChainedCase& c) {
 // producer_pair): the same bits (outputs and final states) as one on every path it takes, the
 // unsplit kernel on one sequence with a tail chunk, device cu_seqlens with an empty sequence (K0
 // first), a pool, chained pieces on random gates (each skips its start) and long memory (each
-// waits for the one before), pieces that stop (long memory unchained, a NaN value chained: the
-// producers' stop and drain, then the fused kernel after them), and the same bits again from a
-// graph. The pieces' flag block says the pieces' kernel ran.
+// waits for the one before), pieces that stop (moderate decay unchained, past the gates' pre-check;
+// a NaN value chained: the producers' stop and drain, then the fused kernel after them), and the same
+// bits again from a graph. The pieces' flag block says the pieces' kernel ran.
 TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
   struct Case {
     const char* name;
     KdaOptions o;
     int64_t pieces;
     int chain;  // internal fused_chain with the pieces
-    bool long_memory, nan_value, pool, stops;
+    bool long_memory, nan_value, pool, stops, moderate = false;
   };
   auto options = [](int64_t T, int64_t H, std::vector<int64_t> seqlens = {}) {
     KdaOptions o;
@@ -1089,13 +1117,14 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
       {"chained pieces, random gates", options(2048, 4), 4, 1, false, false, false, false},
       {"chained pieces, long memory", options(1000, 2), 4, 1, true, false, false, false},
       // the pieces' stop and drain, then the fused kernel after them (fused_after_pieces)
-      {"pieces, long memory: stopped", options(1000, 2), 4, 0, true, false, false, true},
+      {"pieces, moderate decay: stopped by a warm-up", options(1000, 2), 4, 0, false, false, false, true, true},
       {"chained pieces, a NaN value: stopped", options(1000, 2), 4, 1, false, true, false, true}};
   for (const Case& c : cases) {
     KdaInputs in(c.o);
     if (c.long_memory)
       for (int64_t ch = 0; ch < c.o.H * c.o.K; ch += 4) in.dt_bias[ch] = -30.f;
     if (c.nan_value) in.v.set((100 * c.o.H + 1) * c.o.V + 7, std::nan(""));  // token 100, head 1
+    if (c.moderate) moderate_decay(in);
     SCOPED_TRACE(std::string(c.name) + ": " + in.describe());
     internal::PrefillLaunch one;
     one.fused_v2 = 1;
@@ -1130,7 +1159,7 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
     }
     if (c.pieces > 0) {  // the pieces' kernel ran (a launch that failed before it would leave the flag zero)
       const std::array<int, 2> flags = pieces_flags(d_two);
-      EXPECT_EQ(flags[0] != 0, c.stops) << "the pieces' flag";
+      EXPECT_EQ(flags[0], c.stops ? 1 : 0) << "the pieces' flag (1: a piece stopped them; 2: the gates' pre-check)";
       if (c.chain > 0)
         EXPECT_EQ(flags[1], c.pieces * c.o.H) << "not every piece took its ticket: the pieces' kernel did not run";
     }
