@@ -549,6 +549,17 @@ __device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf
   });
 }
 
+// The record's e^{Gamma_c} (threads 0-15, eight channels each: their scan's gamma) and its flags word
+// (thread 0: the chunk's spread too wide for the factorised form).
+__device__ __forceinline__ void store_gamma_flags(int tid, const float (&gamma)[8], bool wide, uint8_t* rec) {
+  if (tid < 16) {
+    float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
+    dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
+    dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
+  }
+  if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
+}
+
 // K-major SW128 descriptor (layout type 1; SBO = 1024 B between 8-row groups, LBO unused).
 __device__ __forceinline__ uint64_t sw128_desc(const void* p) {
   const uint32_t a = smem_addr(p);
@@ -838,12 +849,7 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   const bool wide =
       scan_log_decay<Sync>(tid, a, offset, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
   mark(3);
-  if (tid < 16) {
-    float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
-    dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
-    dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
-  }
-  if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
+  store_gamma_flags(tid, gamma, wide, rec);
   if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, offset, gamma, rec, scratch);
   else build_factors(tid, q, k, a, offset, gamma, rec, scratch);
   fence_proxy_async_shared();
@@ -991,12 +997,7 @@ __device__ __forceinline__ void produce_chunk_pair(const ProduceArgs& p, int h, 
   const bool wide =
       scan_log_decay_pair<Sync>(tid, a, offset, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotalsPair));
   mark(3);
-  if (tid < 16) {
-    float4* dst = reinterpret_cast<float4*>(rec + ChunkOperands::kOffGamma) + 2 * tid;
-    dst[0] = make_float4(ex2(gamma[0]), ex2(gamma[1]), ex2(gamma[2]), ex2(gamma[3]));
-    dst[1] = make_float4(ex2(gamma[4]), ex2(gamma[5]), ex2(gamma[6]), ex2(gamma[7]));
-  }
-  if (tid == 0) *reinterpret_cast<int4*>(rec + ChunkOperands::kOffFlags) = make_int4(wide ? 1 : 0, 0, 0, 0);
+  store_gamma_flags(tid, gamma, wide, rec);
   build_factors_staged<2>(tid, staged, sq, a, offset, gamma, rec, scratch);
   fence_proxy_async_shared();
   Sync::sync();
