@@ -53,24 +53,26 @@ struct V2Call {
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
   // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()); from
-  // kPairMode, two producer warpgroups, then with the inverse split (not yet run on a GPU: their own
-  // tests, which the device script runs apart under a short time limit).
+  // kPairMode, two producer warpgroups, then with the inverse split, then one producer warpgroup with
+  // the consumers' early release (not yet run on a GPU: their own tests, which the device script runs
+  // apart under a short time limit).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse, producer_pair, split_inverse;
+    bool staged, producer_regs, consumer_inverse, producer_pair, split_inverse, early_release;
   };
-  static constexpr int kModes = 11, kPairMode = 9, kSplitMode = 10;
-  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false, false, false},
-                                              {"fused32 ", false, false, false, false, false},
-                                              {"fused32 staged ", true, false, false, false, false},
-                                              {"fused32 setmaxnreg ", false, true, false, false, false},
-                                              {"fused32 inverting consumers ", false, false, true, false, false},
-                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true, false, false},
-                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true, false, false},
-                                              {"fused32 staged, setmaxnreg ", true, true, false, false, false},
-                                              {"fused32 staged, inverting consumers ", true, false, true, false, false},
-                                              {"fused32 two producer warpgroups ", true, true, true, true, false},
-                                              {"fused32 two producer warpgroups, split inverse ", true, true, true, true, true}};
+  static constexpr int kModes = 12, kPairMode = 9, kSplitMode = 10, kEarlyMode = 11;
+  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false, false, false, false},
+                                              {"fused32 ", false, false, false, false, false, false},
+                                              {"fused32 staged ", true, false, false, false, false, false},
+                                              {"fused32 setmaxnreg ", false, true, false, false, false, false},
+                                              {"fused32 inverting consumers ", false, false, true, false, false, false},
+                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true, false, false, false},
+                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true, false, false, false},
+                                              {"fused32 staged, setmaxnreg ", true, true, false, false, false, false},
+                                              {"fused32 staged, inverting consumers ", true, false, true, false, false, false},
+                                              {"fused32 two producer warpgroups ", true, true, true, true, false, false},
+                                              {"fused32 two producer warpgroups, split inverse ", true, true, true, true, true, false},
+                                              {"fused32 early release ", true, true, true, false, false, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -81,6 +83,7 @@ struct V2Call {
       f.consumer_inverse = m.consumer_inverse;
       f.producer_pair = m.producer_pair;
       f.split_inverse = m.split_inverse;
+      f.early_release = m.early_release;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -92,8 +95,8 @@ struct V2Call {
 // Every path on one problem: each against the reference, each repeated for the same bits, and every
 // fused path with the two kernels' output bits (the same arithmetic in all; rows past the end do
 // not reach the outputs of the rows before them). pair: the two kernels, the one-producer flags of
-// the rule (mode 6), kPairMode and kSplitMode only, the last three also with equal final-state bits;
-// else every mode before kPairMode.
+// the rule (mode 6) and the unrun candidates from kPairMode on, all but the first also with equal
+// final-state bits; else every mode before kPairMode.
 void check(KdaInputs& in, double out_bound, double state_bound, const char* what, bool pair = false) {
   SCOPED_TRACE(std::string(what) + ": " + in.describe());
   const test::Reference ref = test::run_reference(in);
@@ -146,9 +149,10 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     }
   }
   if (pair) {
-    EXPECT_EQ(compared, 3) << "the case does not serve two producer warpgroups";
+    EXPECT_EQ(compared, 4) << "the case does not serve two producer warpgroups";
     EXPECT_TRUE(states[6] == states[V2Call::kPairMode]) << "two producer warpgroups: another final state";
     EXPECT_TRUE(states[6] == states[V2Call::kSplitMode]) << "the split inverse: another final state";
+    EXPECT_TRUE(states[6] == states[V2Call::kEarlyMode]) << "the early release: another final state";
   }
   test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(compared) + ") " + what,
                same);
@@ -1649,18 +1653,18 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
               t_fused, t_staged, t_consumers, t_v2, t_produce, t_consume, t_today);
 }
 
-// Two producer warpgroups (FusedArgs::producer_pair, and with split_inverse) at the serving shape: the
-// bits of the rule's one-producer flags (V2Call mode 6), all three timed and their phase clocks (a
-// measurement).
+// Two producer warpgroups (FusedArgs::producer_pair, and with split_inverse) and the consumers' early
+// release (FusedArgs::early_release, one producer warpgroup) at the serving shape: the bits of the
+// rule's one-producer flags (V2Call mode 6), all four timed and their phase clocks (a measurement).
 TEST_F(Prefill32Gpu, TwoProducerWarpgroupsAtServingShape) {
   KdaOptions o;
   o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
   KdaInputs in(o);
   DeviceProblem d(in);
   V2Call v2(d);
-  const int modes[3] = {6, V2Call::kPairMode, V2Call::kSplitMode};
-  std::vector<unsigned char> bits[3];
-  for (int i = 0; i < 3; ++i) {
+  const int modes[4] = {6, V2Call::kPairMode, V2Call::kSplitMode, V2Call::kEarlyMode};
+  std::vector<unsigned char> bits[4];
+  for (int i = 0; i < 4; ++i) {
     d.poison();
     v2.run(modes[i]);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -1671,21 +1675,26 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsAtServingShape) {
   }
   EXPECT_TRUE(bits[0] == bits[1]) << "two producer warpgroups: other bits";
   EXPECT_TRUE(bits[0] == bits[2]) << "the split inverse: other bits";
+  EXPECT_TRUE(bits[0] == bits[3]) << "the early release: other bits";
   const double t_one = median_event_ms([&] { v2.run(6); });
+  const double t_early = median_event_ms([&] { v2.run(V2Call::kEarlyMode); });
   const double t_two = median_event_ms([&] { v2.run(V2Call::kPairMode); });
   const double t_split = median_event_ms([&] { v2.run(V2Call::kSplitMode); });
   std::printf("[ measure  ] fused32 T=8192 H=96 (staged, inverting consumers, setmaxnreg): one producer warpgroup "
-              "%.3f ms, two %.3f ms (%.2fx), two with the split inverse %.3f ms (%.2fx)\n",
-              t_one, t_two, t_two / t_one, t_split, t_split / t_one);
-  for (int variant = 0; variant < 3; ++variant) {
+              "%.3f ms, with the early release %.3f ms (%.2fx); two (early release) %.3f ms (%.2fx), two with the "
+              "split inverse %.3f ms (%.2fx)\n",
+              t_one, t_early, t_early / t_one, t_two, t_two / t_one, t_split, t_split / t_one);
+  for (int variant = 0; variant < 4; ++variant) {
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca;
     clocked.stage_inputs = clocked.producer_regs = clocked.consumer_inverse = true;
-    clocked.producer_pair = variant > 0;
-    clocked.split_inverse = variant == 2;
+    clocked.producer_pair = variant == 2 || variant == 3;
+    clocked.split_inverse = variant == 3;
+    clocked.early_release = variant == 1;
     print_phase_clocks(clocked, variant == 0   ? " (staged inputs, setmaxnreg 184 / 160, inverting consumers)"
-                                : variant == 1 ? " (two producer warpgroups, setmaxnreg 96 / 160)"
-                                               : " (two producer warpgroups, split inverse)");
+                                : variant == 1 ? " (the same, early release)"
+                                : variant == 2 ? " (two producer warpgroups, setmaxnreg 96 / 160, early release)"
+                                               : " (two producer warpgroups, split inverse, early release)");
   }
 }
 

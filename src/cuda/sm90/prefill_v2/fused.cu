@@ -44,8 +44,9 @@ constexpr int64_t kMaxFusedSeqs = 65535;
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
 // and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
 // warpgroup's inv_b (split SW64 tiles) and forward-substitution scratch, the barriers (and the
-// phase clocks' sums), the staged inputs.
-template <bool kStaged, bool kConsumerInv>
+// phase clocks' sums), the staged inputs, with kOutBuf (the consumers' early release) the output
+// tile the consumers stage their rows in.
+template <bool kStaged, bool kConsumerInv, bool kOutBuf = false>
 struct SmemLayout {
   static constexpr int kOffLBeta = kRecordSpan + kVBytes;  // in a stage
   static constexpr int kStageSpan = (kOffLBeta + (kConsumerInv ? kLBetaBytes : 0) + 1023) & ~1023;
@@ -56,8 +57,11 @@ struct SmemLayout {
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
   static constexpr int kOffSeqArgs = kOffClocks + kPhaseClocks * 8;  // FusedArgs::num_seqs: the CTA's sequence
   static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
+  static constexpr int kOffOut = kOffStaged + kStagedBytes;  // kOutBuf: a 32 x 128 SW128 bf16 tile (staged_v)
   // + full[2], empty[2], staged_full; + the 1024-byte alignment
-  static constexpr int kBytes = (kStaged ? kOffStaged + kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
+  static constexpr int kBytes =
+      (kStaged ? kOffOut + (kOutBuf ? kVBytes : 0) : kOffClocks + kPhaseClocks * 8) + 1024;
+  static_assert(!kOutBuf || kStaged);
   static_assert(2 * kSmallBytes + ProduceScratch::kInvScratchBytes <= kInvSpan);
   static_assert(kBytes <= 227 * 1024);
 };
@@ -515,13 +519,16 @@ __device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int 
 // drain: they release each stage the producer fills until the one it marks (stop->stopped_at), and
 // leave without a final state. kProducers: the producer threads before the consumers' (128, or 256
 // with FusedArgs::producer_pair); kSplitInv (FusedArgs::split_inverse): the producers substituted,
-// the consumers run the inverse's products only.
+// the consumers run the inverse's products only. kEarlyRelease (FusedArgs::early_release, and every
+// two-producer kernel): the stage is released as soon as the chunk's recurrence has read it, and the
+// output rows are staged in a tile of their own (SmemLayout::kOffOut) instead of the stage's v, so
+// that the producer may refill the stage during the output's stores.
 template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, int kProducers = kThreads,
-          bool kSplitInv = false>
+          bool kSplitInv = false, bool kEarlyRelease = false>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
-  using L = SmemLayout<kStaged, kConsumerInv>;
+  using L = SmemLayout<kStaged, kConsumerInv, kEarlyRelease>;
   const FusedArgs& a = params.a;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   uint64_t* const empty = full + kStages;
@@ -640,8 +647,18 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // The output through the stage's v: each slot's bf16 where this thread read its v (no other
     // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
     // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
+    // kEarlyRelease: the stage released first (every read of it is done: consume_chunk waited for
+    // its wgmmas), the rows staged the same way in the output tile, which only this warp touches.
+    uint8_t* const os = kEarlyRelease ? ring + L::kOffOut : const_cast<uint8_t*>(vs);
+    if constexpr (kEarlyRelease) {
+      fence_proxy_async_shared();
+      release(stage);
+    }
+    {
+      uint8_t* const o0 = reinterpret_cast<uint8_t*>(&staged_v(os, 2 * t4, v_row));
 #pragma unroll
-    for (int i = 0; i < 16; ++i) slot(i) = o[i];
+      for (int i = 0; i < 16; ++i) *reinterpret_cast<__nv_bfloat16*>(o0 + sw128_slot_offset(i)) = o[i];
+    }
     __syncwarp();
     // Pass u: tokens of parity u, lanes 2m and 2m + 1 one token's 32 bytes; a quarter-warp's 8 reads
     // (tokens 8 k + u, + 2, + 4, + 6, both halves) fall on 8 distinct granule positions.
@@ -651,12 +668,16 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       const int t = 8 * (lane >> 3) + 2 * ((lane >> 1) & 3) + u, part = lane & 1;
       if (t < rows)
         *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
-                                  8 * part) = *reinterpret_cast<const uint4*>(&staged_v(vs, t, col + 8 * part));
+                                  8 * part) = *reinterpret_cast<const uint4*>(&staged_v(os, t, col + 8 * part));
     }
-    // This thread's generic writes of the stage's v (the output slots) before the producer's
-    // TMA overwrites them: fenced by each writing thread, then released by its arrival.
-    fence_proxy_async_shared();
-    release(stage);
+    if constexpr (!kEarlyRelease) {
+      // This thread's generic writes of the stage's v (the output slots) before the producer's
+      // TMA overwrites them: fenced by each writing thread, then released by its arrival.
+      fence_proxy_async_shared();
+      release(stage);
+    } else {
+      __syncwarp();  // the warp's reads of its output rows before its next chunk's writes
+    }
     if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
       if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
       next_ckpt += ckpt_period, ++ck;
@@ -687,9 +708,11 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 // kPair (FusedArgs::producer_pair): two producer warpgroups, 512 threads (the rule's flags only);
-// kSplitInv (FusedArgs::split_inverse) with it.
+// kSplitInv (FusedArgs::split_inverse) with it; kEarlyRelease (FusedArgs::early_release, implied by
+// kPair): consume_item's.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false, bool kPair = false, bool kSplitInv = false>
+          bool kSeqs = false, bool kPieces = false, bool kPair = false, bool kSplitInv = false,
+          bool kEarlyRelease = false>
 __global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   static_assert(!kPair || (kRegSplit && kStaged && kConsumerInv), "two producer warpgroups: the rule's flags");
   using L = SmemLayout<kStaged, kConsumerInv>;
@@ -762,7 +785,7 @@ __global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __gr
   } else {
     if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kPairConsumerRegs));
     else if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>, kSplitInv>(
+    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>, kSplitInv, kPair || kEarlyRelease>(
         params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0, kSeqs ? seq.first_ckpt : 0, clock_sums,
         last_clock, &seq);
   }
@@ -864,7 +887,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
           bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
-          bool kPair = false, bool kSplitInv = false>
+          bool kPair = false, bool kSplitInv = false, bool kEarlyRelease = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   static_assert(!(kPair && kPersistent), "the persistent grid has one producer warpgroup");
   FusedParams params{};
@@ -877,9 +900,11 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
-    else return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kPair, kSplitInv>;
+    else
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kPair, kSplitInv,
+                          kEarlyRelease>;
   }();
-  constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
+  constexpr int kSmem = SmemLayout<kStaged, kConsumerInv, kPair || kEarlyRelease>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   if constexpr (kRegSplit) {  // the split must fit the registers the launch gives the CTA (else: a hang)
@@ -1011,6 +1036,17 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
   if (args.split_inverse && !args.producer_pair) return cudaErrorInvalidValue;
+  if (args.early_release && !args.producer_pair) {  // a candidate: the rule's flags, one sequence, no pieces
+    if (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs || !args.consumer_inverse ||
+        args.time_consumers_only || args.pieces > 0 || args.num_seqs != 1 || args.cu_seqlens != nullptr ||
+        args.state_pool != nullptr)
+      return cudaErrorInvalidValue;
+    return args.phase_clocks != nullptr
+               ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, false, false, true>(
+                     args, stream)
+               : launch<GateForm::kLowerBound, false, true, false, true, true, false, false, false, false, false, true>(
+                     args, stream);
+  }
   if (args.producer_pair) {  // a candidate: the rule's flags (phase clocks allowed), no persistent grid
     if (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
         !args.consumer_inverse || args.time_consumers_only || args.next_item != nullptr)

@@ -140,6 +140,11 @@ struct FusedArgs {
   // invert_substitute_in_place, invert_products_in_place: the same bits), taking ~600 cycles of one
   // consumer warp, which the other seven wait for, off the consumers' chain.
   bool split_inverse = false;
+  // A candidate (the rule's flags, one sequence; always on with producer_pair): the consumers release
+  // each stage as soon as the chunk's recurrence has read it and stage their output rows in a tile of
+  // their own (8 KB more shared memory), so that the producer may refill the stage during the output's
+  // stores (run 116: the producer waited ~1 550 cycles a chunk for a stage).
+  bool early_release = false;
 };
 constexpr int kPhaseClocks = 16;
 
