@@ -65,6 +65,13 @@ struct SmemLayout {
   static_assert(2 * kSmallBytes + ProduceScratch::kInvScratchBytes <= kInvSpan);
   static_assert(kBytes <= 227 * 1024);
 };
+// kOutBuf adds the output tile after everything else: the producer and the kernel's prologue use the
+// layout without it, the consumers and the launch's size the one with it.
+static_assert(SmemLayout<true, true, true>::kOffStaged == SmemLayout<true, true>::kOffStaged &&
+              SmemLayout<true, true, true>::kOffSeqArgs == SmemLayout<true, true>::kOffSeqArgs &&
+              SmemLayout<true, true, true>::kOffBarriers == SmemLayout<true, true>::kOffBarriers &&
+              SmemLayout<true, true, true>::kOffInv == SmemLayout<true, true>::kOffInv &&
+              SmemLayout<true, true, true>::kStageSpan == SmemLayout<true, true>::kStageSpan);
 
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
 struct PhaseMarks {
@@ -396,8 +403,8 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     }
     if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
       // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
-      // accesses of this stage's v were generic-proxy loads and stores, ordered before here by
-      // the empty barrier; the copies write through the async proxy.
+      // accesses of this stage's v were generic-proxy loads and stores (loads only with their early
+      // release), ordered before here by the empty barrier; the copies write through the async proxy.
       fence_proxy_async_shared();
       mbarrier_expect_tx(&full[stage], kVBytes);
       uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
