@@ -472,6 +472,10 @@ def implementations(args):
     if args.candidates or args.fused_v2:  # prefill v2's fused kernel wherever it serves the call, and never
         impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
         impls.append(("flashkda chunk-16", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=-1))))
+    if args.fused_early_release:  # the consumers' early release, one producer warpgroup (a candidate)
+        impls.append(("flashkda early release", lambda x, s: run_flashkda(x, s, launch=dict(fused_early_release=1))))
+        impls.append(("fused v2 early release",
+                      lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1, fused_early_release=1))))
     for mode in args.fused_producers or []:  # two producer warpgroups in the fused kernel (candidates; DESIGN.md "Prefill v2")
         name = {2: "two producers", 3: "split inverse"}[mode]
         impls.append((f"flashkda {name}", lambda x, s, m=mode: run_flashkda(x, s, launch=dict(fused_producers=m))))
@@ -591,6 +595,9 @@ def main():
                     help="also the default call and the unsplit fused kernel with two producer warpgroups "
                          "(internal fused_producers = 2, a candidate) and with the inverse split between them and "
                          "the consumers (3); no values: both")
+    ap.add_argument("--fused-early-release", action="store_true",
+                    help="also the default call and the unsplit fused kernel with the consumers' early release "
+                         "(internal fused_early_release = 1, a candidate)")
     ap.add_argument("--fused-order", action="store_true",
                     help="also mixed lengths at H = 64 and 96 with K0's longest-first order of the sequences against "
                          "the batch's order (internal fused_order -1)")

@@ -82,6 +82,9 @@ struct PrefillLaunch {
                              // chunk together (prefill_v2 FusedArgs::producer_pair: the same bits, 512 threads;
                              // not the persistent grid); 3 = two, and they also run the inverse's forward
                              // substitutions, the consumers its products (FusedArgs::split_inverse); 0 = rule (one)
+  int fused_early_release = 0;  // GPU, a candidate: 1 = the fused kernel's consumers release each stage once its
+                                // recurrence has read it (FusedArgs::early_release; always with two producer
+                                // warpgroups; not the persistent grid); 0 = rule (after the output's stores)
 };
 
 struct DecodeLaunch {

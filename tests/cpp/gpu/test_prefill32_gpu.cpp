@@ -1093,8 +1093,9 @@ void check_chained_pieces(const ChainedCase& c) {
   EXPECT_TRUE(got == graph_replay_bits(in, d_chained)) << "a graph replay's bits differ from the eager call's";
 }
 
-// Two producer warpgroups through the launch (internal fused_producers = 2, a candidate: FusedArgs::
-// producer_pair): the same bits (outputs and final states) as one on every path it takes, the
+// Two producer warpgroups through the launch (internal fused_producers = 2 and 3, candidates: FusedArgs::
+// producer_pair, split_inverse) and one with the consumers' early release (fused_early_release = 1):
+// the same bits (outputs and final states) as the rule's one producer on every path they take, the
 // unsplit kernel on one sequence with a tail chunk, device cu_seqlens with an empty sequence (K0
 // first), a pool, chained pieces on random gates (each skips its start) and long memory (each
 // waits for the one before), pieces that stop (moderate decay unchained, past the gates' pre-check;
@@ -1133,10 +1134,13 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
     internal::PrefillLaunch one;
     one.fused_v2 = 1;
     if (c.pieces > 0) one.fused_pieces = c.pieces, one.fused_chain = c.chain;
-    for (const int producers : {2, 3}) {  // two producer warpgroups; with the split inverse
-    SCOPED_TRACE("fused_producers " + std::to_string(producers));
+    // two producer warpgroups; with the split inverse; one with the consumers' early release
+    for (const std::pair<int, int>& variant : {std::pair<int, int>{2, 0}, {3, 0}, {0, 1}}) {
+    SCOPED_TRACE("fused_producers " + std::to_string(variant.first) + " fused_early_release " +
+                 std::to_string(variant.second));
     internal::PrefillLaunch two = one;
-    two.fused_producers = producers;
+    two.fused_producers = variant.first;
+    two.fused_early_release = variant.second;
     DeviceProblem d_one(in, one), d_two(in, two);
     ASSERT_TRUE(fused_serves(d_one.params()));
     if (c.pool) {  // slots 2, 0 of three (slot 1 named by none): the pool's bits after each call

@@ -452,9 +452,9 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
 // leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
 // persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
 // split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
-// producers: internal::PrefillLaunch::fused_producers (2 or 3: two producer warpgroups; not with persistent).
+// producers: the fused kernel's candidates (not with persistent).
 cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
-                             bool check_only, int producers) {
+                             bool check_only, sm90::prefill_v2::FusedCandidates producers) {
   const int64_t items = detail::num_sequences(p) * p.H;
   return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
@@ -472,7 +472,8 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 // H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower than without the launch; at
 // H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110: 256 x 64, which K0 gives
 // the fused kernel at every H measured, 0.84-0.86x forced).
-bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent, int producers) {
+bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent,
+                      sm90::prefill_v2::FusedCandidates producers) {
   const int64_t N = detail::num_sequences(p);
   return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
          (persistent || p.B * p.T >= kp.fused_min_tokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
@@ -487,7 +488,8 @@ int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
-  const int producers = launch.fused_producers;  // a candidate: two producer warpgroups in the fused kernel (2, 3)
+  // the fused kernel's candidates (internal::PrefillLaunch fused_producers, fused_early_release)
+  const sm90::prefill_v2::FusedCandidates producers{launch.fused_producers, launch.fused_early_release > 0};
   // internal::PrefillLaunch::fused_pieces (a candidate): the fused kernel in pieces, then the chunk-16
   // kernels, which run the call only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;

@@ -1043,11 +1043,13 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
   if (args.split_inverse && !args.producer_pair) return cudaErrorInvalidValue;
-  if (args.early_release && !args.producer_pair) {  // a candidate: the rule's flags, one sequence, no pieces
+  if (args.early_release && !args.producer_pair) {  // a candidate: the rule's flags, not the persistent grid
     if (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs || !args.consumer_inverse ||
-        args.time_consumers_only || args.pieces > 0 || args.num_seqs != 1 || args.cu_seqlens != nullptr ||
-        args.state_pool != nullptr)
+        args.time_consumers_only || args.next_item != nullptr)
       return cudaErrorInvalidValue;
+  }
+  if (args.early_release && !args.producer_pair && args.pieces == 0 && args.num_seqs == 1 &&
+      args.cu_seqlens == nullptr && args.state_pool == nullptr) {
     return args.phase_clocks != nullptr
                ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, false, false, true>(
                      args, stream)
@@ -1071,6 +1073,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
                ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, true, true>(args, stream)
            : args.producer_pair
                ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, true>(args, stream)
+           : args.early_release
+               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, false, false, true>(args,
+                                                                                                               stream)
                : launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
   }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
@@ -1085,6 +1090,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
                ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, true, true>(args, stream)
            : args.producer_pair
                ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, true>(args, stream)
+           : args.early_release
+               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, false, false, true>(
+                     args, stream)
                : launch<GateForm::kLowerBound, false, true, false, true, true, true>(args, stream);
   }
   if (args.split_inverse)
@@ -1148,20 +1156,21 @@ FusedArgs fused_args(const PrefillParams& p) {
 namespace {
 // The call's arguments with the rule's flags (staged inputs, inverting consumers, setmaxnreg) and
 // K0's verdict.
-FusedArgs rule_args(const PrefillParams& p, const int* error_flag, int producers) {
+FusedArgs rule_args(const PrefillParams& p, const int* error_flag, FusedCandidates cand) {
   FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   f.error_flag = error_flag;
-  f.producer_pair = producers >= 2;
-  f.split_inverse = producers == 3;
+  f.producer_pair = cand.producers >= 2;
+  f.split_inverse = cand.producers == 3;
+  f.early_release = cand.early_release;
   return f;
 }
 }  // namespace
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order,
-                          int producers) {
-  FusedArgs f = rule_args(p, error_flag, next_item == nullptr ? producers : 0);
+                          FusedCandidates cand) {
+  FusedArgs f = rule_args(p, error_flag, next_item == nullptr ? cand : FusedCandidates{});
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
@@ -1177,11 +1186,11 @@ int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, int producers) {
+                                 float* chain_states, FusedCandidates cand) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
-  FusedArgs f = rule_args(p, error_flag, producers);
+  FusedArgs f = rule_args(p, error_flag, cand);
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
   f.ckpt_start = ckpt_start;
   size_t flag_bytes = sizeof(int);
@@ -1198,8 +1207,8 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
 }
 
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream, int producers) {
-  FusedArgs f = rule_args(p, error_flag, producers);
+                               cudaStream_t stream, FusedCandidates cand) {
+  FusedArgs f = rule_args(p, error_flag, cand);
   f.ckpt_start = ckpt_start;
   f.run_if_flag = flag;
   return fused_chunks(f, stream);

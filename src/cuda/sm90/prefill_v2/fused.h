@@ -140,7 +140,7 @@ struct FusedArgs {
   // invert_substitute_in_place, invert_products_in_place: the same bits), taking ~600 cycles of one
   // consumer warp, which the other seven wait for, off the consumers' chain.
   bool split_inverse = false;
-  // A candidate (the rule's flags, one sequence; always on with producer_pair): the consumers release
+  // A candidate (the rule's flags, not the persistent grid; always on with producer_pair): the consumers release
   // each stage as soon as the chunk's recurrence has read it and stage their output rows in a tile of
   // their own (8 KB more shared memory), so that the producer may refill the stage during the output's
   // stores (run 116: the producer waited ~1 550 cycles a chunk for a stage).
@@ -151,6 +151,14 @@ constexpr int kPhaseClocks = 16;
 // Launches the fused kernel on `stream`; returns the launch's error.
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 
+// The fused kernel's candidates as the prefill entry points below take them (internal::PrefillLaunch
+// fused_producers: 2 FusedArgs::producer_pair, 3 with split_inverse; fused_early_release: early_release).
+// None with a persistent grid (next_item), which has one producer warpgroup and releases late.
+struct FusedCandidates {
+  int producers = 0;
+  bool early_release = false;
+};
+
 // The fused kernel as a prefill (internal::PrefillLaunch::fused_v2): whether it serves a validated
 // call (up to 65 535 sequences, by B or by device cu_seqlens, fewer than 2^31 tokens (the TMA
 // coordinates); K = V = 128, bf16 q, k, v and g, the lower-bound gate with L2-normalised q and k,
@@ -160,11 +168,10 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
 // required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas and order
-// as FusedArgs says; producers: internal::PrefillLaunch::fused_producers (2: FusedArgs::producer_pair,
-// 3: with split_inverse; not with next_item: the persistent grid has one producer warpgroup).
+// as FusedArgs says; cand: the candidates (not with next_item).
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
-                          int64_t item_ctas = 0, const int32_t* order = nullptr, int producers = 0);
+                          int64_t item_ctas = 0, const int32_t* order = nullptr, FusedCandidates cand = {});
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
@@ -181,13 +188,13 @@ bool fused_pieces_serve(const PrefillParams& p);
 // (pieces_next) and the ready flags (pieces_ready).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr, int producers = 0);
+                                 float* chain_states = nullptr, FusedCandidates cand = {});
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream, int producers = 0);
+                               cudaStream_t stream, FusedCandidates cand = {});
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
