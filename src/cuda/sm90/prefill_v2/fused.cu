@@ -947,6 +947,18 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   }
 }
 
+// The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers) with the
+// candidates FusedArgs names (split_inverse, producer_pair, early_release) as template arguments.
+template <bool kClock, bool kSeqs, bool kPieces>
+cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
+  constexpr GateForm kLB = GateForm::kLowerBound;
+  if (args.split_inverse) return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces, true, true>(args, stream);
+  if (args.producer_pair) return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces, true>(args, stream);
+  if (args.early_release)
+    return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces, false, false, true>(args, stream);
+  return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces>(args, stream);
+}
+
 // FusedArgs::pieces without pieces_chain, before the pieces run: a piece stops the call where its
 // warm-up chunks' bounds multiply to more than 2^kPieceLog2Bound, and each chunk's bound
 // (chunk_log2_bound) is at least max_c e^{Gamma_c}, its channels' decay over the chunk. So where the
@@ -1042,25 +1054,13 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (args.state_pool == nullptr || args.state_indices != nullptr) && pa.T % (args.cu_seqlens ? 1 : args.num_seqs) == 0 &&
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
-  if (args.split_inverse && !args.producer_pair) return cudaErrorInvalidValue;
-  if (args.early_release && !args.producer_pair) {  // a candidate: the rule's flags, not the persistent grid
-    if (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs || !args.consumer_inverse ||
-        args.time_consumers_only || args.next_item != nullptr)
-      return cudaErrorInvalidValue;
-  }
-  if (args.early_release && !args.producer_pair && args.pieces == 0 && args.num_seqs == 1 &&
-      args.cu_seqlens == nullptr && args.state_pool == nullptr) {
-    return args.phase_clocks != nullptr
-               ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, false, false, true>(
-                     args, stream)
-               : launch<GateForm::kLowerBound, false, true, false, true, true, false, false, false, false, false, true>(
-                     args, stream);
-  }
-  if (args.producer_pair) {  // a candidate: the rule's flags (phase clocks allowed), no persistent grid
-    if (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
-        !args.consumer_inverse || args.time_consumers_only || args.next_item != nullptr)
-      return cudaErrorInvalidValue;
-  }
+  // The candidates (two producer warpgroups, the split inverse with them, the early release): the
+  // rule's flags (phase clocks allowed), not the persistent grid.
+  const bool candidate = args.producer_pair || args.early_release;
+  if ((args.split_inverse && !args.producer_pair) ||
+      (candidate && (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
+                     !args.consumer_inverse || args.time_consumers_only || args.next_item != nullptr)))
+    return cudaErrorInvalidValue;
   if (args.pieces > 0) {  // no persistent grid, no verdict to wait for
     if (!sequences_valid || args.pieces > kMaxFusedSeqs || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
@@ -1069,14 +1069,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
-    return args.split_inverse
-               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, true, true>(args, stream)
-           : args.producer_pair
-               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, true>(args, stream)
-           : args.early_release
-               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true, false, false, true>(args,
-                                                                                                               stream)
-               : launch<GateForm::kLowerBound, false, true, false, true, true, true, false, true>(args, stream);
+    return launch_rule_flags<false, true, true>(args, stream);
   }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
     if (!sequences_valid) return cudaErrorInvalidValue;
@@ -1086,23 +1079,11 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         return cudaErrorInvalidValue;
       return launch<GateForm::kLowerBound, false, true, false, true, true, true, true>(args, stream);
     }
-    return args.split_inverse
-               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, true, true>(args, stream)
-           : args.producer_pair
-               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, true>(args, stream)
-           : args.early_release
-               ? launch<GateForm::kLowerBound, false, true, false, true, true, true, false, false, false, false, true>(
-                     args, stream)
-               : launch<GateForm::kLowerBound, false, true, false, true, true, true>(args, stream);
+    return launch_rule_flags<false, true, false>(args, stream);
   }
-  if (args.split_inverse)
-    return args.phase_clocks != nullptr
-               ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, true, true>(args, stream)
-               : launch<GateForm::kLowerBound, false, true, false, true, true, false, false, false, true, true>(args, stream);
-  if (args.producer_pair)
-    return args.phase_clocks != nullptr
-               ? launch<GateForm::kLowerBound, false, true, true, true, true, false, false, false, true>(args, stream)
-               : launch<GateForm::kLowerBound, false, true, false, true, true, false, false, false, true>(args, stream);
+  if (candidate)
+    return args.phase_clocks != nullptr ? launch_rule_flags<true, false, false>(args, stream)
+                                        : launch_rule_flags<false, false, false>(args, stream);
   if (args.phase_clocks != nullptr || args.producer_regs || args.consumer_inverse) {
     if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
     return launch_lower_bound(args, stream);
