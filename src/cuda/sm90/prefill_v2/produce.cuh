@@ -685,6 +685,25 @@ __device__ __forceinline__ void invert_zero_upper(int u, uint8_t* inv_hi, uint8_
   *reinterpret_cast<uint4*>((tile ? inv_lo : inv_hi) + sw64_offset(i, 8 * gcol)) = make_uint4(0, 0, 0, 0);
 }
 
+// Column j of (I + L_d)^-1 for a 16 x 16 diagonal block L_d of the fp32 L (row stride kLStride) by
+// forward substitution into x: the fma chain invert_warpgroup and invert_substitute_in_place share.
+// Rows are read four entries at a time (kLStride keeps them 16-byte aligned).
+__device__ __forceinline__ void forward_substitute(const float* L, int j, float (&x)[16]) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float acc = (i == j) ? 1.f : 0.f;
+#pragma unroll
+    for (int m4 = 0; m4 < i; m4 += 4) {
+      const float4 l = *reinterpret_cast<const float4*>(L + i * ProduceScratch::kLStride + m4);
+      const float lv[4] = {l.x, l.y, l.z, l.w};
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (m4 + u < i) acc = fmaf(-lv[u], x[m4 + u], acc);
+    }
+    x[i] = acc;
+  }
+}
+
 // kThreadsInv: 128 (one warpgroup, two rows a thread) or 256 (both consumer warpgroups, one row).
 template <int kThreadsInv = 128, class SyncFn, class Mark = NoMarks>
 __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, const float* sm_beta, float* sm_X,
@@ -698,22 +717,8 @@ __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, con
   float* const sm_T = sm_X + 32 * kS;
   if (tid < 32) {
     const int half = tid >> 4, j = tid & 15, base = 16 * half;
-    const float* L = sm_L + base * ProduceScratch::kLStride + base;  // this half's diagonal block
-    // Rows are read four entries at a time (kLStride and kX22Stride keep them 16-byte aligned).
     float x[16];
-#pragma unroll
-    for (int i = 0; i < 16; ++i) {
-      float acc = (i == j) ? 1.f : 0.f;
-#pragma unroll
-      for (int m4 = 0; m4 < i; m4 += 4) {
-        const float4 l = *reinterpret_cast<const float4*>(L + i * ProduceScratch::kLStride + m4);
-        const float lv[4] = {l.x, l.y, l.z, l.w};
-#pragma unroll
-        for (int u = 0; u < 4; ++u)
-          if (m4 + u < i) acc = fmaf(-lv[u], x[m4 + u], acc);
-      }
-      x[i] = acc;
-    }
+    forward_substitute(sm_L + base * ProduceScratch::kLStride + base, j, x);
     float* const out = half ? sm_X22 : sm_X11;
 #pragma unroll
     for (int i = 0; i < 16; ++i) out[i * kS + j] = x[i];
@@ -756,19 +761,7 @@ __device__ __forceinline__ void invert_substitute_in_place(int lane, float* sm_L
   const int half = lane >> 4, j = lane & 15, base = 16 * half;
   float* const L = sm_L + base * kS + base;  // this half's diagonal block, then its X
   float x[16];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    float acc = (i == j) ? 1.f : 0.f;
-#pragma unroll
-    for (int m4 = 0; m4 < i; m4 += 4) {
-      const float4 l = *reinterpret_cast<const float4*>(L + i * kS + m4);
-      const float lv[4] = {l.x, l.y, l.z, l.w};
-#pragma unroll
-      for (int u = 0; u < 4; ++u)
-        if (m4 + u < i) acc = fmaf(-lv[u], x[m4 + u], acc);
-    }
-    x[i] = acc;
-  }
+  forward_substitute(L, j, x);
   __syncwarp();
 #pragma unroll
   for (int i = 0; i < 16; ++i) L[i * kS + j] = x[i];
