@@ -378,6 +378,20 @@ __device__ __forceinline__ void qk_row_scales_staged(const ProduceArgs& p, int t
   qk_row_scales(p, tid, rows, s, sq);
 }
 
+// The end of the log-decay scan: gamma <- G_31 of this thread's channels (`last`, the last group's
+// prefix), and whether some channel of the chunk spreads beyond the factorised form (all threads of
+// Sync agree; a NaN gate takes the flag too).
+template <class Sync>
+__device__ __forceinline__ bool scan_gamma(const float (&last)[8], float (&gamma)[8]) {
+  bool wide = false;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    gamma[e] = last[e];
+    wide |= !(gamma[e] >= -kMaxSpreadLog2);
+  }
+  return Sync::sync_or(wide);
+}
+
 // The inclusive prefix sums G down each channel, in two parts: a <- the sums over this thread's
 // half-warp's rows up to each of its tokens, and offset <- what G adds to them (the rows of the
 // half-warps and warps before: G = a + offset), which build_factors folds into its one subtraction
@@ -420,13 +434,7 @@ __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&o
     const float before = warp == 0 ? 0.f : warp == 1 ? prefix[0][e] : warp == 2 ? prefix[1][e] : prefix[2][e];
     offset[e] = below[e] + before;
   }
-  bool wide = false;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    gamma[e] = prefix[3][e];
-    wide |= !(gamma[e] >= -kMaxSpreadLog2);  // a NaN gate takes the flag too
-  }
-  return Sync::sync_or(wide);
+  return scan_gamma<Sync>(prefix[3], gamma);
 }
 
 // Element (r, 8c'..8c'+7) of a rows x 128 SW128 tile: one 16-byte store.
@@ -953,13 +961,7 @@ __device__ __forceinline__ bool scan_log_decay_pair(int tid, TileOf<2>& a, float
     const float before = group == 0 ? 0.f : group == 1 ? prefix[0][e] : group == 2 ? prefix[1][e] : prefix[2][e];
     offset[e] = (odd ? lower[e] : 0.f) + before;
   }
-  bool wide = false;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    gamma[e] = prefix[3][e];
-    wide |= !(gamma[e] >= -kMaxSpreadLog2);  // a NaN gate takes the flag too
-  }
-  return Sync::sync_or(wide);
+  return scan_gamma<Sync>(prefix[3], gamma);
 }
 
 // produce_chunk's staged form without the inverse (kInvert false: L and beta into l_beta) by two
