@@ -1134,44 +1134,40 @@ TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
     internal::PrefillLaunch one;
     one.fused_v2 = 1;
     if (c.pieces > 0) one.fused_pieces = c.pieces, one.fused_chain = c.chain;
+    // The call's bits through `launch`: outputs and final states, or with a pool (slots 2, 0 of three;
+    // slot 1 named by none) the outputs and the pool after the call.
+    const auto bits_of = [&](DeviceProblem& d, const internal::PrefillLaunch& launch) {
+      if (!c.pool) return run_bits(in, d);
+      TestPool pool(3, size_t(c.o.H) * 128 * 128);
+      const std::vector<int32_t> slots = {2, 0};
+      pool.run(d, d.upload(slots.data(), slots.size() * 4), launch);
+      return pool.bits(in);
+    };
+    DeviceProblem d_one(in, one);
+    ASSERT_TRUE(fused_serves(d_one.params()));
+    const std::vector<unsigned char> bits_one = bits_of(d_one, one);
     // two producer warpgroups; with the split inverse; one with the consumers' early release
     for (const std::pair<int, int>& variant : {std::pair<int, int>{2, 0}, {3, 0}, {0, 1}}) {
-    SCOPED_TRACE("fused_producers " + std::to_string(variant.first) + " fused_early_release " +
-                 std::to_string(variant.second));
-    internal::PrefillLaunch two = one;
-    two.fused_producers = variant.first;
-    two.fused_early_release = variant.second;
-    DeviceProblem d_one(in, one), d_two(in, two);
-    ASSERT_TRUE(fused_serves(d_one.params()));
-    if (c.pool) {  // slots 2, 0 of three (slot 1 named by none): the pool's bits after each call
-      constexpr int64_t P = 3;
-      const size_t state = size_t(c.o.H) * 128 * 128;
-      TestPool pool_one(P, state), pool_two(P, state);
-      const std::vector<int32_t> slots = {2, 0};
-      void* s_one = d_one.upload(slots.data(), slots.size() * 4);
-      void* s_two = d_two.upload(slots.data(), slots.size() * 4);
-      pool_one.run(d_one, s_one, one);
-      const test::HostTensor out_one = in.out;
-      pool_two.run(d_two, s_two, two);
-      EXPECT_TRUE(out_one.bytes == in.out.bytes) << "two producer warpgroups: other outputs through a pool";
-      const std::vector<float> after_one = pool_one.now(), after_two = pool_two.now();
-      EXPECT_EQ(std::memcmp(after_one.data(), after_two.data(), after_one.size() * 4), 0)
-          << "two producer warpgroups: another pool";
-      continue;
-    }
-    const std::vector<unsigned char> bits_one = run_bits(in, d_one), bits_two = run_bits(in, d_two);
-    EXPECT_TRUE(bits_one == bits_two) << "two producer warpgroups: other bits";
-    if (!c.nan_value) {
-      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
-      EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
-    }
-    if (c.pieces > 0) {  // the pieces' kernel ran (a launch that failed before it would leave the flag zero)
-      const std::array<int, 2> flags = pieces_flags(d_two);
-      EXPECT_EQ(flags[0], c.stops ? 1 : 0) << "the pieces' flag (1: a piece stopped them; 2: the gates' pre-check)";
-      if (c.chain > 0)
-        EXPECT_EQ(flags[1], c.pieces * c.o.H) << "not every piece took its ticket: the pieces' kernel did not run";
-    }
-    EXPECT_TRUE(bits_two == graph_replay_bits(in, d_two)) << "a graph replay's bits differ from the eager call's";
+      SCOPED_TRACE("fused_producers " + std::to_string(variant.first) + " fused_early_release " +
+                   std::to_string(variant.second));
+      internal::PrefillLaunch two = one;
+      two.fused_producers = variant.first;
+      two.fused_early_release = variant.second;
+      DeviceProblem d_two(in, two);
+      const std::vector<unsigned char> bits_two = bits_of(d_two, two);
+      EXPECT_TRUE(bits_one == bits_two) << "other bits than one producer warpgroup's";
+      if (c.pool) continue;
+      if (!c.nan_value) {
+        EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+        EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+      }
+      if (c.pieces > 0) {  // the pieces' kernel ran (a launch that failed before it would leave the flag zero)
+        const std::array<int, 2> flags = pieces_flags(d_two);
+        EXPECT_EQ(flags[0], c.stops ? 1 : 0) << "the pieces' flag (1: a piece stopped them; 2: the gates' pre-check)";
+        if (c.chain > 0)
+          EXPECT_EQ(flags[1], c.pieces * c.o.H) << "not every piece took its ticket: the pieces' kernel did not run";
+      }
+      EXPECT_TRUE(bits_two == graph_replay_bits(in, d_two)) << "a graph replay's bits differ from the eager call's";
     }
   }
 }
