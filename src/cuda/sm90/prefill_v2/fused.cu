@@ -27,6 +27,9 @@ template <bool kPair>
 constexpr int kProducerThreads = kPair ? 2 * kThreads : kThreads;
 template <bool kPair>
 constexpr int kCtaThreads = kProducerThreads<kPair> + 2 * kThreads;
+// The consumers' early release (FusedArgs::early_release), which two producer warpgroups always have.
+template <bool kPair, bool kEarlyRelease>
+constexpr bool kReleasesEarly = kPair || kEarlyRelease;
 constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
@@ -792,7 +795,8 @@ __global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __gr
   } else {
     if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kPairConsumerRegs));
     else if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>, kSplitInv, kPair || kEarlyRelease>(
+    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>, kSplitInv,
+                 kReleasesEarly<kPair, kEarlyRelease>>(
         params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0, kSeqs ? seq.first_ckpt : 0, clock_sums,
         last_clock, &seq);
   }
@@ -911,7 +915,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
       return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kPair, kSplitInv,
                           kEarlyRelease>;
   }();
-  constexpr int kSmem = SmemLayout<kStaged, kConsumerInv, kPair || kEarlyRelease>::kBytes;
+  constexpr int kSmem = SmemLayout<kStaged, kConsumerInv, kReleasesEarly<kPair, kEarlyRelease>>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   if constexpr (kRegSplit) {  // the split must fit the registers the launch gives the CTA (else: a hang)
