@@ -476,6 +476,9 @@ def implementations(args):
         impls.append(("flashkda early release", lambda x, s: run_flashkda(x, s, launch=dict(fused_early_release=1))))
         impls.append(("fused v2 early release",
                       lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1, fused_early_release=1))))
+    if args.lowrank:  # low-rank segment transitions (a candidate; DESIGN.md "Long memory: the transition is low rank")
+        impls.append(("flashkda low-rank transitions",
+                      lambda x, s: run_flashkda(x, s, launch=dict(lowrank_transitions=1))))
     for mode in args.fused_producers or []:  # two producer warpgroups in the fused kernel (candidates; DESIGN.md "Prefill v2")
         name = {2: "two producers", 3: "split inverse"}[mode]
         impls.append((f"flashkda {name}", lambda x, s, m=mode: run_flashkda(x, s, launch=dict(fused_producers=m))))
@@ -595,6 +598,9 @@ def main():
                     help="also the default call and the unsplit fused kernel with two producer warpgroups "
                          "(internal fused_producers = 2, a candidate) and with the inverse split between them and "
                          "the consumers (3); no values: both")
+    ap.add_argument("--lowrank", action="store_true",
+                    help="also the default call with low-rank segment transitions (internal lowrank_transitions = 1, "
+                         "a candidate: the chunk-16 segments where the rule runs them at two CTAs an SM)")
     ap.add_argument("--fused-early-release", action="store_true",
                     help="also the default call and the unsplit fused kernel with the consumers' early release "
                          "(internal fused_early_release = 1, a candidate)")

@@ -91,7 +91,7 @@ fi
 # Each binary under a time limit (a kernel that hangs must cost minutes, not the session); the
 # candidates still unrun on a GPU (GPU_ALONE, gtest filters separated by ':') after the rest, each
 # filter alone under a shorter one.
-GPU_ALONE=${GPU_ALONE:-'*FusedPieces*:*TwoProducer*'}
+GPU_ALONE=${GPU_ALONE:-'*FusedPieces*:*TwoProducer*:*LowRank*'}
 gpu_binaries() {
   for t in build-gpu/tests/cpp/test_*gpu; do
     [ -x "$t" ] && { timeout 900 "$t" --gtest_brief=1 --gtest_filter="-$GPU_ALONE" 2>&1 | tee -a "$OUT/ctest.log" |

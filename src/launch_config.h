@@ -85,6 +85,11 @@ struct PrefillLaunch {
   int fused_early_release = 0;  // GPU, a candidate: 1 = the fused kernel's consumers release each stage once its
                                 // recurrence has read it (FusedArgs::early_release; always with two producer
                                 // warpgroups; not the persistent grid); 0 = rule (after the output's stores)
+  int lowrank_transitions = 0;  // GPU, a candidate, with segments and transition skipping: 1 = a segment's exact
+                                // run carries its transition as T G (docs/DESIGN.md "Long memory: the transition
+                                // is low rank"): the channels whose decay over its first chunk stays above 2^-30
+                                // and that chunk's 16 columns, one row block of 64 instead of two, where they fit
+                                // (48 channels or fewer); 0 = rule (the K transition rows)
 };
 
 struct DecodeLaunch {

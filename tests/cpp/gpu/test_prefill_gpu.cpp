@@ -834,6 +834,68 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
   }
 }
 
+// Low-rank transitions (internal::PrefillLaunch::lowrank_transitions; docs/DESIGN.md "Long memory: the
+// transition is low rank"): with long memory every segment s > 0 carries T G (8 kept channels and one
+// chunk's 16 columns) instead of the K transition rows, as accurate as the exact transition; where
+// every channel decays fast the segments' starts skip and the path is not taken; a NaN in v still
+// reaches every later output of its column, in the chunk it lies in and after the first chunk of a
+// later segment (the K-wide and the low-rank halves of the combine).
+TEST_F(PrefillGpu, SegmentsLowRankTransitionsMatchReference) {
+  internal::PrefillLaunch exact;
+  exact.segment_chunks = 32, exact.skip_transitions = 1, exact.skip_run_chunks = 8, exact.seg_ctas_per_sm = 2;
+  internal::PrefillLaunch lowrank = exact;
+  lowrank.lowrank_transitions = 1;
+  auto run = [&](KdaInputs& in, const internal::PrefillLaunch& launch) {
+    const Errors e = check_against_reference(in, kTolOut, kTolState, launch);
+    return std::make_pair(e, std::make_pair(in.out.bytes, in.final_state.bytes));
+  };
+  for (const Precision mode : kModes) {
+    KdaInputs in = long_memory_inputs();  // T = 3000: 6 segments of 512 tokens
+    in.opt.precision = mode;
+    const auto [e_exact, bits_exact] = run(in, exact);
+    const auto [e_low, bits_low] = run(in, lowrank);
+    const std::string name = std::string("lowrank transitions long memory ") + precision_name(mode);
+    report(name + " out", e_low.out);
+    report(name + " state", e_low.state);
+    EXPECT_LE(e_low.out, 1.05 * e_exact.out + 1e-5) << precision_name(mode);
+    EXPECT_LE(e_low.state, 1.05 * e_exact.state + 1e-5) << precision_name(mode);
+    EXPECT_FALSE(bits_low == bits_exact) << "no segment took the low-rank path, " << precision_name(mode);
+  }
+  {  // varlen with an empty and a short sequence, bf16 states, long memory in one head only
+    KdaOptions o;
+    o.seqlens = {1500, 0, 17, 2100};
+    o.H = 3;
+    o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1;
+    o.initial_state = StateKind::kBF16, o.final_state = StateKind::kBF16;
+    KdaInputs in(o);
+    for (int64_t c = 0; c < 8; ++c) in.dt_bias[1 * o.K + c] = -8.0f;
+    const auto [e_exact, bits_exact] = run(in, exact);
+    const auto [e_low, bits_low] = run(in, lowrank);
+    report("lowrank transitions varlen out", e_low.out);
+    EXPECT_LE(e_low.out, 1.05 * e_exact.out + 1e-5);
+    EXPECT_LE(e_low.state, 1.05 * e_exact.state + 1e-5);
+    EXPECT_FALSE(bits_low == bits_exact) << "no segment took the low-rank path";
+  }
+  {  // fast decay everywhere: the starts skip, nothing changes
+    KdaOptions o;
+    o.T = 2000, o.H = 2;
+    o.A_log_min = 0.5, o.A_log_max = 1, o.dt_bias_min = 4, o.dt_bias_max = 5;
+    o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    const auto [e_exact, bits_exact] = run(in, exact);
+    const auto [e_low, bits_low] = run(in, lowrank);
+    EXPECT_TRUE(bits_low == bits_exact) << "fast decay: the low-rank option changed the bits";
+  }
+  // NaN in v, head 1, column 37: in segment 1's first chunk (token 520: the K-wide half of the combine
+  // and G), in its fourth chunk (token 560: T's rows), in segment 3 (token 1600).
+  for (const int64_t t0 : {520, 560, 1600}) {
+    KdaInputs in = long_memory_inputs();
+    const NanOutputs r = run_with_nan(in, lowrank, t0, 1, 37);
+    EXPECT_EQ(r.missing, 0) << "NaN at " << t0 << ": outputs after it in its column that are not NaN";
+    EXPECT_EQ(r.spurious, 0) << "NaN at " << t0 << ": NaN outputs before it or in the other head";
+  }
+}
+
 // log ||A||_2 of each chunk's state transition (S_out = A S_in + B, A = prod_t (I - b_t k_t k_t^T)
 // diag(e^{a_t}) over the chunk's tokens) at each head, in fp64 from the same inputs: [chunk][H] for
 // B sequences of T tokens. The norm by power iteration on A^T A, which converges from below, so a

@@ -167,6 +167,27 @@ constexpr int kWarmupBlock = 16;       // bounds one thread loads at once while 
 constexpr int kMaxPieces = 256;        // pieces per segment (the launcher lengthens run_chunks to fit)
 constexpr int kPlanWords = kMaxPieces / 32;  // a segment's skippable pieces, one bit each
 constexpr int kTaintBytes = kSegRows;  // per run: one byte per row of the augmented S^T, 1 = not finite
+// Low-rank transitions (internal::PrefillLaunch::lowrank_transitions; docs/DESIGN.md "Long memory: the
+// transition is low rank"). A segment's first chunk maps a start state by A_1 = diag(e^Gamma) -
+// k_restored^T inv_b k_decayed, so A = T G + E: J the channels whose e^{Gamma_j} times the bound on the
+// rest of the exact run (its chunk bounds) stays above 2^-30, F = [e_j e^{Gamma_j} (j in J) |
+// k_restored^T] and G = [e_j^T (j in J) ; -inv_b k_decayed] (r = |J| + 16 rows), T = (the run's later
+// chunks) F, ||E|| below 2^-30 of the state. The segmented K2's first transition block (rows 0-63 of
+// A^T) runs the first chunk as before, then holds F's columns (its rows past r zero) and T at the end;
+// the second block walks the first chunk only. Both write G's chunk rows (their U of the first chunk:
+// -inv_b k_decayed e_r). The chain forms Y^T = X_s^T G^T ([V][64]) and X_{s+1}^T = Y^T T^T + B_s^T;
+// the combine reads the first chunk's outputs against X_s (K-wide w) and the later ones against Y
+// (w from the first block's 64 rows).
+constexpr int kLowRankRows = kHeadDim / 2;               // T's rows: one row block
+constexpr int kLowRankMaxJ = kLowRankRows - kChunk;      // kept channels at most
+struct LowRankInfo {
+  int32_t rank;                 // r = |J| + 16, or 0: the segment keeps the K transition rows
+  uint8_t j[kLowRankMaxJ];      // the kept channels in increasing order
+  uint8_t pad[64 - 4 - kLowRankMaxJ];
+};
+static_assert(sizeof(LowRankInfo) == 64, "one 64-byte record a segment and head");
+constexpr int kLowRankGFloats = kChunk * kHeadDim;       // G's chunk rows: [16][K] a segment and head
+constexpr int kLowRankYFloats = kHeadDim * kLowRankRows;  // Y_s^T: [V][64] a segment and head
 
 // Segments of a sequence of `chunks` chunks cut every seg_chunks chunks (at least one).
 __host__ __device__ inline int64_t segments_of(int64_t chunks, int64_t seg_chunks) {
@@ -308,6 +329,11 @@ struct Params {
   float* seg_ckpt_b;          // [num_checkpoints][H][V][K] or null: with checkpoints inside segments, the
   float* seg_ckpt_a;          // partial B_c^T and A_c^T of segment s up to checkpoint c (s > 0), which the
                               // chain maps to the checkpoint X_s^T A_c^T + B_c^T
+  // Low-rank transitions (null where off; kLowRankRows above): per segment and head its rank and kept
+  // channels (K2's first transition block), G's chunk rows (both blocks) and Y_s^T (the chain).
+  LowRankInfo* seg_lowrank;   // [max_segs][H]
+  float* seg_g;               // [max_segs][H][16][K]
+  float* seg_y;               // [max_segs][H][V][64]
   bool transitions_only;      // every sequence is one segment, run as s > 0: seg_b, seg_a = (B, A^T) of
                               // each whole sequence (internal::segment_transition); out is not written
 

@@ -56,7 +56,7 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   const int64_t tiles = (p.seg_chunks + kCombineChunks - 1) / kCombineChunks;
   const int64_t ctas = p.max_segs * tiles;
   if (ctas == 0 || p.H == 0) return;
-  constexpr int smem = sizeof(CombineSmem);
+  const int smem = p.seg_lowrank != nullptr ? int(sizeof(CombineLowRankSmem)) : int(sizeof(CombineSmem));
   FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   launch_early(p.early_launch & kEarlyCombine, segment_combine_kernel, dim3(unsigned(ctas * p.H)), dim3(kCombineThreads),
                size_t(smem), stream, p, tiles);
@@ -130,11 +130,14 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
   // Whether to cut at all is decided for two warpgroups an SM (as before the three-CTA kernel);
   // how many segments, for the warpgroups an SM the call runs.
   const int64_t sms = sm_count();
-  auto filling = [&](int64_t warpgroups_per_sm) {  // segments over all sequences
-    return (warpgroups_per_sm * sms / H + 2 * N) / 4;
+  // Low-rank transitions (a candidate, at two CTAs an SM with transition skipping): a segment s > 0's
+  // second transition block walks one chunk, so it costs about three warpgroups: H * (2 + 3 (S - 1)).
+  auto filling = [&](int64_t warpgroups_per_sm, bool lowrank) {  // segments over all sequences
+    return lowrank ? (warpgroups_per_sm * sms / H + N) / 3 : (warpgroups_per_sm * sms / H + 2 * N) / 4;
   };
-  if (filling(2) < 2 * N) return 0;
-  const int64_t segments = filling(seg_ctas_per_sm(launch, H));
+  if (filling(2, false) < 2 * N) return 0;
+  const int ctas = seg_ctas_per_sm(launch, H);
+  const int64_t segments = filling(ctas, launch.lowrank_transitions > 0 && ctas == 2 && launch.skip_transitions >= 0);
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
@@ -190,6 +193,7 @@ bool bounds_transitions(int64_t run_chunks, const internal::PrefillLaunch& launc
 struct Layout {
   size_t header, records, seg_states, seg_out, seg_ckpt;
   size_t chunk_bound, seg_exact, seg_plan, seg_taint;  // transition skipping
+  size_t seg_lowrank, seg_g, seg_y;                    // low-rank transitions
   size_t slot_bits, total;
 };
 
@@ -199,7 +203,7 @@ struct Layout {
 // (pieces of run_chunks) the chunk bounds and each segment's runs; last, with a state pool of
 // pool_size slots, one bit per slot for K0's check that no live slot is named twice.
 Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_chunks, int64_t ckpt_partials = 0,
-                        int64_t run_chunks = 0, int64_t pool_size = 0) {
+                        int64_t run_chunks = 0, int64_t pool_size = 0, bool lowrank = false) {
   const int64_t slots = max_chunk_slots(total_tokens, N);
   Layout l{};
   l.header = header_bytes(N);
@@ -215,11 +219,16 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
       l.seg_exact = align_up(segs * 4);
       l.seg_plan = align_up(segs * kPlanWords * 4);
       l.seg_taint = align_up(segs * size_t(pieces_of(seg_chunks, run_chunks)) * kTaintBytes);
+      if (lowrank) {  // per segment its plan, G's chunk rows and Y_s^T
+        l.seg_lowrank = align_up(segs * sizeof(LowRankInfo));
+        l.seg_g = align_up(segs * kLowRankGFloats * 4);
+        l.seg_y = align_up(segs * kLowRankYFloats * 4);
+      }
     }
   }
   l.slot_bits = align_up(size_t((pool_size + 31) / 32) * 4);
   l.total = l.header + l.records + l.seg_states + l.seg_out + l.seg_ckpt + l.chunk_bound + l.seg_exact + l.seg_plan +
-            l.seg_taint + l.slot_bits;
+            l.seg_taint + l.seg_lowrank + l.seg_g + l.seg_y + l.slot_bits;
   return l;
 }
 
@@ -357,7 +366,8 @@ PiecesArea fused_pieces_area(const PrefillParams& p, const internal::PrefillLaun
 // The kernels' workspace (workspace_layout) without the pieces' area, which follows it.
 size_t kernels_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
-                          checkpoint_partials(p, launch), prefill_run_chunks(p, launch), pool_slots(p))
+                          checkpoint_partials(p, launch), prefill_run_chunks(p, launch), pool_slots(p),
+                          launch.lowrank_transitions > 0)
       .total;
 }
 
@@ -559,7 +569,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),
-                                    run_chunks, pool_slots(p));
+                                    run_chunks, pool_slots(p), launch.lowrank_transitions > 0);
   Carver regions{ws + l.header};  // the header: kernel_params
   kp.records = regions.take(l.records);
   float* states = regions.take<float>(l.seg_states);
@@ -569,6 +579,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   int32_t* seg_exact = regions.take<int32_t>(l.seg_exact);
   uint32_t* seg_plan = regions.take<uint32_t>(l.seg_plan);
   uint8_t* seg_taint = regions.take(l.seg_taint);
+  LowRankInfo* seg_lowrank = regions.take<LowRankInfo>(l.seg_lowrank);
+  float* seg_g = regions.take<float>(l.seg_g);
+  float* seg_y = regions.take<float>(l.seg_y);
   uint32_t* slot_bits = regions.take<uint32_t>(l.slot_bits);
   if (l.slot_bits > 0) kp.slot_bits = slot_bits;
   if (kp.seg_chunks > 0) {
@@ -588,6 +601,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
       kp.chunk_bound = chunk_bound, kp.seg_exact = seg_exact, kp.seg_plan = seg_plan, kp.seg_taint = seg_taint;
       kp.bound_transitions = bounds_transitions(run_chunks, launch);
+      // Low-rank transitions: only the two-CTA segmented K2 takes them (recur_kernel.cuh kLowRank).
+      if (l.seg_lowrank > 0 && seg_ctas_per_sm(launch, p.H) == 2)
+        kp.seg_lowrank = seg_lowrank, kp.seg_g = seg_g, kp.seg_y = seg_y;
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);

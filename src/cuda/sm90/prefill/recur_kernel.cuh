@@ -409,6 +409,44 @@ __device__ __forceinline__ int next_run(const uint16_t (&warm)[kMaxPieces], int 
   return j;
 }
 
+// Low-rank transitions (config.h LowRankInfo): the plan of the exact run of `chunks` chunks from chunk
+// slot `first` at head h, the same in every CTA that computes it (the same loads and arithmetic). The
+// rest of the run is bounded by the sum of its chunks' positive log-bounds (an upper bound on every
+// partial product's norm, a NaN counting as infinite); channel c is kept unless log e^{Gamma_c} plus
+// that bound is at most kSkipLogBound (a NaN e^Gamma keeps it). Returns r = |J| + 16, or 0 where more
+// than kLowRankMaxJ channels stay or the run is a single chunk. CTA-collective, 128 threads.
+template <class Rec>
+__device__ inline int plan_lowrank(const Params& p, int64_t first, int64_t chunks, int h, LowRankInfo& info) {
+  __shared__ float s_part[4];
+  __shared__ int s_count[4];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (chunks < 2) return 0;
+  float tail = 0.f;
+  for (int64_t c = 1 + threadIdx.x; c < chunks; c += blockDim.x) {
+    const float b = p.chunk_bound[(first + c) * p.H + h];
+    tail += b == b ? fmaxf(b, 0.f) : INFINITY;
+  }
+#pragma unroll
+  for (int x = 16; x >= 1; x >>= 1) tail += __shfl_xor_sync(0xffffffffu, tail, x);
+  if (lane == 0) s_part[warp] = tail;
+  __syncthreads();
+  tail = (s_part[0] + s_part[1]) + (s_part[2] + s_part[3]);
+  const float gamma = reinterpret_cast<const float*>(p.records + (first * p.H + h) * int64_t(Rec::kBytes) +
+                                                     Rec::kOffGamma)[threadIdx.x];
+  const bool keep = !(__logf(gamma) + tail <= kSkipLogBound);
+  const uint32_t votes = __ballot_sync(0xffffffffu, keep);
+  if (lane == 0) s_count[warp] = __popc(votes);
+  __syncthreads();
+  const int count = s_count[0] + s_count[1] + s_count[2] + s_count[3];
+  if (count > kLowRankMaxJ) return 0;
+  int before = __popc(votes & ((1u << lane) - 1u));
+  for (int w = 0; w < warp; ++w) before += s_count[w];
+  if (keep) info.j[before] = uint8_t(threadIdx.x);
+  if (threadIdx.x == 0) info.rank = count + kChunk;
+  __syncthreads();
+  return count + kChunk;
+}
+
 // kSeg = false: grid (N * H, 8 / kWarps), one CTA walks a whole sequence for kWarps * 16 value rows.
 // kSeg = true (config.h "Segments"): grid (max_segs * H, 4 + 2 * (max_pieces - 1)), one warpgroup per
 // CTA; blockIdx.y 0-1 are the value rows, 2-3 the transition rows (A^T) of a segment, and with
@@ -526,7 +564,27 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   RowScale rs;  // the fp16 policy's row scales (S holds S_st = m S); unused by the bf16 policies
   if constexpr (Split::f16) rs.renormalise(r_S);
 
-  const int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
+  int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
+  // Low-rank transitions (config.h LowRankInfo): both transition blocks of a segment s > 0 plan the
+  // same; the first then runs F's columns after the first chunk, the second walks that chunk only.
+  // Only the two-CTA kernel (three stages) takes them: at three CTAs an SM the code spilled (ptxas),
+  // and the launcher asks for them only where it runs that one (launch.cu).
+  constexpr bool kLowRank = kSeg && kStages >= 3;
+  int lr_rank = 0;
+  const int64_t gseg = kSeg ? (seg.first + seg.s) * p.H + h : 0;
+  const LowRankInfo* s_lr = nullptr;
+  if constexpr (kLowRank) {
+    __shared__ LowRankInfo lr;
+    s_lr = &lr;
+    if (transition_rows && p.seg_lowrank != nullptr && !p.transitions_only && warm == 0) {
+      lr_rank = plan_lowrank<Rec>(p, sc.chunk_begin, num_chunks, h, lr);
+      if (row_base == kHeadDim && threadIdx.x < 16)
+        reinterpret_cast<int32_t*>(p.seg_lowrank + gseg)[threadIdx.x] =
+            lr_rank > 0 ? reinterpret_cast<const int32_t*>(&lr)[threadIdx.x] : 0;  // rank 0: the K rows
+      if (lr_rank > 0 && row_base > kHeadDim) num_chunks = 1;
+    }
+  }
+  const bool lr_first = lr_rank > 0 && row_base == kHeadDim;  // the block that carries T
   auto chunk_rows = [&](int64_t j) { const int64_t left = sc.eos - (sc.bos + j * kChunk); return int(left < kChunk ? left : kChunk); };
   // kEarlyHead (three stages: the two-CTA kernels, 190 registers and more): the state's A fragments
   // formed before the chunk's barrier and the bulk refill issued under the W and O products (the
@@ -721,6 +779,35 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     // O^T += U^T Mqk^T.
     record_mma_n16<kSplitF>(r_O, r_U_hi, r_U_lo, s_rec + Rec::kOffMqk, s_rec + Rec::kOffMqkLo, lane);
 
+    if (kLowRank && lr_rank > 0 && j == 0) {
+      // Low-rank transitions: G's chunk rows are this chunk's U of the basis rows (U^T[r][i] =
+      // -(inv_b k_decayed)[i][r]); the first block's rows then become F's columns: row i < |J| the
+      // basis row of kept channel j_i (decayed below to e_j e^{Gamma_j}), row |J| + i the update of
+      // token i alone (U^T = e_i: k_restored_i), the rest zero.
+      float* g_dst = p.seg_g + gseg * int64_t(kLowRankGFloats);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          g_dst[(nt * 8 + 2 * t4 + (e & 1)) * kHeadDim + v_row + 8 * (e >> 1) - kHeadDim] = r_U[nt][e] * rs.inv[e >> 1];
+      if (lr_first) {
+        const int kept = lr_rank - kChunk;
+#pragma unroll
+        for (int jt = 0; jt < 16; ++jt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int i = v_row + 8 * (e >> 1) - kHeadDim;
+            r_S[4 * jt + e] = i < kept && s_lr->j[i] == 8 * jt + 2 * t4 + (e & 1) ? rs.m[e >> 1] : 0.f;
+          }
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            r_U[nt][e] = v_row + 8 * (e >> 1) - kHeadDim - kept == nt * 8 + 2 * t4 + (e & 1) ? rs.m[e >> 1] : 0.f;
+        acc_fragments<kSplitF>(r_U[0], r_U[1], r_U_hi, r_U_lo);
+      }
+    }
+
     // S^T = S^T diag(e^Gamma) + U^T Kr: the decay in registers, then the update on the tensor
     // cores while this warp writes its output.
     const float* s_gamma = reinterpret_cast<const float*>(s_rec + Rec::kOffGamma);
@@ -849,9 +936,10 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   } else if (first_segment) {  // X_1, the start state of segment 1
     store_state_rows(r_S, p.seg_x, ElemType::kF32, (seg.first + 1) * p.H * int64_t(kSegStateFloats) + head_offset,
                      v_row, t4, rs.inv);
-  } else if (transition_rows) {  // A_s^T
-    store_state_rows(r_S, p.seg_a, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
-                     v_row - kHeadDim, t4, rs.inv);
+  } else if (transition_rows) {  // A_s^T (low rank: T^T in rows 0-63; the second block walked one chunk)
+    if (lr_rank == 0 || lr_first)
+      store_state_rows(r_S, p.seg_a, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
+                       v_row - kHeadDim, t4, rs.inv);
   } else {  // B_s^T
     store_state_rows(r_S, p.seg_b, ElemType::kF32, (seg.first + seg.s) * p.H * int64_t(kSegStateFloats) + head_offset,
                      v_row, t4, rs.inv);

@@ -27,14 +27,77 @@ constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
 
 struct ChainSmem {
-  float a[kHeadDim][kHeadDim];  // A_s^T of the current segment
+  float a[kHeadDim][kHeadDim];  // A_s^T of the current segment (low rank: T^T, rows 0-63)
   float x[kChainRows][kHeadDim];
+  float y[kChainRows][kLowRankRows];  // low rank: Y_s^T = X_s^T G^T, this CTA's rows
 };
+
+constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T: 144 bytes, conflict-free
 
 struct CombineSmem {
   __nv_bfloat16 x_hi[kHeadDim][kCombineRowStride];  // X_s^T [v][k], split
   __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
 };
+struct CombineLowRankSmem : CombineSmem {
+  __nv_bfloat16 y_hi[kHeadDim][kCombineLowRankStride];  // Y_s^T [v][i], split (low-rank transitions)
+  __nv_bfloat16 y_lo[kHeadDim][kCombineLowRankStride];
+};
+
+// acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (w: fp32 rows of o at column offset
+// w_col, stride kSegRows; x: split bf16 [v][k] rows of kStride), with split-bf16 operands (hi * hi +
+// hi * lo + lo * hi). Every load of w is one k-step ahead.
+template <int kSteps, int kStride>
+__device__ __forceinline__ void combine_product(float (&acc)[16][4], const float* o, int w_col,
+                                                const __nv_bfloat16 (*x_hi)[kStride],
+                                                const __nv_bfloat16 (*x_lo)[kStride], int g, int t4) {
+  // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
+  auto load_w = [&](int ks, float2 (&w)[4]) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
+      w[r] = *reinterpret_cast<const float2*>(o + t * kSegRows + w_col + k);
+    }
+  };
+  float2 w_next[4];
+  load_w(0, w_next);
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    uint32_t a_hi[4], a_lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) split_bf16x2(w_next[r].x, w_next[r].y, a_hi[r], a_lo[r]);
+    if (ks + 1 < kSteps) load_w(ks + 1, w_next);
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int v = 8 * nt + g, k = kMmaK * ks + 2 * t4;
+      const uint32_t bh0 = *reinterpret_cast<const uint32_t*>(&x_hi[v][k]);
+      const uint32_t bh1 = *reinterpret_cast<const uint32_t*>(&x_hi[v][k + 8]);
+      const uint32_t bl0 = *reinterpret_cast<const uint32_t*>(&x_lo[v][k]);
+      const uint32_t bl1 = *reinterpret_cast<const uint32_t*>(&x_lo[v][k + 8]);
+      mma_bf16(acc[nt], a_hi, bh0, bh1);
+      mma_bf16(acc[nt], a_hi, bl0, bl1);
+      mma_bf16(acc[nt], a_lo, bh0, bh1);
+    }
+  }
+}
+
+// Loads a [rows][cols] fp32 matrix into split bf16 shared rows of `stride` (every load first).
+template <int kCols, int kStride>
+__device__ __forceinline__ void load_split(const float* src, __nv_bfloat16 (*hi)[kStride], __nv_bfloat16 (*lo)[kStride]) {
+  constexpr int kQuads = kHeadDim * kCols / 4 / kCombineThreads;
+  const float4* x = reinterpret_cast<const float4*>(src);
+  float4 xv[kQuads];
+#pragma unroll
+  for (int i = 0; i < kQuads; ++i) xv[i] = x[threadIdx.x + i * kCombineThreads];
+#pragma unroll
+  for (int i = 0; i < kQuads; ++i) {
+    const int q = threadIdx.x + i * kCombineThreads, row = (4 * q) / kCols, col = (4 * q) % kCols;
+    uint32_t hi0, lo0, hi1, lo1;
+    split_bf16x2(xv[i].x, xv[i].y, hi0, lo0);
+    split_bf16x2(xv[i].z, xv[i].w, hi1, lo1);
+    *reinterpret_cast<uint2*>(&hi[row][col]) = make_uint2(hi0, hi1);
+    *reinterpret_cast<uint2*>(&lo[row][col]) = make_uint2(lo0, lo1);
+  }
+}
 
 // Fills value column v of the outputs of tokens [r0, r1) of head h with NaN (a non-finite state that
 // a skipping run did not see).
@@ -189,21 +252,54 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   }
   __syncthreads();
   if (checkpoint_at(seg_tokens) >= 0) store_checkpoint(checkpoint_at(seg_tokens), &sm.x[r0][c], kHeadDim);
-  // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices).
+  // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices), or
+  // with a low-rank transition (lowrank) Y_s^T a^T + b^T over a's first 64 rows (T^T).
   float acc[kChainRows / 2];
+  bool lowrank = false;
   auto affine = [&](const float* a, const float* b) {
     __syncthreads();  // the previous product's reads of sm.a and sm.x are done
-    for (int i = tid; i < kQuads; i += kChainThreads)
+    for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
       reinterpret_cast<float4*>(&sm.a[0][0])[i] = reinterpret_cast<const float4*>(a)[i];
     __syncthreads();
     b += int64_t(v0) * kHeadDim;
 #pragma unroll
     for (int i = 0; i < kChainRows / 2; ++i) acc[i] = b[(r0 + i) * kHeadDim + c];
+    if (lowrank) {
+#pragma unroll 4
+      for (int k = 0; k < kLowRankRows; ++k) {
+        const float ak = sm.a[k][c];
+#pragma unroll
+        for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.y[r0 + i][k], ak, acc[i]);
+      }
+      return;
+    }
 #pragma unroll 4
     for (int k = 0; k < kHeadDim; ++k) {
       const float ak = sm.a[k][c];
 #pragma unroll
       for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.x[r0 + i][k], ak, acc[i]);
+    }
+  };
+  // Low-rank transitions: Y_s^T = X_s^T G^T for this CTA's rows (the kept channels' columns of X_s^T,
+  // then its products with G's chunk rows, zero past the rank) into sm.y and the workspace for the
+  // combine. sm.a holds G's chunk rows meanwhile.
+  auto coordinates = [&](int64_t gs) {
+    const LowRankInfo& info = p.seg_lowrank[gs];
+    const int rank = info.rank, kept = rank - kChunk;
+    __syncthreads();  // the previous product's reads of sm.a are done; sm.x holds X_s
+    for (int i = tid; i < kLowRankGFloats / 4; i += kChainThreads)
+      reinterpret_cast<float4*>(&sm.a[0][0])[i] = reinterpret_cast<const float4*>(p.seg_g + gs * kLowRankGFloats)[i];
+    __syncthreads();
+    for (int e = tid; e < kChainRows * kLowRankRows; e += kChainThreads) {
+      const int r = e / kLowRankRows, i = e % kLowRankRows;
+      float y = 0.f;
+      if (i < kept) {
+        y = sm.x[r][info.j[i]];
+      } else if (i < rank) {
+        for (int k = 0; k < kHeadDim; ++k) y = fmaf(sm.x[r][k], sm.a[i - kept][k], y);
+      }
+      sm.y[r][i] = y;
+      p.seg_y[gs * kLowRankYFloats + int64_t(v0 + r) * kLowRankRows + i] = y;
     }
   };
   for (int64_t s = 1; s < count; ++s) {
@@ -213,6 +309,9 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
     const int64_t exact = runs ? p.seg_exact[(first + s) * p.H + h] : len;  // chunks of the exact run
     const bool any_taint = runs && find_taint(s);  // before X_s is replaced
+    // Low rank (K2 writes the plan only where the segment has an exact run)
+    lowrank = p.seg_lowrank != nullptr && exact > 0 && p.seg_lowrank[(first + s) * p.H + h].rank > 0;
+    if (lowrank) coordinates((first + s) * p.H + h);
     if (p.seg_ckpt_b != nullptr && E > 0) {  // checkpoints inside the exact run: X_s^T A_c^T + B_c^T
       const int64_t begin = s * seg_tokens, end = last ? sc.eos - sc.bos : (s + 1) * seg_tokens;
       for (int64_t t = (begin / E + 1) * E; t < end && (t - begin) / kChunk <= exact; t += E) {
@@ -268,22 +367,14 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   // the run length is a multiple of the tile's, kCombineChunks).
   if (p.seg_exact != nullptr && j0 >= p.seg_exact[(seg.first + seg.s) * p.H + h]) return;
 
-  // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]).
-  {
-    constexpr int kQuads = kHeadDim * kHeadDim / 4 / kCombineThreads;  // 16 float4 per thread
-    const float4* x = reinterpret_cast<const float4*>(p.seg_x + segment_matrix(p, seg.first + seg.s, h));
-    float4 xv[kQuads];
-#pragma unroll
-    for (int i = 0; i < kQuads; ++i) xv[i] = x[threadIdx.x + i * kCombineThreads];
-#pragma unroll
-    for (int i = 0; i < kQuads; ++i) {
-      const int q = threadIdx.x + i * kCombineThreads, row = (4 * q) / kHeadDim, col = (4 * q) % kHeadDim;
-      uint32_t hi0, lo0, hi1, lo1;
-      split_bf16x2(xv[i].x, xv[i].y, hi0, lo0);
-      split_bf16x2(xv[i].z, xv[i].w, hi1, lo1);
-      *reinterpret_cast<uint2*>(&sm.x_hi[row][col]) = make_uint2(hi0, hi1);
-      *reinterpret_cast<uint2*>(&sm.x_lo[row][col]) = make_uint2(lo0, lo1);
-    }
+  // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
+  // low-rank transition Y_s^T [v][i] for the chunks after the segment's first, X_s^T for that one.
+  const int64_t gs = (seg.first + seg.s) * p.H + h;
+  const bool lowrank = p.seg_lowrank != nullptr && p.seg_lowrank[gs].rank > 0;
+  if (!lowrank || j0 == 0) load_split<kHeadDim, kCombineRowStride>(p.seg_x + segment_matrix(p, seg.first + seg.s, h), sm.x_hi, sm.x_lo);
+  if (lowrank) {
+    CombineLowRankSmem& lr = *reinterpret_cast<CombineLowRankSmem*>(smem_raw);
+    load_split<kLowRankRows, kCombineLowRankStride>(p.seg_y + gs * kLowRankYFloats, lr.y_hi, lr.y_lo);
   }
   __syncthreads();
 
@@ -296,38 +387,16 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const int rows = int(left < kChunk ? left : kChunk);
   const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
 
-  // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
-  auto load_w = [&](int ks, float2 (&w)[4]) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
-      w[r] = *reinterpret_cast<const float2*>(o + t * kSegRows + kHeadDim + k);
-    }
-  };
   float acc[16][4];
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-  float2 w_next[4];
-  load_w(0, w_next);
-#pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
-    uint32_t a_hi[4], a_lo[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) split_bf16x2(w_next[r].x, w_next[r].y, a_hi[r], a_lo[r]);
-    if (ks + 1 < kKSteps) load_w(ks + 1, w_next);
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int v = 8 * nt + g, k = kMmaK * ks + 2 * t4;
-      const uint32_t bh0 = *reinterpret_cast<const uint32_t*>(&sm.x_hi[v][k]);
-      const uint32_t bh1 = *reinterpret_cast<const uint32_t*>(&sm.x_hi[v][k + 8]);
-      const uint32_t bl0 = *reinterpret_cast<const uint32_t*>(&sm.x_lo[v][k]);
-      const uint32_t bl1 = *reinterpret_cast<const uint32_t*>(&sm.x_lo[v][k + 8]);
-      mma_bf16(acc[nt], a_hi, bh0, bh1);
-      mma_bf16(acc[nt], a_hi, bl0, bl1);
-      mma_bf16(acc[nt], a_lo, bh0, bh1);
-    }
+  if (lowrank && j0 + warp > 0) {
+    const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
+    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, kHeadDim, lr.y_hi, lr.y_lo, g, t4);
+  } else {
+    combine_product<kKSteps, kCombineRowStride>(acc, o, kHeadDim, sm.x_hi, sm.x_lo, g, t4);
   }
   // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1).
 #pragma unroll
