@@ -838,8 +838,8 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
 // transition is low rank"): with long memory every segment s > 0 carries T G (8 kept channels and one
 // chunk's 16 columns) instead of the K transition rows, as accurate as the exact transition; where
 // every channel decays fast the segments' starts skip and the path is not taken; a NaN in v still
-// reaches every later output of its column, in the chunk it lies in and after the first chunk of a
-// later segment (the K-wide and the low-rank halves of the combine).
+// reaches every later output of its column (through B_s into X_{s+1} and Y_{s+1} = G X_{s+1}: the
+// K-wide and the low-rank halves of the combine in later segments).
 TEST_F(PrefillGpu, SegmentsLowRankTransitionsMatchReference) {
   internal::PrefillLaunch exact;
   exact.segment_chunks = 32, exact.skip_transitions = 1, exact.skip_run_chunks = 8, exact.seg_ctas_per_sm = 2;
@@ -886,9 +886,9 @@ TEST_F(PrefillGpu, SegmentsLowRankTransitionsMatchReference) {
     const auto [e_low, bits_low] = run(in, lowrank);
     EXPECT_TRUE(bits_low == bits_exact) << "fast decay: the low-rank option changed the bits";
   }
-  // NaN in v, head 1, column 37: in segment 1's first chunk (token 520: the K-wide half of the combine
-  // and G), in its fourth chunk (token 560: T's rows), in segment 3 (token 1600).
-  for (const int64_t t0 : {520, 560, 1600}) {
+  // NaN in v, head 1, column 37, at a chunk's first token (a chunk's products carry it to its earlier
+  // tokens too): segment 1's first chunk (token 512), its fourth (560), segment 3 (1600).
+  for (const int64_t t0 : {512, 560, 1600}) {
     KdaInputs in = long_memory_inputs();
     const NanOutputs r = run_with_nan(in, lowrank, t0, 1, 37);
     EXPECT_EQ(r.missing, 0) << "NaN at " << t0 << ": outputs after it in its column that are not NaN";

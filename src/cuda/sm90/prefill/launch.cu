@@ -46,9 +46,11 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
 void launch_segment_chain(const Params& p, cudaStream_t stream) {
   const int64_t work = p.num_seqs * p.H;
   if (work == 0) return;
-  constexpr int smem = sizeof(ChainSmem);
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  launch_early(p.early_launch & kEarlyChain, segment_chain_kernel, dim3(unsigned(work), kHeadDim / kChainRows),
+  const bool lowrank = p.seg_lowrank != nullptr;  // low-rank transitions: their own kernel (a candidate)
+  const int smem = lowrank ? int(sizeof(ChainLowRankSmem)) : int(sizeof(ChainSmem));
+  const auto kernel = lowrank ? segment_chain_kernel<true> : segment_chain_kernel<false>;
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  launch_early(p.early_launch & kEarlyChain, kernel, dim3(unsigned(work), kHeadDim / kChainRows),
                dim3(kChainThreads), size_t(smem), stream, p);
 }
 
@@ -56,9 +58,11 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   const int64_t tiles = (p.seg_chunks + kCombineChunks - 1) / kCombineChunks;
   const int64_t ctas = p.max_segs * tiles;
   if (ctas == 0 || p.H == 0) return;
-  const int smem = p.seg_lowrank != nullptr ? int(sizeof(CombineLowRankSmem)) : int(sizeof(CombineSmem));
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(segment_combine_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  launch_early(p.early_launch & kEarlyCombine, segment_combine_kernel, dim3(unsigned(ctas * p.H)), dim3(kCombineThreads),
+  const bool lowrank = p.seg_lowrank != nullptr;  // low-rank transitions: their own kernel (a candidate)
+  const int smem = lowrank ? int(sizeof(CombineLowRankSmem)) : int(sizeof(CombineSmem));
+  const auto kernel = lowrank ? segment_combine_kernel<true> : segment_combine_kernel<false>;
+  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  launch_early(p.early_launch & kEarlyCombine, kernel, dim3(unsigned(ctas * p.H)), dim3(kCombineThreads),
                size_t(smem), stream, p, tiles);
 }
 
@@ -137,7 +141,8 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
   };
   if (filling(2, false) < 2 * N) return 0;
   const int ctas = seg_ctas_per_sm(launch, H);
-  const int64_t segments = filling(ctas, launch.lowrank_transitions > 0 && ctas == 2 && launch.skip_transitions >= 0);
+  const int64_t segments = filling(ctas, launch.lowrank_transitions > 0 && ctas == 2 && launch.skip_transitions >= 0 &&
+                                               launch.record_copy >= 0);
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
@@ -601,8 +606,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
       kp.chunk_bound = chunk_bound, kp.seg_exact = seg_exact, kp.seg_plan = seg_plan, kp.seg_taint = seg_taint;
       kp.bound_transitions = bounds_transitions(run_chunks, launch);
-      // Low-rank transitions: only the two-CTA segmented K2 takes them (recur_kernel.cuh kLowRank).
-      if (l.seg_lowrank > 0 && seg_ctas_per_sm(launch, p.H) == 2)
+      // Low-rank transitions: only their two-CTA segmented K2 with the bulk record stream
+      // (recur_seg_lowrank_kernel) takes them.
+      if (l.seg_lowrank > 0 && seg_ctas_per_sm(launch, p.H) == 2 && launch.record_copy >= 0)
         kp.seg_lowrank = seg_lowrank, kp.seg_g = seg_g, kp.seg_y = seg_y;
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.

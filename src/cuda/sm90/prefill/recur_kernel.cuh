@@ -457,7 +457,7 @@ __device__ inline int plan_lowrank(const Params& p, int64_t first, int64_t chunk
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
 // The kernels below are this body under their launch bounds and stage counts.
-template <int kWarps, class Split, bool kSeg, int kStagesT, bool kBulk>
+template <int kWarps, class Split, bool kSeg, int kStagesT, bool kBulk, bool kLowRankT = false>
 __device__ __forceinline__ void recur_body(const Params& p) {
   using Smem = RecurSmem<kWarps, Split, kSeg, kStagesT, kBulk>;
   constexpr int kStages = Smem::kStages;
@@ -567,9 +567,11 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   int64_t num_chunks = sc.chunk_end - sc.chunk_begin;
   // Low-rank transitions (config.h LowRankInfo): both transition blocks of a segment s > 0 plan the
   // same; the first then runs F's columns after the first chunk, the second walks that chunk only.
-  // Only the two-CTA kernel (three stages) takes them: at three CTAs an SM the code spilled (ptxas),
-  // and the launcher asks for them only where it runs that one (launch.cu).
-  constexpr bool kLowRank = kSeg && kStages >= 3;
+  // Only their own kernel (recur_seg_lowrank_kernel: two CTAs an SM, the bulk record stream) takes
+  // them, so that the rule's kernels keep their code (at three CTAs an SM it spilled, at two it took
+  // up to 19 more registers); the launcher asks for them only where it runs that one (launch.cu).
+  constexpr bool kLowRank = kLowRankT;
+  static_assert(!kLowRank || (kSeg && kStages >= 3), "low-rank transitions: the two-CTA segmented K2 only");
   int lr_rank = 0;
   const int64_t gseg = kSeg ? (seg.first + seg.s) * p.H + h : 0;
   const LowRankInfo* s_lr = nullptr;
@@ -953,6 +955,16 @@ __global__ void __launch_bounds__(kWarps * 32) recur_kernel(const __grid_constan
   allow_dependents();
   if (pieces_ran(p)) return;
   recur_body<kWarps, Split, kSeg, 3, kBulk>(p);
+}
+
+// The segmented K2 at two CTAs an SM with low-rank transitions (internal::PrefillLaunch::
+// lowrank_transitions, a candidate; config.h LowRankInfo), the bulk record stream.
+template <class Split>
+__global__ void __launch_bounds__(128) recur_seg_lowrank_kernel(const __grid_constant__ Params p) {
+  wait_for_prerequisites();
+  allow_dependents();
+  if (pieces_ran(p)) return;
+  recur_body<4, Split, true, 3, true, true>(p);
 }
 
 // The segmented K2 at three CTAs an SM (launch.cu seg_ctas_per_sm: the rule from H = 16 up): 168

@@ -44,6 +44,8 @@ void launch_recur_segmented_as(const Params& p, cudaStream_t stream) {
   // further piece (recur_kernel).
   const unsigned pieces = unsigned(p.run_chunks > 0 ? p.max_pieces : 1);
   const dim3 grid(unsigned(ctas), kSegRows / 64 + 2 * (pieces - 1));
+  if constexpr (kCtasPerSm == 2 && kBulk)  // low-rank transitions (launch.cu sets seg_lowrank only here)
+    if (p.seg_lowrank != nullptr) return launch_k2(recur_seg_lowrank_kernel<Split>, grid, 4 * 32, smem, p, stream);
   launch_k2(kernel, grid, 4 * 32, smem, p, stream);
 }
 

@@ -14,6 +14,8 @@
 
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
@@ -29,7 +31,9 @@ constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in share
 struct ChainSmem {
   float a[kHeadDim][kHeadDim];  // A_s^T of the current segment (low rank: T^T, rows 0-63)
   float x[kChainRows][kHeadDim];
-  float y[kChainRows][kLowRankRows];  // low rank: Y_s^T = X_s^T G^T, this CTA's rows
+};
+struct ChainLowRankSmem : ChainSmem {
+  float y[kChainRows][kLowRankRows];  // Y_s^T = X_s^T G^T, this CTA's rows (low-rank transitions)
 };
 
 constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T: 144 bytes, conflict-free
@@ -122,9 +126,13 @@ __device__ __forceinline__ void sequence_segments(const Params& p, int64_t n, in
   }
 }
 
+// kLowRank: the kernel that low-rank transitions take (internal::PrefillLaunch::lowrank_transitions, a
+// candidate), so that the rule's keeps its code.
+template <bool kLowRank>
 __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  ChainSmem& sm = *reinterpret_cast<ChainSmem*>(smem_raw);
+  using Smem = std::conditional_t<kLowRank, ChainLowRankSmem, ChainSmem>;
+  Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
   wait_for_prerequisites();  // K2 (launched early after it)
   allow_dependents();
   if (call_refused(p) || call_fused(p) || pieces_ran(p)) return;  // refused: K2 filled the outputs with NaN
@@ -264,15 +272,16 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     b += int64_t(v0) * kHeadDim;
 #pragma unroll
     for (int i = 0; i < kChainRows / 2; ++i) acc[i] = b[(r0 + i) * kHeadDim + c];
-    if (lowrank) {
+    if constexpr (kLowRank)
+      if (lowrank) {
 #pragma unroll 4
-      for (int k = 0; k < kLowRankRows; ++k) {
-        const float ak = sm.a[k][c];
+        for (int k = 0; k < kLowRankRows; ++k) {
+          const float ak = sm.a[k][c];
 #pragma unroll
-        for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.y[r0 + i][k], ak, acc[i]);
+          for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.y[r0 + i][k], ak, acc[i]);
+        }
+        return;
       }
-      return;
-    }
 #pragma unroll 4
     for (int k = 0; k < kHeadDim; ++k) {
       const float ak = sm.a[k][c];
@@ -282,24 +291,27 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   };
   // Low-rank transitions: Y_s^T = X_s^T G^T for this CTA's rows (the kept channels' columns of X_s^T,
   // then its products with G's chunk rows, zero past the rank) into sm.y and the workspace for the
-  // combine. sm.a holds G's chunk rows meanwhile.
+  // combine. sm.a holds G's chunk rows meanwhile, transposed ([k][16]: a warp's lanes read adjacent words).
   auto coordinates = [&](int64_t gs) {
-    const LowRankInfo& info = p.seg_lowrank[gs];
-    const int rank = info.rank, kept = rank - kChunk;
-    __syncthreads();  // the previous product's reads of sm.a are done; sm.x holds X_s
-    for (int i = tid; i < kLowRankGFloats / 4; i += kChainThreads)
-      reinterpret_cast<float4*>(&sm.a[0][0])[i] = reinterpret_cast<const float4*>(p.seg_g + gs * kLowRankGFloats)[i];
-    __syncthreads();
-    for (int e = tid; e < kChainRows * kLowRankRows; e += kChainThreads) {
-      const int r = e / kLowRankRows, i = e % kLowRankRows;
-      float y = 0.f;
-      if (i < kept) {
-        y = sm.x[r][info.j[i]];
-      } else if (i < rank) {
-        for (int k = 0; k < kHeadDim; ++k) y = fmaf(sm.x[r][k], sm.a[i - kept][k], y);
+    if constexpr (kLowRank) {
+      const LowRankInfo& info = p.seg_lowrank[gs];
+      const int rank = info.rank, kept = rank - kChunk;
+      float* gt = &sm.a[0][0];
+      __syncthreads();  // the previous product's reads of sm.a are done; sm.x holds X_s
+      for (int e = tid; e < kLowRankGFloats; e += kChainThreads)
+        gt[(e % kHeadDim) * kChunk + e / kHeadDim] = p.seg_g[gs * kLowRankGFloats + e];
+      __syncthreads();
+      for (int e = tid; e < kChainRows * kLowRankRows; e += kChainThreads) {
+        const int r = e / kLowRankRows, i = e % kLowRankRows;
+        float y = 0.f;
+        if (i < kept) {
+          y = sm.x[r][info.j[i]];
+        } else if (i < rank) {
+          for (int k = 0; k < kHeadDim; ++k) y = fmaf(sm.x[r][k], gt[k * kChunk + i - kept], y);
+        }
+        sm.y[r][i] = y;
+        p.seg_y[gs * kLowRankYFloats + int64_t(v0 + r) * kLowRankRows + i] = y;
       }
-      sm.y[r][i] = y;
-      p.seg_y[gs * kLowRankYFloats + int64_t(v0 + r) * kLowRankRows + i] = y;
     }
   };
   for (int64_t s = 1; s < count; ++s) {
@@ -310,7 +322,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     const int64_t exact = runs ? p.seg_exact[(first + s) * p.H + h] : len;  // chunks of the exact run
     const bool any_taint = runs && find_taint(s);  // before X_s is replaced
     // Low rank (K2 writes the plan only where the segment has an exact run)
-    lowrank = p.seg_lowrank != nullptr && exact > 0 && p.seg_lowrank[(first + s) * p.H + h].rank > 0;
+    lowrank = kLowRank && exact > 0 && p.seg_lowrank[(first + s) * p.H + h].rank > 0;
     if (lowrank) coordinates((first + s) * p.H + h);
     if (p.seg_ckpt_b != nullptr && E > 0) {  // checkpoints inside the exact run: X_s^T A_c^T + B_c^T
       const int64_t begin = s * seg_tokens, end = last ? sc.eos - sc.bos : (s + 1) * seg_tokens;
@@ -349,6 +361,8 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
 
 // Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: one
 // k-step ahead; o_zero: half a chunk at a time), so each phase costs one memory round trip.
+// kLowRank: as the chain's.
+template <bool kLowRank>
 __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
                                                                              int64_t tiles) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -370,9 +384,9 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
   // low-rank transition Y_s^T [v][i] for the chunks after the segment's first, X_s^T for that one.
   const int64_t gs = (seg.first + seg.s) * p.H + h;
-  const bool lowrank = p.seg_lowrank != nullptr && p.seg_lowrank[gs].rank > 0;
+  const bool lowrank = kLowRank && p.seg_lowrank[gs].rank > 0;
   if (!lowrank || j0 == 0) load_split<kHeadDim, kCombineRowStride>(p.seg_x + segment_matrix(p, seg.first + seg.s, h), sm.x_hi, sm.x_lo);
-  if (lowrank) {
+  if (kLowRank && lowrank) {
     CombineLowRankSmem& lr = *reinterpret_cast<CombineLowRankSmem*>(smem_raw);
     load_split<kLowRankRows, kCombineLowRankStride>(p.seg_y + gs * kLowRankYFloats, lr.y_hi, lr.y_lo);
   }
@@ -392,7 +406,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-  if (lowrank && j0 + warp > 0) {
+  if (kLowRank && lowrank && j0 + warp > 0) {
     const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
     combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, kHeadDim, lr.y_hi, lr.y_lo, g, t4);
   } else {
