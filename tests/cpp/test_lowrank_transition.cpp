@@ -29,6 +29,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "backend.h"
@@ -301,6 +302,17 @@ KdaInputs bench_inputs(bool long_memory) {
   return in;
 }
 
+// Precomputed log-decays uniform in [g_min, 0] (no dt_bias), fp32 inputs, V = 16.
+KdaInputs precomputed_inputs(std::vector<int64_t> seqlens, int64_t K, double g_min) {
+  KdaOptions o;
+  o.seqlens = std::move(seqlens);
+  o.H = 2, o.K = K, o.V = 16;
+  o.dtype = DType::kF32;
+  o.gate = GateForm::kPrecomputed, o.with_dt_bias = false;
+  o.g_min = g_min, o.g_max = 0.0;
+  return KdaInputs(o);
+}
+
 void report_checked(const std::string& name, const Checked& c) {
   report(name + "_rank", double(c.max_r));
   report(name + "_log2_error_bound", c.worst_log2_error);
@@ -331,13 +343,7 @@ TEST(LowRankTransition, RandomGatesNeedOneChunk) {
 // Decay of about 2^-23 a chunk: one chunk would keep every channel (r = K + C), two keep none, so
 // F folds two chunks (r = 2 C) and the tolerance stays 2^-30.
 TEST(LowRankTransition, TwoChunksFoldWhereOneDoesNotDecayEnough) {
-  KdaOptions o;
-  o.seqlens = {32, 45, 300};
-  o.H = 2, o.K = 128, o.V = 16;
-  o.dtype = DType::kF32;
-  o.gate = GateForm::kPrecomputed, o.with_dt_bias = false;
-  o.g_min = -2.0, o.g_max = 0.0;
-  KdaInputs in(o);
+  KdaInputs in = precomputed_inputs({32, 45, 300}, 128, -2.0);
   const Checked c = check_factored(in, -30.0, 4);
   EXPECT_EQ(c.factored, c.segments);
   EXPECT_EQ(c.max_m, 2);
@@ -349,13 +355,7 @@ TEST(LowRankTransition, TwoChunksFoldWhereOneDoesNotDecayEnough) {
 // Weak decay and a loose tolerance: the bound is what the dropped channels leave (~2^-6), several
 // chunks fold into F (m > 1), and the measured error must stay within the bound.
 TEST(LowRankTransition, TheBoundHoldsWhereDroppedTermsAreLarge) {
-  KdaOptions o;
-  o.seqlens = {64, 300};
-  o.H = 2, o.K = 128, o.V = 16;
-  o.dtype = DType::kF32;
-  o.gate = GateForm::kPrecomputed, o.with_dt_bias = false;
-  o.g_min = -0.5, o.g_max = 0.0;
-  KdaInputs in(o);
+  KdaInputs in = precomputed_inputs({64, 300}, 128, -0.5);
   const Checked c = check_factored(in, -6.0, 8);
   EXPECT_EQ(c.factored, c.segments);
   EXPECT_GT(c.worst_log2_error, -20.0);  // something above rounding was dropped
@@ -366,15 +366,10 @@ TEST(LowRankTransition, TheBoundHoldsWhereDroppedTermsAreLarge) {
 // Little decay: no m makes |J| + m C smaller than K, so the plain transition stays; softplus gates
 // over a wide range: whatever is factored holds its bound.
 TEST(LowRankTransition, LittleDecayIsNotFactoredAndWideGatesHoldTheBound) {
-  KdaOptions o;
-  o.seqlens = {100};
-  o.H = 2, o.K = 64, o.V = 16;
-  o.dtype = DType::kF32;
-  o.gate = GateForm::kPrecomputed, o.with_dt_bias = false;
-  o.g_min = -0.02, o.g_max = 0.0;
-  KdaInputs little(o);
+  KdaInputs little = precomputed_inputs({100}, 64, -0.02);
   EXPECT_EQ(check_factored(little, -30.0, 4).factored, 0);
 
+  KdaOptions o = little.opt;
   o.seqlens = {33, 250};
   o.gate = GateForm::kSoftplus, o.with_dt_bias = true;
   o.g_min = -8.0, o.g_max = 8.0;

@@ -116,6 +116,15 @@ int seg_ctas_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
   return H >= 16 ? 3 : 2;
 }
 
+// Whether a call takes low-rank transitions (internal::PrefillLaunch::lowrank_transitions, a
+// candidate): only their own segmented K2 (recur_seg_lowrank_kernel: two CTAs an SM, the bulk record
+// stream) runs them, and only with transition skipping, whose chunk bounds their plan reads. The
+// segment rule, the workspace and the launch all ask this.
+bool takes_lowrank(const internal::PrefillLaunch& launch, int64_t H) {
+  return launch.lowrank_transitions > 0 && seg_ctas_per_sm(launch, H) == 2 && launch.skip_transitions >= 0 &&
+         launch.record_copy >= 0;
+}
+
 int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
                               int64_t checkpoint_every, const internal::PrefillLaunch& launch) {
   const int64_t longest = std::max<int64_t>(1, max_chunk_slots(total_tokens, 1));  // chunks of any sequence
@@ -140,9 +149,7 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
     return lowrank ? (warpgroups_per_sm * sms / H + N) / 3 : (warpgroups_per_sm * sms / H + 2 * N) / 4;
   };
   if (filling(2, false) < 2 * N) return 0;
-  const int ctas = seg_ctas_per_sm(launch, H);
-  const int64_t segments = filling(ctas, launch.lowrank_transitions > 0 && ctas == 2 && launch.skip_transitions >= 0 &&
-                                               launch.record_copy >= 0);
+  const int64_t segments = filling(seg_ctas_per_sm(launch, H), takes_lowrank(launch, H));
   const int64_t chunks = (total_tokens + kChunk - 1) / kChunk;
   const int64_t seg_chunks = std::max<int64_t>(kSegMinChunks, (chunks + segments - 1) / segments);
   return chunks >= 2 * seg_chunks ? fit_checkpoints(seg_chunks, kSegMinChunks) : 0;
@@ -372,7 +379,7 @@ PiecesArea fused_pieces_area(const PrefillParams& p, const internal::PrefillLaun
 size_t kernels_workspace_size(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   return workspace_layout(detail::num_sequences(p), p.H, p.B * p.T, prefill_segment_chunks(p, launch),
                           checkpoint_partials(p, launch), prefill_run_chunks(p, launch), pool_slots(p),
-                          launch.lowrank_transitions > 0)
+                          takes_lowrank(launch, p.H))
       .total;
 }
 
@@ -574,7 +581,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks, checkpoint_partials(p, launch),
-                                    run_chunks, pool_slots(p), launch.lowrank_transitions > 0);
+                                    run_chunks, pool_slots(p), takes_lowrank(launch, p.H));
   Carver regions{ws + l.header};  // the header: kernel_params
   kp.records = regions.take(l.records);
   float* states = regions.take<float>(l.seg_states);
@@ -606,10 +613,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       kp.max_pieces = pieces_of(kp.seg_chunks, run_chunks);
       kp.chunk_bound = chunk_bound, kp.seg_exact = seg_exact, kp.seg_plan = seg_plan, kp.seg_taint = seg_taint;
       kp.bound_transitions = bounds_transitions(run_chunks, launch);
-      // Low-rank transitions: only their two-CTA segmented K2 with the bulk record stream
-      // (recur_seg_lowrank_kernel) takes them.
-      if (l.seg_lowrank > 0 && seg_ctas_per_sm(launch, p.H) == 2 && launch.record_copy >= 0)
-        kp.seg_lowrank = seg_lowrank, kp.seg_g = seg_g, kp.seg_y = seg_y;
+      if (l.seg_lowrank > 0) kp.seg_lowrank = seg_lowrank, kp.seg_g = seg_g, kp.seg_y = seg_y;  // takes_lowrank
     }
     // Grid sizes of the segmented K2 and the combine, checked before anything is launched.
     const int64_t combine_ctas = kp.max_segs * ((kp.seg_chunks + kCombineChunks - 1) / kCombineChunks);

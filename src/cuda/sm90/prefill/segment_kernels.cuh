@@ -47,11 +47,11 @@ struct CombineLowRankSmem : CombineSmem {
   __nv_bfloat16 y_lo[kHeadDim][kCombineLowRankStride];
 };
 
-// acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (w: fp32 rows of o at column offset
-// w_col, stride kSegRows; x: split bf16 [v][k] rows of kStride), with split-bf16 operands (hi * hi +
-// hi * lo + lo * hi). Every load of w is one k-step ahead.
+// acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (w: the fp32 w columns of o, from
+// column kHeadDim, stride kSegRows; x: split bf16 [v][k] rows of kStride), with split-bf16 operands
+// (hi * hi + hi * lo + lo * hi). Every load of w is one k-step ahead.
 template <int kSteps, int kStride>
-__device__ __forceinline__ void combine_product(float (&acc)[16][4], const float* o, int w_col,
+__device__ __forceinline__ void combine_product(float (&acc)[16][4], const float* o,
                                                 const __nv_bfloat16 (*x_hi)[kStride],
                                                 const __nv_bfloat16 (*x_lo)[kStride], int g, int t4) {
   // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
@@ -59,7 +59,7 @@ __device__ __forceinline__ void combine_product(float (&acc)[16][4], const float
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
-      w[r] = *reinterpret_cast<const float2*>(o + t * kSegRows + w_col + k);
+      w[r] = *reinterpret_cast<const float2*>(o + t * kSegRows + kHeadDim + k);
     }
   };
   float2 w_next[4];
@@ -386,7 +386,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const int64_t gs = (seg.first + seg.s) * p.H + h;
   const bool lowrank = kLowRank && p.seg_lowrank[gs].rank > 0;
   if (!lowrank || j0 == 0) load_split<kHeadDim, kCombineRowStride>(p.seg_x + segment_matrix(p, seg.first + seg.s, h), sm.x_hi, sm.x_lo);
-  if (kLowRank && lowrank) {
+  if (lowrank) {
     CombineLowRankSmem& lr = *reinterpret_cast<CombineLowRankSmem*>(smem_raw);
     load_split<kLowRankRows, kCombineLowRankStride>(p.seg_y + gs * kLowRankYFloats, lr.y_hi, lr.y_lo);
   }
@@ -406,11 +406,11 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
-  if (kLowRank && lowrank && j0 + warp > 0) {
+  if (lowrank && j0 + warp > 0) {
     const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
-    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, kHeadDim, lr.y_hi, lr.y_lo, g, t4);
+    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, lr.y_hi, lr.y_lo, g, t4);
   } else {
-    combine_product<kKSteps, kCombineRowStride>(acc, o, kHeadDim, sm.x_hi, sm.x_lo, g, t4);
+    combine_product<kKSteps, kCombineRowStride>(acc, o, sm.x_hi, sm.x_lo, g, t4);
   }
   // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1).
 #pragma unroll
