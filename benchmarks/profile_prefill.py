@@ -2,11 +2,12 @@
 both precision modes and with and without segments, plus the host time of one eager call.
 Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick | --host-only | --verdict | --pieces]
+    python benchmarks/profile_prefill.py [--quick | --host-only | --verdict | --pieces | --lowrank]
 
 --quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
 time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
 kernel forced): each kernel's time and the span of a call, first kernel start to last kernel end.
+--lowrank: the low-rank segment transitions (a candidate) against the rule's, kernel by kernel.
 """
 import os
 import re
@@ -148,7 +149,31 @@ def pieces_profile():
             torch.cuda.empty_cache()
 
 
+def lowrank_profile():
+    """Low-rank segment transitions (internal lowrank_transitions = 1, a candidate) against the rule's
+    exact transitions at H = 12, both gate regimes: each kernel's time, the gaps and the call's span
+    (us), with each launch's own segment count and with both forced to the same segment length (the
+    low-rank rule cuts more segments: its transition rows are fewer)."""
+    print("| case | gates | launch | kernels (us each, gaps in brackets) | span us |")
+    print("|---|---|---|---|---|")
+    for T in (8192, 131072):
+        for regime in ("random", "long"):
+            x = make_inputs(12, [T], True, regime)
+            forced = (T // 16 + 5) // 6, (T // 16 + 7) // 8  # 6 and 8 segments
+            rows = [("rule", {}), ("lowrank", dict(lowrank_transitions=1))]
+            for L in forced:
+                rows += [(f"rule L={L}", dict(segment_chunks=L)),
+                         (f"lowrank L={L}", dict(lowrank_transitions=1, segment_chunks=L))]
+            for label, launch in rows:
+                print(f"| T={T} H=12 | {regime} | {label} | {span_row(x, launch)} |", flush=True)
+            del x
+            torch.cuda.empty_cache()
+
+
 def main():
+    if "--lowrank" in sys.argv[1:]:
+        lowrank_profile()
+        return
     if "--verdict" in sys.argv[1:]:
         verdict_profile()
         return
