@@ -222,45 +222,37 @@ def layouts(C, H, sms):
             ("K2 at 3 CTAs an SM, no skipping", dict(seg_ctas_per_sm=3, skip_transitions=-1))]
 
 
-def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0, pair=False):
+def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
     -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
     and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
     gates, fp32 states; `floor` > 0: both with that floor on the longest sequence (internal
-    fused_min_tokens) instead of the rule's; `pair`: last, the fused kernel with two producer
-    warpgroups (internal fused_producers 2, a candidate):
-    CUDA-graph medians, ms."""
+    fused_min_tokens) instead of the rule's: CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
     launches = [dict(fused_v2=-1), dict(fused_v2=1)]
     if rule:
         extra = dict(fused_min_tokens=floor) if floor > 0 else {}
         launches += [dict(fused_v2=0, **extra), dict(fused_v2=0, fused_persistent=1, **extra)]
-    if pair:
-        launches.append(dict(fused_v2=1, fused_producers=2))
     times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
     torch.cuda.empty_cache()
     return times
 
 
-def fused_sweep_rows(reps, pair=False):
+def fused_sweep_rows(reps):
     """Issue 11's fused chunk-32 kernel against today's kernels on one sequence across head counts
     (internal fused_v2 1 against -1; docs/DESIGN.md "Prefill v2"): where one CTA a head fills the GPU
-    well enough for the fused kernel to win, the data behind the rule (launch.cu fused_by_rule);
-    `pair`: also the fused kernel with two producer warpgroups (the candidate's rule would move).
+    well enough for the fused kernel to win, the data behind the rule (launch.cu fused_by_rule).
     Random gates, fp32 states."""
     rows = ["", "The fused chunk-32 kernel against today's kernels, one sequence (random gates, fp32 states; "
             "CUDA-graph medians, ms):", "",
-            "| T | H | chunk-16 kernels | fused v2 | " + ("two producers | " if pair else "") + "fused / chunk-16 |"
-            + (" two producers / chunk-16 |" if pair else ""), "|---|---|---|---|---|" + ("---|---|" if pair else "")]
+            "| T | H | chunk-16 kernels | fused v2 | fused / chunk-16 |", "|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     for T in (2048, 8192, 32768):
-        for H in (32, 48, 64, 80, 96, 112, 128, 160) if pair else (48, 64, 80, 96, 112, 128, 160):
-            times = chunk16_and_fused_ms(H, [T], reps, pair=pair)
+        for H in (48, 64, 80, 96, 112, 128, 160):
+            times = chunk16_and_fused_ms(H, [T], reps)
             ours, fused = times[0], times[1]
-            two = f"{times[-1]:.3f} | " if pair else ""
-            rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {two}{fused / ours:.2f} |"
-                        + (f" {times[-1] / ours:.2f} |" if pair else ""))
+            rows.append(f"| {T} | {H} | {ours:.3f} | {fused:.3f} | {fused / ours:.2f} |")
             print(rows[-1], flush=True)
     return rows
 
@@ -472,26 +464,13 @@ def implementations(args):
     if args.candidates or args.fused_v2:  # prefill v2's fused kernel wherever it serves the call, and never
         impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
         impls.append(("flashkda chunk-16", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=-1))))
-    if args.fused_early_release:  # the consumers' early release, one producer warpgroup (a candidate)
-        impls.append(("flashkda early release", lambda x, s: run_flashkda(x, s, launch=dict(fused_early_release=1))))
-        impls.append(("fused v2 early release",
-                      lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1, fused_early_release=1))))
     if args.lowrank:  # low-rank segment transitions (a candidate; DESIGN.md "Long memory: the transition is low rank")
         impls.append(("flashkda low-rank transitions",
                       lambda x, s: run_flashkda(x, s, launch=dict(lowrank_transitions=1))))
-    for mode in args.fused_producers or []:  # two producer warpgroups in the fused kernel (candidates; DESIGN.md "Prefill v2")
-        name = {2: "two producers", 3: "split inverse"}[mode]
-        impls.append((f"flashkda {name}", lambda x, s, m=mode: run_flashkda(x, s, launch=dict(fused_producers=m))))
-        impls.append((f"fused v2 {name}",
-                      lambda x, s, m=mode: run_flashkda(x, s, launch=dict(fused_v2=1, fused_producers=m))))
     for pieces in args.fused_pieces:  # the fused kernel in pieces (a candidate; DESIGN.md "Prefill v2")
         impls.append((f"flashkda pieces {pieces}",
                       lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n,
                                                                               fused_warmup=args.fused_warmup))))
-        for mode in args.fused_producers or []:  # and with two producer warpgroups (--fused-producers)
-            impls.append((f"pieces {pieces} producers {mode}",
-                          lambda x, s, n=pieces, m=mode: run_flashkda(x, s, launch=dict(
-                              fused_pieces=n, fused_warmup=args.fused_warmup, fused_producers=m))))
     for pieces in args.fused_chain:  # the same, chained: a piece whose warm-up bounds nothing waits for the one before
         impls.append((f"flashkda chained {pieces}",
                       lambda x, s, n=pieces: run_flashkda(x, s, launch=dict(fused_pieces=n, fused_chain=1,
@@ -594,16 +573,9 @@ def main():
                     help="also flashkda through prefill v2's fused chunk-32 kernel wherever it serves the call (one "
                          "sequence, the lower-bound gate, fp32 states: internal fused_v2 1; the rule runs it from "
                          "H >= 2/3 of the SMs), and through the chunk-16 kernels only (fused_v2 -1)")
-    ap.add_argument("--fused-producers", type=int, nargs="*", choices=(2, 3), default=None,
-                    help="also the default call and the unsplit fused kernel with two producer warpgroups "
-                         "(internal fused_producers = 2, a candidate) and with the inverse split between them and "
-                         "the consumers (3); no values: both")
     ap.add_argument("--lowrank", action="store_true",
                     help="also the default call with low-rank segment transitions (internal lowrank_transitions = 1, "
                          "a candidate: the chunk-16 segments where the rule runs them at two CTAs an SM)")
-    ap.add_argument("--fused-early-release", action="store_true",
-                    help="also the default call and the unsplit fused kernel with the consumers' early release "
-                         "(internal fused_early_release = 1, a candidate)")
     ap.add_argument("--fused-order", action="store_true",
                     help="also mixed lengths at H = 64 and 96 with K0's longest-first order of the sequences against "
                          "the batch's order (internal fused_order -1)")
@@ -645,8 +617,6 @@ def main():
     ap.add_argument("--layouts-sweep", action="store_true",
                     help="also transition skipping's segment / piece layouts (docs/DESIGN.md 'Segments')")
     args = ap.parse_args()
-    if args.fused_producers == []:
-        args.fused_producers = [2, 3]
 
     impls, peers = implementations(args)
     if args.no_peers:
@@ -701,7 +671,7 @@ def main():
     if args.layouts_sweep:
         lines += layouts_sweep_rows(args.reps, args.cases)
     if args.fused_sweep:
-        lines += fused_sweep_rows(args.reps, pair=args.fused_producers is not None)
+        lines += fused_sweep_rows(args.reps)
     if args.fused_batch_sweep:
         lines += fused_batch_sweep_rows(args.reps, args.fused_batch_shapes, args.fused_batch_heads, args.fused_floor)
     if args.fused_order:

@@ -91,7 +91,7 @@ fi
 # Each binary under a time limit (a kernel that hangs must cost minutes, not the session); the
 # candidates still unrun on a GPU (GPU_ALONE, gtest filters separated by ':') after the rest, each
 # filter alone under a shorter one.
-GPU_ALONE=${GPU_ALONE:-'*FusedPieces*:*TwoProducer*:*LowRank*'}
+GPU_ALONE=${GPU_ALONE:-'*FusedPieces*:*LowRank*'}
 gpu_binaries() {
   for t in build-gpu/tests/cpp/test_*gpu; do
     [ -x "$t" ] && { timeout 900 "$t" --gtest_brief=1 --gtest_filter="-$GPU_ALONE" 2>&1 | tee -a "$OUT/ctest.log" |
@@ -199,9 +199,9 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # two producer warpgroups (f7f209b) on small cases; the serving shape's timing is left out (the
-  # sanitizers' time; gpu-tests runs it)
-  pending_tests=(test_prefill32_gpu '*TwoProducerWarpgroupsOnTheChecks*:*TwoProducerWarpgroupsGiveTheSameBits*')  # pairs: binary, gtest filter
+  # the pieces' gates pre-check (039252b) and the low-rank segment transitions (f836775)
+  pending_tests=(test_prefill32_gpu '*FusedPiecesSkipOrFallBack*'
+                 test_prefill_gpu '*SegmentsLowRankTransitionsMatchReference*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
@@ -300,20 +300,18 @@ b = torch.empty_like(a); torch.mul(a, 2, out=b); torch.cuda.synchronize()" > /tm
 fi
 if want fused-profile; then  # issue 11: where the fused chunk-32 kernel's cycles go, by instruction (ncu of the
   # unsplit fused kernel at T = 8192, H = 96, one sequence, fp32 state, random gates; the per-instruction
-  # source counters in fused_source<P>.csv, the summary in profile_fused<P>.log, for each P in
-  # $FUSED_PROFILE_PRODUCERS: internal fused_producers, 0 the rule's one producer warpgroup, 2 and 3 the
-  # two-producer candidates)
+  # source counters in fused_source.csv, the summary in profile_fused.log)
   step fused-profile
   if command -v ncu > /dev/null; then
-    for P in ${FUSED_PROFILE_PRODUCERS:-0}; do
+    for P in ''; do
       ncu --clock-control none -k regex:"fused" -c 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
         --section WarpStateStats --section InstructionStats --section SourceCounters --section LaunchStats \
         --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg --print-details all --import-source yes -f -o /tmp/ncu_fused$P \
         python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
 import bench_prefill as b
 _, H, lens, st = b.MANY[1]
-fn = b.run_flashkda(b.make_inputs(H, lens, st), st, launch=dict(fused_v2=1, fused_chain=-1, fused_producers=$P))[0]
-fn(); torch.cuda.synchronize()" > "$OUT/profile_fused$P.log" 2>&1 || echo "ncu (fused, producers $P) failed (profile_fused$P.log)"
+fn = b.run_flashkda(b.make_inputs(H, lens, st), st, launch=dict(fused_v2=1, fused_chain=-1))[0]
+fn(); torch.cuda.synchronize()" > "$OUT/profile_fused$P.log" 2>&1 || echo "ncu (fused) failed (profile_fused$P.log)"
       ncu -i /tmp/ncu_fused$P.ncu-rep --print-details all >> "$OUT/profile_fused$P.log" 2>&1
       ncu_source_csv /tmp/ncu_fused$P.ncu-rep fused_source$P.csv
       grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \

@@ -78,13 +78,6 @@ struct PrefillLaunch {
                              // its end state): 0 = rule (config.h fused_chain_pieces, where fused_pieces is 0;
                              // forced fused_pieces stop the call instead); 1 = chain forced fused_pieces;
                              // -1 = the rule's pieces off
-  int fused_producers = 0;   // GPU, a candidate: the fused kernel's producer warpgroups, 2 = two building each
-                             // chunk together (prefill_v2 FusedArgs::producer_pair: the same bits, 512 threads;
-                             // not the persistent grid); 3 = two, and they also run the inverse's forward
-                             // substitutions, the consumers its products (FusedArgs::split_inverse); 0 = rule (one)
-  int fused_early_release = 0;  // GPU, a candidate: 1 = the fused kernel's consumers release each stage once its
-                                // recurrence has read it (FusedArgs::early_release; always with two producer
-                                // warpgroups; not the persistent grid); 0 = rule (after the output's stores)
   int lowrank_transitions = 0;  // GPU, a candidate, with segments and transition skipping: 1 = a segment's exact
                                 // run carries its transition as T G (docs/DESIGN.md "Long memory: the transition
                                 // is low rank"): the channels whose decay over its first chunk stays above 2^-30

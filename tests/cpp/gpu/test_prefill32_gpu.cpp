@@ -52,27 +52,21 @@ struct V2Call {
     pa.out = records.ptr, ca.records = records.ptr;
   }
   // mode 0: producer + recurrence kernels; 1: fused, inputs loaded when a chunk starts; 2: fused,
-  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()); from
-  // kPairMode, two producer warpgroups, then with the inverse split, then one producer warpgroup with
-  // the consumers' early release (not yet run on a GPU: their own tests, which the device script runs
-  // apart under a short time limit).
+  // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse, producer_pair, split_inverse, early_release;
+    bool staged, producer_regs, consumer_inverse;
   };
-  static constexpr int kModes = 12, kPairMode = 9, kSplitMode = 10, kEarlyMode = 11;
-  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false, false, false, false},
-                                              {"fused32 ", false, false, false, false, false, false},
-                                              {"fused32 staged ", true, false, false, false, false, false},
-                                              {"fused32 setmaxnreg ", false, true, false, false, false, false},
-                                              {"fused32 inverting consumers ", false, false, true, false, false, false},
-                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true, false, false, false},
-                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true, false, false, false},
-                                              {"fused32 staged, setmaxnreg ", true, true, false, false, false, false},
-                                              {"fused32 staged, inverting consumers ", true, false, true, false, false, false},
-                                              {"fused32 two producer warpgroups ", true, true, true, true, false, false},
-                                              {"fused32 two producer warpgroups, split inverse ", true, true, true, true, true, false},
-                                              {"fused32 early release ", true, true, true, false, false, true}};
+  static constexpr int kModes = 9;
+  static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false},
+                                              {"fused32 ", false, false, false},
+                                              {"fused32 staged ", true, false, false},
+                                              {"fused32 setmaxnreg ", false, true, false},
+                                              {"fused32 inverting consumers ", false, false, true},
+                                              {"fused32 inverting consumers, setmaxnreg ", false, true, true},
+                                              {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true},
+                                              {"fused32 staged, setmaxnreg ", true, true, false},
+                                              {"fused32 staged, inverting consumers ", true, false, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -81,9 +75,6 @@ struct V2Call {
       f.produce = pa, f.consume = ca, f.stage_inputs = m.staged;
       f.producer_regs = m.producer_regs;
       f.consumer_inverse = m.consumer_inverse;
-      f.producer_pair = m.producer_pair;
-      f.split_inverse = m.split_inverse;
-      f.early_release = m.early_release;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -94,10 +85,8 @@ struct V2Call {
 
 // Every path on one problem: each against the reference, each repeated for the same bits, and every
 // fused path with the two kernels' output bits (the same arithmetic in all; rows past the end do
-// not reach the outputs of the rows before them). pair: the two kernels, the one-producer flags of
-// the rule (mode 6) and the unrun candidates from kPairMode on, all but the first also with equal
-// final-state bits; else every mode before kPairMode.
-void check(KdaInputs& in, double out_bound, double state_bound, const char* what, bool pair = false) {
+// not reach the outputs of the rows before them).
+void check(KdaInputs& in, double out_bound, double state_bound, const char* what) {
   SCOPED_TRACE(std::string(what) + ": " + in.describe());
   const test::Reference ref = test::run_reference(in);
   DeviceProblem d(in);
@@ -105,9 +94,7 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
   std::vector<unsigned char> bits[V2Call::kModes];
   const int modes = v2.candidates() ? V2Call::kModes : 3;
   int same = 0, compared = 0;
-  std::vector<unsigned char> states[V2Call::kModes];
   for (int mode = 0; mode < modes; ++mode) {
-    if (mode > 0 && (mode >= V2Call::kPairMode || (pair && mode == 6)) != pair) continue;
     SCOPED_TRACE(V2Call::kModeTable[mode].name);
     const std::string name = std::string(V2Call::kModeTable[mode].name) + what;
     d.poison();
@@ -136,7 +123,6 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
     EXPECT_TRUE(in.out.guard_intact());
     EXPECT_TRUE(in.final_state.guard_intact());
     bits[mode] = in.out.bytes;
-    states[mode] = in.final_state.bytes;
     d.poison();  // the same bits again (no atomics, no order-dependent sums)
     v2.run(mode);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -147,12 +133,6 @@ void check(KdaInputs& in, double out_bound, double state_bound, const char* what
       same += bits[mode] == bits[0];
       EXPECT_TRUE(bits[mode] == bits[0]) << "the output differs from the two kernels'";
     }
-  }
-  if (pair) {
-    EXPECT_EQ(compared, 4) << "the case does not serve two producer warpgroups";
-    EXPECT_TRUE(states[6] == states[V2Call::kPairMode]) << "two producer warpgroups: another final state";
-    EXPECT_TRUE(states[6] == states[V2Call::kSplitMode]) << "the split inverse: another final state";
-    EXPECT_TRUE(states[6] == states[V2Call::kEarlyMode]) << "the early release: another final state";
   }
   test::report(std::string("fused32 paths with the two kernels' bits (of ") + std::to_string(compared) + ") " + what,
                same);
@@ -201,34 +181,6 @@ TEST_F(Prefill32Gpu, RepeatedKey) {
     for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
     for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
     check(in, 3e-3, 2e-3, "repeated key T=2048 H=2");
-  }
-}
-
-// Two producer warpgroups (V2Call::kPairMode) on the cases above that it serves (lower-bound bf16
-// gates): the reference's bounds and the two kernels' bits.
-TEST_F(Prefill32Gpu, TwoProducerWarpgroupsOnTheChecks) {
-  {
-    KdaOptions o;
-    o.T = 301, o.H = 3, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    check(in, 2e-3, 5e-4, "random T=301 H=3 fp32 states", true);
-  }
-  {
-    KdaOptions o;
-    o.T = 1000, o.H = 2, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    for (int64_t c = 0; c < o.H * o.K; c += 4) in.dt_bias[c] = -30.f;
-    check(in, 2e-3, 5e-4, "long memory T=1000 H=2", true);
-  }
-  {
-    KdaOptions o;
-    o.T = 2048, o.H = 2, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    const int64_t row = o.H * o.K;
-    for (int64_t i = row; i < o.T * row; ++i) in.k.set(i, in.k.get(i % row));
-    for (int64_t i = 0; i < o.T * row; ++i) in.g.set(i, -12.0);
-    for (int64_t i = 0; i < o.T * o.H; ++i) in.beta.set(i, 8.0);
-    check(in, 3e-3, 2e-3, "repeated key T=2048 H=2", true);
   }
 }
 
@@ -1093,85 +1045,6 @@ void check_chained_pieces(const ChainedCase& c) {
   EXPECT_TRUE(got == graph_replay_bits(in, d_chained)) << "a graph replay's bits differ from the eager call's";
 }
 
-// Two producer warpgroups through the launch (internal fused_producers = 2 and 3, candidates: FusedArgs::
-// producer_pair, split_inverse) and one with the consumers' early release (fused_early_release = 1):
-// the same bits (outputs and final states) as the rule's one producer on every path they take, the
-// unsplit kernel on one sequence with a tail chunk, device cu_seqlens with an empty sequence (K0
-// first), a pool, chained pieces on random gates (each skips its start) and long memory (each
-// waits for the one before), pieces that stop (moderate decay unchained, past the gates' pre-check;
-// a NaN value chained: the producers' stop and drain, then the fused kernel after them), and the same
-// bits again from a graph. The pieces' flag block says the pieces' kernel ran.
-TEST_F(Prefill32Gpu, TwoProducerWarpgroupsGiveTheSameBits) {
-  struct Case {
-    const char* name;
-    KdaOptions o;
-    int64_t pieces;
-    int chain;  // internal fused_chain with the pieces
-    bool long_memory, nan_value, pool, stops, moderate = false;
-  };
-  auto options = [](int64_t T, int64_t H, std::vector<int64_t> seqlens = {}) {
-    KdaOptions o;
-    o.T = T, o.H = H, o.seqlens = std::move(seqlens), o.A_log_max = 0.0;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    return o;
-  };
-  const Case cases[] = {
-      {"one sequence T=301", options(301, 3), 0, 0, false, false, false, false},
-      {"varlen with an empty sequence", options(0, 3, {100, 0, 301, 33, 64}), 0, 0, false, false, false, false},
-      {"pool", options(0, 3, {200, 77}), 0, 0, false, false, true, false},
-      {"chained pieces, random gates", options(2048, 4), 4, 1, false, false, false, false},
-      {"chained pieces, long memory", options(1000, 2), 4, 1, true, false, false, false},
-      // the pieces' stop and drain, then the fused kernel after them (fused_after_pieces)
-      {"pieces, moderate decay: stopped by a warm-up", options(1000, 2), 4, 0, false, false, false, true, true},
-      {"chained pieces, a NaN value: stopped", options(1000, 2), 4, 1, false, true, false, true}};
-  for (const Case& c : cases) {
-    KdaInputs in(c.o);
-    if (c.long_memory)
-      for (int64_t ch = 0; ch < c.o.H * c.o.K; ch += 4) in.dt_bias[ch] = -30.f;
-    if (c.nan_value) in.v.set((100 * c.o.H + 1) * c.o.V + 7, std::nan(""));  // token 100, head 1
-    if (c.moderate) moderate_decay(in);
-    SCOPED_TRACE(std::string(c.name) + ": " + in.describe());
-    internal::PrefillLaunch one;
-    one.fused_v2 = 1;
-    if (c.pieces > 0) one.fused_pieces = c.pieces, one.fused_chain = c.chain;
-    // The call's bits through `launch`: outputs and final states, or with a pool (slots 2, 0 of three;
-    // slot 1 named by none) the outputs and the pool after the call.
-    const auto bits_of = [&](DeviceProblem& d, const internal::PrefillLaunch& launch) {
-      if (!c.pool) return run_bits(in, d);
-      TestPool pool(3, size_t(c.o.H) * 128 * 128);
-      const std::vector<int32_t> slots = {2, 0};
-      pool.run(d, d.upload(slots.data(), slots.size() * 4), launch);
-      return pool.bits(in);
-    };
-    DeviceProblem d_one(in, one);
-    ASSERT_TRUE(fused_serves(d_one.params()));
-    const std::vector<unsigned char> bits_one = bits_of(d_one, one);
-    // two producer warpgroups; with the split inverse; one with the consumers' early release
-    for (const std::pair<int, int>& variant : {std::pair<int, int>{2, 0}, {3, 0}, {0, 1}}) {
-      SCOPED_TRACE("fused_producers " + std::to_string(variant.first) + " fused_early_release " +
-                   std::to_string(variant.second));
-      internal::PrefillLaunch two = one;
-      two.fused_producers = variant.first;
-      two.fused_early_release = variant.second;
-      DeviceProblem d_two(in, two);
-      const std::vector<unsigned char> bits_two = bits_of(d_two, two);
-      EXPECT_TRUE(bits_one == bits_two) << "other bits than one producer warpgroup's";
-      if (c.pool) continue;
-      if (!c.nan_value) {
-        EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
-        EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
-      }
-      if (c.pieces > 0) {  // the pieces' kernel ran (a launch that failed before it would leave the flag zero)
-        const std::array<int, 2> flags = pieces_flags(d_two);
-        EXPECT_EQ(flags[0], c.stops ? 1 : 0) << "the pieces' flag (1: a piece stopped them; 2: the gates' pre-check)";
-        if (c.chain > 0)
-          EXPECT_EQ(flags[1], c.pieces * c.o.H) << "not every piece took its ticket: the pieces' kernel did not run";
-      }
-      EXPECT_TRUE(bits_two == graph_replay_bits(in, d_two)) << "a graph replay's bits differ from the eager call's";
-    }
-  }
-}
-
 // The same at H = 96, 384 pieces over three waves of the GPU: the tickets (no piece waits forever).
 // Apart from FusedPiecesChained so that the pending sanitizers can leave it out (their time).
 TEST_F(Prefill32Gpu, FusedPiecesChainedOverWaves) {
@@ -1611,7 +1484,7 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const auto median_ms = [](auto&& fn) { return median_event_ms(fn); };
   // Every path's outputs at this shape, bit for bit (no reference: too long for the host).
   std::vector<unsigned char> bits[V2Call::kModes];
-  for (int mode = 0; mode < V2Call::kPairMode; ++mode) {
+  for (int mode = 0; mode < V2Call::kModes; ++mode) {
     d.poison();
     v2.run(mode);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -1619,7 +1492,7 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
     bits[mode] = in.out.bytes;
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0) << V2Call::kModeTable[mode].name;
   }
-  for (int mode = 1; mode < V2Call::kPairMode; ++mode)
+  for (int mode = 1; mode < V2Call::kModes; ++mode)
     EXPECT_TRUE(bits[0] == bits[mode]) << "fused mode " << mode << ": the output differs from the two kernels'";
   const double t_today = median_ms([&] { d.run(); });
   const double t_v2 = median_ms([&] { v2.run(0); });
@@ -1629,9 +1502,9 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   consumers_only.produce = v2.pa, consumers_only.consume = v2.ca;
   consumers_only.time_consumers_only = true;
   std::printf("[ measure  ] prefill32 T=8192 H=96 candidates (ms):");
-  for (int mode = 3; mode < V2Call::kPairMode; ++mode)
+  for (int mode = 3; mode < V2Call::kModes; ++mode)
     std::printf(" %s%.3f%s", V2Call::kModeTable[mode].name, median_ms([&] { v2.run(mode); }),
-                mode + 1 < V2Call::kPairMode ? ";" : "\n");
+                mode + 1 < V2Call::kModes ? ";" : "\n");
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
@@ -1651,51 +1524,6 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
               "kernel's consumers alone %.3f ms; producer + recurrence %.3f ms (producer %.3f, recurrence %.3f); "
               "today's prefill %.3f ms\n",
               t_fused, t_staged, t_consumers, t_v2, t_produce, t_consume, t_today);
-}
-
-// Two producer warpgroups (FusedArgs::producer_pair, and with split_inverse) and the consumers' early
-// release (FusedArgs::early_release, one producer warpgroup) at the serving shape: the bits of the
-// rule's one-producer flags (V2Call mode 6), all four timed and their phase clocks (a measurement).
-TEST_F(Prefill32Gpu, TwoProducerWarpgroupsAtServingShape) {
-  KdaOptions o;
-  o.T = 8192, o.H = 96, o.final_state = StateKind::kF32, o.seed = 11;
-  KdaInputs in(o);
-  DeviceProblem d(in);
-  V2Call v2(d);
-  const int modes[4] = {6, V2Call::kPairMode, V2Call::kSplitMode, V2Call::kEarlyMode};
-  std::vector<unsigned char> bits[4];
-  for (int i = 0; i < 4; ++i) {
-    d.poison();
-    v2.run(modes[i]);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    d.download();
-    bits[i] = in.out.bytes;
-    bits[i].insert(bits[i].end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
-  }
-  EXPECT_TRUE(bits[0] == bits[1]) << "two producer warpgroups: other bits";
-  EXPECT_TRUE(bits[0] == bits[2]) << "the split inverse: other bits";
-  EXPECT_TRUE(bits[0] == bits[3]) << "the early release: other bits";
-  const double t_one = median_event_ms([&] { v2.run(6); });
-  const double t_early = median_event_ms([&] { v2.run(V2Call::kEarlyMode); });
-  const double t_two = median_event_ms([&] { v2.run(V2Call::kPairMode); });
-  const double t_split = median_event_ms([&] { v2.run(V2Call::kSplitMode); });
-  std::printf("[ measure  ] fused32 T=8192 H=96 (staged, inverting consumers, setmaxnreg): one producer warpgroup "
-              "%.3f ms, with the early release %.3f ms (%.2fx); two (early release) %.3f ms (%.2fx), two with the "
-              "split inverse %.3f ms (%.2fx)\n",
-              t_one, t_early, t_early / t_one, t_two, t_two / t_one, t_split, t_split / t_one);
-  for (int variant = 0; variant < 4; ++variant) {
-    FusedArgs clocked;
-    clocked.produce = v2.pa, clocked.consume = v2.ca;
-    clocked.stage_inputs = clocked.producer_regs = clocked.consumer_inverse = true;
-    clocked.producer_pair = variant == 2 || variant == 3;
-    clocked.split_inverse = variant == 3;
-    clocked.early_release = variant == 1;
-    print_phase_clocks(clocked, variant == 0   ? " (staged inputs, setmaxnreg 184 / 160, inverting consumers)"
-                                : variant == 1 ? " (the same, early release)"
-                                : variant == 2 ? " (two producer warpgroups, setmaxnreg 96 / 160, early release)"
-                                               : " (two producer warpgroups, split inverse, early release)");
-  }
 }
 
 }  // namespace

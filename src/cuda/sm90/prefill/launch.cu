@@ -474,14 +474,12 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
 // leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
 // persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
 // split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
-// candidates: the fused kernel's (internal::PrefillLaunch fused_producers, fused_early_release; not with persistent).
 cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
-                             bool check_only, sm90::prefill_v2::FusedCandidates candidates) {
+                             bool check_only) {
   const int64_t items = detail::num_sequences(p) * p.H;
   return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
-                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order,
-                                          candidates);
+                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order);
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
@@ -494,12 +492,11 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 // H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower than without the launch; at
 // H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110: 256 x 64, which K0 gives
 // the fused kernel at every H measured, 0.84-0.86x forced).
-bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent,
-                      sm90::prefill_v2::FusedCandidates candidates) {
+bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent) {
   const int64_t N = detail::num_sequences(p);
   return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
          (persistent || p.B * p.T >= kp.fused_min_tokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
-         fused_on_verdict(p, kp, persistent, nullptr, true, candidates) == cudaSuccess;
+         fused_on_verdict(p, kp, persistent, nullptr, true) == cudaSuccess;
 }
 
 // One segment per sequence, as long as the longest possible sequence.
@@ -510,8 +507,6 @@ int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
-  // the fused kernel's candidates (internal::PrefillLaunch fused_producers, fused_early_release)
-  const sm90::prefill_v2::FusedCandidates candidates{launch.fused_producers, launch.fused_early_release > 0};
   // internal::PrefillLaunch::fused_pieces (a candidate): the fused kernel in pieces, then the chunk-16
   // kernels, which run the call only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;
@@ -533,13 +528,13 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, error_flag,
-                                               ckpt_start, stream, chain_states, candidates) == cudaSuccess) {
+                                               ckpt_start, stream, chain_states) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
       // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
       if (launch.fused_v2 > 0 || fused_by_rule(p, launch)) {
-        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, ckpt_start, stream, candidates) == cudaSuccess) return;
+        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, ckpt_start, stream) == cudaSuccess) return;
         (void)cudaGetLastError();  // an attribute query's error, which the next launch check would read
       }
     } else {
@@ -558,7 +553,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
     }
     const cudaError_t err =
-        sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream, false, false, nullptr, 0, order, candidates);
+        sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream, false, false, nullptr, 0, order);
     if (err == cudaSuccess) return;
     // Under the rule, a fused kernel that cannot start here (its register split or the driver's
     // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
@@ -572,7 +567,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const bool persistent = launch.fused_persistent > 0;
   kp.fused_min_tokens = fused_min_tokens(launch);
   kp.pieces_flag = pieces_flag;
-  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent, candidates);
+  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
   if (fused_after) {
     kp.fused_sms = sm_count();
     if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
@@ -626,7 +621,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int seg_ctas = seg_ctas_per_sm(launch, p.H);
   with_split(kp, p.precision, launch.f16_operands,
              [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, stream); });
-  if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, stream, false, candidates));
+  if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, stream, false));
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {

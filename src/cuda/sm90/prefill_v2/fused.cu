@@ -21,15 +21,6 @@ namespace flashkda::cuda::sm90::prefill_v2 {
 namespace {
 
 constexpr int kFusedThreads = 3 * kThreads;
-// FusedArgs::producer_pair (a candidate): two producer warpgroups (produce_chunk_pair) before the two
-// consumer ones, 512 threads.
-template <bool kPair>
-constexpr int kProducerThreads = kPair ? 2 * kThreads : kThreads;
-template <bool kPair>
-constexpr int kCtaThreads = kProducerThreads<kPair> + 2 * kThreads;
-// The consumers' early release (FusedArgs::early_release), which two producer warpgroups always have.
-template <bool kPair, bool kEarlyRelease>
-constexpr bool kReleasesEarly = kPair || kEarlyRelease;
 constexpr int kStages = 2;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
@@ -47,9 +38,8 @@ constexpr int64_t kMaxFusedSeqs = 65535;
 // Shared memory: the ring's stages (a stage: the record, then v, then with kConsumerInv the fp32 L
 // and beta that the consumers invert), the producer's scratch, with kConsumerInv each consumer
 // warpgroup's inv_b (split SW64 tiles) and forward-substitution scratch, the barriers (and the
-// phase clocks' sums), the staged inputs, with kOutBuf (the consumers' early release) the output
-// tile the consumers stage their rows in.
-template <bool kStaged, bool kConsumerInv, bool kOutBuf = false>
+// phase clocks' sums), the staged inputs.
+template <bool kStaged, bool kConsumerInv>
 struct SmemLayout {
   static constexpr int kOffLBeta = kRecordSpan + kVBytes;  // in a stage
   static constexpr int kStageSpan = (kOffLBeta + (kConsumerInv ? kLBetaBytes : 0) + 1023) & ~1023;
@@ -60,21 +50,11 @@ struct SmemLayout {
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
   static constexpr int kOffSeqArgs = kOffClocks + kPhaseClocks * 8;  // FusedArgs::num_seqs: the CTA's sequence
   static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
-  static constexpr int kOffOut = kOffStaged + kStagedBytes;  // kOutBuf: a 32 x 128 SW128 bf16 tile (staged_v)
   // + full[2], empty[2], staged_full; + the 1024-byte alignment
-  static constexpr int kBytes =
-      (kStaged ? kOffOut + (kOutBuf ? kVBytes : 0) : kOffClocks + kPhaseClocks * 8) + 1024;
-  static_assert(!kOutBuf || kStaged);
+  static constexpr int kBytes = (kStaged ? kOffStaged + kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
   static_assert(2 * kSmallBytes + ProduceScratch::kInvScratchBytes <= kInvSpan);
   static_assert(kBytes <= 227 * 1024);
 };
-// kOutBuf adds the output tile after everything else: the producer and the kernel's prologue use the
-// layout without it, the consumers and the launch's size the one with it.
-static_assert(SmemLayout<true, true, true>::kOffStaged == SmemLayout<true, true>::kOffStaged &&
-              SmemLayout<true, true, true>::kOffSeqArgs == SmemLayout<true, true>::kOffSeqArgs &&
-              SmemLayout<true, true, true>::kOffBarriers == SmemLayout<true, true>::kOffBarriers &&
-              SmemLayout<true, true, true>::kOffInv == SmemLayout<true, true>::kOffInv &&
-              SmemLayout<true, true, true>::kStageSpan == SmemLayout<true, true>::kStageSpan);
 
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
 struct PhaseMarks {
@@ -191,13 +171,6 @@ constexpr int kProducerRegs = 184, kConsumerRegs = 160;
 constexpr int kLaunchRegs = 168;  // __launch_bounds__(384, 1): 65 536 / 384, rounded down to 8
 static_assert(kThreads * kProducerRegs + 2 * kThreads * kConsumerRegs <= 3 * kThreads * kLaunchRegs,
               "the producer would wait for registers no one frees");
-// FusedArgs::producer_pair: 512 threads launched at 128 registers; the producers give 32 back, the
-// consumers take them and keep the 160 of the three-warpgroup kernel. ptxas (not yet run on a GPU):
-// at 104 / 152 it serialised both sides' wgmmas (a wait after each: C7512), at 96 / 160 neither; the
-// producers then spill 6 registers' worth (produce_item's opaque tid), the consumers 5.
-constexpr int kPairProducerRegs = 96, kPairConsumerRegs = 160, kPairLaunchRegs = 128;
-static_assert(2 * kThreads * kPairProducerRegs + 2 * kThreads * kPairConsumerRegs <= 4 * kThreads * kPairLaunchRegs,
-              "the producers would wait for registers no one frees");
 
 // The arguments of a CTA's current sequence (FusedArgs::num_seqs), in shared memory at
 // SmemLayout::kOffSeqArgs (written by thread 0, read where they are used).
@@ -335,12 +308,11 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.publish = a.pieces_chain && !span.last;  // FusedArgs::pieces_chain: the next piece may need it
 }
 
-// The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producers' arrivals, 128
-// or with FusedArgs::producer_pair 256), empty[2] (the consumers' 256), then the staged inputs' (its
-// issuing thread and the bytes).
-__device__ __forceinline__ void init_ring_barriers(uint64_t* full, int producers = kThreads) {
+// The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
+// arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the bytes).
+__device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
   uint64_t* const empty = full + kStages;
-  for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], producers), mbarrier_init(&empty[s], 2 * kThreads);
+  for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
   mbarrier_init(empty + kStages, 1);
   fence_mbarrier_init();
 }
@@ -353,19 +325,12 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full, int producers
 // as they released that stage (SeqArgs::stage_stop in `stop`); once set it writes the chunk as
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
 // rows in flight have landed.
-// kPair (FusedArgs::producer_pair): two producer warpgroups (tid 0-255) build each chunk together
-// (produce_chunk_pair: the same record); warpgroup 1 arrives after its factors and starts the next
-// chunk while warpgroup 0 runs the L/Mqk product. Staged inputs and inverting consumers only.
-// kSplitInv (FusedArgs::split_inverse, with kPair): warp 0 also runs the inverse's substitutions.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
-          bool kPair = false, bool kSplitInv = false>
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
-  using ProducerSync = WarpgroupSync<1, kProducerThreads<kPair>>;
-  static_assert(!kPair || (kStaged && kConsumerInv), "two producer warpgroups: staged inputs, inverting consumers");
-  static_assert(!kSplitInv || kPair, "the split inverse: two producer warpgroups");
+  using ProducerSync = WarpgroupSync<1, kThreads>;
   const FusedArgs& a = params.a;
   uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
@@ -378,7 +343,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
-  if (!kPair || tid < kThreads) load_gate_consts<kGate>(pa, h, tid, sm_gate);
+  load_gate_consts<kGate>(pa, h, tid, sm_gate);
   ProducerSync::sync();
   // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   float beta_next = load_beta_raw(pa, h, 0, tid);
@@ -420,19 +385,9 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
         issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-    if constexpr (kPair) {
-      // tid made opaque to the compiler each chunk, so that the ~80 per-thread addresses and masks the
-      // chunk derives from it are recomputed in the loop: hoisted out of it, they spilled ~38 registers'
-      // worth at the producers' 96 (ptxas; 6 with this)
-      int ptid = tid;
-      asm volatile("" : "+r"(ptid));
-      produce_chunk_pair<kGate, kF32Gate, ProducerSync, kSplitInv>(pa, h, c, ptid, ring + stage * L::kStageSpan, scratch,
-                                                                   staged, beta_raw, sm_gate, l_beta, mark, refill);
-    } else {
-      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
-                                                                          scratch, staged, beta_raw, sm_gate, true,
-                                                                          l_beta, mark, refill);
-    }
+    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
+                                                                        scratch, staged, beta_raw, sm_gate, true, l_beta,
+                                                                        mark, refill);
     mbarrier_arrive(&full[stage]);
     mark(8);
   }
@@ -527,24 +482,18 @@ __device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int 
 // stop->warmup chunks write no output and are bounded (chunk_log2_bound); once their bounds'
 // product is not below 2^-30, or FusedArgs::pieces_flag is set, the consumers set stop->abort and
 // drain: they release each stage the producer fills until the one it marks (stop->stopped_at), and
-// leave without a final state. kProducers: the producer threads before the consumers' (128, or 256
-// with FusedArgs::producer_pair); kSplitInv (FusedArgs::split_inverse): the producers substituted,
-// the consumers run the inverse's products only. kEarlyRelease (FusedArgs::early_release, and every
-// two-producer kernel): the stage is released as soon as the chunk's recurrence has read it, and the
-// output rows are staged in a tile of their own (SmemLayout::kOffOut) instead of the stage's v, so
-// that the producer may refill the stage during the output's stores.
-template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, int kProducers = kThreads,
-          bool kSplitInv = false, bool kEarlyRelease = false>
+// leave without a final state.
+template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
-  using L = SmemLayout<kStaged, kConsumerInv, kEarlyRelease>;
+  using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   uint64_t* const empty = full + kStages;
-  const int tid = threadIdx.x, wg = tid / kThreads, cwg = wg - kProducers / kThreads;  // cwg: 0 or 1
-  const PhaseMarks mark{kClock && tid == kProducers ? clock_sums : nullptr, &last_clock};
-  const int ctid = tid - kProducers, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
+  const int tid = threadIdx.x, wg = tid / kThreads, cwg = wg - 1;  // cwg: 0 or 1
+  const PhaseMarks mark{kClock && tid == kThreads ? clock_sums : nullptr, &last_clock};
+  const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
   const int v_row = 64 * cwg + 16 * warp + g;
   float S[64];
   prefill::load_state_rows(S, p.initial_state,
@@ -608,13 +557,8 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
         }
       }
       const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-      if constexpr (kSplitInv) {
-        invert_products_in_place(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
-                                 own_inv, own_inv + kSmallBytes, [] { consumers_sync(); });
-      } else {
-        invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
-                              own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
-      }
+      invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
+                            own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
       fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
       consumers_sync();
       mark(13);
@@ -657,13 +601,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // The output through the stage's v: each slot's bf16 where this thread read its v (no other
     // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
     // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
-    // kEarlyRelease: the stage released first (every read of it is done: consume_chunk waited for
-    // its wgmmas), the rows staged the same way in the output tile, which only this warp touches.
-    uint8_t* const os = kEarlyRelease ? ring + L::kOffOut : const_cast<uint8_t*>(vs);
-    if constexpr (kEarlyRelease) {
-      fence_proxy_async_shared();
-      release(stage);
-    }
+    uint8_t* const os = const_cast<uint8_t*>(vs);
     {
       uint8_t* const o0 = reinterpret_cast<uint8_t*>(&staged_v(os, 2 * t4, v_row));
 #pragma unroll
@@ -680,21 +618,17 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
         *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
                                   8 * part) = *reinterpret_cast<const uint4*>(&staged_v(os, t, col + 8 * part));
     }
-    if constexpr (!kEarlyRelease) {
-      // This thread's generic writes of the stage's v (the output slots) before the producer's
-      // TMA overwrites them: fenced by each writing thread, then released by its arrival.
-      fence_proxy_async_shared();
-      release(stage);
-    } else {
-      __syncwarp();  // the warp's reads of its output rows before its next chunk's writes
-    }
+    // This thread's generic writes of the stage's v (the output slots) before the producer's TMA
+    // overwrites them: fenced by each writing thread, then released by its arrival.
+    fence_proxy_async_shared();
+    release(stage);
     if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
       if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
       next_ckpt += ckpt_period, ++ck;
     }
     mark(12);
   }
-  if (kClock && tid == kProducers)
+  if (kClock && tid == kThreads)
     for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
   if (draining) return;  // FusedArgs::pieces: stopped; the rule's kernels run the call after the pieces
   if constexpr (kPieces) {
@@ -717,14 +651,9 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
                               int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
 }
 
-// kPair (FusedArgs::producer_pair): two producer warpgroups, 512 threads (the rule's flags only);
-// kSplitInv (FusedArgs::split_inverse) with it; kEarlyRelease (FusedArgs::early_release, implied by
-// kPair): consume_item's.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false, bool kPair = false, bool kSplitInv = false,
-          bool kEarlyRelease = false>
-__global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __grid_constant__ FusedParams params) {
-  static_assert(!kPair || (kRegSplit && kStaged && kConsumerInv), "two producer warpgroups: the rule's flags");
+          bool kSeqs = false, bool kPieces = false>
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
   extern __shared__ uint8_t smem_raw[];
@@ -780,25 +709,20 @@ __global__ void __launch_bounds__(kCtaThreads<kPair>, 1) fused_kernel(const __gr
   }
   const int64_t bos = kSeqs ? seq.bos : 0;
   const int64_t num_chunks = ((kSeqs ? seq_produce.T : a.consume.T) + kChunk - 1) / kChunk;
-  if (tid == 0) init_ring_barriers(full, kProducerThreads<kPair>);
+  if (tid == 0) init_ring_barriers(full);
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
   if (kClock && tid < kPhaseClocks) clock_sums[tid] = 0;
   __syncthreads();
   long long last_clock = kClock ? clock64() : 0;
 
-  if (kPair ? wg < 2 : wg == 0) {
-    // kPair: the producers give registers back (128 -> 96), the consumers take them (128 -> 160)
-    if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kPairProducerRegs));
-    else if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kPair, kSplitInv>(
-        params, ring, pa, h, bos, num_chunks, 0, clock_sums, last_clock, &seq);
+  if (wg == 0) {
+    if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
+                                                                          clock_sums, last_clock, &seq);
   } else {
-    if constexpr (kRegSplit && kPair) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kPairConsumerRegs));
-    else if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume_item<kStaged, kClock, kConsumerInv, kPieces, kProducerThreads<kPair>, kSplitInv,
-                 kReleasesEarly<kPair, kEarlyRelease>>(
-        params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks, 0, kSeqs ? seq.first_ckpt : 0, clock_sums,
-        last_clock, &seq);
+    if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
+                                                         0, kSeqs ? seq.first_ckpt : 0, clock_sums, last_clock, &seq);
   }
 }
 
@@ -897,10 +821,8 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
-          bool kPair = false, bool kSplitInv = false, bool kEarlyRelease = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
-  static_assert(!(kPair && kPersistent), "the persistent grid has one producer warpgroup");
   FusedParams params{};
   params.a = args;
   const ProduceArgs& pa = args.produce;
@@ -912,22 +834,21 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
     else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kPair, kSplitInv,
-                          kEarlyRelease>;
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
   }();
-  constexpr int kSmem = SmemLayout<kStaged, kConsumerInv, kReleasesEarly<kPair, kEarlyRelease>>::kBytes;
+  constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (err != cudaSuccess) return err;
   if constexpr (kRegSplit) {  // the split must fit the registers the launch gives the CTA (else: a hang)
     cudaFuncAttributes attr{};
     if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-    if (attr.numRegs < (kPair ? kPairLaunchRegs : kLaunchRegs)) return cudaErrorInvalidConfiguration;
+    if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
   }
   if (args.check_only) return cudaSuccess;
   const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))
                                 : dim3(static_cast<unsigned>(args.consume.H),
                                        static_cast<unsigned>(kSeqs ? args.num_seqs * (kPieces ? args.pieces : 1) : 1));
-  kernel<<<grid, kCtaThreads<kPair>, kSmem, stream>>>(params);
+  kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
 template <GateForm kGate, bool kF32Gate>
@@ -951,16 +872,10 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   }
 }
 
-// The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers) with the
-// candidates FusedArgs names (split_inverse, producer_pair, early_release) as template arguments.
-template <bool kClock, bool kSeqs, bool kPieces>
+// The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
+template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
-  constexpr GateForm kLB = GateForm::kLowerBound;
-  if (args.split_inverse) return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces, true, true>(args, stream);
-  if (args.producer_pair) return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces, true>(args, stream);
-  if (args.early_release)
-    return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces, false, false, true>(args, stream);
-  return launch<kLB, false, true, kClock, true, true, kSeqs, false, kPieces>(args, stream);
+  return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
 // FusedArgs::pieces without pieces_chain, before the pieces run: a piece stops the call where its
@@ -1058,13 +973,6 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (args.state_pool == nullptr || args.state_indices != nullptr) && pa.T % (args.cu_seqlens ? 1 : args.num_seqs) == 0 &&
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
-  // The candidates (two producer warpgroups, the split inverse with them, the early release): the
-  // rule's flags (phase clocks allowed), not the persistent grid.
-  const bool candidate = args.producer_pair || args.early_release;
-  if ((args.split_inverse && !args.producer_pair) ||
-      (candidate && (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
-                     !args.consumer_inverse || args.time_consumers_only || args.next_item != nullptr)))
-    return cudaErrorInvalidValue;
   if (args.pieces > 0) {  // no persistent grid, no verdict to wait for
     if (!sequences_valid || args.pieces > kMaxFusedSeqs || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
@@ -1073,7 +981,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
-    return launch_rule_flags<false, true, true>(args, stream);
+    return launch_rule_flags<true, true>(args, stream);
   }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
     if (!sequences_valid) return cudaErrorInvalidValue;
@@ -1083,11 +991,8 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         return cudaErrorInvalidValue;
       return launch<GateForm::kLowerBound, false, true, false, true, true, true, true>(args, stream);
     }
-    return launch_rule_flags<false, true, false>(args, stream);
+    return launch_rule_flags<true, false>(args, stream);
   }
-  if (candidate)
-    return args.phase_clocks != nullptr ? launch_rule_flags<true, false, false>(args, stream)
-                                        : launch_rule_flags<false, false, false>(args, stream);
   if (args.phase_clocks != nullptr || args.producer_regs || args.consumer_inverse) {
     if (pa.gate != GateForm::kLowerBound || f32) return cudaErrorInvalidValue;
     return launch_lower_bound(args, stream);
@@ -1141,21 +1046,17 @@ FusedArgs fused_args(const PrefillParams& p) {
 namespace {
 // The call's arguments with the rule's flags (staged inputs, inverting consumers, setmaxnreg) and
 // K0's verdict.
-FusedArgs rule_args(const PrefillParams& p, const int* error_flag, FusedCandidates cand) {
+FusedArgs rule_args(const PrefillParams& p, const int* error_flag) {
   FusedArgs f = fused_args(p);
   f.stage_inputs = f.consumer_inverse = f.producer_regs = true;
   f.error_flag = error_flag;
-  f.producer_pair = cand.producers >= 2;
-  f.split_inverse = cand.producers == 3;
-  f.early_release = cand.early_release;
   return f;
 }
 }  // namespace
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order,
-                          FusedCandidates cand) {
-  FusedArgs f = rule_args(p, error_flag, next_item == nullptr ? cand : FusedCandidates{});
+                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order) {
+  FusedArgs f = rule_args(p, error_flag);
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
@@ -1171,11 +1072,11 @@ int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, FusedCandidates cand) {
+                                 float* chain_states) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
-  FusedArgs f = rule_args(p, error_flag, cand);
+  FusedArgs f = rule_args(p, error_flag);
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
   f.ckpt_start = ckpt_start;
   size_t flag_bytes = sizeof(int);
@@ -1192,8 +1093,8 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
 }
 
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream, FusedCandidates cand) {
-  FusedArgs f = rule_args(p, error_flag, cand);
+                               cudaStream_t stream) {
+  FusedArgs f = rule_args(p, error_flag);
   f.ckpt_start = ckpt_start;
   f.run_if_flag = flag;
   return fused_chunks(f, stream);

@@ -131,48 +131,25 @@ struct FusedArgs {
   // so that the longest sequences' CTAs start first instead of wherever they stand in the batch.
   // Null: in the batch's order.
   const int32_t* order = nullptr;
-  // A candidate (internal::PrefillLaunch::fused_producers = 2; the rule's flags above, not the persistent
-  // grid): two producer warpgroups build each chunk together (produce.cuh produce_chunk_pair, the same
-  // record bit for bit, half the element-wise work a thread), 512 threads, setmaxnreg 96 / 160.
-  bool producer_pair = false;
-  // A candidate with producer_pair (internal fused_producers = 3): the producers' warp 0 also runs the
-  // inverse's two forward substitutions once L is stored, writing X11 and X22 over L's diagonal blocks
-  // in the stage, and the consumers only the inverse's products (produce.cuh
-  // invert_substitute_in_place, invert_products_in_place: the same bits), taking ~600 cycles of one
-  // consumer warp, which the other seven wait for, off the consumers' chain.
-  bool split_inverse = false;
-  // A candidate (the rule's flags, not the persistent grid; always on with producer_pair): the consumers release
-  // each stage as soon as the chunk's recurrence has read it and stage their output rows in a tile of
-  // their own (8 KB more shared memory), so that the producer may refill the stage during the output's
-  // stores (run 116: the producer waited ~1 550 cycles a chunk for a stage).
-  bool early_release = false;
 };
 constexpr int kPhaseClocks = 16;
 
 // Launches the fused kernel on `stream`; returns the launch's error.
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 
-// The fused kernel's candidates as the prefill entry points below take them (internal::PrefillLaunch
-// fused_producers: 2 FusedArgs::producer_pair, 3 with split_inverse; fused_early_release: early_release).
-// None with a persistent grid (next_item), which has one producer warpgroup and releases late.
-struct FusedCandidates {
-  int producers = 0;
-  bool early_release = false;
-};
-
 // The fused kernel as a prefill (internal::PrefillLaunch::fused_v2): whether it serves a validated
 // call (up to 65 535 sequences, by B or by device cu_seqlens, fewer than 2^31 tokens (the TMA
 // coordinates); K = V = 128, bf16 q, k, v and g, the lower-bound gate with L2-normalised q and k,
 // the precise mode; fp32 initial and final states or none, or a state pool (fp32 or bf16); with or
-// without checkpoints), and the call through it with its best candidate flags (staged inputs, inverting
+// without checkpoints), and the call through it with the rule's flags (staged inputs, inverting
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
 // required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas and order
-// as FusedArgs says; cand: the candidates (not with next_item).
+// as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
-                          int64_t item_ctas = 0, const int32_t* order = nullptr, FusedCandidates cand = {});
+                          int64_t item_ctas = 0, const int32_t* order = nullptr);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
@@ -189,13 +166,13 @@ bool fused_pieces_serve(const PrefillParams& p);
 // (pieces_next) and the ready flags (pieces_ready).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr, FusedCandidates cand = {});
+                                 float* chain_states = nullptr);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
-                               cudaStream_t stream, FusedCandidates cand = {});
+                               cudaStream_t stream);
 
 }  // namespace flashkda::cuda::sm90::prefill_v2

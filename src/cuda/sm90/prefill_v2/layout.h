@@ -70,8 +70,6 @@ struct ProduceScratch {
   static constexpr int kOffL = kOffB + 2 * kTileBytes;         // fp32 L [32][kLStride]
   static constexpr int kLStride = 36;
   static constexpr int kOffX22 = kOffL + kChunk * kLStride * 4;  // fp32 X11, X22, T, each [16][20]
-  // produce_chunk_pair's log-decay sums, fp32 [8 warps][128], where L would be (it never inverts)
-  static constexpr int kOffTotalsPair = kOffL;
   static constexpr int kX22Stride = 20;
   static constexpr int kInvScratchBytes = 3 * 16 * kX22Stride * 4;  // invert_warpgroup's
   static constexpr int kOffTotals = kOffX22 + kInvScratchBytes;     // fp32 [4 warps][128] log-decay sums
@@ -80,7 +78,6 @@ struct ProduceScratch {
   static constexpr int kOffGate = kOffWide + 16;                    // fp32 [128] + 2: produce.cuh load_gate_consts (fused.cu)
   static constexpr int kBytes = kOffGate + (kHeadDim + 4) * 4;
 };
-static_assert(ProduceScratch::kOffTotalsPair + 8 * kHeadDim * 4 <= ProduceScratch::kOffX22);
 
 // FusedArgs::pieces: piece `piece` of `pieces` of a sequence of len tokens, each after the first
 // starting up to `warmup` chunks early: its own chunks [begin, end), the chunks it starts early

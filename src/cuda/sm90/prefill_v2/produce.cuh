@@ -65,8 +65,7 @@ struct CtaSync {
   __device__ __forceinline__ static bool sync_or(bool x) { return __syncthreads_or(x); }
 };
 template <int kId, int kCount = 128>
-struct WarpgroupSync {  // the kCount threads of one warpgroup (or two: produce_chunk_pair), named
-                        // barrier kId (0 is __syncthreads')
+struct WarpgroupSync {  // the kCount threads of one warpgroup, named barrier kId (0 is __syncthreads')
   __device__ __forceinline__ static void sync() { asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory"); }
   __device__ __forceinline__ static bool sync_or(bool x) {
     int r;
@@ -89,16 +88,16 @@ struct NoAfter {
   __device__ __forceinline__ void operator()() const {}
 };
 
-// kRows tokens of 8 channels a thread: 4 where one warpgroup produces (ThreadTile), 2 where two do
-// (produce_chunk_pair: warp w of eight holds tokens 4w + 2(l / 16) + r).
-template <int kRows = 4>
-struct TileOf {
-  float x[kRows][8];  // [token r][channel e]
+// kTileRows tokens of 8 channels a thread (warp w, lane l: tokens 8w + 4(l / 16) + r, channels
+// 8(l % 16) + e).
+constexpr int kTileRows = 4;
+struct ThreadTile {
+  float x[kTileRows][8];  // [token r][channel e]
 };
-using ThreadTile = TileOf<4>;
 
-template <int kRows = 4>
-__device__ __forceinline__ int tile_token(int warp, int lane, int r) { return 2 * kRows * warp + kRows * (lane >> 4) + r; }
+__device__ __forceinline__ int tile_token(int warp, int lane, int r) {
+  return 2 * kTileRows * warp + kTileRows * (lane >> 4) + r;
+}
 __device__ __forceinline__ int tile_channel(int lane) { return 8 * (lane & 15); }
 
 template <bool kF32>
@@ -203,13 +202,13 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
 // From a staged buffer (its copies complete): the raw gate of this thread's rows into a, and beta
 // (from beta_raw). q and k stay in the buffer: qk_row_scales_staged and build_factors_staged read
 // them where they are used, so the producer holds one tile of registers instead of three.
-template <bool kF32Gate, int kRows = 4>
+template <bool kF32Gate>
 __device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf,
-                                                 float beta_raw, TileOf<kRows>& a, float* sm_beta) {
+                                                 float beta_raw, ThreadTile& a, float* sm_beta) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int t = tile_token<kRows>(warp, lane, r);
+  for (int r = 0; r < kTileRows; ++r) {
+    const int t = tile_token(warp, lane, r);
     if constexpr (kF32Gate) {
       read8(reinterpret_cast<const float*>(buf + kStagedG + (t * kHeadDim + c0) * 4), a.x[r]);
     } else {
@@ -242,8 +241,8 @@ __device__ __forceinline__ void load_gate_consts(const ProduceArgs& p, int h, in
   }
 }
 
-template <GateForm kGate, int kRows = 4>
-__device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows, int tid, TileOf<kRows>& a,
+template <GateForm kGate>
+__device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows, int tid, ThreadTile& a,
                                            const float* sm_gate) {
   const int warp = tid >> 5, lane = tid & 31;
   if constexpr (kGate == GateForm::kLowerBound) {
@@ -266,7 +265,7 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
       for (int e = 0; e < 8; ++e) bc[e] = bias[e] * c;
     }
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < kTileRows; ++r)
 #pragma unroll
       for (int e = 0; e < 8; ++e) a.x[r][e] = ProduceMath::quot(lb2, 1.f + ex2(fmaf(a.x[r][e], c, bc[e])));
   } else {
@@ -283,7 +282,7 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
     }
     const float a_scale2 = a_scale * kLog2e;
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
+    for (int r = 0; r < kTileRows; ++r)
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const float x = a.x[r][e] + bias[e];
@@ -293,8 +292,8 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
   }
   if (rows < kChunk) {  // uniform: the last chunk of a sequence whose length is not a multiple of 32
 #pragma unroll
-    for (int r = 0; r < kRows; ++r)
-      if (tile_token<kRows>(warp, lane, r) >= rows) {
+    for (int r = 0; r < kTileRows; ++r)
+      if (tile_token(warp, lane, r) >= rows) {
 #pragma unroll
         for (int e = 0; e < 8; ++e) a.x[r][e] = 0.f;
       }
@@ -352,12 +351,12 @@ __device__ __forceinline__ void normalise_qk(const ProduceArgs& p, int tid, int 
 
 // fn(r, t, q, k) for each of this thread's four tokens t (r = 0..3) with its q and k (channels
 // tile_channel(lane) .. + 7) read from a staged buffer.
-template <int kRows = 4, class Fn>
+template <class Fn>
 __device__ __forceinline__ void for_staged_rows(const uint8_t* buf, int tid, Fn&& fn) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int t = tile_token<kRows>(warp, lane, r);
+  for (int r = 0; r < kTileRows; ++r) {
+    const int t = tile_token(warp, lane, r);
     float q[8], k[8];
     unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedQ, t, c0)), q);
     unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedK, t, c0)), k);
@@ -529,12 +528,11 @@ __device__ __forceinline__ void build_factors(int tid, const ThreadTile& q, cons
 // them), so no barrier; the fence after the factors orders these generic stores before the next
 // copy into the buffer. Zeroing the rows here rather than selecting in build_factors_staged keeps
 // 64 selects a thread out of every chunk's factors.
-template <int kRows = 4>
 __device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
-  for (int r = 0; r < kRows; ++r) {
-    const int t = tile_token<kRows>(warp, lane, r);
+  for (int r = 0; r < kTileRows; ++r) {
+    const int t = tile_token(warp, lane, r);
     if (t >= rows) {
       *reinterpret_cast<uint4*>(buf + staged_offset(kStagedQ, t, c0)) = make_uint4(0, 0, 0, 0);
       *reinterpret_cast<uint4*>(buf + staged_offset(kStagedK, t, c0)) = make_uint4(0, 0, 0, 0);
@@ -544,15 +542,14 @@ __device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf
 
 // The staged form: q and k read from the buffer row by row and scaled (sq: qk_row_scales_staged)
 // as normalise_qk would have scaled them (rows past the end: zero_staged_tail's zeros).
-// kRows: TileOf's (sq: the q rows' scales, then the k rows').
-template <int kRows = 4>
-__device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf, const float (&sq)[2 * kRows],
-                                                     const TileOf<kRows>& G, const float (&offset)[8],
+// sq: the q rows' scales, then the k rows'.
+__device__ __forceinline__ void build_factors_staged(int tid, const uint8_t* buf, const float (&sq)[2 * kTileRows],
+                                                     const ThreadTile& G, const float (&offset)[8],
                                                      const float (&gamma)[8], uint8_t* rec, uint8_t* scratch) {
   const FactorScales f(offset, gamma);
-  for_staged_rows<kRows>(buf, tid, [&](int r, int t, float (&q)[8], float (&k)[8]) {
+  for_staged_rows(buf, tid, [&](int r, int t, float (&q)[8], float (&k)[8]) {
 #pragma unroll
-    for (int e = 0; e < 8; ++e) q[e] *= sq[r], k[e] *= sq[r + kRows];
+    for (int e = 0; e < 8; ++e) q[e] *= sq[r], k[e] *= sq[r + kTileRows];
     factor_row(t, tile_channel(tid & 31), q, k, G.x[r], f, rec, scratch);
   });
 }
@@ -694,7 +691,7 @@ __device__ __forceinline__ void invert_zero_upper(int u, uint8_t* inv_hi, uint8_
 }
 
 // Column j of (I + L_d)^-1 for a 16 x 16 diagonal block L_d of the fp32 L (row stride kLStride) by
-// forward substitution into x: the fma chain invert_warpgroup and invert_substitute_in_place share.
+// forward substitution into x (invert_warpgroup's warp 0).
 // Rows are read four entries at a time (kLStride keeps them 16-byte aligned).
 __device__ __forceinline__ void forward_substitute(const float* L, int j, float (&x)[16]) {
 #pragma unroll
@@ -756,45 +753,6 @@ __device__ __forceinline__ void invert_warpgroup(int tid, const float* sm_L, con
     const float acc = dot16(sm_X22 + r * kS, col);
     store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, j), -acc * b_low);
   }
-}
-
-// FusedArgs::split_inverse (a candidate, with two producer warpgroups): invert_warpgroup in two parts,
-// the same fma chains in the same order (the same bits), kept apart from it so that the kernels
-// that invert whole keep their code. invert_substitute_in_place: warp 0 of the producers (lane =
-// 0..31) runs the two forward substitutions as invert_warpgroup's warp 0 does, reading L's diagonal
-// blocks from sm_L and writing X11 and X22 over them (row stride kLStride; a __syncwarp between the
-// warp's last read and first write). L21 stays, which is all invert_products reads of L.
-__device__ __forceinline__ void invert_substitute_in_place(int lane, float* sm_L) {
-  constexpr int kS = ProduceScratch::kLStride;
-  const int half = lane >> 4, j = lane & 15, base = 16 * half;
-  float* const L = sm_L + base * kS + base;  // this half's diagonal block, then its X
-  float x[16];
-  forward_substitute(L, j, x);
-  __syncwarp();
-#pragma unroll
-  for (int i = 0; i < 16; ++i) L[i * kS + j] = x[i];
-}
-// invert_products_in_place: the rest of invert_warpgroup by the 256 consumer threads, X11 and X22
-// read from where invert_substitute_in_place left them in sm_L, T in sm_T ([16][kX22Stride]).
-template <class SyncFn>
-__device__ __forceinline__ void invert_products_in_place(int tid, const float* sm_L, const float* sm_beta, float* sm_T,
-                                                         uint8_t* inv_hi, uint8_t* inv_lo, const SyncFn& sync) {
-  constexpr int kS = ProduceScratch::kX22Stride, kX = ProduceScratch::kLStride;
-  const float* const sm_X11 = sm_L;
-  const float* const sm_X22 = sm_L + 16 * kX + 16;
-  const int j = tid & 15, r = tid >> 4;  // one row a thread (256 threads)
-  float col[16];
-#pragma unroll
-  for (int m = 0; m < 16; ++m) col[m] = sm_X11[m * kX + j];
-  const float b_low = sm_beta[j], b_high = sm_beta[16 + j];
-  sm_T[r * kS + j] = dot16(sm_L + (16 + r) * kX, col);
-  store_split_scalar(inv_hi, inv_lo, sw64_offset(r, j), sm_X11[r * kX + j] * b_low);
-  store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, 16 + j), sm_X22[r * kX + j] * b_high);
-  sync();
-#pragma unroll
-  for (int m = 0; m < 16; ++m) col[m] = sm_T[m * kS + j];
-  const float acc = dot16(sm_X22 + r * kX, col);
-  store_split_scalar(inv_hi, inv_lo, sw64_offset(16 + r, j), -acc * b_low);
 }
 
 // The record's inv_b by the producer's warpgroup (X12 zeroed every chunk).
@@ -872,146 +830,6 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   invert<Sync>(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec, mark);
   fence_proxy_async_shared();
   mark(7);
-}
-
-
-// ---- Two producer warpgroups (FusedArgs::producer_pair, a candidate) ----
-// The same chunk by 256 threads: warp w of eight holds tokens 4w + 2(l / 16) + r (r = 0, 1) and
-// channels 8(l % 16) + e (TileOf<2>), so every element's arithmetic is produce_chunk's and the row
-// norms and the scan add the same terms in the same order: the same record, bit for bit, from
-// half the element-wise work a thread. The L/Mqk product and its stores stay with warpgroup 0 (its
-// d fragments); warpgroup 1 arrives once its factors are stored and goes on to the next chunk's
-// gate and norms while they run.
-
-// The row scales (sq[r] = scale / |q_r|, sq[2 + r] = 1 / |k_r| for this thread's two tokens, 0 past
-// the end) from the buffer's q and k rows: qk_row_scales' sums for the same rows, each lane's eight
-// channels in order, then over the half-warp's 16 lanes pairwise by lane bits 3, 2, 1, 0 (a row's
-// lanes and their channels are the same in both tiles).
-__device__ __forceinline__ void qk_row_scales_pair(const ProduceArgs& p, int tid, int rows, const uint8_t* buf,
-                                                   float (&sq)[4]) {
-  const int lane = tid & 31;
-  if (p.l2norm_qk) {
-    float s[4] = {0.f, 0.f, 0.f, 0.f};
-    for_staged_rows<2>(buf, tid, [&](int r, int, const float (&q)[8], const float (&k)[8]) {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) s[r] = fmaf(q[e], q[e], s[r]), s[r + 2] = fmaf(k[e], k[e], s[r + 2]);
-    });
-    const bool b3 = lane & 8, b2 = lane & 4;
-    float s2[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) s2[i] = (b3 ? s[i + 2] : s[i]) + __shfl_xor_sync(0xffffffffu, b3 ? s[i] : s[i + 2], 8);
-    float s1 = (b2 ? s2[1] : s2[0]) + __shfl_xor_sync(0xffffffffu, b2 ? s2[0] : s2[1], 4);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
-    s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
-    // This lane holds row slot 2 b3 + b2 (0, 1: q rows, 2, 3: k rows).
-    const float inv = rsqrtf(s1 + 1e-6f) * (b3 ? 1.f : p.scale);
-#pragma unroll
-    for (int slot = 0; slot < 4; ++slot) sq[slot] = __shfl_sync(0xffffffffu, inv, ((slot >> 1) << 3) + ((slot & 1) << 2), 16);
-  } else {
-    sq[0] = sq[1] = p.scale, sq[2] = sq[3] = 1.f;
-  }
-  if (rows < kChunk) {  // uniform, as in gate_chunk
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      if (tile_token<2>(tid >> 5, lane, r) >= rows) sq[r] = sq[r + 2] = 0.f;
-  }
-}
-
-// scan_log_decay over TileOf<2> (256 threads, Sync of both warpgroups), the same sums in the same
-// order: a token group of four (one warp here, a half-warp there) summed in token order, a group of
-// eight (two warps, one warp there) as the upper four's total plus the lower's, the four groups of
-// eight by prefix sums. a <- the sums over the four-token group up to each token, offset <- the lower
-// group's total (in the upper group of eight) plus the groups of eight before, gamma <- G_31.
-// sm_totals: [8 warps][128] scratch. Ends with a barrier of the 256 threads.
-template <class Sync>
-__device__ __forceinline__ bool scan_log_decay_pair(int tid, TileOf<2>& a, float (&offset)[8], float (&gamma)[8],
-                                                    float* sm_totals) {
-  const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane), group = warp >> 1;
-  const bool upper = lane & 16, odd = warp & 1;
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const float pair = a.x[1][e] + a.x[0][e];  // the lower lanes' a_0 + a_1
-    const float below = __shfl_xor_sync(0xffffffffu, pair, 16);
-    const float x0 = a.x[0][e] + below;
-    a.x[0][e] = upper ? x0 : a.x[0][e];
-    a.x[1][e] = upper ? a.x[1][e] + x0 : pair;
-  }
-  if (upper) {  // the four-token group's total
-    float4* dst = reinterpret_cast<float4*>(sm_totals + warp * kHeadDim + c0);
-    dst[0] = make_float4(a.x[1][0], a.x[1][1], a.x[1][2], a.x[1][3]);
-    dst[1] = make_float4(a.x[1][4], a.x[1][5], a.x[1][6], a.x[1][7]);
-  }
-  Sync::sync();
-  float prefix[4][8], lower[8];
-#pragma unroll
-  for (int v = 0; v < 4; ++v) {
-    float lo[8], hi[8];
-    read8(sm_totals + (2 * v) * kHeadDim + c0, lo);
-    read8(sm_totals + (2 * v + 1) * kHeadDim + c0, hi);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const float total = hi[e] + lo[e];
-      prefix[v][e] = v == 0 ? total : prefix[v - 1][e] + total;
-      if (v == 0) lower[e] = lo[e];
-      else lower[e] = group == v ? lo[e] : lower[e];
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) {
-    const float before = group == 0 ? 0.f : group == 1 ? prefix[0][e] : group == 2 ? prefix[1][e] : prefix[2][e];
-    offset[e] = (odd ? lower[e] : 0.f) + before;
-  }
-  return scan_gamma<Sync>(prefix[3], gamma);
-}
-
-// produce_chunk's staged form without the inverse (kInvert false: L and beta into l_beta) by two
-// warpgroups (tid 0-255; Sync: a barrier of both). The record's bits are produce_chunk's. Warpgroup
-// 1 returns after its factors; warpgroup 0 runs the L/Mqk product (after_factors while it is in
-// flight) and its stores. Each ends with its stores fenced for the async proxy. kSplitInverse
-// (FusedArgs::split_inverse): then warp 0 runs the inverse's forward substitutions, X11 and X22 over
-// L's diagonal blocks (invert_substitute_in_place), and the consumers only its products.
-template <GateForm kGate, bool kF32Gate, class Sync, bool kSplitInverse = false, class Marks = NoMarks,
-          class AfterFactors = NoAfter>
-__device__ __forceinline__ void produce_chunk_pair(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
-                                                   uint8_t* scratch, uint8_t* staged, float beta_raw,
-                                                   const float* sm_gate, float* l_beta, const Marks& mark = Marks{},
-                                                   const AfterFactors& after_factors = AfterFactors{}) {
-  float* const sm_beta = l_beta + kLBetaOffBeta;
-  const int64_t row0 = chunk * kChunk;
-  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
-  TileOf<2> a;
-  load_gate_staged<kF32Gate, 2>(p, rows, tid, staged, beta_raw, a, sm_beta);
-  mark(1);
-  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
-  mark(9);
-  if (rows < kChunk) zero_staged_tail<2>(tid, rows, staged);  // uniform: a sequence's last chunk at most
-  float sq[4];
-  qk_row_scales_pair(p, tid, rows, staged, sq);
-  mark(2);
-  float offset[8], gamma[8];
-  const bool wide =
-      scan_log_decay_pair<Sync>(tid, a, offset, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotalsPair));
-  mark(3);
-  store_gamma_flags(tid, gamma, wide, rec);
-  build_factors_staged<2>(tid, staged, sq, a, offset, gamma, rec, scratch);
-  fence_proxy_async_shared();
-  Sync::sync();
-  mark(4);
-  if (tid < kThreads) {
-    float d[16];
-    l_mqk_product(scratch, d, after_factors);
-    mark(5);
-    store_l_mqk(tid, d, sm_beta, l_beta, rec);
-    fence_proxy_async_shared();  // Mqk's tiles (the consumers' wgmma operands)
-    mark(6);
-    if constexpr (kSplitInverse) {  // warp 0 substitutes once warps 0 and 1 have stored L (named barrier 4)
-      if (tid < 64) {
-        asm volatile("bar.sync 4, 64;" ::: "memory");
-        if (tid < 32) invert_substitute_in_place(tid, l_beta);
-        mark(14);
-      }
-    }
-  }
 }
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
