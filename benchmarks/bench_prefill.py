@@ -464,6 +464,9 @@ def implementations(args):
     if args.candidates or args.fused_v2:  # prefill v2's fused kernel wherever it serves the call, and never
         impls.append(("flashkda fused v2", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=1))))
         impls.append(("flashkda chunk-16", lambda x, s: run_flashkda(x, s, launch=dict(fused_v2=-1))))
+    if args.no_pieces:  # the rule without the fused kernel's pieces (internal fused_pieces -1): the chunk-16
+        # segments at few heads, the unsplit fused kernel where its rule takes one sequence
+        impls.append(("flashkda no pieces", lambda x, s: run_flashkda(x, s, launch=dict(fused_pieces=-1))))
     if args.lowrank:  # low-rank segment transitions (a candidate; DESIGN.md "Long memory: the transition is low rank")
         impls.append(("flashkda low-rank transitions",
                       lambda x, s: run_flashkda(x, s, launch=dict(lowrank_transitions=1))))
@@ -573,6 +576,9 @@ def main():
                     help="also flashkda through prefill v2's fused chunk-32 kernel wherever it serves the call (one "
                          "sequence, the lower-bound gate, fp32 states: internal fused_v2 1; the rule runs it from "
                          "H >= 2/3 of the SMs), and through the chunk-16 kernels only (fused_v2 -1)")
+    ap.add_argument("--no-pieces", action="store_true",
+                    help="also the default call without the fused kernel's pieces (internal fused_pieces -1: the rule "
+                         "before few-head pieces)")
     ap.add_argument("--lowrank", action="store_true",
                     help="also the default call with low-rank segment transitions (internal lowrank_transitions = 1, "
                          "a candidate: the chunk-16 segments where the rule runs them at two CTAs an SM)")

@@ -184,6 +184,33 @@ TEST(PrefillFusedRule, ChainedPieces) {
     }
 }
 
+// The few-head pieces' rule (config.h fused_few_head_pieces): one wave, #SMs / (N H) pieces a sequence
+// (11 at H = 12, 8 at H = 16, 4 at H = 32 on 132 SMs), none where N H fills the SMs, and none shorter
+// than kMinFewPieceChunks chunks.
+TEST(PrefillFusedRule, FewHeadPieces) {
+  constexpr int64_t sms = 132;
+  const auto one = [&](int64_t H, int64_t T, int64_t N = 1) { return fused_few_head_pieces(H, N, T / 32, sms); };
+  EXPECT_EQ(one(12, 8192), 11);
+  EXPECT_EQ(one(12, 131072), 11);
+  EXPECT_EQ(one(16, 65536), 8);
+  EXPECT_EQ(one(32, 32768), 4);
+  EXPECT_EQ(one(12, 2048), 11);  // 64 chunks: pieces of 5-6
+  EXPECT_EQ(one(12, 512), 4);    // 16 chunks: four pieces of kMinFewPieceChunks
+  EXPECT_EQ(one(12, 128), 1);    // 4 chunks: no two pieces of four
+  EXPECT_EQ(one(16, 2048, 8), 1);  // 8 x 2048 at H = 16: 128 CTAs, no second piece fits
+  EXPECT_EQ(one(24, 2048, 4), 1);
+  EXPECT_EQ(one(12, 8192, 2), 5);
+  EXPECT_EQ(one(132, 8192), 1);
+  EXPECT_EQ(one(66, 8192), 2);
+  for (int64_t H = 1; H < 2 * sms; ++H)  // one wave, never pieces shorter than the floor
+    for (int64_t T : {int64_t(64), int64_t(2048), int64_t(8192), int64_t(1) << 20}) {
+      const int64_t P = one(H, T);
+      EXPECT_GE(P, 1);
+      EXPECT_LE(P * H, std::max<int64_t>(sms, H)) << "H " << H << " T " << T;
+      if (P > 1) EXPECT_GE(T / 32 / P, kMinFewPieceChunks) << "H " << H << " T " << T;
+    }
+}
+
 // Prefill v2's SW128 bf16 tile (sw128_offset, in bit operations) against its definition, and a
 // consumer thread's slots in the fused kernel's staged v (sw128_slot_offset): each slot at the
 // thread's slot 0 plus the slot's constant, for every thread (warpgroup 1 or 2, warp w, lane 4 g + t4).

@@ -253,6 +253,23 @@ __host__ __device__ inline int64_t fused_chain_pieces(int64_t H, int64_t N, int6
   return best_cost <= kChainGain * whole ? best : 1;
 }
 
+// The fused kernel in unchained pieces at few heads (prefill_v2 FusedArgs::pieces; docs/DESIGN.md
+// "Few heads: the fused kernel in pieces"): where the fused kernel serves a call of N sequences of
+// `chunks` 32-token chunks each but its rule leaves it to the chunk-16 kernels (N H CTAs would fill
+// too few SMs), each sequence is cut into P = #SMs / (N H) pieces, one wave of CTAs, each after the
+// first starting a chunk early from zero; where some warm-up does not bound its transition below
+// 2^-30 (long-memory channels: the gates' pre-check sees most of them before the pieces start) the
+// chunk-16 kernels launched after the pieces run the call. Pieces of at least kMinFewPieceChunks
+// chunks (each pays its warm-up); else 1 (no pieces). Run 111 (an H100, random gates, P = 11 at
+// H = 12, 8 at H = 16 and 32): one long sequence 27-40% faster than the chunk-16 segments.
+constexpr int64_t kMinFewPieceChunks = 4;
+__host__ __device__ inline int64_t fused_few_head_pieces(int64_t H, int64_t N, int64_t chunks, int64_t sms) {
+  if (H < 1 || N < 1 || sms < 1 || N * H >= sms) return 1;
+  const int64_t by_sms = sms / (N * H), by_length = chunks / kMinFewPieceChunks;
+  const int64_t P = by_sms < by_length ? by_sms : by_length;
+  return P >= 2 ? P : 1;
+}
+
 // The element type of an optional kernel operand: kNone marks an absent one (DType has no such value).
 enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
 

@@ -334,27 +334,36 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// The fused kernel in pieces: internal::PrefillLaunch::fused_pieces where it is set (a count; -1:
-// never), else the rule's chained pieces (config.h fused_chain_pieces) for a call the fused kernel
-// takes by its rule (fused_v2 0; internal fused_chain -1 turns the rule off): B equal sequences
-// without cu_seqlens, or one sequence with them (its length is the call's T if they are valid; K0,
-// launched ahead of the pieces, refuses them otherwise); 0: none. Whether the fused kernel serves
-// the call in pieces is fused_pieces_area's test, for the forced count and the rule's alike.
-int64_t fused_pieces_count(const PrefillParams& p, const internal::PrefillLaunch& launch) {
-  if (launch.fused_pieces != 0) return launch.fused_pieces > 0 ? launch.fused_pieces : 0;
+// The fused kernel in pieces: internal::PrefillLaunch::fused_pieces where it is set (a count, chained
+// with fused_chain 1; -1: never), else by rule (fused_v2 0) for B equal sequences without cu_seqlens,
+// or one sequence with them (its length is the call's T if they are valid; K0, launched ahead of the
+// pieces, refuses them otherwise): where the fused kernel takes the call by its rule, chained pieces
+// (config.h fused_chain_pieces; internal fused_chain -1 turns them off); where it leaves the call to
+// the chunk-16 kernels (few heads), unchained pieces (config.h fused_few_head_pieces), those kernels
+// running the call after them where a warm-up does not bound its transition. Whether the fused kernel
+// serves the call in pieces is fused_pieces_area's test, for the forced count and the rule's alike.
+struct PiecesChoice {
+  int64_t pieces = 0;  // 0: none
+  bool chained = false;
+};
+PiecesChoice fused_pieces_choice(const PrefillParams& p, const internal::PrefillLaunch& launch) {
+  if (launch.fused_pieces != 0) return {launch.fused_pieces > 0 ? launch.fused_pieces : 0, launch.fused_chain > 0};
+  if (launch.fused_v2 != 0 || (p.cu_seqlens != nullptr && detail::num_sequences(p) != 1)) return {};
   const int64_t chunks = (p.T + kFusedChunk - 1) / kFusedChunk;
   const bool by_rule = p.cu_seqlens == nullptr ? fused_by_rule(p, launch)
-                                               : detail::num_sequences(p) == 1 &&
-                                                     fused_rule(p.H, chunks, p.T, sm_count(), fused_min_tokens(launch));
-  if (launch.fused_v2 != 0 || launch.fused_chain < 0 || !by_rule) return 0;  // (fused_pieces_area: what serves)
-  const int64_t pieces = fused_chain_pieces(p.H, p.B, chunks, sm_count());
-  return pieces > 1 ? pieces : 0;
+                                               : fused_rule(p.H, chunks, p.T, sm_count(), fused_min_tokens(launch));
+  if (by_rule) {
+    if (launch.fused_chain < 0) return {};
+    const int64_t pieces = fused_chain_pieces(p.H, p.B, chunks, sm_count());
+    return {pieces > 1 ? pieces : 0, true};
+  }
+  const int64_t pieces = fused_few_head_pieces(p.H, p.B, chunks, sm_count());
+  return {pieces > 1 ? pieces : 0, false};
 }
 
 // The pieces' area of the workspace, after the chunk-16 kernels': the flag (when chained, the
 // counter and the ready flags after it), the last pieces' final states, and when chained every
-// piece's end state. pieces 0: the call does not run in pieces (total 0). Chained: the rule's
-// pieces, or fused_chain 1 with a forced count.
+// piece's end state. pieces 0: the call does not run in pieces (total 0).
 struct PiecesArea {
   int64_t pieces = 0;
   bool chained = false;
@@ -362,16 +371,16 @@ struct PiecesArea {
 };
 PiecesArea fused_pieces_area(const PrefillParams& p, const internal::PrefillLaunch& launch) {
   PiecesArea a;
-  const int64_t pieces = fused_pieces_count(p, launch);
-  if (pieces <= 0 || launch.fused_v2 < 0 || !sm90::prefill_v2::fused_pieces_serve(p) ||
-      detail::num_sequences(p) * pieces > 65535)  // the grid's y
+  const PiecesChoice choice = fused_pieces_choice(p, launch);
+  if (choice.pieces <= 0 || launch.fused_v2 < 0 || !sm90::prefill_v2::fused_pieces_serve(p) ||
+      detail::num_sequences(p) * choice.pieces > 65535)  // the grid's y
     return a;
-  a.pieces = pieces;
-  a.chained = launch.fused_pieces == 0 || launch.fused_chain > 0;
+  a.pieces = choice.pieces;
+  a.chained = choice.chained;
   const size_t states = size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4;
-  a.finals = align_up(sizeof(int) * size_t(a.chained ? sm90::prefill_v2::fused_chain_flags(p, pieces) : 1));
+  a.finals = align_up(sizeof(int) * size_t(a.chained ? sm90::prefill_v2::fused_chain_flags(p, a.pieces) : 1));
   a.states = a.finals + align_up(states);
-  a.total = a.states + (a.chained ? align_up(states * size_t(pieces)) : 0);
+  a.total = a.states + (a.chained ? align_up(states * size_t(a.pieces)) : 0);
   return a;
 }
 
