@@ -771,6 +771,63 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
   }
 }
 
+// The rule at few heads (no internal option): one sequence whose N H CTAs would leave SMs idle runs in
+// unchained pieces, config.h fused_few_head_pieces (#SMs / H a sequence): random gates, the pieces run
+// (the bits of the same count forced, not the chunk-16 kernels'; within the reference's bounds);
+// long-memory channels in one head, the gates' pre-check stops them (flag 2) and the chunk-16 kernels
+// run the call (their bits: internal fused_pieces -1); the same by device cu_seqlens [0, T]; graph
+// replays equal. Two equal sequences (B = 2) take half the pieces each.
+TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  for (const int64_t B : {int64_t(1), int64_t(2)})
+    for (const bool long_memory : {false, true}) {
+      constexpr int64_t T = 2048, H = 4;
+      const int64_t pieces = prefill::fused_few_head_pieces(H, B, T / 32, sms);
+      ASSERT_GT(pieces, 1) << "the rule cuts no pieces at H = 4 on " << sms << " SMs";
+      KdaOptions o;
+      o.B = B, o.T = T, o.H = H, o.A_log_max = 0.0, o.seed = 47;
+      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+      KdaInputs in(o);
+      if (long_memory) in.dt_bias[5] = -30.f;  // one channel of head 0
+      SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : "") + ", " + std::to_string(pieces) + " pieces");
+      internal::PrefillLaunch forced, off;
+      forced.fused_pieces = pieces, off.fused_pieces = -1;
+      DeviceProblem d_rule(in), d_forced(in, forced), d_off(in, off);
+      ASSERT_TRUE(fused_pieces_serve(d_rule.params()));
+      const std::vector<unsigned char> chunk16 = run_bits(in, d_off);
+      const std::vector<unsigned char> rule = run_bits(in, d_rule);
+      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+      EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+      EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
+      EXPECT_EQ(pieces_flags(d_rule)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
+      if (long_memory) {
+        EXPECT_TRUE(rule == chunk16) << "long memory: not the chunk-16 kernels' bits";
+      } else {
+        EXPECT_FALSE(rule == chunk16) << "the pieces did not run (the chunk-16 kernels' bits)";
+        EXPECT_TRUE(rule == run_bits(in, d_forced)) << "not the bits of " << pieces << " pieces forced";
+        const test::Reference ref = test::run_reference(in);
+        (void)run_bits(in, d_rule);  // the rule's outputs again (the forced call's are in `in` now)
+        const double e_out = test::rel_rms(in.out.values(), ref.out);
+        const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+        test::report("few-head pieces by rule B=" + std::to_string(B) + " out", e_out);
+        test::report("few-head pieces by rule B=" + std::to_string(B) + " state", e_state);
+        EXPECT_LE(e_out, 2e-3);
+        EXPECT_LE(e_state, 5e-4);
+      }
+      EXPECT_TRUE(rule == graph_replay_bits(in, d_rule)) << "a graph replay's bits differ from the eager call's";
+      if (B == 1) {  // one sequence by device cu_seqlens [0, T]: the same pieces (K0 ahead), the same bits
+        const int32_t cu[2] = {0, int32_t(T)};
+        PrefillParams p = d_rule.params();
+        p.cu_seqlens = d_rule.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
+        forward_call(d_rule, p, internal::PrefillLaunch{});
+        std::vector<unsigned char> by_cu(in.out.bytes.begin(), in.out.bytes.end());
+        by_cu.insert(by_cu.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+        EXPECT_TRUE(by_cu == rule) << "one sequence by cu_seqlens: not the bits of the same call without them";
+      }
+    }
+}
+
 // A pool call against the plain call from the gathered states (plain: run_bits' outputs then final
 // states): each live sequence's output rows bit for bit, and its slot in the pool after the call
 // (pool_after) its final state.

@@ -25,6 +25,10 @@ namespace {
 
 #define CUDA_OK(call) ASSERT_EQ((call), cudaSuccess) << #call
 
+// The chunk-16 kernels' tests: their calls run without the fused kernel's few-head pieces unless a
+// test forces the fused kernel or its pieces (DeviceProblem::chunk16_rule).
+[[maybe_unused]] const bool kChunk16Rule = (DeviceProblem::chunk16_rule = true);
+
 constexpr double kTolOut = 6e-3;    // issue target: within FlashKDA's measured level (5.8e-3 / 5.0e-3)
 constexpr double kTolState = 6e-3;
 // Every precision mode (flashkda::Precision); the precise and balanced modes are held to the same
