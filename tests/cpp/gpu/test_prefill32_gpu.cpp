@@ -286,6 +286,18 @@ void forward_call(DeviceProblem& d, const PrefillParams& p, const internal::Pref
   d.download();
 }
 
+// d's one-sequence call (B = 1, no cu_seqlens) made by device cu_seqlens [0, T] with the rule's launch
+// (what engines pass): its outputs then final states.
+std::vector<unsigned char> bits_by_cu_seqlens(KdaInputs& in, DeviceProblem& d) {
+  const int32_t cu[2] = {0, int32_t(in.opt.T)};
+  PrefillParams p = d.params();
+  p.cu_seqlens = d.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
+  forward_call(d, p, internal::PrefillLaunch{});
+  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+  return bits;
+}
+
 // A state pool of P fp32 slots holding a fixed pattern (the pool cases of the rule's tests):
 // run() makes d's call with its states in the pool at the device slots, from that pattern, on
 // poisoned outputs (zeros first: on zeros), and downloads the outputs; now() is the pool after it.
@@ -816,15 +828,9 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
         EXPECT_LE(e_state, 5e-4);
       }
       EXPECT_TRUE(rule == graph_replay_bits(in, d_rule)) << "a graph replay's bits differ from the eager call's";
-      if (B == 1) {  // one sequence by device cu_seqlens [0, T]: the same pieces (K0 ahead), the same bits
-        const int32_t cu[2] = {0, int32_t(T)};
-        PrefillParams p = d_rule.params();
-        p.cu_seqlens = d_rule.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
-        forward_call(d_rule, p, internal::PrefillLaunch{});
-        std::vector<unsigned char> by_cu(in.out.bytes.begin(), in.out.bytes.end());
-        by_cu.insert(by_cu.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-        EXPECT_TRUE(by_cu == rule) << "one sequence by cu_seqlens: not the bits of the same call without them";
-      }
+      if (B == 1)  // one sequence by device cu_seqlens [0, T]: the same pieces (K0 ahead), the same bits
+        EXPECT_TRUE(bits_by_cu_seqlens(in, d_rule) == rule)
+            << "one sequence by cu_seqlens: not the bits of the same call without them";
     }
 }
 
@@ -1239,13 +1245,7 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
   EXPECT_TRUE(rule == graph_replay_bits(in, d_rule)) << "a graph replay's bits differ from the eager call's";
   // One sequence by device cu_seqlens [0, T] (what engines pass): the rule cuts the same pieces (K0
   // ahead of them checks the cu_seqlens), so the same bits.
-  const int32_t cu[2] = {0, int32_t(T)};
-  PrefillParams p = d_rule.params();
-  p.cu_seqlens = d_rule.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
-  forward_call(d_rule, p, internal::PrefillLaunch{});
-  std::vector<unsigned char> by_cu(in.out.bytes.begin(), in.out.bytes.end());
-  by_cu.insert(by_cu.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-  EXPECT_TRUE(by_cu == rule) << "one sequence by cu_seqlens: not the bits of the same call without them";
+  EXPECT_TRUE(bits_by_cu_seqlens(in, d_rule) == rule) << "one sequence by cu_seqlens: not the bits of the same call without them";
   // A workspace large enough for the call without pieces only: the call runs unsplit, not refused.
   const PrefillParams q = d_rule.params();
   DeviceBuffer small(internal::workspace_size(q, off));
