@@ -33,8 +33,8 @@ struct DeviceProblem {
   float *A_log = nullptr, *dt_bias = nullptr;
   std::unique_ptr<DeviceBuffer> workspace;
   internal::PrefillLaunch launch;  // the launcher's rules unless a test forces a variant
-  // Set once by a test binary of the chunk-16 kernels (test_prefill_gpu): a launch that forces neither
-  // the fused kernel (fused_v2) nor its pieces (fused_pieces) runs without the pieces (fused_pieces
+  // Set once by a test binary of the chunk-16 kernels (test_prefill_gpu, test_serving_prefill_gpu): a
+  // launch that forces neither the fused kernel (fused_v2) nor its pieces (fused_pieces) runs without the pieces (fused_pieces
   // -1), so that its few-head calls keep testing the chunk-16 segments the rule's pieces would replace
   // (config.h fused_few_head_pieces; test_prefill32_gpu tests the pieces and the rule).
   static inline bool chunk16_rule = false;

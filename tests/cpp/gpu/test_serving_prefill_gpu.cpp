@@ -174,6 +174,11 @@ struct PoolCase {
   }
 };
 
+// The serving prefill's tests hold the chunk-16 kernels' pools and checkpoints to each other and to the
+// plain call bit for bit: their calls run without the fused kernel's few-head pieces unless a test
+// forces the fused kernel or its pieces (DeviceProblem::chunk16_rule; test_prefill32_gpu tests the
+// pieces through pools).
+[[maybe_unused]] const bool kChunk16Rule = (DeviceProblem::chunk16_rule = true);
 const internal::PrefillLaunch kSerial{0, -1};
 
 // Pool prefill == gather -> plain prefill -> scatter on the GPU, bit for bit, serial and in

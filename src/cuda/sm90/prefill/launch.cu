@@ -340,7 +340,8 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // pieces, refuses them otherwise): where the fused kernel takes the call by its rule, chained pieces
 // (config.h fused_chain_pieces; internal fused_chain -1 turns them off); where it leaves the call to
 // the chunk-16 kernels (few heads), unchained pieces (config.h fused_few_head_pieces), those kernels
-// running the call after them where a warm-up does not bound its transition. Whether the fused kernel
+// running the call after them where a warm-up does not bound its transition; not where
+// internal::PrefillLaunch::segment_chunks forces the chunk-16 kernels' segments or no cut (-1). Whether the fused kernel
 // serves the call in pieces is fused_pieces_area's test, for the forced count and the rule's alike.
 struct PiecesChoice {
   int64_t pieces = 0;  // 0: none
@@ -357,6 +358,7 @@ PiecesChoice fused_pieces_choice(const PrefillParams& p, const internal::Prefill
     const int64_t pieces = fused_chain_pieces(p.H, p.B, chunks, sm_count());
     return {pieces > 1 ? pieces : 0, true};
   }
+  if (launch.segment_chunks != 0) return {};  // the chunk-16 segments forced (or -1: no cut at all)
   const int64_t pieces = fused_few_head_pieces(p.H, p.B, chunks, sm_count());
   return {pieces > 1 ? pieces : 0, false};
 }
