@@ -65,11 +65,13 @@ struct PrefillLaunch {
   int64_t fused_min_tokens = 0;  // GPU, a candidate: the fused kernel's rule with this floor on the longest
                                  // sequence instead of 64 tokens (and, where K0 chooses without the persistent
                                  // grid, a mean of this many tokens); 0 = rule
-  int64_t fused_pieces = 0;  // GPU, a candidate (calls the fused kernel serves, without checkpoints): each
-                             // sequence cut into this many pieces, CTAs of the fused kernel
-                             // at once, a piece after the first starting fused_warmup 32-token chunks early from
-                             // zero where the warm-up provably erases the incoming state (below 2^-30; else the
-                             // kernels the rule picks run the call: prefill_v2 FusedArgs::pieces); 0 = none
+  int64_t fused_pieces = 0;  // GPU (calls the fused kernel serves): each sequence cut into this many pieces, CTAs
+                             // of the fused kernel at once, a piece after the first starting fused_warmup 32-token
+                             // chunks early from zero where the warm-up provably erases the incoming state (below
+                             // 2^-30; else the kernels the rule picks run the call: prefill_v2 FusedArgs::pieces);
+                             // 0 = rule (chained pieces where the fused kernel's rule takes one sequence and leaves
+                             // SMs idle, config.h fused_chain_pieces; unchained ones at few heads, config.h
+                             // fused_few_head_pieces); -1 = none
   int fused_warmup = 0;      // with fused_pieces: the warm-up in 32-token chunks; 0 = 1
   int fused_order = 0;       // GPU, device cu_seqlens through the fused kernel: 0 = rule (K0 orders the
                              // sequences longest first, the CTAs take them in that order); -1 = the batch's order
