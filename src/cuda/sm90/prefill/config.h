@@ -263,6 +263,7 @@ __host__ __device__ inline int64_t fused_chain_pieces(int64_t H, int64_t N, int6
 // chunks (each pays its warm-up); else 1 (no pieces). Run 111 (an H100, random gates, P = 11 at
 // H = 12, 8 at H = 16 and 32): one long sequence 27-40% faster than the chunk-16 segments.
 constexpr int64_t kMinFewPieceChunks = 4;
+constexpr bool kFewHeadPiecesByRule = true;  // false: only forced (internal fused_pieces > 0)
 __host__ __device__ inline int64_t fused_few_head_pieces(int64_t H, int64_t N, int64_t chunks, int64_t sms) {
   if (H < 1 || N < 1 || sms < 1 || N * H >= sms) return 1;
   const int64_t by_sms = sms / (N * H), by_length = chunks / kMinFewPieceChunks;

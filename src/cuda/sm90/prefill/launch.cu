@@ -358,7 +358,7 @@ PiecesChoice fused_pieces_choice(const PrefillParams& p, const internal::Prefill
     const int64_t pieces = fused_chain_pieces(p.H, p.B, chunks, sm_count());
     return {pieces > 1 ? pieces : 0, true};
   }
-  if (launch.segment_chunks != 0) return {};  // the chunk-16 segments forced (or -1: no cut at all)
+  if (!kFewHeadPiecesByRule || launch.segment_chunks != 0) return {};  // the chunk-16 segments forced (or -1)
   const int64_t pieces = fused_few_head_pieces(p.H, p.B, chunks, sm_count());
   return {pieces > 1 ? pieces : 0, false};
 }
