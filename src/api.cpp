@@ -72,13 +72,13 @@ void forward(const PrefillParams& params, const PrefillLaunch& launch, void* wor
   detail::validate_prefill(params, backend);
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
-    // The rule's chained pieces (one sequence at many heads) take workspace of their own, which a
-    // caller that sized its workspace for another call may not have given: the call then runs
-    // unsplit, and only that smaller size is required.
+    // The rule's pieces (chained: one sequence at many heads; unchained: one at few heads) take
+    // workspace of their own, which a caller that sized its workspace for another call may not have
+    // given: the call then runs without them, and only that smaller size is required.
     PrefillLaunch run = launch;
     size_t needed = cuda::prefill_workspace_size(params, run);
     if (workspace_bytes < needed && launch.fused_pieces == 0 && launch.fused_chain == 0) {
-      run.fused_chain = -1;
+      run.fused_pieces = -1;
       needed = cuda::prefill_workspace_size(params, run);
     }
     FLASHKDA_CHECK_ARG(workspace_bytes >= needed && (needed == 0 || workspace != nullptr),

@@ -788,7 +788,8 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
 // (the bits of the same count forced, not the chunk-16 kernels'; within the reference's bounds);
 // long-memory channels in one head, the gates' pre-check stops them (flag 2) and the chunk-16 kernels
 // run the call (their bits: internal fused_pieces -1); the same by device cu_seqlens [0, T]; graph
-// replays equal. Two equal sequences (B = 2) take half the pieces each.
+// replays equal; a workspace sized for the call without pieces runs it without them. Two equal
+// sequences (B = 2) take half the pieces each.
 TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   int sms = 0;
@@ -832,6 +833,18 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
       if (B == 1)  // one sequence by device cu_seqlens [0, T]: the same pieces (K0 ahead), the same bits
         EXPECT_TRUE(bits_by_cu_seqlens(in, d_rule) == rule)
             << "one sequence by cu_seqlens: not the bits of the same call without them";
+      // A workspace large enough for the call without pieces only: the call runs without them (the
+      // chunk-16 kernels' bits), not refused.
+      const PrefillParams q = d_rule.params();
+      DeviceBuffer small(internal::workspace_size(q, off));
+      ASSERT_LT(small.bytes, internal::workspace_size(q, internal::PrefillLaunch{}));
+      d_rule.poison();
+      internal::forward(q, internal::PrefillLaunch{}, small.ptr, small.bytes);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      d_rule.download();
+      std::vector<unsigned char> small_ws(in.out.bytes.begin(), in.out.bytes.end());
+      small_ws.insert(small_ws.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+      EXPECT_TRUE(small_ws == chunk16) << "a workspace without room for the pieces: not the chunk-16 kernels' bits";
     }
 }
 
