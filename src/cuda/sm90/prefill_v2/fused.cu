@@ -910,11 +910,18 @@ __global__ void __launch_bounds__(kHeadDim) pieces_precheck_kernel(const FusedAr
   float total = 0.f;  // the sum over the warm-up's chunks of log2 max_c e^{Gamma_c}
   bool nan = false;
   for (int64_t j = span.begin - span.warmup; j < span.begin; ++j) {
+    // The chunk's 32 gates of this channel loaded at once (rows past the end read the sequence's last
+    // row and are not summed), then summed in token order: one round trip to memory a chunk, where a
+    // loop of predicated loads issued them a few at a time.
+    const int64_t t0 = j * kChunk, last = len - 1 - t0;  // t0 < len: a warm-up chunk has rows
+    const __nv_bfloat16* const gj = g + ((bos + t0) * pa.H + h) * kHeadDim + c;
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) x[i] = __bfloat162float(gj[(i < last ? int64_t(i) : last) * pa.H * kHeadDim]);
     float gamma = 0.f;  // this channel's log-decay over chunk j, log2 units (as the producer's scan)
-    for (int64_t t = j * kChunk; t < (j + 1) * kChunk && t < len; ++t) {
-      const float x = __bfloat162float(g[((bos + t) * pa.H + h) * kHeadDim + c]);
-      gamma += ProduceMath::quot(k.lb2, 1.f + ex2(fmaf(x, k.c, bc)));
-    }
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i)
+      if (t0 + i < len) gamma += ProduceMath::quot(k.lb2, 1.f + ex2(fmaf(x[i], k.c, bc)));
     nan |= gamma != gamma;
     float m = gamma;
     for (int x = 16; x >= 1; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
