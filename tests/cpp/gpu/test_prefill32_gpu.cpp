@@ -286,6 +286,21 @@ void forward_call(DeviceProblem& d, const PrefillParams& p, const internal::Pref
   d.download();
 }
 
+// d's call with the rule's launch in a workspace of the size `smaller` needs (less than the rule's own,
+// which the call then does without): its outputs then final states.
+std::vector<unsigned char> bits_in_workspace_of(KdaInputs& in, DeviceProblem& d, const internal::PrefillLaunch& smaller) {
+  const PrefillParams p = d.params();
+  DeviceBuffer ws(internal::workspace_size(p, smaller));
+  EXPECT_LT(ws.bytes, internal::workspace_size(p, internal::PrefillLaunch{})) << "not a smaller workspace";
+  d.poison();
+  internal::forward(p, internal::PrefillLaunch{}, ws.ptr, ws.bytes);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  d.download();
+  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+  return bits;
+}
+
 // d's one-sequence call (B = 1, no cu_seqlens) made by device cu_seqlens [0, T] with the rule's launch
 // (what engines pass): its outputs then final states.
 std::vector<unsigned char> bits_by_cu_seqlens(KdaInputs& in, DeviceProblem& d) {
@@ -835,16 +850,8 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
             << "one sequence by cu_seqlens: not the bits of the same call without them";
       // A workspace large enough for the call without pieces only: the call runs without them (the
       // chunk-16 kernels' bits), not refused.
-      const PrefillParams q = d_rule.params();
-      DeviceBuffer small(internal::workspace_size(q, off));
-      ASSERT_LT(small.bytes, internal::workspace_size(q, internal::PrefillLaunch{}));
-      d_rule.poison();
-      internal::forward(q, internal::PrefillLaunch{}, small.ptr, small.bytes);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      d_rule.download();
-      std::vector<unsigned char> small_ws(in.out.bytes.begin(), in.out.bytes.end());
-      small_ws.insert(small_ws.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-      EXPECT_TRUE(small_ws == chunk16) << "a workspace without room for the pieces: not the chunk-16 kernels' bits";
+      EXPECT_TRUE(bits_in_workspace_of(in, d_rule, off) == chunk16)
+          << "a workspace without room for the pieces: not the chunk-16 kernels' bits";
     }
 }
 
@@ -1261,16 +1268,8 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
   // ahead of them checks the cu_seqlens), so the same bits.
   EXPECT_TRUE(bits_by_cu_seqlens(in, d_rule) == rule) << "one sequence by cu_seqlens: not the bits of the same call without them";
   // A workspace large enough for the call without pieces only: the call runs unsplit, not refused.
-  const PrefillParams q = d_rule.params();
-  DeviceBuffer small(internal::workspace_size(q, off));
-  ASSERT_LT(small.bytes, internal::workspace_size(q, internal::PrefillLaunch{}));
-  d_rule.poison();
-  internal::forward(q, internal::PrefillLaunch{}, small.ptr, small.bytes);
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  d_rule.download();
-  std::vector<unsigned char> unsplit_ws(in.out.bytes.begin(), in.out.bytes.end());
-  unsplit_ws.insert(unsplit_ws.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-  EXPECT_TRUE(unsplit_ws == whole) << "a workspace without room for the pieces: not the unsplit call's bits";
+  EXPECT_TRUE(bits_in_workspace_of(in, d_rule, off) == whole)
+      << "a workspace without room for the pieces: not the unsplit call's bits";
 }
 
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints
