@@ -803,8 +803,8 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
 // (the bits of the same count forced, not the chunk-16 kernels'; within the reference's bounds);
 // long-memory channels in one head, the gates' pre-check stops them (flag 2) and the chunk-16 kernels
 // run the call (their bits: internal fused_pieces -1); the same by device cu_seqlens [0, T]; graph
-// replays equal; a workspace sized for the call without pieces runs it without them. Two equal
-// sequences (B = 2) take half the pieces each.
+// replays equal; a workspace sized for the call without pieces runs it without them; a launch that
+// names a chunk-16 variant gets those kernels. Two equal sequences (B = 2) take half the pieces each.
 TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   int sms = 0;
@@ -835,6 +835,10 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
       } else {
         EXPECT_FALSE(rule == chunk16) << "the pieces did not run (the chunk-16 kernels' bits)";
         EXPECT_TRUE(rule == run_bits(in, d_forced)) << "not the bits of " << pieces << " pieces forced";
+        internal::PrefillLaunch skipping;  // a chunk-16 variant named (here the rule's own value): no pieces
+        skipping.skip_transitions = 1;
+        DeviceProblem d_skipping(in, skipping);
+        EXPECT_TRUE(run_bits(in, d_skipping) == chunk16) << "a forced chunk-16 variant ran the pieces";
         const test::Reference ref = test::run_reference(in);
         (void)run_bits(in, d_rule);  // the rule's outputs again (the forced call's are in `in` now)
         const double e_out = test::rel_rms(in.out.values(), ref.out);

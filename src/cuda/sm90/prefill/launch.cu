@@ -340,9 +340,17 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // pieces, refuses them otherwise): where the fused kernel takes the call by its rule, chained pieces
 // (config.h fused_chain_pieces; internal fused_chain -1 turns them off); where it leaves the call to
 // the chunk-16 kernels (few heads), unchained pieces (config.h fused_few_head_pieces), those kernels
-// running the call after them where a warm-up does not bound its transition; not where
-// internal::PrefillLaunch::segment_chunks forces the chunk-16 kernels' segments or no cut (-1). Whether the fused kernel
+// running the call after them where a warm-up does not bound its transition; not where the launch
+// forces a variant of the chunk-16 kernels (forces_chunk16). Whether the fused kernel
 // serves the call in pieces is fused_pieces_area's test, for the forced count and the rule's alike.
+// Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
+// skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
+// call to them, so that what the variant names is what runs.
+bool forces_chunk16(const internal::PrefillLaunch& l) {
+  return l.v_splits != 0 || l.segment_chunks != 0 || l.f16_operands != 0 || l.checkpoints_in_segments != 0 ||
+         l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||
+         l.record_copy != 0 || l.early_launch != 0 || l.skip_bound != 0 || l.lowrank_transitions != 0;
+}
 struct PiecesChoice {
   int64_t pieces = 0;  // 0: none
   bool chained = false;
@@ -358,7 +366,7 @@ PiecesChoice fused_pieces_choice(const PrefillParams& p, const internal::Prefill
     const int64_t pieces = fused_chain_pieces(p.H, p.B, chunks, sm_count());
     return {pieces > 1 ? pieces : 0, true};
   }
-  if (!kFewHeadPiecesByRule || launch.segment_chunks != 0) return {};  // the chunk-16 segments forced (or -1)
+  if (!kFewHeadPiecesByRule || forces_chunk16(launch)) return {};
   const int64_t pieces = fused_few_head_pieces(p.H, p.B, chunks, sm_count());
   return {pieces > 1 ? pieces : 0, false};
 }
