@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -74,6 +75,24 @@ FEW = [
     ("T=32768 H=32 one seq", 32, [32768], True),
     ("T=131072 H=32 one seq", 32, [131072], True),
 ]
+
+
+def tree_name():
+    """What ran: HEAD's short hash where the files (ignored ones left out) are HEAD's, else "tree <hash>"
+    of the files as they are (a device's copy carries a checkout's files over the git metadata of an
+    earlier commit; `git log --format='%h %T' | grep <hash>` finds the commit). Empty outside git."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*argv, **kw):
+        return subprocess.run(["git", "-C", here, *argv], capture_output=True, text=True, **kw).stdout.strip()
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return ""
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, GIT_INDEX_FILE=os.path.join(tmp, "index"))
+        git("add", "-A", ":/", env=env)
+        tree = git("write-tree", env=env)
+    return head if tree and tree == git("rev-parse", "HEAD^{tree}") else f"tree {tree[:10]}" if tree else head
 
 
 def make_inputs(H, seqlens, with_state, regime="random", seed=0):
@@ -630,8 +649,7 @@ def main():
     elif args.peers:
         peers = [(n, f) for n, f in peers if n in args.peers.split(",")]
     bw = copy_bandwidth()
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                                              capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("BENCH_COMMIT") or tree_name()
     lines = [f"GPU: {torch.cuda.get_device_name()} | date: {datetime.date.today()} | commit: {commit or 'n/a'} | "
              f"copy bandwidth: {bw / 1e12:.2f} TB/s | torch {torch.__version__} | CUDA-graph medians of "
              f"{args.reps} replays, ms", ""]
