@@ -330,7 +330,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
-  using ProducerSync = WarpgroupSync<1, kThreads>;
+  using ProducerSync = WarpgroupSync<1>;
   const FusedArgs& a = params.a;
   uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
@@ -601,12 +601,8 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // The output through the stage's v: each slot's bf16 where this thread read its v (no other
     // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
     // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
-    uint8_t* const os = const_cast<uint8_t*>(vs);
-    {
-      uint8_t* const o0 = reinterpret_cast<uint8_t*>(&staged_v(os, 2 * t4, v_row));
 #pragma unroll
-      for (int i = 0; i < 16; ++i) *reinterpret_cast<__nv_bfloat16*>(o0 + sw128_slot_offset(i)) = o[i];
-    }
+    for (int i = 0; i < 16; ++i) slot(i) = o[i];
     __syncwarp();
     // Pass u: tokens of parity u, lanes 2m and 2m + 1 one token's 32 bytes; a quarter-warp's 8 reads
     // (tokens 8 k + u, + 2, + 4, + 6, both halves) fall on 8 distinct granule positions.
@@ -616,7 +612,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       const int t = 8 * (lane >> 3) + 2 * ((lane >> 1) & 3) + u, part = lane & 1;
       if (t < rows)
         *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
-                                  8 * part) = *reinterpret_cast<const uint4*>(&staged_v(os, t, col + 8 * part));
+                                  8 * part) = *reinterpret_cast<const uint4*>(&staged_v(vs, t, col + 8 * part));
     }
     // This thread's generic writes of the stage's v (the output slots) before the producer's TMA
     // overwrites them: fenced by each writing thread, then released by its arrival.

@@ -64,15 +64,15 @@ struct CtaSync {
   __device__ __forceinline__ static void sync() { __syncthreads(); }
   __device__ __forceinline__ static bool sync_or(bool x) { return __syncthreads_or(x); }
 };
-template <int kId, int kCount = 128>
-struct WarpgroupSync {  // the kCount threads of one warpgroup, named barrier kId (0 is __syncthreads')
-  __device__ __forceinline__ static void sync() { asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kCount) : "memory"); }
+template <int kId>
+struct WarpgroupSync {  // the 128 threads of one warpgroup, named barrier kId (0 is __syncthreads')
+  __device__ __forceinline__ static void sync() { asm volatile("bar.sync %0, 128;" ::"n"(kId) : "memory"); }
   __device__ __forceinline__ static bool sync_or(bool x) {
     int r;
     asm volatile(
-        "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.s32 %0, 1, 0, q;\n}"
+        "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n selp.s32 %0, 1, 0, q;\n}"
         : "=r"(r)
-        : "r"(int(x)), "n"(kId), "n"(kCount)
+        : "r"(int(x)), "n"(kId)
         : "memory");
     return r != 0;
   }
