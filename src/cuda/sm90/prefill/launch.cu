@@ -334,15 +334,6 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// The fused kernel in pieces: internal::PrefillLaunch::fused_pieces where it is set (a count, chained
-// with fused_chain 1; -1: never), else by rule (fused_v2 0) for B equal sequences without cu_seqlens,
-// or one sequence with them (its length is the call's T if they are valid; K0, launched ahead of the
-// pieces, refuses them otherwise): where the fused kernel takes the call by its rule, chained pieces
-// (config.h fused_chain_pieces; internal fused_chain -1 turns them off); where it leaves the call to
-// the chunk-16 kernels (few heads), unchained pieces (config.h fused_few_head_pieces), those kernels
-// running the call after them where a warm-up does not bound its transition; not where the launch
-// forces a variant of the chunk-16 kernels (forces_chunk16). Whether the fused kernel
-// serves the call in pieces is fused_pieces_area's test, for the forced count and the rule's alike.
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
 // call to them, so that what the variant names is what runs.
@@ -351,6 +342,15 @@ bool forces_chunk16(const internal::PrefillLaunch& l) {
          l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||
          l.record_copy != 0 || l.early_launch != 0 || l.skip_bound != 0 || l.lowrank_transitions != 0;
 }
+// The fused kernel in pieces: internal::PrefillLaunch::fused_pieces where it is set (a count, chained
+// with fused_chain 1; -1: never), else by rule (fused_v2 0) for B equal sequences without cu_seqlens,
+// or one sequence with them (its length is the call's T if they are valid; K0, launched ahead of the
+// pieces, refuses them otherwise): where the fused kernel takes the call by its rule, chained pieces
+// (config.h fused_chain_pieces; internal fused_chain -1 turns them off); where it leaves the call to
+// the chunk-16 kernels (few heads), unchained pieces (config.h fused_few_head_pieces), those kernels
+// running the call after them where a warm-up does not bound its transition; not where the launch
+// forces a variant of the chunk-16 kernels (forces_chunk16). Whether the fused kernel serves the
+// call in pieces is fused_pieces_area's test, for the forced count and the rule's alike.
 struct PiecesChoice {
   int64_t pieces = 0;  // 0: none
   bool chained = false;
@@ -526,8 +526,8 @@ int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
              Stream stream_handle) {
   const auto stream = static_cast<cudaStream_t>(stream_handle);
-  // internal::PrefillLaunch::fused_pieces (a candidate): the fused kernel in pieces, then the chunk-16
-  // kernels, which run the call only where a piece's warm-up did not bound its transition.
+  // The fused kernel in pieces (fused_pieces_choice: forced, or by rule), then the kernels the rule
+  // picks for the call, which run it only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;
   if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
     uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
