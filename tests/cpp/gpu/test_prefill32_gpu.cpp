@@ -184,6 +184,13 @@ TEST_F(Prefill32Gpu, RepeatedKey) {
   }
 }
 
+// A call's bits as the tests compare them: its outputs, then its final states.
+std::vector<unsigned char> out_and_state_bits(const KdaInputs& in) {
+  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
+  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+  return bits;
+}
+
 // internal::PrefillLaunch::fused_v2 = 1 (wherever it serves): the library's prefill runs the fused kernel
 // where it serves the call, with the bits of the kernel called directly with its best flags (staged
 // inputs, inverting consumers, setmaxnreg) and the reference's accuracy; where it does not (a bf16
@@ -194,9 +201,7 @@ std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* dir
   else d.run();
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   d.download();
-  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-  return bits;
+  return out_and_state_bits(in);
 }
 
 // Whether d's last call (with internal fused_pieces) stopped its pieces: the flag that heads the
@@ -255,9 +260,7 @@ struct CapturedCall {
     for (int i = 0; i < times; ++i) EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     d.download();
-    std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-    bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-    return bits;
+    return out_and_state_bits(in);
   }
 };
 
@@ -296,9 +299,7 @@ std::vector<unsigned char> bits_in_workspace_of(KdaInputs& in, DeviceProblem& d,
   internal::forward(p, internal::PrefillLaunch{}, ws.ptr, ws.bytes);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   d.download();
-  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-  return bits;
+  return out_and_state_bits(in);
 }
 
 // d's one-sequence call (B = 1, no cu_seqlens) made by device cu_seqlens [0, T] with the rule's launch
@@ -308,9 +309,7 @@ std::vector<unsigned char> bits_by_cu_seqlens(KdaInputs& in, DeviceProblem& d) {
   PrefillParams p = d.params();
   p.cu_seqlens = d.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
   forward_call(d, p, internal::PrefillLaunch{});
-  std::vector<unsigned char> bits(in.out.bytes.begin(), in.out.bytes.end());
-  bits.insert(bits.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-  return bits;
+  return out_and_state_bits(in);
 }
 
 // A state pool of P fp32 slots holding a fixed pattern (the pool cases of the rule's tests):
@@ -1189,9 +1188,7 @@ TEST_F(Prefill32Gpu, FusedPiecesCheckpoints) {
         EXPECT_TRUE(dense.guard_intact());
         EXPECT_EQ(test::count_nonfinite(dense.values()), 0);
         ckpts.push_back(dense.values());
-        std::vector<unsigned char> b(in.out.bytes.begin(), in.out.bytes.end());
-        b.insert(b.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
-        bits.push_back(b);
+        bits.push_back(out_and_state_bits(in));
       }
       const std::vector<double>& unsplit = ckpts[1];
       const double e = test::rel_rms(ckpts[0], unsplit);
@@ -1346,8 +1343,7 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensNumbersCheckpoints) {
       EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
       EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
       EXPECT_EQ(test::count_nonfinite(cks.values()), 0) << "checkpoints left unwritten";
-      std::vector<unsigned char> b(in.out.bytes.begin(), in.out.bytes.end());
-      b.insert(b.end(), in.final_state.bytes.begin(), in.final_state.bytes.end());
+      std::vector<unsigned char> b = out_and_state_bits(in);
       b.insert(b.end(), cks.bytes.begin(), cks.bytes.end());
       return b;
     };
