@@ -46,15 +46,6 @@ CUTLASS=${CUTLASS_DIR:-$PWD/.deps/cutlass/cutlass_library/source/include}
 JOBS=$(nproc)
 status=0
 step() { echo "=== $* ($(date +%T))"; }
-# The benchmarks' tree: the device's copy carries this checkout's files over git metadata of an
-# earlier commit, so HEAD names the wrong tree. The tree hash of the files as they are (ignored ones
-# left out) names the one that ran: `git log --format='%h %T' | grep <hash>` finds its commit.
-if [ -z "${BENCH_COMMIT:-}" ] && git rev-parse --git-dir > /dev/null 2>&1; then
-  index=/tmp/gpu_check_index.$$
-  tree=$(GIT_INDEX_FILE=$index git add -A . 2> /dev/null && GIT_INDEX_FILE=$index git write-tree 2> /dev/null)
-  rm -f "$index"
-  [ -n "$tree" ] && export BENCH_COMMIT="tree ${tree:0:10}"
-fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv | tee "$OUT/build.log"
 if compgen -G ".whl/*.whl" > /dev/null; then
