@@ -140,7 +140,7 @@ def pieces_profile():
     call: which of them costs what the measured +4-16% is."""
     print("| case | gates | launch | kernels (us each, gaps in brackets) | span us |")
     print("|---|---|---|---|---|")
-    for T, H, P in ((8192, 12, 11), (131072, 12, 11), (32768, 32, 4)):
+    for T, H, P in ((2048, 12, 11), (8192, 12, 11), (131072, 12, 11), (32768, 32, 4)):
         for regime in ("random", "long"):
             x = make_inputs(H, [T], True, regime)
             for label, launch in (("default", {}), (f"pieces {P}", dict(fused_pieces=P))):

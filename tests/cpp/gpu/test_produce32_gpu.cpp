@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <random>
 #include <string>
@@ -276,6 +277,61 @@ TEST_F(Produce32Gpu, WideChunksAreFlagged) {
   Case c{"precomputed in [-12, -4], T=70"};
   c.T = 70, c.gate = GateForm::kPrecomputed, c.g_lo = -12.f, c.g_hi = -4.f;
   run_case(c);
+}
+
+// The producer stores its tf32 operands rounded by adding half a tf32 ulp and leaves the low 13 bits
+// of each word for the tensor core to drop (produce.cuh tf32_rna_word). Checked here through the
+// producer's own L / Mqk product: words with random low 13 bits give the same products, bit for bit,
+// as the same words with those bits cleared; bit 13 does change them (the probe reads the operands);
+// and the products match an fp64 product of the cleared words.
+TEST_F(Produce32Gpu, Tf32OperandsIgnoreTheLow13Bits) {
+  constexpr int kA = 2 * kChunk * kHeadDim, kB = kChunk * kHeadDim, kD = 2 * kChunk * kChunk;
+  std::mt19937 rng(13);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<uint32_t> low(0, 0x1fffu);
+  std::vector<uint32_t> raw(kA + kB), cleared(kA + kB), bit13(kA + kB);
+  for (int i = 0; i < kA + kB; ++i) {
+    uint32_t w;
+    const float x = normal(rng);
+    std::memcpy(&w, &x, 4);
+    raw[i] = (w & 0xffffe000u) | low(rng);
+    cleared[i] = raw[i] & 0xffffe000u;
+    bit13[i] = cleared[i] ^ 0x2000u;
+  }
+  uint32_t* d_words;
+  float* d_out;
+  ASSERT_EQ(cudaMalloc(&d_words, (kA + kB) * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&d_out, kD * 4), cudaSuccess);
+  auto product = [&](const std::vector<uint32_t>& words) {
+    std::vector<float> d(kD, std::nanf(""));
+    EXPECT_EQ(cudaMemcpy(d_words, words.data(), (kA + kB) * 4, cudaMemcpyHostToDevice), cudaSuccess);
+    EXPECT_EQ(cudaMemset(d_out, 0xff, kD * 4), cudaSuccess);  // NaN-poisoned
+    EXPECT_EQ(l_mqk_product_probe(d_words, d_words + kA, d_out, nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(d.data(), d_out, kD * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return d;
+  };
+  const std::vector<float> d_raw = product(raw), d_cleared = product(cleared), d_bit13 = product(bit13);
+  cudaFree(d_words);
+  cudaFree(d_out);
+  EXPECT_EQ(std::memcmp(d_raw.data(), d_cleared.data(), kD * 4), 0) << "the low 13 bits changed a tf32 product";
+  EXPECT_NE(std::memcmp(d_bit13.data(), d_cleared.data(), kD * 4), 0) << "bit 13 changed no product";
+  double err = 0, ref = 0;
+  for (int i = 0; i < 2 * kChunk; ++i)
+    for (int j = 0; j < kChunk; ++j) {
+      double x = 0;
+      for (int c = 0; c < kHeadDim; ++c) {
+        float a, b;
+        std::memcpy(&a, &cleared[i * kHeadDim + c], 4);
+        std::memcpy(&b, &cleared[kA + j * kHeadDim + c], 4);
+        x += double(a) * double(b);
+      }
+      const double e = double(d_cleared[i * kChunk + j]) - x;
+      err += e * e, ref += x * x;
+    }
+  const double rel = std::sqrt(err / ref);
+  std::printf("[ measure  ] tf32 L/Mqk product against fp64 of the same tf32 words rel-RMS: %.3e\n", rel);
+  EXPECT_LT(rel, 1e-5);
 }
 
 // Time per chunk at T=8192, H=96 (the many-head serving shape), with and without the records'

@@ -26,7 +26,35 @@ __global__ void __launch_bounds__(kThreads) produce_kernel(const __grid_constant
   }
 }
 
+// produce.h l_mqk_product_probe: one CTA of one warpgroup; the operand tiles at the scratch's offsets.
+__global__ void __launch_bounds__(kThreads) l_mqk_probe_kernel(const uint32_t* a, const uint32_t* b, float* d) {
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* const scratch = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
+  const int tid = threadIdx.x;
+  for (int i = tid; i < 2 * kChunk * kHeadDim; i += kThreads)
+    *reinterpret_cast<uint32_t*>(scratch + ProduceScratch::kOffA + sw128_offset_f32(2 * kChunk, i / kHeadDim, i % kHeadDim)) = a[i];
+  for (int i = tid; i < kChunk * kHeadDim; i += kThreads)
+    *reinterpret_cast<uint32_t*>(scratch + ProduceScratch::kOffB + sw128_offset_f32(kChunk, i / kHeadDim, i % kHeadDim)) = b[i];
+  fence_proxy_async_shared();
+  __syncthreads();
+  float acc[16];
+  l_mqk_product(scratch, acc);
+  // warp w holds rows 16 w + g (+ 8), columns 8 n + 2 t4 (+ 1): store_l_mqk_rows' map
+  const int w = tid >> 5, g = (tid & 31) >> 2, t4 = tid & 3;
+  for (int n = 0; n < 4; ++n)
+    for (int half = 0; half < 2; ++half)
+      for (int e = 0; e < 2; ++e) d[(16 * w + g + 8 * half) * kChunk + 8 * n + 2 * t4 + e] = acc[4 * n + 2 * half + e];
+}
+
 }  // namespace
+
+cudaError_t l_mqk_product_probe(const uint32_t* a, const uint32_t* b, float* d, cudaStream_t stream) {
+  constexpr int smem = ProduceScratch::kOffL + 1024;
+  cudaError_t err = cudaFuncSetAttribute(l_mqk_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (err != cudaSuccess) return err;
+  l_mqk_probe_kernel<<<1, kThreads, smem, stream>>>(a, b, d);
+  return cudaGetLastError();
+}
 
 cudaError_t produce_chunks(const ProduceArgs& args, cudaStream_t stream) {
   if (args.T <= 0 || args.H <= 0) return cudaSuccess;

@@ -456,20 +456,21 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
 }
 
 // x rounded to tf32 into a rows x 128 fp32 SW128 tile (sw128_offset_f32): two 16-byte granules.
-// Rounded to nearest (ties away) by adding half a tf32 ulp to the word and clearing the low 13
-// bits (an IADD and a LOP3 on the ALU; CUTLASS's round_half_ulp_truncate leaves the clearing to
-// the tensor core, which reads only the top 19 bits of a tf32 operand; cleared here, the operand is
-// a tf32 value whatever the hardware reads). cvt.rn.tf32.f32 (F2FP.TF32.F32.PACK_B) runs on the
+// Rounded to nearest (ties away) by adding half a tf32 ulp to the word (one IADD), the low 13 bits
+// left for the tensor core, which reads only the top 19 bits of a tf32 operand (CUTLASS's
+// round_half_ulp_truncate makes the same assumption; `Produce32Gpu.Tf32OperandsIgnoreTheLow13Bits`
+// checks it on the GPU, bit for bit, through this product). The LOP3 that cleared them cost a
+// producer warp 96 instructions a chunk. cvt.rn.tf32.f32 (F2FP.TF32.F32.PACK_B) runs on the
 // conversion pipe at the exponentials' rate, and its 96 a thread and chunk (three operands of 32
 // elements) queued there with the exponentials and the fp16/bf16 packs (run 110's candidate moved
 // the factors' reads and stores and left their cycles as they were). The add turns the canonical
-// NaN 0x7fffffff into -0 (and a word from 0x7ffff000 up, the same; a negative NaN from
-// 0xfffff000 up wraps to +0): every operand here is a product whose NaN k_decayed, q_decayed or
-// k_restored carry too (the same product times e^mid, finite in a chunk that is not flagged wide),
-// so a NaN input still reaches the output. inf stays inf (0x7f801000 clears to 0x7f800000). The
+// NaN 0x7fffffff into 0x80000fff, read as -0 (and a word from 0x7ffff000 up, the same; a negative
+// NaN from 0xfffff000 up wraps to +0): every operand here is a product whose NaN k_decayed, q_decayed
+// or k_restored carry too (the same product times e^mid, finite in a chunk that is not flagged wide),
+// so a NaN input still reaches the output. inf stays inf (0x7f801000 reads as 0x7f800000). The
 // stores are 2-way bank-conflicted: lanes l and l + 4 write the same granule position of two
 // 32-channel blocks (a multiple of 128 bytes apart).
-__device__ __forceinline__ uint32_t tf32_rna_word(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+__device__ __forceinline__ uint32_t tf32_rna_word(float x) { return __float_as_uint(x) + 0x1000u; }
 __device__ __forceinline__ void store_tf32(uint8_t* tile, int rows, int r, int c, const float (&x)[8]) {
 #pragma unroll
   for (int h = 0; h < 2; ++h)

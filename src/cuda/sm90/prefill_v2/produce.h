@@ -39,4 +39,10 @@ struct ProduceArgs {
 // Launches the producer on `stream`; returns the launch's error.
 cudaError_t produce_chunks(const ProduceArgs& args, cudaStream_t stream);
 
+// Test support: the producer's L / Mqk product (produce.cuh l_mqk_product, one warpgroup) on operand
+// words stored as given, with no rounding: a [64][128] and b [32][128] fp32 words (row-major, in
+// device memory), d = a b^T [64][32] fp32 (row-major). Tf32OperandsIgnoreTheLow13Bits runs it on
+// words with and without their low 13 bits, which the producer's tf32 operands leave set.
+cudaError_t l_mqk_product_probe(const uint32_t* a, const uint32_t* b, float* d, cudaStream_t stream);
+
 }  // namespace flashkda::cuda::sm90::prefill_v2
