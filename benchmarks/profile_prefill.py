@@ -7,6 +7,7 @@ Same inputs as bench_prefill.py.
 --quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
 time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
 kernel forced): each kernel's time and the span of a call, first kernel start to last kernel end.
+--pieces: the few-head pieces (the rule) against the same calls without them, kernel by kernel.
 --lowrank: the low-rank segment transitions (a candidate) against the rule's, kernel by kernel.
 """
 import os
@@ -134,16 +135,17 @@ def verdict_profile():
 
 
 def pieces_profile():
-    """The fused kernel in pieces (internal fused_pieces, a candidate) against the default call, one
-    sequence at H = 12 and 32, random gates and long memory: each kernel's time, the gaps and the
-    call's span (us). With long memory the warm-ups stop the pieces and the rule's kernels rerun the
-    call: which of them costs what the measured +4-16% is."""
+    """The default call (the few-head pieces of the fused kernel, the rule since 8efee91) against the
+    same call without them (internal fused_pieces = -1: the chunk-16 kernels alone), one sequence at
+    H = 12 and 32, random gates and long memory: each kernel's time, the gaps and the call's span (us).
+    With long memory the pre-check stops the pieces and the chunk-16 kernels run the call, K1 strided
+    (after the pieces) or one chunk a CTA (without them): what the pieces cost there."""
     print("| case | gates | launch | kernels (us each, gaps in brackets) | span us |")
     print("|---|---|---|---|---|")
-    for T, H, P in ((2048, 12, 11), (8192, 12, 11), (131072, 12, 11), (32768, 32, 4)):
+    for T, H in ((2048, 12), (8192, 12), (131072, 12), (32768, 32)):
         for regime in ("random", "long"):
             x = make_inputs(H, [T], True, regime)
-            for label, launch in (("default", {}), (f"pieces {P}", dict(fused_pieces=P))):
+            for label, launch in (("default", {}), ("no pieces", dict(fused_pieces=-1))):
                 print(f"| T={T} H={H} | {regime} | {label} | {span_row(x, launch)} |", flush=True)
             del x
             torch.cuda.empty_cache()

@@ -190,9 +190,9 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # the pieces' gates pre-check (039252b) and the low-rank segment transitions (f836775)
-  pending_tests=(test_prefill32_gpu '*FusedPiecesSkipOrFallBack*'
-                 test_prefill_gpu '*SegmentsLowRankTransitionsMatchReference*')  # pairs: binary, gtest filter
+  # K1 after the few-head pieces in one wave, the producer's tf32 operands with their low bits (f8808e9)
+  pending_tests=(test_prefill32_gpu '*RuleRunsFewHeadPieces*'
+                 test_produce32_gpu '*Tf32OperandsIgnoreTheLow13Bits*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
