@@ -302,6 +302,19 @@ std::vector<unsigned char> bits_in_workspace_of(KdaInputs& in, DeviceProblem& d,
   return out_and_state_bits(in);
 }
 
+// d's call with its final state written over its initial one (one device buffer holding the initial
+// state, as a caller that updates a state in place passes it): its outputs then final states.
+std::vector<unsigned char> bits_in_place(KdaInputs& in, DeviceProblem& d) {
+  DeviceBuffer state(in.initial_state.bytes.size());
+  EXPECT_EQ(in.initial_state.bytes.size(), in.final_state.bytes.size());
+  EXPECT_EQ(cudaMemcpy(state.ptr, in.initial_state.bytes.data(), state.bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  PrefillParams p = d.params();
+  p.initial_state = p.final_state = state.ptr;
+  forward_call(d, p, d.launch);
+  EXPECT_EQ(cudaMemcpy(in.final_state.bytes.data(), state.ptr, state.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+  return out_and_state_bits(in);
+}
+
 // d's one-sequence call (B = 1, no cu_seqlens) made by device cu_seqlens [0, T] with the rule's launch
 // (what engines pass): its outputs then final states.
 std::vector<unsigned char> bits_by_cu_seqlens(KdaInputs& in, DeviceProblem& d) {
@@ -804,6 +817,9 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
 // run the call (their bits: internal fused_pieces -1); the same by device cu_seqlens [0, T]; graph
 // replays equal; a workspace sized for the call without pieces runs it without them; a launch that
 // names a chunk-16 variant gets those kernels. Two equal sequences (B = 2) take half the pieces each.
+// The last pieces write the final state themselves (pieces_final_in_place) where it is its own
+// buffer (a stopped call's kernels write it again: the long-memory and moderate-decay cases of
+// FusedPiecesSkipOrFallBack), through the workspace where it is the initial state's (the same bits).
 TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   int sms = 0;
@@ -838,6 +854,11 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
         skipping.skip_transitions = 1;
         DeviceProblem d_skipping(in, skipping);
         EXPECT_TRUE(run_bits(in, d_skipping) == chunk16) << "a forced chunk-16 variant ran the pieces";
+        PrefillParams in_place = d_rule.params();
+        in_place.final_state = const_cast<void*>(in_place.initial_state);
+        EXPECT_TRUE(pieces_final_in_place(d_rule.params()));
+        EXPECT_FALSE(pieces_final_in_place(in_place));
+        EXPECT_TRUE(bits_in_place(in, d_rule) == rule) << "the final state over the initial one: other bits";
         const test::Reference ref = test::run_reference(in);
         (void)run_bits(in, d_rule);  // the rule's outputs again (the forced call's are in `in` now)
         const double e_out = test::rel_rms(in.out.values(), ref.out);

@@ -1069,6 +1069,15 @@ cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const i
 
 bool fused_pieces_serve(const PrefillParams& p) { return fused_serves(p); }
 
+bool pieces_final_in_place(const PrefillParams& p) {
+  if (p.state_pool != nullptr || p.final_state == nullptr) return false;
+  if (p.initial_state == nullptr) return true;
+  const size_t bytes = size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * sizeof(float);
+  const auto* in = static_cast<const uint8_t*>(p.initial_state);
+  const auto* out = static_cast<const uint8_t*>(p.final_state);
+  return out + bytes <= in || in + bytes <= out;
+}
+
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
   return 2 + detail::num_sequences(p) * pieces * p.H;
 }
@@ -1080,7 +1089,8 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
   FusedArgs f = rule_args(p, error_flag);
-  f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag, f.pieces_final = final_states;
+  f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag;
+  f.pieces_final = pieces_final_in_place(p) ? static_cast<float*>(p.final_state) : final_states;
   f.ckpt_start = ckpt_start;
   size_t flag_bytes = sizeof(int);
   if (chain_states != nullptr) {  // the stop flag, the counter, the ready flags: one block, zeroed together
@@ -1105,7 +1115,7 @@ cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const in
 
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream) {
   void* const to = p.state_pool != nullptr ? p.state_pool : p.final_state;
-  if (to == nullptr) return cudaSuccess;
+  if (to == nullptr || pieces_final_in_place(p)) return cudaSuccess;  // the last pieces wrote it
   const int64_t elem = p.state_pool != nullptr && p.state_pool_dtype == DType::kBF16 ? 2 : 4;
   const int64_t per = p.H * kHeadDim * kHeadDim * elem / 16;  // 16-byte units of a sequence's state
   pieces_finish_kernel<<<264, 256, 0, stream>>>(flag, reinterpret_cast<const float4*>(final_states),

@@ -102,8 +102,9 @@ struct FusedArgs {
   // may set it to 2 before the pieces start) and every CTA of the call stops at its next chunk: the
   // kernels the launcher's rule picks, launched after, then run the whole call (they do nothing
   // while the flag is zero: run_if_flag, prefill Params::pieces_flag). Outputs go to consume.out; the last piece's final state to
-  // pieces_final ([num_seqs, H, V, K] in the state's dtype, workspace), which fused_pieces_finish
-  // copies to the final state or the pool's slot only where the flag stayed zero. With a pool, K0's
+  // pieces_final ([num_seqs, H, V, K] in the state's dtype: the workspace, which fused_pieces_finish
+  // copies to the final state or the pool's slot only where the flag stayed zero, or the call's final
+  // state itself where pieces_final_in_place). With a pool, K0's
   // refusal (error_flag) sets the flag: the kernels after the pieces refuse the call.
   int64_t pieces = 0;
   int warmup = 1;
@@ -161,6 +162,12 @@ FusedArgs fused_args(const PrefillParams& p);
 // leave to the kernels after them); then fused_pieces_finish, which copies final_states to
 // p.final_state or the pool's slots where no piece set the flag.
 bool fused_pieces_serve(const PrefillParams& p);
+// Whether the last pieces write the call's final state themselves, final_states unused and
+// fused_pieces_finish a no-op: no pool, a final state, and no initial state whose bytes it overlaps.
+// Where the pieces stop, the kernels after them write the whole final state again, and they, like the
+// first pieces, read only the initial state: so only a pool's slot (read and written in place) or a
+// final state over the initial one needs the copy after the pieces (run 123: ~2 us and a launch gap).
+bool pieces_final_in_place(const PrefillParams& p);
 // Chained (FusedArgs::pieces_chain) where chain_states ([N pieces][H][V][K] fp32) is non-null: flag
 // then heads a block of 2 + N pieces H ints that the call zeroes, the stop flag, the counter
 // (pieces_next) and the ready flags (pieces_ready).
