@@ -1294,6 +1294,41 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
       << "a workspace without room for the pieces: not the unsplit call's bits";
 }
 
+// A final state written over the initial one (one buffer, as a caller that updates a state in place
+// passes it) gives the bits of two buffers on every path the rule takes for one sequence: the
+// few-head pieces (random gates; long memory in one channel, which the chunk-16 kernels then run),
+// the chunk-16 kernels alone (fused_pieces -1), the chained pieces at many heads and the unsplit
+// fused kernel. Where pieces cut a sequence the first ones read the initial state while the last ones
+// write the final state, so there the final states go through the workspace (pieces_final_in_place).
+TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
+  struct Case {
+    int64_t T, H;
+    bool long_memory;
+    int fused_pieces, fused_v2;
+    const char* name;
+  };
+  const Case cases[] = {{2048, 4, false, 0, 0, "the few-head pieces"},
+                        {2048, 4, true, 0, 0, "the few-head pieces stopped by long memory"},
+                        {2048, 4, false, -1, 0, "the chunk-16 kernels"},
+                        {8192, 96, false, 0, 0, "the rule at H = 96 (chained pieces)"},
+                        {1024, 96, false, 0, 1, "the unsplit fused kernel"}};
+  for (const Case& c : cases) {
+    KdaOptions o;
+    o.T = c.T, o.H = c.H, o.A_log_max = 0.0, o.seed = 53;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (c.long_memory) in.dt_bias[5] = -30.f;  // one channel of head 0
+    SCOPED_TRACE(in.describe() + ", " + c.name);
+    internal::PrefillLaunch launch;
+    launch.fused_pieces = c.fused_pieces, launch.fused_v2 = c.fused_v2;
+    DeviceProblem d(in, launch);
+    const std::vector<unsigned char> two = run_bits(in, d);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    EXPECT_TRUE(bits_in_place(in, d) == two) << "one state buffer: other bits than two";
+  }
+}
+
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints
 // 3 N + 5 on, after chunk_start, the verdict, seg_start, ckpt_start and the persistent grid's
 // counter) is a permutation with the length classes (ceil(len / 32)) non-increasing, through the
