@@ -44,6 +44,23 @@ def test_writes_out_and_final_state_in_place(rng, need_bf16, dtype, state_dtype)
     assert rel_rms(ht, ref_h) <= tol_h
 
 
+@pytest.mark.parametrize("state_dtype", ["f32", "bf16"])
+def test_final_state_over_the_initial_one(rng, need_bf16, state_dtype):
+    # one array as both initial_state and final_state (a caller updating its states in place): the
+    # bits of two arrays
+    sd = np.float32 if state_dtype == "f32" else need_bf16
+    p = make_problem(rng, lengths=[40, 0, 17], state=True, state_dtype=sd, cu_dtype=np.int64)
+    out, ht = fwd_args(p, np.float32), np.full(p["h0_vk"].shape, np.nan, dtype=sd)
+    args = (p["q"], p["k"], p["v"], p["g"], p["beta"], 0.25)
+    gate = (p["A_log"], p["dt_bias"], p["lower_bound"])
+    flashkda.fwd(*args, out, *gate, initial_state=p["h0_vk"], final_state=ht, cu_seqlens=p["cu_seqlens"])
+    state, out2 = p["h0_vk"].copy(), fwd_args(p, np.float32)
+    flashkda.fwd(*args, out2, *gate, initial_state=state, final_state=state, cu_seqlens=p["cu_seqlens"])
+    np.testing.assert_array_equal(out2, out)
+    np.testing.assert_array_equal(state, ht)
+    assert not np.array_equal(state, p["h0_vk"])
+
+
 def test_matches_chunk_kda_with_the_same_options(rng):
     p = make_problem(rng, B=2, T=29, state=True)
     out = fwd_args(p, np.float32)

@@ -132,6 +132,22 @@ def test_fwd_writes_in_place(rng, bf16, state_dtype):
     assert rel_rms(to_numpy(ht), ref_h) <= (TOL_H if state_dtype == "f32" else 2e-2)
 
 
+@pytest.mark.parametrize("lengths", [[2048], LENGTHS], ids=["one sequence (few-head pieces)", "varlen"])
+def test_fwd_final_state_over_the_initial_one(rng, bf16, lengths):
+    # one tensor as both initial_state and final_state (a caller updating its states in place): the bits
+    # of two tensors, where pieces of one sequence read the initial state while others write the final
+    p, t = cuda_problem(rng, bf16, lengths=lengths, cu_dtype=np.int64)
+    args = (t["q"], t["k"], t["v"], t["g"], t["beta"], K ** -0.5)
+    gate = (t["A_log"], t["dt_bias"], p["lower_bound"])
+    out = torch.full(t["v"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    ht = torch.full(t["h0_vk"].shape, float("nan"), dtype=t["h0_vk"].dtype, device="cuda")
+    flashkda.fwd(*args, out, *gate, initial_state=t["h0_vk"], final_state=ht, cu_seqlens=t["cu_seqlens"])
+    state, out2 = t["h0_vk"].clone(), torch.full_like(out, float("nan"))
+    flashkda.fwd(*args, out2, *gate, initial_state=state, final_state=state, cu_seqlens=t["cu_seqlens"])
+    assert torch.equal(out2, out) and torch.equal(state, ht)
+    assert not torch.equal(state, t["h0_vk"])
+
+
 def decode_problem(rng, bf16, N, T, P):
     p = make_problem(rng, B=N, T=T, H=H, K=K, V=V, dtype=bf16, gate="lower_bound")
     t = torch_problem(p, "cuda")
