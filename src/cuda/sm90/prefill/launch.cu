@@ -33,8 +33,10 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   // Where K0 may give the call to the fused kernel, K1's CTAs may all find nothing to do: four waves
   // of them take every chunk in turn (prepare_kernel kStrided).
   // So too after the fused kernel's pieces (Params::pieces_flag), which run the call unless a warm-up
-  // fails; there one wave (six CTAs an SM, all resident at once): an empty K1 of four waves took
-  // 4.7 us at T=8192 H=12 (run 121), and a K1 that runs takes the same chunks in the same CTAs' turns.
+  // fails; there one wave (six CTAs an SM, all resident at once), each CTA taking four times as many
+  // chunks in turn: an empty K1 of four waves took 4.7 us at T=8192 H=12 (run 121), of one 1.8 (run
+  // 123, an H200). Where the pieces stop, the strided K1 runs ~7-12% longer than the one-a-CTA K1
+  // (run 123, by subtraction; its CTA barrier between chunks, not the wave count, is the likely cause).
   const bool strided = p.fused_sms > 0 || p.pieces_flag != nullptr;
   const int waves = p.pieces_flag != nullptr ? 1 : 4;
   if (strided) blocks = std::min<int64_t>(blocks, waves * kPrepCtasPerSm * sm_count());  // fused_sms is the SM count
