@@ -318,6 +318,8 @@ struct Params {
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
   int early_launch;           // host only: which of the call's kernels launch early (launch.cu kEarly*)
+  bool k0_ran;                // host only: K0 ran ahead of the fused kernel's pieces with these parameters
+                              // (launch.cu forward), so launch_prepare does not launch it again
 
   // Segments (all zero / null when sequences are not split).
   int64_t seg_chunks;         // chunks per segment L; 0 = one CTA walks the whole sequence

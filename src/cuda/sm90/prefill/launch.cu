@@ -26,7 +26,7 @@ template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream) {
   // The call's first kernel launches in stream order (what precedes it is the caller's); K1 after
   // K0 early only where PrefillLaunch::early_launch says (a candidate, early_launch.cuh).
-  const bool k0 = p.cu_seqlens != nullptr || p.state_indices != nullptr;
+  const bool k0 = (p.cu_seqlens != nullptr || p.state_indices != nullptr) && !p.k0_ran;
   if (k0) launch_k0(p, stream);
   int64_t blocks = p.chunk_slots * p.H;
   if (blocks == 0) return;
@@ -525,76 +525,16 @@ bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent)
 // One segment per sequence, as long as the longest possible sequence.
 int64_t whole_sequence_chunks(const PrefillParams& p) { return std::max<int64_t>(1, max_chunk_slots(p.B * p.T, 1)); }
 
-}  // namespace
-
-void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
-             Stream stream_handle) {
-  const auto stream = static_cast<cudaStream_t>(stream_handle);
-  // The fused kernel in pieces (fused_pieces_choice: forced, or by rule), then the kernels the rule
-  // picks for the call, which run it only where a piece's warm-up did not bound its transition.
-  const int* pieces_flag = nullptr;
-  if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
-    uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
-    int* const flag = reinterpret_cast<int*>(at);
-    float* const finals = reinterpret_cast<float*>(at + area.finals);
-    float* const chain_states = area.chained ? reinterpret_cast<float*>(at + area.states) : nullptr;
-    const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
-    // K0 first (the cu_seqlens' and the slots' check, each sequence's first checkpoint), whose refusal
-    // the kernels after the pieces carry out
-    const int* error_flag = nullptr;
-    const int32_t* ckpt_start = nullptr;
-    if (p.state_pool != nullptr || p.cu_seqlens != nullptr) {
-      const Params kp = launch_k0_ahead(p, workspace, false, stream);
-      error_flag = kp.error_flag;
-      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start;
-    }
-    // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
-    // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does.
-    if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, error_flag,
-                                               ckpt_start, stream, chain_states) == cudaSuccess) {
-      FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
-      pieces_flag = flag;
-      // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
-      // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
-      if (launch.fused_v2 > 0 || fused_by_rule(p, launch)) {
-        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, ckpt_start, stream) == cudaSuccess) return;
-        (void)cudaGetLastError();  // an attribute query's error, which the next launch check would read
-      }
-    } else {
-      (void)cudaGetLastError();
-    }
-  }
-  const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
-  if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
-    const int* error_flag = nullptr;
-    const int32_t *ckpt_start = nullptr, *order = nullptr;
-    if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
-      // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
-      // and checks their count against the lengths; with cu_seqlens it orders the sequences, longest first.
-      const Params kp = launch_k0_ahead(p, workspace, p.cu_seqlens != nullptr && launch.fused_order >= 0, stream);
-      error_flag = kp.error_flag;
-      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
-    }
-    const cudaError_t err =
-        sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream, false, false, nullptr, 0, order);
-    if (err == cudaSuccess) return;
-    // Under the rule, a fused kernel that cannot start here (its register split or the driver's
-    // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
-    if (launch.fused_v2 > 0) FLASHKDA_CUDA_CHECK(err);
-  }
+// The chunk-16 kernels' parameters (K0's with them) for a call, the workspace carved by
+// workspace_layout; pieces_flag: the fused kernel's pieces' flag where they run first (Params::
+// pieces_flag), else null. Checks the segmented grids' sizes before anything is launched.
+Params chunk16_params(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace,
+                      const int* pieces_flag) {
   const int64_t N = detail::num_sequences(p);
   auto* ws = static_cast<uint8_t*>(workspace);
   Params kp = kernel_params(p, ws);
-  // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
-  // kernel launched after them, while they do nothing.
-  const bool persistent = launch.fused_persistent > 0;
   kp.fused_min_tokens = fused_min_tokens(launch);
   kp.pieces_flag = pieces_flag;
-  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
-  if (fused_after) {
-    kp.fused_sms = sm_count();
-    if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
-  }
   kp.early_launch = launch.early_launch > 0 ? launch.early_launch & kEarlyAll : 0;
   kp.seg_chunks = prefill_segment_chunks(p, launch);
   const int64_t run_chunks = prefill_run_chunks(p, launch);
@@ -638,6 +578,84 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     FLASHKDA_CHECK(kp.max_segs <= int64_t(INT32_MAX) / p.H && combine_ctas <= int64_t(INT32_MAX) / p.H,
                    ErrorCode::kUnsupported, "segments of ", kp.seg_chunks, " chunks: ", combine_ctas * p.H,
                    " CTAs exceed the GPU grid limit");
+  }
+  return kp;
+}
+
+}  // namespace
+
+void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
+             Stream stream_handle) {
+  const auto stream = static_cast<cudaStream_t>(stream_handle);
+  // The fused kernel in pieces (fused_pieces_choice: forced, or by rule), then the kernels the rule
+  // picks for the call, which run it only where a piece's warm-up did not bound its transition.
+  const int* pieces_flag = nullptr;
+  bool k0_ran = false;  // K0 ran ahead of the pieces with the chunk-16 kernels' parameters
+  if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
+    uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
+    int* const flag = reinterpret_cast<int*>(at);
+    float* const finals = reinterpret_cast<float*>(at + area.finals);
+    float* const chain_states = area.chained ? reinterpret_cast<float*>(at + area.states) : nullptr;
+    const int warmup = launch.fused_warmup > 0 ? launch.fused_warmup : 1;
+    // K0 first (the cu_seqlens' and the slots' check, each sequence's first checkpoint), whose refusal
+    // the kernels after the pieces carry out. With the chunk-16 kernels' parameters (its scan then
+    // numbers their segments too), so that where those kernels run after the pieces they do not launch
+    // it again (k0_ran): one launch fewer on every call with cu_seqlens or a pool, as engines make them.
+    const int* error_flag = nullptr;
+    const int32_t* ckpt_start = nullptr;
+    const bool k0_first = p.state_pool != nullptr || p.cu_seqlens != nullptr;
+    if (k0_first) {
+      const Params kp = chunk16_params(p, launch, workspace, flag);
+      launch_k0(kp, stream);
+      error_flag = kp.error_flag;
+      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start;
+    }
+    // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
+    // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does
+    // (and they launch K0 again: without the pieces the fused kernel may take the call).
+    if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, error_flag,
+                                               ckpt_start, stream, chain_states) == cudaSuccess) {
+      FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
+      pieces_flag = flag;
+      k0_ran = k0_first;
+      // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
+      // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
+      if (launch.fused_v2 > 0 || fused_by_rule(p, launch)) {
+        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, ckpt_start, stream) == cudaSuccess) return;
+        (void)cudaGetLastError();  // an attribute query's error, which the next launch check would read
+      }
+    } else {
+      (void)cudaGetLastError();
+    }
+  }
+  const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
+  if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
+    const int* error_flag = nullptr;
+    const int32_t *ckpt_start = nullptr, *order = nullptr;
+    if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
+      // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
+      // and checks their count against the lengths; with cu_seqlens it orders the sequences, longest first.
+      const Params kp = launch_k0_ahead(p, workspace, p.cu_seqlens != nullptr && launch.fused_order >= 0, stream);
+      error_flag = kp.error_flag;
+      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
+    }
+    const cudaError_t err =
+        sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream, false, false, nullptr, 0, order);
+    if (err == cudaSuccess) return;
+    // Under the rule, a fused kernel that cannot start here (its register split or the driver's
+    // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
+    if (launch.fused_v2 > 0) FLASHKDA_CUDA_CHECK(err);
+  }
+  const int64_t N = detail::num_sequences(p);
+  Params kp = chunk16_params(p, launch, workspace, pieces_flag);
+  kp.k0_ran = k0_ran;
+  // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
+  // kernel launched after them, while they do nothing.
+  const bool persistent = launch.fused_persistent > 0;
+  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
+  if (fused_after) {
+    kp.fused_sms = sm_count();
+    if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
   }
 
   const int warps = choose_warps(N * p.H, launch);
