@@ -776,6 +776,25 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
   }
+  // A NaN value in the last piece's own tokens (token T - 10 of head 1): that piece's state ends
+  // non-finite, it sets the flag (1) and still stores its final state, which goes straight to the
+  // call's final state (a buffer of its own: pieces_final_in_place); the kernels after the pieces
+  // write it again, so the rule's bits.
+  {
+    KdaOptions o;
+    o.T = 1000, o.H = 2, o.A_log_max = 0.0, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    in.v.set(((o.T - 10) * o.H + 1) * o.V + 7, std::nan(""));
+    SCOPED_TRACE(in.describe() + " NaN in the last piece");
+    internal::PrefillLaunch pieces;
+    pieces.fused_pieces = 4;
+    DeviceProblem d_pieces(in, pieces), d_rule(in);
+    ASSERT_TRUE(pieces_final_in_place(d_pieces.params()));
+    const std::vector<unsigned char> rule = run_bits(in, d_rule), got = run_bits(in, d_pieces);
+    EXPECT_EQ(pieces_flags(d_pieces)[0], 1) << "not stopped by the last piece's non-finite state";
+    EXPECT_TRUE(got == rule) << "the last piece's final state written over: not the rule's bits";
+    EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
+  }
   // Device cu_seqlens (K0 first), an empty sequence among them (its final state its initial one):
   // random gates, the pieces run; long memory, the chunk-16 kernels' bits (the rule's, K0 deciding).
   for (const bool long_memory : {false, true}) {
@@ -818,8 +837,8 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
 // replays equal; a workspace sized for the call without pieces runs it without them; a launch that
 // names a chunk-16 variant gets those kernels. Two equal sequences (B = 2) take half the pieces each.
 // The last pieces write the final state themselves (pieces_final_in_place) where it is its own
-// buffer (a stopped call's kernels write it again: the long-memory and moderate-decay cases of
-// FusedPiecesSkipOrFallBack), through the workspace where it is the initial state's (the same bits).
+// buffer (a stopped call's kernels write it again: FusedPiecesSkipOrFallBack's NaN in the last
+// piece), through the workspace where it is the initial state's (the same bits).
 TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   int sms = 0;
@@ -1301,18 +1320,26 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
 // fused kernel. Where pieces cut a sequence the first ones read the initial state while the last ones
 // write the final state, so there the final states go through the workspace (pieces_final_in_place).
 TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
+  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   struct Case {
     int64_t T, H;
     bool long_memory;
     int fused_pieces, fused_v2;
+    int flag;  // the pieces' flag after the call (-1: no pieces)
     const char* name;
   };
-  const Case cases[] = {{2048, 4, false, 0, 0, "the few-head pieces"},
-                        {2048, 4, true, 0, 0, "the few-head pieces stopped by long memory"},
-                        {2048, 4, false, -1, 0, "the chunk-16 kernels"},
-                        {8192, 96, false, 0, 0, "the rule at H = 96 (chained pieces)"},
-                        {1024, 96, false, 0, 1, "the unsplit fused kernel"}};
+  const Case cases[] = {{2048, 4, false, 0, 0, 0, "the few-head pieces"},
+                        {2048, 4, true, 0, 0, 2, "the few-head pieces stopped by long memory"},
+                        {2048, 4, false, -1, 0, -1, "the chunk-16 kernels"},
+                        {8192, 96, false, 0, 0, 0, "the rule at H = 96 (chained pieces)"},
+                        {1024, 96, false, 0, 1, -1, "the unsplit fused kernel"}};
   for (const Case& c : cases) {
+    if (c.H == 96 && c.fused_v2 == 0 && prefill::fused_chain_pieces(c.H, 1, c.T / 32, sms) <= 1) {
+      ADD_FAILURE() << "the rule cuts no chained pieces at T = " << c.T << " H = 96 on " << sms << " SMs";
+      continue;
+    }
     KdaOptions o;
     o.T = c.T, o.H = c.H, o.A_log_max = 0.0, o.seed = 53;
     o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
@@ -1323,6 +1350,7 @@ TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
     launch.fused_pieces = c.fused_pieces, launch.fused_v2 = c.fused_v2;
     DeviceProblem d(in, launch);
     const std::vector<unsigned char> two = run_bits(in, d);
+    if (c.flag >= 0) EXPECT_EQ(pieces_flags(d)[0], c.flag) << "the pieces' flag (2: the gates' pre-check)";
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
     EXPECT_TRUE(bits_in_place(in, d) == two) << "one state buffer: other bits than two";

@@ -1072,10 +1072,9 @@ bool fused_pieces_serve(const PrefillParams& p) { return fused_serves(p); }
 bool pieces_final_in_place(const PrefillParams& p) {
   if (p.state_pool != nullptr || p.final_state == nullptr) return false;
   if (p.initial_state == nullptr) return true;
-  const size_t bytes = size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * sizeof(float);
-  const auto* in = static_cast<const uint8_t*>(p.initial_state);
-  const auto* out = static_cast<const uint8_t*>(p.final_state);
-  return out + bytes <= in || in + bytes <= out;
+  const uintptr_t bytes = uintptr_t(detail::num_sequences(p)) * uintptr_t(p.H) * kHeadDim * kHeadDim * sizeof(float);
+  const auto in = reinterpret_cast<uintptr_t>(p.initial_state), out = reinterpret_cast<uintptr_t>(p.final_state);
+  return out + bytes <= in || in + bytes <= out;  // fp32 states [N, H, V, K] (fused_serves), disjoint
 }
 
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
