@@ -115,8 +115,8 @@ def main():
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("tokens T (one sequence)")
-        ax.set_title(f"H = {args.heads}, {regime} gates" + (" (8 long-memory channels per head)" if regime == "long" else ""),
-                     fontsize=10)
+        ax.set_title(f"H = {args.heads}, " + ("long-memory gates (8 channels per head near zero decay)" if regime == "long"
+                                             else "random gates"), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("ms (CUDA-graph median, H200)")
     for ax in axes:
