@@ -79,12 +79,13 @@ def run_flashkda_checked(x, with_state):
 
 def host_overhead():
     """Host microseconds per eager call (after 10 warm-up calls), flashkda on its direct and its
-    checked path, and FlashKDA when importable, same inputs, one process."""
+    checked path, and FlashKDA when importable, same inputs, one process; at many heads and at few
+    (T = 2048 and 8192, H = 12: the few-head pieces' nine launches against ~60-150 us of GPU time)."""
     from bench_prefill import flash_kda, run_flash_kda
     peers = [("FlashKDA", run_flash_kda)] if flash_kda is not None else []
     print("| case | library | host us per call | eager ms |")
     print("|---|---|---|---|")
-    for name, H, seqlens, state in [MANY[1], MANY[7]]:
+    for name, H, seqlens, state in [MANY[1], MANY[7], FEW[0], FEW[1]]:
         x = make_inputs(H, seqlens, state)
         for lib, make in [("flashkda", run_flashkda), ("flashkda, checked path", run_flashkda_checked)] + peers:
             fn = make(x, state)[0]
