@@ -590,7 +590,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   // The fused kernel in pieces (fused_pieces_choice: forced, or by rule), then the kernels the rule
   // picks for the call, which run it only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;
-  bool k0_ran = false;  // K0 ran ahead of the pieces with the chunk-16 kernels' parameters
+  Params ahead{};  // with cu_seqlens or a pool: the chunk-16 kernels' parameters K0 ran with ahead of the pieces
   if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
     uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
     int* const flag = reinterpret_cast<int*>(at);
@@ -600,15 +600,16 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // K0 first (the cu_seqlens' and the slots' check, each sequence's first checkpoint), whose refusal
     // the kernels after the pieces carry out. With the chunk-16 kernels' parameters (its scan then
     // numbers their segments too), so that where those kernels run after the pieces they do not launch
-    // it again (k0_ran): one launch fewer on every call with cu_seqlens or a pool, as engines make them.
+    // it again (Params::k0_ran): one launch fewer on every call with cu_seqlens or a pool, as engines
+    // make them.
     const int* error_flag = nullptr;
     const int32_t* ckpt_start = nullptr;
     const bool k0_first = p.state_pool != nullptr || p.cu_seqlens != nullptr;
     if (k0_first) {
-      const Params kp = chunk16_params(p, launch, workspace, flag);
-      launch_k0(kp, stream);
-      error_flag = kp.error_flag;
-      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start;
+      ahead = chunk16_params(p, launch, workspace, flag);
+      launch_k0(ahead, stream);
+      error_flag = ahead.error_flag;
+      if (p.cu_seqlens != nullptr) ckpt_start = ahead.ckpt_start;
     }
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does
@@ -617,7 +618,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
                                                ckpt_start, stream, chain_states) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
-      k0_ran = k0_first;
+      ahead.k0_ran = k0_first;  // the kernels after the pieces take these parameters
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
       // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
       if (launch.fused_v2 > 0 || fused_by_rule(p, launch)) {
@@ -647,8 +648,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     if (launch.fused_v2 > 0) FLASHKDA_CUDA_CHECK(err);
   }
   const int64_t N = detail::num_sequences(p);
-  Params kp = chunk16_params(p, launch, workspace, pieces_flag);
-  kp.k0_ran = k0_ran;
+  Params kp = ahead.k0_ran ? ahead : chunk16_params(p, launch, workspace, pieces_flag);
   // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
   // kernel launched after them, while they do nothing.
   const bool persistent = launch.fused_persistent > 0;
