@@ -700,6 +700,19 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
 // (dt_bias -30: no decay) in every head or in one, which the gates' pre-check catches before the
 // pieces run (pieces_precheck_kernel: the flag 2), and a NaN value in the first piece's chunks (the
 // exact recurrence carries it into every later token, a piece from zero would not; a piece sets 1).
+// in's call in four forced pieces, which a piece stops while they run (flag 1, `stopper` names what
+// should have): the bits of the kernels the rule picks, eagerly and replayed from a graph; in holds
+// the pieces' call's outputs after it.
+void expect_a_piece_stops(KdaInputs& in, const char* stopper) {
+  internal::PrefillLaunch pieces;
+  pieces.fused_pieces = 4;
+  DeviceProblem d_pieces(in, pieces), d_rule(in);
+  const std::vector<unsigned char> rule = run_bits(in, d_rule), got = run_bits(in, d_pieces);
+  EXPECT_EQ(pieces_flags(d_pieces)[0], 1) << "not stopped by " << stopper;
+  EXPECT_TRUE(got == rule) << "a piece stopped the call: not the bits of the kernels the rule picks";
+  EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
+}
+
 TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
   struct Case {
     int64_t B, T, H, pieces;
@@ -767,14 +780,8 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     KdaInputs in(o);
     moderate_decay(in);
     SCOPED_TRACE(in.describe() + " moderate decay");
-    internal::PrefillLaunch pieces;
-    pieces.fused_pieces = 4;
-    DeviceProblem d_pieces(in, pieces), d_rule(in);
-    const std::vector<unsigned char> rule = run_bits(in, d_rule), got = run_bits(in, d_pieces);
-    EXPECT_EQ(pieces_flags(d_pieces)[0], 1) << "not stopped by a piece's warm-up (2: the pre-check; 0: the pieces ran)";
-    EXPECT_TRUE(got == rule) << "a warm-up that bounds nothing: not the bits of the kernels the rule picks";
+    expect_a_piece_stops(in, "a piece's warm-up (2: the pre-check; 0: the pieces ran)");
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
-    EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
   }
   // A NaN value in the last piece's own tokens (token T - 10 of head 1): that piece's state ends
   // non-finite, it sets the flag (1) and still stores its final state, which goes straight to the
@@ -786,14 +793,8 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
     KdaInputs in(o);
     in.v.set(((o.T - 10) * o.H + 1) * o.V + 7, std::nan(""));
     SCOPED_TRACE(in.describe() + " NaN in the last piece");
-    internal::PrefillLaunch pieces;
-    pieces.fused_pieces = 4;
-    DeviceProblem d_pieces(in, pieces), d_rule(in);
-    ASSERT_TRUE(pieces_final_in_place(d_pieces.params()));
-    const std::vector<unsigned char> rule = run_bits(in, d_rule), got = run_bits(in, d_pieces);
-    EXPECT_EQ(pieces_flags(d_pieces)[0], 1) << "not stopped by the last piece's non-finite state";
-    EXPECT_TRUE(got == rule) << "the last piece's final state written over: not the rule's bits";
-    EXPECT_TRUE(got == graph_replay_bits(in, d_pieces)) << "a graph replay's bits differ from the eager call's";
+    ASSERT_TRUE(pieces_final_in_place(DeviceProblem(in).params()));
+    expect_a_piece_stops(in, "the last piece's non-finite state");
   }
   // Device cu_seqlens (K0 first), an empty sequence among them (its final state its initial one):
   // random gates, the pieces run; long memory, the chunk-16 kernels' bits (the rule's, K0 deciding).
