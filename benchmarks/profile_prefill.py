@@ -2,12 +2,15 @@
 both precision modes and with and without segments, plus the host time of one eager call.
 Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick | --host-only | --verdict | --pieces | --lowrank]
+    python benchmarks/profile_prefill.py [--quick | --host-only | --host-calls | --verdict | --pieces | --lowrank]
 
 --quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
 time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
 kernel forced): each kernel's time and the span of a call, first kernel start to last kernel end.
---pieces: the few-head pieces (the rule) against the same calls without them, kernel by kernel.
+--pieces: the few-head pieces (the rule) against the same calls without them, kernel by kernel, with
+each call's CUDA-graph median (--early: also with the chunk-16 kernels after the pieces launched early).
+--host-calls: where an eager call's host time goes: the CUDA runtime and driver calls (torch.profiler's
+CPU events, per call), at few heads and at many.
 --lowrank: the low-rank segment transitions (a candidate) against the rule's, kernel by kernel.
 """
 import os
@@ -21,7 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_prefill import FEW, MANY, make_inputs, run_flashkda, time_eager_ms  # noqa: E402
+from bench_prefill import FEW, MANY, make_inputs, run_flashkda, time_eager_ms, time_graph_ms  # noqa: E402
 
 CASES = [MANY[1], MANY[3], FEW[1], FEW[3], FEW[7]]  # H=96 one seq, H=96 8x1024, H=12 T=8192 / 131072, H=32 T=32768
 
@@ -96,6 +99,35 @@ def host_overhead():
         torch.cuda.empty_cache()
 
 
+def host_calls(reps=20):
+    """Where the host time of an eager call goes (after 10 warm-up calls): the median host time of a
+    call, then torch.profiler's CPU events over `reps` calls (the CUDA runtime and driver calls CUPTI
+    reports, torch's own ops), each name's count and microseconds per call, the largest first."""
+    for name, H, seqlens, state in [FEW[0], FEW[1], MANY[1]]:
+        x = make_inputs(H, seqlens, state)
+        fn = run_flashkda(x, state)[0]
+        for _ in range(10):
+            fn()
+        host = host_us(fn, reps=50)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn()
+            torch.cuda.synchronize()
+        acc, count = defaultdict(float), defaultdict(int)
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CPU:
+                acc[e.name] += e.cpu_time_total / reps
+                count[e.name] += 1
+        print(f"\n{name}: host {host:.0f} us per call; CPU events per call (count, us):", flush=True)
+        print("| event | count | us per call |")
+        print("|---|---|---|")
+        for ev, us in sorted(acc.items(), key=lambda kv: -kv[1])[:20]:
+            print(f"| {ev} | {count[ev] / reps:.1f} | {us:.1f} |", flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 def call_spans(fn, reps=10):
     """Per kernel (in launch order) the mean device microseconds, and the median span of one call
     from its first kernel's start to its last kernel's end (calls queued back to back, so the GPU
@@ -141,13 +173,21 @@ def pieces_profile():
     H = 12 and 32, random gates and long memory: each kernel's time, the gaps and the call's span (us).
     With long memory the pre-check stops the pieces and the chunk-16 kernels run the call, K1 strided
     (after the pieces) or one chunk a CTA (without them): what the pieces cost there."""
-    print("| case | gates | launch | kernels (us each, gaps in brackets) | span us |")
-    print("|---|---|---|---|---|")
+    early = "--early" in sys.argv[1:]  # the chunk-16 kernels after the pieces launched early (a candidate)
+    print("| case | gates | launch | kernels (us each, gaps in brackets) | span us | CUDA-graph ms |")
+    print("|---|---|---|---|---|---|")
     for T, H in ((2048, 12), (8192, 12), (131072, 12), (32768, 32)):
         for regime in ("random", "long"):
             x = make_inputs(H, [T], True, regime)
-            for label, launch in (("default", {}), ("no pieces", dict(fused_pieces=-1))):
-                print(f"| T={T} H={H} | {regime} | {label} | {span_row(x, launch)} |", flush=True)
+            launches = [("default", {}), ("no pieces", dict(fused_pieces=-1))]
+            if early:  # an early launch turns the rule's pieces off: force the count the rule takes on 132 SMs
+                P = min(132 // H, T // 32 // 4)
+                launches += [(f"{P} pieces", dict(fused_pieces=P)),
+                             (f"{P} pieces, early K2, chain, combine", dict(fused_pieces=P, early_launch=14)),
+                             (f"{P} pieces, early chain, combine", dict(fused_pieces=P, early_launch=12))]
+            for label, launch in launches:
+                graph = time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=10)
+                print(f"| T={T} H={H} | {regime} | {label} | {span_row(x, launch)} | {graph:.4f} |", flush=True)
             del x
             torch.cuda.empty_cache()
 
@@ -182,6 +222,9 @@ def main():
         return
     if "--pieces" in sys.argv[1:]:
         pieces_profile()
+        return
+    if "--host-calls" in sys.argv[1:]:
+        host_calls()
         return
     if "--quick" not in sys.argv[1:]:
         host_overhead()

@@ -40,10 +40,17 @@ int64_t checkpoint_count(const PrefillParams& params) {
 
 namespace internal {
 
-size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch) {
+namespace {
+Backend validated_backend(const PrefillParams& params) {
   const Backend backend = backend_of(params.q);
   detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens
   detail::validate_prefill(params, backend);
+  return backend;
+}
+}  // namespace
+
+size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch) {
+  [[maybe_unused]] const Backend backend = validated_backend(params);
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) return cuda::prefill_workspace_size(params, launch);
 #endif
@@ -65,11 +72,10 @@ int64_t chosen_run_chunks(const PrefillParams&, const PrefillLaunch&) { return 0
 
 int cpu_engine_isa(int requested) { return cpu::engine_isa(requested); }
 
-void forward(const PrefillParams& params, const PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
-             Stream stream) {
-  const Backend backend = backend_of(params.q);
-  detail::check_reachable(params, backend);  // first: the CPU rules read cu_seqlens
-  detail::validate_prefill(params, backend);
+namespace {
+// forward after validated_backend
+void forward_validated(const PrefillParams& params, const PrefillLaunch& launch, Backend backend, void* workspace,
+                       size_t workspace_bytes, Stream stream) {
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) {
     // The rule's pieces (chained: one sequence at many heads; unchained: one at few heads) take
@@ -89,11 +95,30 @@ void forward(const PrefillParams& params, const PrefillLaunch& launch, void* wor
     cuda::forward(params, run, workspace, workspace_bytes, stream);
     return;
   }
+#else
+  (void)backend;
 #endif
   (void)workspace;
   (void)workspace_bytes;
   (void)stream;
   cpu::forward(params, launch.cpu_isa);
+}
+}  // namespace
+
+void forward(const PrefillParams& params, const PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
+             Stream stream) {
+  forward_validated(params, launch, validated_backend(params), workspace, workspace_bytes, stream);
+}
+
+void forward(const PrefillParams& params, const PrefillLaunch& launch, const std::function<void*(size_t)>& alloc,
+             Stream stream) {
+  const Backend backend = validated_backend(params);
+  size_t bytes = 0;
+#ifdef FLASHKDA_WITH_CUDA
+  if (backend == Backend::kCuda) bytes = cuda::prefill_workspace_size(params, launch);
+#endif
+  void* const workspace = bytes > 0 ? alloc(bytes) : nullptr;
+  forward_validated(params, launch, backend, workspace, bytes, stream);
 }
 
 void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream stream) {

@@ -10,8 +10,11 @@
 #include <nanobind/stl/vector.h>
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "flashkda/flashkda.h"
@@ -377,6 +380,16 @@ void attach_serving(PrefillArrays& r, const ServingArgs& a, bool u16_is_bf16, bo
   }
 }
 
+// A workspace array's raw bytes (any dtype: only where it lives matters), on q's device.
+std::pair<void*, size_t> workspace_bytes(const OutArray& a, const View& q) {
+  View w;
+  w.name = "workspace";
+  w.device_type = a.device_type();
+  w.device_id = a.device_id();
+  expect_same_device(q, w);
+  return {a.data(), size_t(a.nbytes())};
+}
+
 void forward(const InArray& q, const InArray& k, const InArray& v, const InArray& g, const InArray& beta,
              const OutArray& out, OptIn A_log, OptIn dt_bias, const std::string& gate, float lower_bound,
              bool l2norm_qk, bool beta_is_logit, std::optional<float> scale, OptIn initial_state,
@@ -400,26 +413,24 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
                                        fused_min_tokens, fused_pieces, fused_warmup, fused_order, fused_chain,
                                        lowrank_transitions};
   // workspace_alloc(nbytes) -> array: asked only when no workspace was passed and the backend needs
-  // one, so a CUDA call validates and converts its arguments once (one DLPack import per tensor).
-  nb::object allocated;
+  // one, after the library validated the call (once: workspace_size and then forward validate twice).
   if (!workspace && !workspace_alloc.is_none()) {
-    const size_t needed = internal::workspace_size(r.p, launch);
-    if (needed > 0) {
-      allocated = workspace_alloc(needed);
-      workspace = nb::cast<OutArray>(allocated);
-    }
+    nb::object allocated;  // kept until the kernels are queued (the caller's allocator orders its reuse)
+    const std::function<void*(size_t)> alloc = [&](size_t nbytes) -> void* {
+      nb::gil_scoped_acquire gil;
+      allocated = workspace_alloc(nbytes);
+      const auto [data, bytes] = workspace_bytes(nb::cast<OutArray>(allocated), r.q);
+      FLASHKDA_CHECK_ARG(bytes >= nbytes, "workspace_alloc: returned ", bytes, " bytes, need ", nbytes);
+      return data;
+    };
+    nb::gil_scoped_release nogil;
+    internal::forward(r.p, launch, alloc, reinterpret_cast<Stream>(stream));
+    return;
   }
   void* ws = nullptr;
   size_t ws_bytes = 0;
   if (workspace) {
-    // Raw bytes of any dtype; only where it lives matters.
-    View w;
-    w.name = "workspace";
-    w.device_type = workspace->device_type();
-    w.device_id = workspace->device_id();
-    expect_same_device(r.q, w);
-    ws = workspace->data();
-    ws_bytes = size_t(workspace->nbytes());
+    std::tie(ws, ws_bytes) = workspace_bytes(*workspace, r.q);
   }
   nb::gil_scoped_release nogil;
   internal::forward(r.p, launch, ws, ws_bytes, reinterpret_cast<Stream>(stream));

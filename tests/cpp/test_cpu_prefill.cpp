@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kda_test_utils.h"
+#include "launch_config.h"
 #include "isa_test.h"
 
 namespace flashkda::test {
@@ -400,6 +401,33 @@ TEST(CpuPrefillIsas, Avx512GivesTheBitsOfAvx2) {
     EXPECT_TRUE(bits[0][0] == bits[1][0]) << "out";
     EXPECT_TRUE(bits[0][1] == bits[1][1]) << "final_state";
   }
+}
+
+// internal::forward with a workspace allocator (the Python extension's call): the CPU backend needs no
+// workspace, so the allocator is never asked, and the call gives the bits of the plain one; a call it
+// refuses throws before asking it.
+TEST(CpuPrefillAlloc, AllocatorIsNeverAskedAndTheBitsAreThePlainCalls) {
+  KdaOptions o;
+  o.seqlens = {300, 0, 17};
+  o.H = 2, o.initial_state = o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  in.poison_outputs();
+  internal::forward(in.params(), internal::PrefillLaunch{}, nullptr, 0);
+  const std::vector<unsigned char> out = in.out.bytes, fin = in.final_state.bytes;
+  int asked = 0;
+  const auto alloc = [&](size_t) -> void* {
+    ++asked;
+    return nullptr;
+  };
+  in.poison_outputs();
+  internal::forward(in.params(), internal::PrefillLaunch{}, alloc);
+  EXPECT_EQ(asked, 0);
+  EXPECT_TRUE(in.out.bytes == out) << "out";
+  EXPECT_TRUE(in.final_state.bytes == fin) << "final_state";
+  PrefillParams bad = in.params();
+  bad.q = nullptr;
+  EXPECT_THROW(internal::forward(bad, internal::PrefillLaunch{}, alloc), Error);
+  EXPECT_EQ(asked, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Isa, CpuPrefill, kIsas, isa_param_name);

@@ -10,6 +10,7 @@
 #include <array>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "cuda/sm90/prefill/config.h"
@@ -1355,6 +1356,48 @@ TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
     EXPECT_TRUE(bits_in_place(in, d) == two) << "one state buffer: other bits than two";
+  }
+}
+
+// internal::forward with a workspace allocator (the Python extension's call: one validation): asked once,
+// for workspace_size's bytes (the pieces' area included), and the bits of the call in a workspace of that
+// size, through the few-head pieces, the pieces stopped by long memory, and device cu_seqlens (K0 ahead
+// of the pieces).
+TEST_F(Prefill32Gpu, WorkspaceFromAnAllocatorGivesTheSameBits) {
+  struct Case {
+    bool long_memory, by_cu_seqlens;
+    const char* name;
+  };
+  for (const Case& c : {Case{false, false, "the few-head pieces"}, Case{true, false, "pieces stopped by long memory"},
+                        Case{false, true, "device cu_seqlens"}}) {
+    KdaOptions o;
+    o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = 59;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (c.long_memory) in.dt_bias[5] = -30.f;
+    SCOPED_TRACE(in.describe() + ", " + c.name);
+    DeviceProblem d(in);
+    PrefillParams p = d.params();
+    if (c.by_cu_seqlens) {
+      const int32_t cu[2] = {0, int32_t(o.T)};
+      p.cu_seqlens = d.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
+    }
+    forward_call(d, p, internal::PrefillLaunch{});
+    const std::vector<unsigned char> plain = out_and_state_bits(in);
+    const size_t needed = internal::workspace_size(p, internal::PrefillLaunch{});
+    std::vector<size_t> asked;
+    std::unique_ptr<DeviceBuffer> ws;
+    d.poison();
+    internal::forward(p, internal::PrefillLaunch{}, [&](size_t bytes) -> void* {
+      asked.push_back(bytes);
+      ws = std::make_unique<DeviceBuffer>(bytes);
+      return ws->ptr;
+    });
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    ASSERT_EQ(asked.size(), 1u);
+    EXPECT_EQ(asked[0], needed);
+    EXPECT_TRUE(out_and_state_bits(in) == plain) << "other bits than the call in a workspace of its size";
   }
 }
 

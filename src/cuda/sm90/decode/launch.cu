@@ -78,7 +78,7 @@ void launch_persistent(const sm90::decode::DecodeArgs& args, int64_t num_heads, 
                  num_heads, " exceeds the GPU backend's item limit");
   const size_t smem = PersistentLayout<TileT, StateT>::bytes(args.stage_tokens);
   auto kernel = decode_persistent_kernel<StateT, TileT, kCheck>;
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, int(smem)));
   const int64_t grid =
       std::min<int64_t>(items, int64_t(sm_count()) *
                                    persistent_ctas_per_sm<StateT, TileT, kCheck>(args.stage_tokens, smem));
@@ -114,7 +114,7 @@ void launch_bulk(const sm90::decode::DecodeArgs& args, int64_t num_heads, cudaSt
                  num_heads, " exceeds the GPU backend's item limit");
   const size_t smem = BulkLayout<TileT, StateT, kRing>::bytes(args.stage_tokens);
   auto kernel = decode_bulk_kernel<StateT, TileT, kRing, kCheck>;
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+  FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, int(smem)));
   const int64_t grid = std::min<int64_t>(items, int64_t(sm_count()) * bulk_ctas_per_sm<StateT, kRing, kCheck>(args.stage_tokens, smem));
   kernel<<<static_cast<unsigned>(grid), kThreads, smem, stream>>>(args, items);
   FLASHKDA_CHECK_LAUNCH();

@@ -42,7 +42,7 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   if (strided) blocks = std::min<int64_t>(blocks, waves * kPrepCtasPerSm * sm_count());  // fused_sms is the SM count
   constexpr int smem = sizeof(PrepareSmem);
   auto kernel = strided ? prepare_kernel<Split, true> : prepare_kernel<Split, false>;
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, smem));
   launch_early(k0 && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem),
                stream, p);
 }
@@ -53,7 +53,7 @@ void launch_segment_chain(const Params& p, cudaStream_t stream) {
   const bool lowrank = p.seg_lowrank != nullptr;  // low-rank transitions: their own kernel (a candidate)
   const int smem = lowrank ? int(sizeof(ChainLowRankSmem)) : int(sizeof(ChainSmem));
   const auto kernel = lowrank ? segment_chain_kernel<true> : segment_chain_kernel<false>;
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, smem));
   launch_early(p.early_launch & kEarlyChain, kernel, dim3(unsigned(work), kHeadDim / kChainRows),
                dim3(kChainThreads), size_t(smem), stream, p);
 }
@@ -65,7 +65,7 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   const bool lowrank = p.seg_lowrank != nullptr;  // low-rank transitions: their own kernel (a candidate)
   const int smem = lowrank ? int(sizeof(CombineLowRankSmem)) : int(sizeof(CombineSmem));
   const auto kernel = lowrank ? segment_combine_kernel<true> : segment_combine_kernel<false>;
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, smem));
   launch_early(p.early_launch & kEarlyCombine, kernel, dim3(unsigned(ctas * p.H)), dim3(kCombineThreads),
                size_t(smem), stream, p, tiles);
 }

@@ -3,6 +3,7 @@
 #pragma once
 
 #include "cuda/check.h"
+#include "cuda/device_info.h"
 #include "cuda/sm90/prefill/launch.h"
 #include "cuda/sm90/prefill/recur_kernel.cuh"
 
@@ -12,7 +13,7 @@ namespace flashkda::cuda::sm90::prefill {
 // candidate, early_launch.cuh).
 template <class Kernel>
 void launch_k2(Kernel kernel, dim3 grid, int threads, int smem, const Params& p, cudaStream_t stream) {
-  FLASHKDA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, smem));
   launch_early(p.early_launch & kEarlyK2, kernel, grid, dim3(threads), size_t(smem), stream, p);
 }
 

@@ -4,6 +4,7 @@
 // thread's own elements one chunk ahead. The range guard as today's K2: rows rescaled at the
 // start, after the first chunk and every 16 chunks, and the fp32 fallback for a chunk whose W^T is
 // not finite (consume_chunk).
+#include "cuda/device_info.h"
 #include "cuda/sm90/prefill_v2/consume.cuh"
 
 namespace flashkda::cuda::sm90::prefill_v2 {
@@ -64,7 +65,7 @@ __global__ void __launch_bounds__(kThreads, 1) consume_kernel(const __grid_const
 cudaError_t consume_chunks(const ConsumeArgs& args, cudaStream_t stream) {
   if (args.T <= 0 || args.H <= 0) return cudaSuccess;
   if (args.records == nullptr || args.v == nullptr || args.out == nullptr) return cudaErrorInvalidValue;
-  cudaError_t err = cudaFuncSetAttribute(consume_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = allow_dynamic_smem(consume_kernel, kSmemBytes);
   if (err != cudaSuccess) return err;
   consume_kernel<<<dim3(2, static_cast<unsigned>(args.H)), kThreads, kSmemBytes, stream>>>(args);
   return cudaGetLastError();

@@ -14,6 +14,7 @@
 
 #include "backend.h"
 
+#include "cuda/device_info.h"
 #include "cuda/sm90/prefill_v2/consume.cuh"
 #include "cuda/sm90/prefill_v2/fused.h"
 
@@ -833,12 +834,12 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
       return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
+  cudaError_t err = allow_dynamic_smem(kernel, kSmem);
   if (err != cudaSuccess) return err;
   if constexpr (kRegSplit) {  // the split must fit the registers the launch gives the CTA (else: a hang)
-    cudaFuncAttributes attr{};
-    if ((err = cudaFuncGetAttributes(&attr, kernel)) != cudaSuccess) return err;
-    if (attr.numRegs < kLaunchRegs) return cudaErrorInvalidConfiguration;
+    int regs = 0;
+    if ((err = kernel_registers(kernel, regs)) != cudaSuccess) return err;
+    if (regs < kLaunchRegs) return cudaErrorInvalidConfiguration;
   }
   if (args.check_only) return cudaSuccess;
   const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))

@@ -1,5 +1,6 @@
 // The chunk-32 producer as a kernel of its own (produce.h): one CTA of 128 threads per (chunk,
 // head), its operands built in shared memory (produce.cuh) and copied out with one bulk copy.
+#include "cuda/device_info.h"
 #include "cuda/sm90/prefill_v2/produce.cuh"
 
 namespace flashkda::cuda::sm90::prefill_v2 {
@@ -50,7 +51,7 @@ __global__ void __launch_bounds__(kThreads) l_mqk_probe_kernel(const uint32_t* a
 
 cudaError_t l_mqk_product_probe(const uint32_t* a, const uint32_t* b, float* d, cudaStream_t stream) {
   constexpr int smem = ProduceScratch::kOffL + 1024;
-  cudaError_t err = cudaFuncSetAttribute(l_mqk_probe_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  cudaError_t err = allow_dynamic_smem(l_mqk_probe_kernel, smem);
   if (err != cudaSuccess) return err;
   l_mqk_probe_kernel<<<1, kThreads, smem, stream>>>(a, b, d);
   return cudaGetLastError();
@@ -68,7 +69,7 @@ cudaError_t produce_chunks(const ProduceArgs& args, cudaStream_t stream) {
                                                           : produce_kernel<GateForm::kSoftplus, false>)
                                                    : (f32 ? produce_kernel<GateForm::kPrecomputed, true>
                                                           : produce_kernel<GateForm::kPrecomputed, false>);
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = allow_dynamic_smem(kernel, kSmemBytes);
   if (err != cudaSuccess) return err;
   const dim3 grid(static_cast<unsigned>((args.T + kChunk - 1) / kChunk), static_cast<unsigned>(args.H));
   kernel<<<grid, kThreads, kSmemBytes, stream>>>(args);
