@@ -24,6 +24,9 @@ struct PrefillParams {
   DType initial_state_dtype = DType::kF32;
   void* final_state = nullptr;          // [N, H, V, K]  or null (not written)
   DType final_state_dtype = DType::kF32;
+  // final_state may be initial_state itself (the same pointer and dtype): each state is then updated in
+  // place, with the bits of two buffers. Any other overlap between them, or with another argument, is
+  // not supported.
 
   const void* cu_seqlens = nullptr;     // [num_seqs + 1], or null
   DType cu_seqlens_dtype = DType::kI32; // kI32 or kI64

@@ -197,7 +197,8 @@ def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state
     q, k, v, g: [B, T, H, K|V] bfloat16 (float32 also on the CPU); beta: [B, T, H] logits (sigmoid
     applied); gate `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` with A_log [H] fp32,
     dt_bias [H, K] fp32, lower_bound in [-5, 0); q and k are L2-normalised; out: [B, T, H, V].
-    initial_state / final_state: [N, H, V, K] float32 or bfloat16 (None: zeros / not written).
+    initial_state / final_state: [N, H, V, K] float32 or bfloat16 (None: zeros / not written); one
+    tensor may be both (the states updated in place, with the bits of two tensors).
     cu_seqlens: [N + 1] int64 (or int32) with B = 1.
     precision (flashkda's own): 'precise' (default), 'balanced' or 'fast'; see chunk_kda.
     state_pool [P, H, V, K], state_indices, has_initial_state, checkpoint_every, checkpoints

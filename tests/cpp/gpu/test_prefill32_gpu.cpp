@@ -1318,8 +1318,8 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
 // A final state written over the initial one (one buffer, as a caller that updates a state in place
 // passes it) gives the bits of two buffers on every path the rule takes for one sequence: the
 // few-head pieces (random gates; long memory in one channel, which the chunk-16 kernels then run),
-// the chunk-16 kernels alone (fused_pieces -1), the chained pieces at many heads and the unsplit
-// fused kernel. Where pieces cut a sequence the first ones read the initial state while the last ones
+// the chunk-16 kernels alone (fused_pieces -1; and with bf16 states, which the pieces do not serve), the
+// chained pieces at many heads and the unsplit fused kernel. Where pieces cut a sequence the first ones read the initial state while the last ones
 // write the final state, so there the final states go through the workspace (pieces_final_in_place).
 TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
@@ -1331,10 +1331,12 @@ TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
     int fused_pieces, fused_v2;
     int flag;  // the pieces' flag after the call (-1: no pieces)
     const char* name;
+    StateKind states = StateKind::kF32;
   };
   const Case cases[] = {{2048, 4, false, 0, 0, 0, "the few-head pieces"},
                         {2048, 4, true, 0, 0, 2, "the few-head pieces stopped by long memory"},
                         {2048, 4, false, -1, 0, -1, "the chunk-16 kernels"},
+                        {2048, 4, false, 0, 0, -1, "bf16 states (the chunk-16 kernels)", StateKind::kBF16},
                         {8192, 96, false, 0, 0, 0, "the rule at H = 96 (chained pieces)"},
                         {1024, 96, false, 0, 1, -1, "the unsplit fused kernel"}};
   for (const Case& c : cases) {
@@ -1344,7 +1346,7 @@ TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
     }
     KdaOptions o;
     o.T = c.T, o.H = c.H, o.A_log_max = 0.0, o.seed = 53;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    o.initial_state = c.states, o.final_state = c.states;
     KdaInputs in(o);
     if (c.long_memory) in.dt_bias[5] = -30.f;  // one channel of head 0
     SCOPED_TRACE(in.describe() + ", " + c.name);
