@@ -311,6 +311,9 @@ struct Params {
   int64_t fused_min_tokens;   // with fused_sms: the rule's floor on the longest sequence (config.h fused_rule)
   const int* pieces_flag;     // internal::PrefillLaunch::fused_pieces: zero where the fused kernel's pieces ran the
                               // call (every chunk-16 kernel then returns at once: pieces_ran), else null or 1
+  uint32_t* prep_next;        // the few-head pieces' area (zeroed with their flag), or null: the strided K1 after
+                              // them takes its (slot, head) items from this counter, in the one-a-CTA kernel's
+                              // order, instead of every gridDim.x-th in turn (prepare_kernel kStrided)
   int32_t* fused_order;       // workspace header [N] (with cu_seqlens): K0's order of the sequences, longest
                               // first (order_longest_first), in which the fused kernel's CTAs take them
   int32_t* fused_next;        // workspace header, zeroed by K0 where fused_sms > 0: the next (sequence,

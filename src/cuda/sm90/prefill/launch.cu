@@ -33,10 +33,11 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   // Where K0 may give the call to the fused kernel, K1's CTAs may all find nothing to do: four waves
   // of them take every chunk in turn (prepare_kernel kStrided).
   // So too after the fused kernel's pieces (Params::pieces_flag), which run the call unless a warm-up
-  // fails; there one wave (six CTAs an SM, all resident at once), each CTA taking four times as many
-  // chunks in turn: an empty K1 of four waves took 4.7 us at T=8192 H=12 (run 121), of one 1.8 (run
-  // 123, an H200). Where the pieces stop, the strided K1 runs ~7-12% longer than the one-a-CTA K1
-  // (run 123, by subtraction; its CTA barrier between chunks, not the wave count, is the likely cause).
+  // fails; there one wave (six CTAs an SM, all resident at once), after unchained pieces taking the
+  // chunks from a counter (Params::prep_next): an empty K1 of four waves took 4.7 us at T=8192 H=12
+  // (run 121), of one 1.8 (run 123, an H200). Where the pieces stop, K1 in one wave with a fixed
+  // stride ran 10-13% longer than the one-a-CTA K1 (run 125); the counter gives the items in the
+  // one-a-CTA kernel's order, each CTA taking the next as soon as it is free.
   const bool strided = p.fused_sms > 0 || p.pieces_flag != nullptr;
   const int waves = p.pieces_flag != nullptr ? 1 : 4;
   if (strided) blocks = std::min<int64_t>(blocks, waves * kPrepCtasPerSm * sm_count());  // fused_sms is the SM count
@@ -376,7 +377,7 @@ PiecesChoice fused_pieces_choice(const PrefillParams& p, const internal::Prefill
 }
 
 // The pieces' area of the workspace, after the chunk-16 kernels': the flag (when chained, the
-// counter and the ready flags after it), the last pieces' final states, and when chained every
+// counter and the ready flags after it; else the chunk-16 K1's counter, Params::prep_next), the last pieces' final states, and when chained every
 // piece's end state. pieces 0: the call does not run in pieces (total 0).
 struct PiecesArea {
   int64_t pieces = 0;
@@ -392,7 +393,8 @@ PiecesArea fused_pieces_area(const PrefillParams& p, const internal::PrefillLaun
   a.pieces = choice.pieces;
   a.chained = choice.chained;
   const size_t states = size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4;
-  a.finals = align_up(sizeof(int) * size_t(a.chained ? sm90::prefill_v2::fused_chain_flags(p, a.pieces) : 1));
+  // unchained: the flag and K1's counter after it (Params::prep_next), which the pieces' memset zeroes
+  a.finals = align_up(sizeof(int) * size_t(a.chained ? sm90::prefill_v2::fused_chain_flags(p, a.pieces) : 2));
   a.states = a.finals + align_up(states);
   a.total = a.states + (a.chained ? align_up(states * size_t(a.pieces)) : 0);
   return a;
@@ -590,6 +592,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   // The fused kernel in pieces (fused_pieces_choice: forced, or by rule), then the kernels the rule
   // picks for the call, which run it only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;
+  uint32_t* prep_next = nullptr;  // unchained pieces: K1's counter after their flag (Params::prep_next)
   Params ahead{};  // with cu_seqlens or a pool: the chunk-16 kernels' parameters K0 ran with ahead of the pieces
   if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
     uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
@@ -618,6 +621,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
                                                ckpt_start, stream, chain_states) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
+      if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag
       ahead.k0_ran = k0_first;  // the kernels after the pieces take these parameters
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
       // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
@@ -649,6 +653,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   }
   const int64_t N = detail::num_sequences(p);
   Params kp = ahead.k0_ran ? ahead : chunk16_params(p, launch, workspace, pieces_flag);
+  kp.prep_next = prep_next;
   // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
   // kernel launched after them, while they do nothing.
   const bool persistent = launch.fused_persistent > 0;

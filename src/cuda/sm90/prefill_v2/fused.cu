@@ -1092,7 +1092,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag;
   f.pieces_final = pieces_final_in_place(p) ? static_cast<float*>(p.final_state) : final_states;
   f.ckpt_start = ckpt_start;
-  size_t flag_bytes = sizeof(int);
+  size_t flag_bytes = 2 * sizeof(int);  // the flag and the chunk-16 K1's counter after it (Params::prep_next)
   if (chain_states != nullptr) {  // the stop flag, the counter, the ready flags: one block, zeroed together
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
     flag_bytes = fused_chain_flags(p, pieces) * sizeof(int);
