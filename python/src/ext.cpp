@@ -407,6 +407,9 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
   attach_serving(r, {state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots},
                  u16_is_bf16);
   r.p.precision = parse_precision(precision);
+  // Positional, in PrefillLaunch's order: a field added there changes its size and stops the build
+  // here until it is passed (else the later values would land one field off).
+  static_assert(sizeof(internal::PrefillLaunch) == 112, "internal::PrefillLaunch changed: pass the new field here");
   const internal::PrefillLaunch launch{v_splits, segment_chunks, f16_operands, ckpt_in_segments, skip_transitions,
                                        skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm, record_copy,
                                        early_launch, cpu_isa, skip_bound, fused_v2, fused_persistent,

@@ -342,6 +342,10 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
 // call to them, so that what the variant names is what runs.
+// A field added to PrefillLaunch changes its size and stops the build here until it is placed: named
+// below if it forces a variant of the chunk-16 kernels, or not (the fused kernel's and the CPU's fields).
+static_assert(sizeof(internal::PrefillLaunch) == 112,
+              "internal::PrefillLaunch changed: say in forces_chunk16 whether the new field forces a chunk-16 variant");
 bool forces_chunk16(const internal::PrefillLaunch& l) {
   return l.v_splits != 0 || l.segment_chunks != 0 || l.f16_operands != 0 || l.checkpoints_in_segments != 0 ||
          l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||
