@@ -110,13 +110,14 @@ void forward(const PrefillParams& params, const PrefillLaunch& launch, void* wor
   forward_validated(params, launch, validated_backend(params), workspace, workspace_bytes, stream);
 }
 
-void forward(const PrefillParams& params, const PrefillLaunch& launch, const std::function<void*(size_t)>& alloc,
-             Stream stream) {
+void forward_allocating(const PrefillParams& params, const PrefillLaunch& launch,
+                        const std::function<void*(size_t)>& alloc, Stream stream) {
   const Backend backend = validated_backend(params);
   size_t bytes = 0;
 #ifdef FLASHKDA_WITH_CUDA
   if (backend == Backend::kCuda) bytes = cuda::prefill_workspace_size(params, launch);
 #endif
+  FLASHKDA_CHECK_ARG(bytes == 0 || alloc, "alloc: the call needs ", bytes, " bytes of workspace and no allocator was given");
   void* const workspace = bytes > 0 ? alloc(bytes) : nullptr;
   forward_validated(params, launch, backend, workspace, bytes, stream);
 }

@@ -106,10 +106,11 @@ size_t workspace_size(const PrefillParams& params, const PrefillLaunch& launch);
 void forward(const PrefillParams& params, const PrefillLaunch& launch, void* workspace, size_t workspace_bytes,
              Stream stream = nullptr);
 // forward with the workspace from alloc(bytes), called once, after the arguments are validated and only
-// where the call needs workspace (its pointer must stay valid for the call's kernels): one validation
-// where workspace_size and then forward make two (the Python extension's call).
-void forward(const PrefillParams& params, const PrefillLaunch& launch, const std::function<void*(size_t)>& alloc,
-             Stream stream = nullptr);
+// where the call needs workspace: it must return at least `bytes` of device memory that stays valid for
+// the call's kernels (the caller's stream order). One validation where workspace_size and then forward
+// make two (the Python extension's call).
+void forward_allocating(const PrefillParams& params, const PrefillLaunch& launch,
+                        const std::function<void*(size_t)>& alloc, Stream stream = nullptr);
 void decode(const DecodeParams& params, const DecodeLaunch& launch, Stream stream = nullptr);
 
 // The segment length the launcher picks for this problem on the current device (0: no split).

@@ -407,14 +407,15 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
   attach_serving(r, {state_pool, state_indices, has_initial_state, checkpoint_every, checkpoints, checkpoint_slots},
                  u16_is_bf16);
   r.p.precision = parse_precision(precision);
-  // Positional, in PrefillLaunch's order: a field added there changes its size and stops the build
-  // here until it is passed (else the later values would land one field off).
-  static_assert(sizeof(internal::PrefillLaunch) == 112, "internal::PrefillLaunch changed: pass the new field here");
-  const internal::PrefillLaunch launch{v_splits, segment_chunks, f16_operands, ckpt_in_segments, skip_transitions,
-                                       skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm, record_copy,
-                                       early_launch, cpu_isa, skip_bound, fused_v2, fused_persistent,
-                                       fused_min_tokens, fused_pieces, fused_warmup, fused_order, fused_chain,
-                                       lowrank_transitions};
+  internal::PrefillLaunch launch;  // by name: a field added to PrefillLaunch keeps its default here
+  launch.v_splits = v_splits, launch.segment_chunks = segment_chunks, launch.f16_operands = f16_operands;
+  launch.checkpoints_in_segments = ckpt_in_segments, launch.skip_transitions = skip_transitions;
+  launch.skip_run_chunks = skip_run_chunks, launch.skip_warmup_chunks = skip_warmup_chunks;
+  launch.seg_ctas_per_sm = seg_ctas_per_sm, launch.record_copy = record_copy, launch.early_launch = early_launch;
+  launch.cpu_isa = cpu_isa, launch.skip_bound = skip_bound, launch.fused_v2 = fused_v2;
+  launch.fused_persistent = fused_persistent, launch.fused_min_tokens = fused_min_tokens;
+  launch.fused_pieces = fused_pieces, launch.fused_warmup = fused_warmup, launch.fused_order = fused_order;
+  launch.fused_chain = fused_chain, launch.lowrank_transitions = lowrank_transitions;
   // workspace_alloc(nbytes) -> array: asked only when no workspace was passed and the backend needs
   // one, after the library validated the call (once: workspace_size and then forward validate twice).
   if (!workspace && !workspace_alloc.is_none()) {
@@ -422,12 +423,13 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
     const std::function<void*(size_t)> alloc = [&](size_t nbytes) -> void* {
       nb::gil_scoped_acquire gil;
       allocated = workspace_alloc(nbytes);
-      const auto [data, bytes] = workspace_bytes(nb::cast<OutArray>(allocated), r.q);
+      const OutArray array = nb::cast<OutArray>(allocated);  // a view of `allocated`, which owns the bytes
+      const auto [data, bytes] = workspace_bytes(array, r.q);
       FLASHKDA_CHECK_ARG(bytes >= nbytes, "workspace_alloc: returned ", bytes, " bytes, need ", nbytes);
       return data;
     };
     nb::gil_scoped_release nogil;
-    internal::forward(r.p, launch, alloc, reinterpret_cast<Stream>(stream));
+    internal::forward_allocating(r.p, launch, alloc, reinterpret_cast<Stream>(stream));
     return;
   }
   void* ws = nullptr;

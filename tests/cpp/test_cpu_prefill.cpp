@@ -403,7 +403,7 @@ TEST(CpuPrefillIsas, Avx512GivesTheBitsOfAvx2) {
   }
 }
 
-// internal::forward with a workspace allocator (the Python extension's call): the CPU backend needs no
+// internal::forward_allocating (the Python extension's call): the CPU backend needs no
 // workspace, so the allocator is never asked, and the call gives the bits of the plain one; a call it
 // refuses throws before asking it.
 TEST(CpuPrefillAlloc, AllocatorIsNeverAskedAndTheBitsAreThePlainCalls) {
@@ -420,13 +420,13 @@ TEST(CpuPrefillAlloc, AllocatorIsNeverAskedAndTheBitsAreThePlainCalls) {
     return nullptr;
   };
   in.poison_outputs();
-  internal::forward(in.params(), internal::PrefillLaunch{}, alloc);
+  internal::forward_allocating(in.params(), internal::PrefillLaunch{}, alloc);
   EXPECT_EQ(asked, 0);
   EXPECT_TRUE(in.out.bytes == out) << "out";
   EXPECT_TRUE(in.final_state.bytes == fin) << "final_state";
   PrefillParams bad = in.params();
   bad.q = nullptr;
-  EXPECT_THROW(internal::forward(bad, internal::PrefillLaunch{}, alloc), Error);
+  EXPECT_THROW(internal::forward_allocating(bad, internal::PrefillLaunch{}, alloc), Error);
   EXPECT_EQ(asked, 0);
 }
 

@@ -1361,7 +1361,7 @@ TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
   }
 }
 
-// internal::forward with a workspace allocator (the Python extension's call: one validation): asked once,
+// internal::forward_allocating (the Python extension's call: one validation): the allocator asked once,
 // for workspace_size's bytes (the pieces' area included), and the bits of the call in a workspace of that
 // size, through the few-head pieces, the pieces stopped by long memory, and device cu_seqlens (K0 ahead
 // of the pieces).
@@ -1390,7 +1390,7 @@ TEST_F(Prefill32Gpu, WorkspaceFromAnAllocatorGivesTheSameBits) {
     std::vector<size_t> asked;
     std::unique_ptr<DeviceBuffer> ws;
     d.poison();
-    internal::forward(p, internal::PrefillLaunch{}, [&](size_t bytes) -> void* {
+    internal::forward_allocating(p, internal::PrefillLaunch{}, [&](size_t bytes) -> void* {
       asked.push_back(bytes);
       ws = std::make_unique<DeviceBuffer>(bytes);
       return ws->ptr;

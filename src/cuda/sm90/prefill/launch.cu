@@ -342,10 +342,12 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
 // call to them, so that what the variant names is what runs.
-// A field added to PrefillLaunch changes its size and stops the build here until it is placed: named
-// below if it forces a variant of the chunk-16 kernels, or not (the fused kernel's and the CPU's fields).
-static_assert(sizeof(internal::PrefillLaunch) == 112,
-              "internal::PrefillLaunch changed: say in forces_chunk16 whether the new field forces a chunk-16 variant");
+// PrefillLaunch's 20 fields, counted by a structured binding: a field added there stops the build here
+// until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
+// (the fused kernel's and the CPU's fields); then the binding gains a name.
+[[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
+  [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20] = l;
+}
 bool forces_chunk16(const internal::PrefillLaunch& l) {
   return l.v_splits != 0 || l.segment_chunks != 0 || l.f16_operands != 0 || l.checkpoints_in_segments != 0 ||
          l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||

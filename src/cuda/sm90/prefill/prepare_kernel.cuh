@@ -209,23 +209,23 @@ __device__ __forceinline__ bool prepare_slot(const Params& p, uint8_t* smem_raw,
 }
 
 // After the few-head pieces (Params::prep_next): the CTAs take items b = slot * H + h from a counter,
-// each thread 0 asking for its next item while the CTA builds the current one (the atomic's latency
-// hidden behind the chunk), handing it over through next[] alternately, so that the one CTA barrier
-// an item already has orders both. The items go in the one-a-CTA kernel's order, each CTA taking the
-// next as soon as it is free, where a fixed stride ran 8-13% longer with long memory (run 125).
+// in the one-a-CTA kernel's order, each CTA taking the next as soon as it is free, where a fixed
+// stride ran 8-13% longer with long memory (run 125). The last thread asks for the CTA's next item
+// once it leaves prepare_chunk, which warps 2 and 3 do while warp 0 still inverts (the atomic's
+// latency behind that), and hands it over through next[] alternately, so that the one CTA barrier an
+// item already has orders both; no register holds it across a chunk (ptxas spilled one that did).
 template <class Split>
 __device__ __forceinline__ void prepare_from_counter(const Params& p, uint8_t* smem_raw) {
   __shared__ uint32_t next[2];
   const uint32_t total = uint32_t(p.chunk_slots * p.H);  // < 2^31 (launch_prepare)
-  if (threadIdx.x == 0) next[0] = atomicAdd(p.prep_next, 1u);
+  const bool asks = threadIdx.x == kPrepThreads - 1;     // warp 3's last lane
+  if (asks) next[0] = atomicAdd(p.prep_next, 1u);
   __syncthreads();
   for (int i = 0;; i ^= 1) {
     const uint32_t b = next[i];
     if (b >= total) return;
-    uint32_t after = 0;
-    if (threadIdx.x == 0) after = atomicAdd(p.prep_next, 1u);
     if (!prepare_slot<Split>(p, smem_raw, b)) return;  // and every later item (a larger slot)
-    if (threadIdx.x == 0) next[i ^ 1] = after;
+    if (asks) next[i ^ 1] = atomicAdd(p.prep_next, 1u);
     __syncthreads();  // every thread done with this chunk's shared memory and next[i]; next[i ^ 1] written
   }
 }
