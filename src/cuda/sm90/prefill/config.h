@@ -311,6 +311,8 @@ struct Params {
   int64_t fused_min_tokens;   // with fused_sms: the rule's floor on the longest sequence (config.h fused_rule)
   const int* pieces_flag;     // internal::PrefillLaunch::fused_pieces: zero where the fused kernel's pieces ran the
                               // call (every chunk-16 kernel then returns at once: pieces_ran), else null or 1
+  int* pieces_zero;           // K0 ahead of the fused kernel's pieces: their flags' block, which it zeroes first
+  int64_t pieces_zero_ints;   // (in place of their memset: one launch fewer on calls with cu_seqlens or a pool)
   uint32_t* prep_next;        // the few-head pieces' area (zeroed with their flag), or null: the strided K1 after
                               // them takes its (slot, head) items from this counter, in the one-a-CTA kernel's
                               // order, instead of every gridDim.x-th in turn (prepare_kernel kStrided)

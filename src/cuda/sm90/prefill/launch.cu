@@ -616,6 +616,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const bool k0_first = p.state_pool != nullptr || p.cu_seqlens != nullptr;
     if (k0_first) {
       ahead = chunk16_params(p, launch, workspace, flag);
+      ahead.pieces_zero = flag;  // K0 zeroes the pieces' flags: their memset's launch saved
+      ahead.pieces_zero_ints = sm90::prefill_v2::fused_pieces_flag_ints(p, area.pieces, area.chained);
       launch_k0(ahead, stream);
       error_flag = ahead.error_flag;
       if (p.cu_seqlens != nullptr) ckpt_start = ahead.ckpt_start;
@@ -624,7 +626,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does
     // (and they launch K0 again: without the pieces the fused kernel may take the call).
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, error_flag,
-                                               ckpt_start, stream, chain_states) == cudaSuccess) {
+                                               ckpt_start, stream, chain_states, k0_first) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag

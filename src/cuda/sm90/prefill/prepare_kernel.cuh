@@ -112,6 +112,8 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   } tmp;
   __shared__ int carry, seg_carry, ckpt_carry;
   allow_dependents();  // K1 may launch now; it waits for this kernel before it reads anything
+  // Ahead of the fused kernel's pieces: their flags, zeroed here instead of by a memset of their own.
+  for (int64_t i = threadIdx.x; i < p.pieces_zero_ints; i += kScanThreads) p.pieces_zero[i] = 0;
 
   if (p.cu_seqlens == nullptr) {  // a pool without cu_seqlens: the slot check only
     if (threadIdx.x == 0) *p.error_flag = 0;

@@ -1082,9 +1082,13 @@ int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
   return 2 + detail::num_sequences(p) * pieces * p.H;
 }
 
+int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chained) {
+  return chained ? fused_chain_flags(p, pieces) : 2;
+}
+
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states) {
+                                 float* chain_states, bool flags_zeroed) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1092,12 +1096,11 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   f.pieces = pieces, f.warmup = warmup, f.pieces_flag = flag;
   f.pieces_final = pieces_final_in_place(p) ? static_cast<float*>(p.final_state) : final_states;
   f.ckpt_start = ckpt_start;
-  size_t flag_bytes = 2 * sizeof(int);  // the flag and the chunk-16 K1's counter after it (Params::prep_next)
   if (chain_states != nullptr) {  // the stop flag, the counter, the ready flags: one block, zeroed together
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
-    flag_bytes = fused_chain_flags(p, pieces) * sizeof(int);
   }
-  cudaError_t err = cudaMemsetAsync(flag, 0, flag_bytes, stream);
+  const size_t flag_bytes = size_t(fused_pieces_flag_ints(p, pieces, f.pieces_chain)) * sizeof(int);
+  cudaError_t err = flags_zeroed ? cudaSuccess : cudaMemsetAsync(flag, 0, flag_bytes, stream);
   if (err == cudaSuccess && !f.pieces_chain && pieces > 1 && f.num_seqs <= kMaxFusedSeqs && p.H <= 65535) {
     pieces_precheck_kernel<<<dim3(unsigned(pieces - 1), unsigned(f.num_seqs), unsigned(p.H)), kHeadDim, 0, stream>>>(f);
     err = cudaGetLastError();

@@ -171,11 +171,15 @@ bool pieces_final_in_place(const PrefillParams& p);
 // Chained (FusedArgs::pieces_chain) where chain_states ([N pieces][H][V][K] fp32) is non-null: flag
 // then heads a block of 2 + N pieces H ints that the call zeroes, the stop flag, the counter
 // (pieces_next) and the ready flags (pieces_ready).
+// flags_zeroed: K0, launched ahead, zeroed the flags' block (prefill Params::pieces_zero), so no memset.
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr);
+                                 float* chain_states = nullptr, bool flags_zeroed = false);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
+// The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
+// chunk-16 K1's counter after it (prefill Params::prep_next).
+int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chained);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
