@@ -1403,6 +1403,46 @@ TEST_F(Prefill32Gpu, WorkspaceFromAnAllocatorGivesTheSameBits) {
   }
 }
 
+// The pieces' flags start at zero whatever the workspace held: filled with 0xff bytes before each call,
+// the few-head pieces still run (their flag 0 after the call) and give the bits of the call in a zeroed
+// workspace, where a memset zeroes the flags (no cu_seqlens) and where K0 does (device cu_seqlens:
+// Params::pieces_zero, in place of the memset).
+TEST_F(Prefill32Gpu, PiecesFlagsStartAtZeroInAnyWorkspace) {
+  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+  for (const bool by_cu_seqlens : {false, true}) {
+    KdaOptions o;
+    o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = 61;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe() + (by_cu_seqlens ? ", device cu_seqlens (K0 zeroes the flags)" : ", the memset"));
+    DeviceProblem d(in);
+    PrefillParams p = d.params();
+    if (by_cu_seqlens) {
+      const int32_t cu[2] = {0, int32_t(o.T)};
+      p.cu_seqlens = d.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
+    }
+    internal::PrefillLaunch plain;
+    plain.fused_pieces = -1;
+    const size_t at = internal::workspace_size(p, plain);  // the pieces' area: their flag first
+    DeviceBuffer ws(internal::workspace_size(p, internal::PrefillLaunch{}));
+    ASSERT_GT(ws.bytes, at) << "no pieces' area: the rule runs no pieces here";
+    std::vector<unsigned char> bits[2];
+    for (const int fill : {0x00, 0xff}) {
+      ASSERT_EQ(cudaMemset(ws.ptr, fill, ws.bytes), cudaSuccess);
+      d.poison();
+      internal::forward(p, internal::PrefillLaunch{}, ws.ptr, ws.bytes);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      d.download();
+      bits[fill != 0] = out_and_state_bits(in);
+      int flag = -1;
+      ASSERT_EQ(cudaMemcpy(&flag, static_cast<const unsigned char*>(ws.ptr) + at, sizeof(int), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      EXPECT_EQ(flag, 0) << "the pieces did not run the call (workspace filled with " << fill << ")";
+    }
+    EXPECT_TRUE(bits[0] == bits[1]) << "other bits from a workspace filled with 0xff";
+  }
+}
+
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints
 // 3 N + 5 on, after chunk_start, the verdict, seg_start, ckpt_start and the persistent grid's
 // counter) is a permutation with the length classes (ceil(len / 32)) non-increasing, through the

@@ -157,7 +157,7 @@ FusedArgs fused_args(const PrefillParams& p);
 // FusedArgs::pieces (internal::PrefillLaunch::fused_pieces, a candidate): whether it serves a call
 // fused_serves does (checkpoints too: a piece writes those after its warm-up; ckpt_start: K0's, with
 // cu_seqlens); the call in `pieces` pieces a sequence, each after the first
-// starting `warmup` chunks early (flag zeroed here, final_states: [N, H, V, K] in the state's
+// starting `warmup` chunks early (flag zeroed here unless flags_zeroed, final_states: [N, H, V, K] in the state's
 // dtype, fp32 room; error_flag: K0's, required with cu_seqlens or a pool, whose refusal the pieces
 // leave to the kernels after them); then fused_pieces_finish, which copies final_states to
 // p.final_state or the pool's slots where no piece set the flag.
@@ -169,8 +169,8 @@ bool fused_pieces_serve(const PrefillParams& p);
 // final state over the initial one needs the copy after the pieces (run 123: ~2 us and a launch gap).
 bool pieces_final_in_place(const PrefillParams& p);
 // Chained (FusedArgs::pieces_chain) where chain_states ([N pieces][H][V][K] fp32) is non-null: flag
-// then heads a block of 2 + N pieces H ints that the call zeroes, the stop flag, the counter
-// (pieces_next) and the ready flags (pieces_ready).
+// then heads a block of 2 + N pieces H ints that the call zeroes (unless flags_zeroed), the stop flag,
+// the counter (pieces_next) and the ready flags (pieces_ready).
 // flags_zeroed: K0, launched ahead, zeroed the flags' block (prefill Params::pieces_zero), so no memset.
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
