@@ -204,14 +204,15 @@ def _in_kernel_form(q, data=(), params=(), indices=(), int32_only=()):
     the answer (the C++ validation names every bad shape and value); anything else takes the
     checked path, which converts what it can and names what it cannot. None entries are absent."""
     torch = __import__("torch")
+    Tensor, device, cuda = torch.Tensor, q.device, q.is_cuda  # q's device once (each .device is a new object)
     groups = ((data, (torch.bfloat16, torch.float32)), (params, (torch.float32,)),
               (indices, (torch.int32, torch.int64)), (int32_only, (torch.int32,)))
     for tensors, dtypes in groups:
         for x in tensors:
             if x is None:
                 continue
-            if (not isinstance(x, torch.Tensor) or x.dtype not in dtypes or x.device != q.device
-                    or not x.is_contiguous() or (x.is_cuda and x.data_ptr() % 16)):
+            if (not isinstance(x, Tensor) or x.dtype not in dtypes or x.device != device
+                    or not x.is_contiguous() or (cuda and x.data_ptr() % 16)):
                 return False
     return True
 
