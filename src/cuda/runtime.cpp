@@ -3,7 +3,6 @@
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>  // PFN_cuCtxGetCurrent, PFN_cuCtxGetId
 
-#include <algorithm>
 #include <atomic>
 #include <map>
 #include <mutex>
@@ -118,15 +117,14 @@ KernelFacts& registers_read() {
 cudaError_t allow_dynamic_smem(const void* kernel, int bytes) {
   const unsigned long long ctx = context_id();
   if (ctx == 0) return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  // The set under the lock, to the larger of the recorded and the requested size: two threads setting
-  // one kernel at once must not leave the driver a smaller value than the one recorded.
+  // Checked and set under the lock, and only raised: two threads setting one kernel at once must not
+  // leave the driver a smaller value than the one recorded.
   KernelFacts& facts = smem_set();
   std::lock_guard<std::mutex> lock(facts.mutex);
   int& set = facts.values[{kernel, ctx}];  // 0 where new
   if (set >= bytes) return cudaSuccess;
-  const int want = std::max(set, bytes);
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, want);
-  if (err == cudaSuccess) set = want;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) set = bytes;
   return err;
 }
 

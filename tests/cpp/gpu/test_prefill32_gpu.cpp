@@ -316,13 +316,17 @@ std::vector<unsigned char> bits_in_place(KdaInputs& in, DeviceProblem& d) {
   return out_and_state_bits(in);
 }
 
-// d's one-sequence call (B = 1, no cu_seqlens) made by device cu_seqlens [0, T] with the rule's launch
-// (what engines pass): its outputs then final states.
-std::vector<unsigned char> bits_by_cu_seqlens(KdaInputs& in, DeviceProblem& d) {
-  const int32_t cu[2] = {0, int32_t(in.opt.T)};
+// d's one-sequence call (B = 1, no cu_seqlens) as device cu_seqlens [0, T] name it (what engines pass).
+PrefillParams by_device_cu_seqlens(DeviceProblem& d) {
+  const int32_t cu[2] = {0, int32_t(d.in.opt.T)};
   PrefillParams p = d.params();
   p.cu_seqlens = d.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
-  forward_call(d, p, internal::PrefillLaunch{});
+  return p;
+}
+
+// That call with the rule's launch: its outputs then final states.
+std::vector<unsigned char> bits_by_cu_seqlens(KdaInputs& in, DeviceProblem& d) {
+  forward_call(d, by_device_cu_seqlens(d), internal::PrefillLaunch{});
   return out_and_state_bits(in);
 }
 
@@ -1319,8 +1323,9 @@ TEST_F(Prefill32Gpu, RuleRunsChainedPieces) {
 // passes it) gives the bits of two buffers on every path the rule takes for one sequence: the
 // few-head pieces (random gates; long memory in one channel, which the chunk-16 kernels then run),
 // the chunk-16 kernels alone (fused_pieces -1; and with bf16 states, which the pieces do not serve), the
-// chained pieces at many heads and the unsplit fused kernel. Where pieces cut a sequence the first ones read the initial state while the last ones
-// write the final state, so there the final states go through the workspace (pieces_final_in_place).
+// chained pieces at many heads and the unsplit fused kernel. Where pieces cut a sequence the first ones
+// read the initial state while the last ones write the final state, so there the final states go
+// through the workspace (pieces_final_in_place).
 TEST_F(Prefill32Gpu, StateInPlaceGivesTheSameBits) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   int sms = 0;
@@ -1379,11 +1384,7 @@ TEST_F(Prefill32Gpu, WorkspaceFromAnAllocatorGivesTheSameBits) {
     if (c.long_memory) in.dt_bias[5] = -30.f;
     SCOPED_TRACE(in.describe() + ", " + c.name);
     DeviceProblem d(in);
-    PrefillParams p = d.params();
-    if (c.by_cu_seqlens) {
-      const int32_t cu[2] = {0, int32_t(o.T)};
-      p.cu_seqlens = d.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
-    }
+    const PrefillParams p = c.by_cu_seqlens ? by_device_cu_seqlens(d) : d.params();
     forward_call(d, p, internal::PrefillLaunch{});
     const std::vector<unsigned char> plain = out_and_state_bits(in);
     const size_t needed = internal::workspace_size(p, internal::PrefillLaunch{});
@@ -1416,11 +1417,7 @@ TEST_F(Prefill32Gpu, PiecesFlagsStartAtZeroInAnyWorkspace) {
     KdaInputs in(o);
     SCOPED_TRACE(in.describe() + (by_cu_seqlens ? ", device cu_seqlens (K0 zeroes the flags)" : ", the memset"));
     DeviceProblem d(in);
-    PrefillParams p = d.params();
-    if (by_cu_seqlens) {
-      const int32_t cu[2] = {0, int32_t(o.T)};
-      p.cu_seqlens = d.upload(cu, sizeof(cu)), p.cu_seqlens_dtype = DType::kI32, p.num_seqs = 1;
-    }
+    const PrefillParams p = by_cu_seqlens ? by_device_cu_seqlens(d) : d.params();
     internal::PrefillLaunch plain;
     plain.fused_pieces = -1;
     const size_t at = internal::workspace_size(p, plain);  // the pieces' area: their flag first

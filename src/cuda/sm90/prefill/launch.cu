@@ -339,15 +339,16 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
-// skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
-// call to them, so that what the variant names is what runs.
 // PrefillLaunch's 20 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
 // (the fused kernel's and the CPU's fields); then the binding gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
-  [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10, f11, f12, f13, f14, f15, f16, f17, f18, f19, f20] = l;
+  [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
+                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20] = l;
 }
+// Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
+// skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
+// call to them, so that what the variant names is what runs.
 bool forces_chunk16(const internal::PrefillLaunch& l) {
   return l.v_splits != 0 || l.segment_chunks != 0 || l.f16_operands != 0 || l.checkpoints_in_segments != 0 ||
          l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||
@@ -382,9 +383,10 @@ PiecesChoice fused_pieces_choice(const PrefillParams& p, const internal::Prefill
   return {pieces > 1 ? pieces : 0, false};
 }
 
-// The pieces' area of the workspace, after the chunk-16 kernels': the flag (when chained, the
-// counter and the ready flags after it; else the chunk-16 K1's counter, Params::prep_next), the last pieces' final states, and when chained every
-// piece's end state. pieces 0: the call does not run in pieces (total 0).
+// The pieces' area of the workspace, after the chunk-16 kernels': the flags' block (the flag; when
+// chained, the counter and the ready flags after it, else the chunk-16 K1's counter, Params::prep_next),
+// the last pieces' final states, and when chained every piece's end state. pieces 0: the call does not
+// run in pieces (total 0).
 struct PiecesArea {
   int64_t pieces = 0;
   bool chained = false;
@@ -399,8 +401,7 @@ PiecesArea fused_pieces_area(const PrefillParams& p, const internal::PrefillLaun
   a.pieces = choice.pieces;
   a.chained = choice.chained;
   const size_t states = size_t(detail::num_sequences(p)) * size_t(p.H) * kHeadDim * kHeadDim * 4;
-  // unchained: the flag and K1's counter after it (Params::prep_next), which the pieces' memset zeroes
-  a.finals = align_up(sizeof(int) * size_t(a.chained ? sm90::prefill_v2::fused_chain_flags(p, a.pieces) : 2));
+  a.finals = align_up(sizeof(int) * size_t(sm90::prefill_v2::fused_pieces_flag_ints(p, a.pieces, a.chained)));
   a.states = a.finals + align_up(states);
   a.total = a.states + (a.chained ? align_up(states * size_t(a.pieces)) : 0);
   return a;

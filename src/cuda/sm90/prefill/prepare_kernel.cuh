@@ -212,7 +212,7 @@ __device__ __forceinline__ bool prepare_slot(const Params& p, uint8_t* smem_raw,
 
 // After the few-head pieces (Params::prep_next): the CTAs take items b = slot * H + h from a counter,
 // in the one-a-CTA kernel's order, each CTA taking the next as soon as it is free, where a fixed
-// stride ran 8-13% longer with long memory (run 125). The last thread asks for the CTA's next item
+// stride ran 10-13% longer with long memory (run 125). The last thread asks for the CTA's next item
 // once it leaves prepare_chunk, which warps 2 and 3 do while warp 0 still inverts (the atomic's
 // latency behind that), and hands it over through next[] alternately, so that the one CTA barrier an
 // item already has orders both; no register holds it across a chunk (ptxas spilled one that did).
