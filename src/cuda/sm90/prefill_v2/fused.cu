@@ -346,16 +346,16 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
   load_gate_consts<kGate>(pa, h, tid, sm_gate);
   ProducerSync::sync();
-  // beta a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
-  float beta_next = load_beta_raw(pa, h, 0, tid);
+  // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
+  uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
   if constexpr (kStaged) {
     if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
   }
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
     const int stage = int(gc % kStages);
-    const float beta_raw = beta_next;
-    if (c + 1 < staged_chunks) beta_next = load_beta_raw(pa, h, c + 1, tid);
+    const uint32_t beta_bits = beta_next;
+    if (c + 1 < staged_chunks) beta_next = load_beta_bits(pa, h, c + 1, tid);
     if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
     mark(0);
     if constexpr (kPieces) {
@@ -387,7 +387,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
     produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
-                                                                        scratch, staged, beta_raw, sm_gate, true, l_beta,
+                                                                        scratch, staged, beta_bits, sm_gate, true, l_beta,
                                                                         mark, refill);
     mbarrier_arrive(&full[stage]);
     mark(8);
@@ -525,11 +525,16 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   };
   float log2_bound = 0.f;  // consumer thread 0: the warm-up's bounds so far
   bool draining = false;
+  // kPieces: another piece's failed warm-up, as consumer thread 0 read the flag a chunk earlier: the
+  // value is first used a chunk after its load (a compare right after it, read at the top of the
+  // chunk, held the warp for the load's latency before its wait for the stage).
+  int flag_next = kPieces && ctid == 0 ? *static_cast<volatile int*>(a.pieces_flag) : 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;
     const int stage = int(gc % kStages);
-    // kPieces: another piece's failed warm-up (read ahead of the wait, which hides its latency)
-    const bool failed = kPieces && ctid == 0 && *static_cast<volatile int*>(a.pieces_flag) != 0;
+    const int flag = flag_next;
+    if (kPieces && ctid == 0) flag_next = *static_cast<volatile int*>(a.pieces_flag);
+    const bool failed = flag != 0;
     if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
     mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
     if constexpr (kPieces) {

@@ -119,14 +119,29 @@ __device__ __forceinline__ void read8(const float* p, float (&x)[8]) {
   x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
 }
 
+// The raw beta of token tid of chunk `chunk` as the bits loaded (threads 0-31; 0 past the end), a
+// chunk ahead of its use: a bf16's 16 bits are widened to fp32 where the value is used
+// (beta_from_bits), so that no instruction waits for the load before then. Loaded as a float, the
+// widening shift came right after the load and held warp 0, the producer's chain, for a global
+// load's whole latency at the top of every chunk (the phase clocks' "empty wait", ~1 200 cycles).
+__device__ __forceinline__ uint32_t load_beta_bits(const ProduceArgs& p, int h, int64_t chunk, int tid) {
+  const int64_t row0 = chunk * kChunk, i = (row0 + tid) * p.H + h;
+  if (tid >= kChunk || row0 + tid >= p.T) return 0u;
+  return p.beta_type == ElemType::kF32 ? static_cast<const uint32_t*>(p.beta)[i]
+                                       : uint32_t(static_cast<const uint16_t*>(p.beta)[i]);
+}
+__device__ __forceinline__ float beta_from_bits(const ProduceArgs& p, uint32_t bits) {
+  return __uint_as_float(p.beta_type == ElemType::kF32 ? bits : bits << 16);
+}
+
 // q, k and the raw gate (fp32 when kF32Gate, else bf16) of this thread's rows; rows past the
 // chunk's end re-read the last valid row (all loads issue at once) and are zeroed by gate_chunk.
 // beta (logistic where a logit) into sm_beta by the first 32 threads.
-// beta_ahead: the raw beta already loaded (load_beta_raw, a chunk ahead), else loaded here.
+// beta_ahead: the raw beta's bits already loaded (load_beta_bits, a chunk ahead), else loaded here.
 template <bool kF32Gate>
 __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t row0, int rows, int tid,
                                            ThreadTile& q, ThreadTile& k, ThreadTile& a, float* sm_beta,
-                                           bool beta_ahead, float beta_raw) {
+                                           bool beta_ahead, uint32_t beta_bits) {
   const int warp = tid >> 5, lane = tid & 31;
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -139,7 +154,7 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
   if (tid < kChunk) {
     float b = 0.f;
     if (tid < rows) {
-      b = beta_ahead ? beta_raw : load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32);
+      b = beta_ahead ? beta_from_bits(p, beta_bits) : load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32);
       if (p.beta_is_logit) b = sigmoidf_(b);
     }
     sm_beta[tid] = b;
@@ -187,12 +202,6 @@ __device__ __forceinline__ void issue_chunk_rows(const ChunkRowMaps& maps, int h
   tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
 }
 
-// The raw beta of token tid of chunk `chunk` (threads 0-31; 0 past the end), loaded a chunk ahead.
-__device__ __forceinline__ float load_beta_raw(const ProduceArgs& p, int h, int64_t chunk, int tid) {
-  const int64_t row0 = chunk * kChunk;
-  return tid < kChunk && row0 + tid < p.T ? load_elem(p.beta, (row0 + tid) * p.H + h, p.beta_type == ElemType::kF32)
-                                          : 0.f;
-}
 
 __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
   x[0] = bf16_lo(v.x), x[1] = bf16_hi(v.x), x[2] = bf16_lo(v.y), x[3] = bf16_hi(v.y);
@@ -200,11 +209,11 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
 }
 
 // From a staged buffer (its copies complete): the raw gate of this thread's rows into a, and beta
-// (from beta_raw). q and k stay in the buffer: qk_row_scales_staged and build_factors_staged read
+// (from its bits, beta_bits). q and k stay in the buffer: qk_row_scales_staged and build_factors_staged read
 // them where they are used, so the producer holds one tile of registers instead of three.
 template <bool kF32Gate>
 __device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf,
-                                                 float beta_raw, ThreadTile& a, float* sm_beta) {
+                                                 uint32_t beta_bits, ThreadTile& a, float* sm_beta) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
   for (int r = 0; r < kTileRows; ++r) {
@@ -215,7 +224,10 @@ __device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows,
       unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedG, t, c0)), a.x[r]);
     }
   }
-  if (tid < kChunk) sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
+  if (tid < kChunk) {
+    const float beta_raw = beta_from_bits(p, beta_bits);
+    sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
+  }
 }
 
 // The head's gate constants, read by gate_chunk from global memory or, in a kernel that walks many
@@ -773,7 +785,7 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // they are used; after the factors' barrier no thread reads them again, and after_factors() runs
 // while the L/Mqk products are in flight (the fused kernel refills the buffer there). Else loaded
 // from global memory.
-// beta_raw: the chunk's raw beta (load_beta_raw) where staged or beta_ahead, else loaded here.
+// beta_bits: the chunk's raw beta's bits (load_beta_bits) where staged or beta_ahead, else loaded here.
 // sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
 // kInvert false: the record's inv_b is left to its consumers; L (fp32, [32][kLStride]) and beta
 // ([32]) go to l_beta instead of the scratch (L, then beta at kLBetaOffBeta floats), and the call
@@ -784,7 +796,7 @@ template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool k
           class AfterFactors = NoAfter>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                               uint8_t* scratch, uint8_t* staged = nullptr,
-                                              float beta_raw = 0.f, const float* sm_gate = nullptr,
+                                              uint32_t beta_bits = 0, const float* sm_gate = nullptr,
                                               bool beta_ahead = false, float* l_beta = nullptr,
                                               const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
   float* const sm_beta =
@@ -793,8 +805,8 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
 
   ThreadTile q, k, a;  // q, k unused where staged
-  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_raw, a, sm_beta);
-  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_raw);
+  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
+  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
   mark(1);
   gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
   mark(9);
