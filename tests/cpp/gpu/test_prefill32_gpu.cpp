@@ -211,7 +211,7 @@ std::vector<unsigned char> run_bits(KdaInputs& in, DeviceProblem& d, V2Call* dir
 // state out below the fp32 rounding, the pieces give the unsplit kernel's bits.
 // Moderate decay on every channel: raw gates 0, dt_bias -1.86, A_log 0 (lower bound -5), so each
 // token decays every channel by ~0.97 in log2 units and a 32-token chunk by ~-31: the gates'
-// pre-check of unchained pieces (pieces_precheck_kernel) finds max_c e^{Gamma_c} below 2^-29.5 and
+// pre-check of unchained pieces (the consumers' precheck_warmups) finds max_c e^{Gamma_c} below 2^-29.5 and
 // lets them run, but a warm-up chunk's bound with its key terms (~32 beta 2^-31) is above 2^-30, so a
 // piece stops them (flag 1) and they drain: the path the pre-check otherwise takes off the tests.
 void moderate_decay(KdaInputs& in) {
@@ -702,8 +702,8 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensIsDecidedByK0) {
 // kernel's), one sequence and two of an odd length, more pieces than chunks, the state none or
 // fp32, H = 96, graph replays equal to the eager call. The bits of the kernels the rule picks (the
 // chunk-16 kernels, at H = 96 the fused kernel) where the pieces must not run: long-memory channels
-// (dt_bias -30: no decay) in every head or in one, which the gates' pre-check catches before the
-// pieces run (pieces_precheck_kernel: the flag 2), and a NaN value in the first piece's chunks (the
+// (dt_bias -30: no decay) in every head or in one, which the gates' pre-check catches as the
+// pieces start (the consumers' precheck_warmups: the flag 2), and a NaN value in the first piece's chunks (the
 // exact recurrence carries it into every later token, a piece from zero would not; a piece sets 1).
 // in's call in four forced pieces, which a piece stops while they run (flag 1, `stopper` names what
 // should have): the bits of the kernels the rule picks, eagerly and replayed from a graph; in holds
@@ -748,7 +748,7 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
                                      rule = run_bits(in, d_rule);
     const std::vector<unsigned char> got = run_bits(in, d_pieces);
     EXPECT_EQ(pieces_stopped(d_pieces), falls_back) << "the pieces' flag";
-    // long-memory channels: the gates' pre-check stops the pieces before they run (flag 2); a NaN
+    // long-memory channels: the gates' pre-check stops the pieces as they start (flag 2); a NaN
     // value, which the gates do not show: a piece (flag 1)
     if (falls_back) EXPECT_EQ(pieces_flags(d_pieces)[0], c.nan_value ? 1 : 2) << "who stopped the pieces";
     if (!c.nan_value) {

@@ -201,6 +201,13 @@ struct SeqArgs {
   volatile int abort;
   volatile int stage_stop[2];
   volatile int64_t stopped_at;
+  // FusedArgs::pieces without pieces_chain: the next piece's warm-up, next_warmup chunks from chunk
+  // next_warmup_at of this piece (-1: no next piece, or its warm-up starts before this piece), which
+  // the consumers' gates pre-check checks beside the piece's own (precheck_warmups), and that
+  // check's stop for the producer (set by consumer thread 0, read by shared atomics).
+  int64_t next_warmup_at;
+  int next_warmup;
+  int prechecked_stop;
 };
 
 // SeqArgs::stopped_at, by atomics: the draining consumers compare it with chunks the producer has
@@ -287,6 +294,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.stage_stop[0] = seq.stage_stop[1] = 0;
   seq.stopped_at = INT64_MAX;
   seq.warmup = 0;
+  seq.next_warmup_at = -1, seq.next_warmup = 0, seq.prechecked_stop = 0;
   seq.publish = 0, seq.chain = 0, seq.chunk0 = 0;
   if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows,
     if (piece > 0) seq.produce.T = seq.consume.T = -1;  // the others are padding of no rows (the CTA leaves)
@@ -294,7 +302,8 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   }
   // layout.h piece_span: a piece past the sequence's chunks is padding of no rows (the CTA leaves at
   // once); an empty sequence's first piece an item of no chunks, whose final state is its initial one
-  const PieceSpan span = piece_span(seq.produce.T, a.pieces, a.warmup, piece);
+  const int64_t len = seq.produce.T;
+  const PieceSpan span = piece_span(len, a.pieces, a.warmup, piece);
   ProduceArgs& sp = seq.produce;
   ConsumeArgs& sc = seq.consume;
   advance_rows(a, sp, sc, span.shift);
@@ -307,6 +316,11 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.warmup = int(span.warmup);
   seq.chunk0 = span.begin - span.warmup;
   seq.publish = a.pieces_chain && !span.last;  // FusedArgs::pieces_chain: the next piece may need it
+  if (!a.pieces_chain && piece + 1 < a.pieces) {
+    const PieceSpan next = piece_span(len, a.pieces, a.warmup, piece + 1);
+    if (next.T >= 0 && next.warmup > 0 && next.begin - next.warmup >= seq.chunk0)
+      seq.next_warmup_at = next.begin - next.warmup - seq.chunk0, seq.next_warmup = int(next.warmup);
+  }
 }
 
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
@@ -359,7 +373,13 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
     mark(0);
     if constexpr (kPieces) {
-      if (gc >= kStages && stop->stage_stop[stage]) {  // uniform: as the release the wait acquired left it
+      // The stop as the consumers released this stage (uniform: as the release the wait acquired left
+      // it); before the second chunk, whose stage is free, their gates' pre-check's (uniform by the
+      // barrier's reduction).
+      const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0
+                           : c > 0       ? ProducerSync::sync_or(atomicAdd(&stop->prechecked_stop, 0) != 0)
+                                         : false;
+      if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
         if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows, issued with chunk c - 1
         mbarrier_arrive(&full[stage]);
@@ -403,6 +423,67 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
 // share of the piece's start state below fp32's rounding of it, as the chunk-16 kernels' transition
 // skipping requires).
 constexpr float kPieceLog2Bound = -30.f;
+constexpr int kPiecesPrechecked = 2;  // the flag's value where the gates' pre-check stopped the pieces (a piece's bound: 1)
+
+// FusedArgs::pieces without pieces_chain, the gates' pre-check: a piece stops the call where its
+// warm-up chunks' bounds multiply to more than 2^kPieceLog2Bound, and each chunk's bound
+// (chunk_log2_bound) is at least max_c e^{Gamma_c}, its channels' decay over the chunk. So where a
+// warm-up's sum over its chunks of log2 max_c e^{Gamma_c} is above the bound, the piece will stop;
+// the consumers find it from the gates alone when the piece starts, while the producer builds its
+// first chunk, and stop the call at once instead of after the warm-up's recurrence (run 112: ~34 us
+// at few heads with long-memory channels when every piece ran its warm-up and drained). Half a unit
+// of margin against the two computations' rounding: the check stops only calls whose pieces' own
+// bounds would stop them, so the results are the rule's kernels' either way (an early exit, not a
+// decision). A NaN gate stops the call, as in the pieces. Consumer warpgroup 0 checks the piece's own
+// warm-up, warpgroup 1 the next piece's (the last chunks of this one), so that the first piece,
+// which has none, learns of its successor's at once, and a call whose every head has long-memory
+// channels stops in each CTA before its consumers' first chunk. Thread c of a warpgroup: channel c;
+// lower-bound bf16 gates (what the pieces serve). All 256 consumer threads (named barrier 2), before
+// any other use of `scratch` (8 floats); returns the verdict in every thread.
+__device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int ctid, float* scratch) {
+  const int cwg = ctid >> 7, c = ctid & (kHeadDim - 1), warp = (ctid >> 5) & 3, lane = ctid & 31;
+  const ProduceArgs& pa = seq.produce;
+  const int next = seq.next_warmup_at >= 0 ? seq.next_warmup : 0;
+  const int count = cwg == 0 ? seq.warmup : next, iters = seq.warmup > next ? seq.warmup : next;
+  const int64_t first = cwg == 0 ? 0 : seq.next_warmup_at;
+  const LowerBoundConsts k = lower_bound_consts(pa, h);
+  const float bc = pa.dt_bias != nullptr ? pa.dt_bias[int64_t(h) * kHeadDim + c] * k.c : 0.f;
+  const __nv_bfloat16* const g = static_cast<const __nv_bfloat16*>(pa.g);
+  float total = 0.f;  // the sum over the warm-up's chunks of log2 max_c e^{Gamma_c}
+  bool nan = false;
+  for (int i = 0; i < iters; ++i) {  // uniform over both warpgroups (their barriers)
+    if (i < count) {
+      // The chunk's 32 gates of this channel loaded at once (rows past the piece's end read its last
+      // row and are not summed), then summed in token order: one round trip to memory a chunk.
+      const int64_t t0 = (first + i) * kChunk, last = pa.T - 1 - t0;  // t0 < T: a warm-up chunk has rows
+      const __nv_bfloat16* const gj = g + (t0 * pa.H + h) * kHeadDim + c;
+      float x[kChunk];
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) x[t] = __bfloat162float(gj[(t < last ? int64_t(t) : last) * pa.H * kHeadDim]);
+      float gamma = 0.f;  // this channel's log-decay over the chunk, log2 units (as the producer's scan)
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t)
+        if (t0 + t < pa.T) gamma += ProduceMath::quot(k.lb2, 1.f + ex2(fmaf(x[t], k.c, bc)));
+      nan |= gamma != gamma;
+      float m = gamma;
+      for (int d = 16; d >= 1; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
+      if (lane == 0) scratch[4 * cwg + warp] = m;
+    }
+    consumers_sync();
+    if (i < count) {
+      const float* const w = scratch + 4 * cwg;
+      total += fmaxf(fmaxf(w[0], w[1]), fmaxf(w[2], w[3]));
+    }
+    consumers_sync();
+  }
+  const bool stop = count > 0 && (nan || total > kPieceLog2Bound + 0.5f);
+  int r;
+  asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, 2, 256, p;\n selp.s32 %0, 1, 0, q;\n}"
+               : "=r"(r)
+               : "r"(int(stop))
+               : "memory");
+  return r != 0;
+}
 
 // FusedArgs::pieces: an upper bound on log2 ||A|| of the chunk's state transition
 // A = diag(e^Gamma) - sum_ij inv_b[i][j] k_decayed_j k_restored_i^T (W^T = S^T k_decayed^T,
@@ -496,6 +577,16 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   const PhaseMarks mark{kClock && tid == kThreads ? clock_sums : nullptr, &last_clock};
   const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
   const int v_row = 64 * cwg + 16 * warp + g;
+  uint8_t* const own_inv = ring + L::kOffInv;
+  if constexpr (kPieces) {  // the gates' pre-check: a stop is the call's (flag 2) and this piece's at once
+    static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
+    if (!a.pieces_chain && precheck_warmups(*stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes)) &&
+        ctid == 0) {
+      atomicCAS(a.pieces_flag, 0, kPiecesPrechecked);
+      stop->abort = 1;  // read by every consumer after the first chunk's barrier
+      atomicExch(&stop->prechecked_stop, 1);  // the producer's, before its second chunk
+    }
+  }
   float S[64];
   prefill::load_state_rows(S, p.initial_state,
                            p.initial_state == nullptr ? ElemType::kNone : p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
@@ -503,7 +594,6 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   prefill::RowScale rs;
   // kConsumerInv: the consumers' inv_b, which both warpgroups build together from each chunk's L
   // and both read (invert_warpgroup over 256 threads, named barrier 2). X12 = 0 once.
-  uint8_t* const own_inv = ring + L::kOffInv;
   if constexpr (kConsumerInv) {
     if (ctid < 64) invert_zero_upper(ctid, own_inv, own_inv + kSmallBytes);
     fence_proxy_async_shared();
@@ -525,9 +615,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   };
   float log2_bound = 0.f;  // consumer thread 0: the warm-up's bounds so far
   bool draining = false;
-  // kPieces: another piece's failed warm-up, as consumer thread 0 read the flag a chunk earlier: the
-  // value is first used a chunk after its load (a compare right after it, read at the top of the
-  // chunk, held the warp for the load's latency before its wait for the stage).
+  // kPieces: another piece's stop (the call's flag), as consumer thread 0 read it a chunk earlier (the
+  // read before the loop serves chunk 0): a compare right after the load, read at the top of the
+  // chunk, held the warp for the load's latency before its wait for the stage. A stop seen a chunk
+  // late costs that chunk's work, never the result (the kernels after the pieces redo the call).
   int flag_next = kPieces && ctid == 0 ? *static_cast<volatile int*>(a.pieces_flag) : 0;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;
@@ -880,63 +971,6 @@ cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
-// FusedArgs::pieces without pieces_chain, before the pieces run: a piece stops the call where its
-// warm-up chunks' bounds multiply to more than 2^kPieceLog2Bound, and each chunk's bound
-// (chunk_log2_bound) is at least max_c e^{Gamma_c}, its channels' decay over the chunk. So where the
-// warm-up's sum over chunks of log2 max_c e^{Gamma_c} is above the bound, the piece will stop; this
-// kernel finds such pieces from the gates alone and sets the pieces' flag (kPiecesPrechecked) before
-// they start, so that every CTA of their grid leaves at once (write_piece_args' abort) instead of
-// running its warm-up and draining (run 112: ~34 us at few heads with long-memory channels). Half a
-// unit of margin against the two computations' rounding: the check stops only calls whose pieces'
-// own bounds would stop them, so the results are the rule's kernels' either way (an early exit, not
-// a decision). A NaN gate stops the call, as in the pieces. Grid (pieces - 1, N, H): piece p + 1 of
-// sequence n, head h; thread c: channel c. Lower-bound bf16 gates (what the pieces serve).
-constexpr int kPiecesPrechecked = 2;  // the flag's value where this check stopped the pieces (a piece writes 1)
-__global__ void __launch_bounds__(kHeadDim) pieces_precheck_kernel(const FusedArgs a) {
-  __shared__ float chunk_max[4];
-  const int64_t piece = int64_t(blockIdx.x) + 1, n = blockIdx.y;
-  const int h = int(blockIdx.z), c = int(threadIdx.x), warp = c >> 5, lane = c & 31;
-  if (a.error_flag != nullptr && *a.error_flag == prefill::kCallRefused) return;  // invalid lengths: the pieces refuse
-  if (a.state_pool != nullptr) {  // a padding sequence: no rows
-    const int64_t slot = a.state_indices[n];
-    if (slot < 0 || slot >= a.pool_size) return;
-  }
-  int64_t bos = 0, len = 0;
-  sequence_span(a, n, bos, len);
-  const PieceSpan span = piece_span(len, a.pieces, a.warmup, piece);
-  if (span.T < 0 || span.warmup == 0) return;  // no chunks, or none before it
-  const ProduceArgs& pa = a.produce;
-  const LowerBoundConsts k = lower_bound_consts(pa, h);
-  const float bc = pa.dt_bias != nullptr ? pa.dt_bias[int64_t(h) * kHeadDim + c] * k.c : 0.f;
-  const __nv_bfloat16* const g = static_cast<const __nv_bfloat16*>(pa.g);
-  float total = 0.f;  // the sum over the warm-up's chunks of log2 max_c e^{Gamma_c}
-  bool nan = false;
-  for (int64_t j = span.begin - span.warmup; j < span.begin; ++j) {
-    // The chunk's 32 gates of this channel loaded at once (rows past the end read the sequence's last
-    // row and are not summed), then summed in token order: one round trip to memory a chunk, where a
-    // loop of predicated loads issued them a few at a time.
-    const int64_t t0 = j * kChunk, last = len - 1 - t0;  // t0 < len: a warm-up chunk has rows
-    const __nv_bfloat16* const gj = g + ((bos + t0) * pa.H + h) * kHeadDim + c;
-    float x[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) x[i] = __bfloat162float(gj[(i < last ? int64_t(i) : last) * pa.H * kHeadDim]);
-    float gamma = 0.f;  // this channel's log-decay over chunk j, log2 units (as the producer's scan)
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i)
-      if (t0 + i < len) gamma += ProduceMath::quot(k.lb2, 1.f + ex2(fmaf(x[i], k.c, bc)));
-    nan |= gamma != gamma;
-    float m = gamma;
-    for (int x = 16; x >= 1; x >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, x));
-    if (lane == 0) chunk_max[warp] = m;
-    __syncthreads();
-    total += fmaxf(fmaxf(chunk_max[0], chunk_max[1]), fmaxf(chunk_max[2], chunk_max[3]));
-    __syncthreads();
-  }
-  if (__syncthreads_or(nan) || total > kPieceLog2Bound + 0.5f) {
-    if (c == 0) atomicExch(a.pieces_flag, kPiecesPrechecked);
-  }
-}
-
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
 // (*flag zero; else the rule's kernels after the pieces write them).
 // With a pool (slots: state_indices), sequence n's `per` 16-byte units into slot slots[n] where it
@@ -1105,11 +1139,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
   }
   const size_t flag_bytes = size_t(fused_pieces_flag_ints(p, pieces, f.pieces_chain)) * sizeof(int);
-  cudaError_t err = flags_zeroed ? cudaSuccess : cudaMemsetAsync(flag, 0, flag_bytes, stream);
-  if (err == cudaSuccess && !f.pieces_chain && pieces > 1 && f.num_seqs <= kMaxFusedSeqs && p.H <= 65535) {
-    pieces_precheck_kernel<<<dim3(unsigned(pieces - 1), unsigned(f.num_seqs), unsigned(p.H)), kHeadDim, 0, stream>>>(f);
-    err = cudaGetLastError();
-  }
+  const cudaError_t err = flags_zeroed ? cudaSuccess : cudaMemsetAsync(flag, 0, flag_bytes, stream);
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 

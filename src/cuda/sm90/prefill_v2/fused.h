@@ -98,8 +98,8 @@ struct FusedArgs {
   // those chunks; while it runs them its consumers bound each chunk's transition
   // (chunk_log2_bound), and where the product of the bounds is not below 2^-30 (the incoming state
   // is not provably erased), or a piece's state ends non-finite, the piece sets *pieces_flag to 1
-  // (zeroed by the caller before the launch; unchained, fused_pieces_prefill's pre-check of the gates
-  // may set it to 2 before the pieces start) and every CTA of the call stops at its next chunk: the
+  // (zeroed by the caller before the launch; unchained, the consumers' pre-check of the gates
+  // (precheck_warmups) sets it to 2 as the pieces start) and every CTA of the call stops at its next chunk: the
   // kernels the launcher's rule picks, launched after, then run the whole call (they do nothing
   // while the flag is zero: run_if_flag, prefill Params::pieces_flag). Outputs go to consume.out; the last piece's final state to
   // pieces_final ([num_seqs, H, V, K] in the state's dtype: the workspace, which fused_pieces_finish
