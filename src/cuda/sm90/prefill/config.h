@@ -258,8 +258,8 @@ __host__ __device__ inline int64_t fused_chain_pieces(int64_t H, int64_t N, int6
 // `chunks` 32-token chunks each but its rule leaves it to the chunk-16 kernels (N H CTAs would fill
 // too few SMs), each sequence is cut into P = #SMs / (N H) pieces, one wave of CTAs, each after the
 // first starting a chunk early from zero; where some warm-up does not bound its transition below
-// 2^-30 (long-memory channels: the gates' pre-check sees most of them before the pieces start) the
-// chunk-16 kernels launched after the pieces run the call. Pieces of at least kMinFewPieceChunks
+// 2^-30 (long-memory channels: the gates' pre-check in the pieces' consumers sees most of them as the
+// pieces start) the chunk-16 kernels launched after the pieces run the call. Pieces of at least kMinFewPieceChunks
 // chunks (each pays its warm-up); else 1 (no pieces). Run 111 (an H100, random gates, P = 11 at
 // H = 12, 8 at H = 16 and 32): one long sequence 27-40% faster than the chunk-16 segments.
 constexpr int64_t kMinFewPieceChunks = 4;

@@ -190,8 +190,8 @@ struct SeqArgs {
   int publish;
   volatile int chain;
   // FusedArgs::pieces: the piece's warm-up chunks (0: the first piece), and its stop: abort (set by
-  // the consumers' thread 0 once a warm-up bound failed or FusedArgs::pieces_flag is set, read by the
-  // consumers after a barrier), its snapshot stage_stop[s] (written by the consumers' thread 0 before
+  // the consumers' thread 0 once the gates' pre-check or a warm-up bound failed or
+  // FusedArgs::pieces_flag is set, read by the consumers after a barrier), its snapshot stage_stop[s] (written by the consumers' thread 0 before
   // it releases stage s, read by the producer after its wait for that release: every producer warp
   // reads the same value, which the consumers rewrite only after the producer's next arrival on
   // full[s]) and stopped_at (the chunk at which the producer stopped, written before its last
@@ -685,7 +685,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
             if (a.pieces_chain) {
               stop->chain = 1;  // the others read it after the next chunk's first barrier
             } else {
-              atomicExch(a.pieces_flag, 1);
+              atomicCAS(a.pieces_flag, 0, 1);  // the first stop's value stays (the pre-check's 2)
               stop->abort = 1;  // likewise
             }
           }
@@ -731,7 +731,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     bool bad = false;
 #pragma unroll
     for (int i = 0; i < 64; ++i) bad |= !isfinite(S[i]);
-    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicExch(a.pieces_flag, 1);
+    if (__any_sync(0xffffffffu, bad) && lane == 0) atomicCAS(a.pieces_flag, 0, 1);
     if (stop->publish) {  // FusedArgs::pieces_chain: the end state for the next piece, then its flag
       prefill::store_state_rows(S, a.pieces_states, ElemType::kF32, stop->item * kHeadDim * kHeadDim, v_row, t4, rs.inv);
       __threadfence();
