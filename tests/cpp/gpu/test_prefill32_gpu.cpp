@@ -1408,6 +1408,48 @@ TEST_F(Prefill32Gpu, WorkspaceFromAnAllocatorGivesTheSameBits) {
 // the few-head pieces still run (their flag 0 after the call) and give the bits of the call in a zeroed
 // workspace, where a memset zeroes the flags (no cu_seqlens) and where K0 does (device cu_seqlens:
 // Params::pieces_zero, in place of the memset).
+// A call with few-head pieces captured in a CUDA graph, where the rule puts the kernels after the
+// pieces in a conditional node that the pieces' flag opens (PrefillLaunch::pieces_graph_if): one
+// graph replayed on random gates (the pieces run the call, the node stays shut), then with
+// long-memory channels written into its dt_bias in place (the pre-check stops the pieces, the node
+// runs the chunk-16 kernels), then on random gates again. Each replay gives the eager call's bits
+// on the same inputs, and so does the same call captured without the node (pieces_graph_if -1).
+TEST_F(Prefill32Gpu, PiecesGraphRunsTheKernelsAfterThemWhereAPieceStops) {
+  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+  KdaOptions o;
+  o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = 59;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  const std::vector<float> random_bias = in.dt_bias;
+  std::vector<float> long_bias = random_bias;
+  for (size_t ch = 0; ch < long_bias.size(); ch += 4) long_bias[ch] = -30.f;  // no decay: every head
+  internal::PrefillLaunch no_node;
+  no_node.pieces_graph_if = -1;
+  DeviceProblem d(in), d_plain(in, no_node);
+  ASSERT_TRUE(fused_pieces_serve(d.params()));
+  const auto set_bias = [&](const std::vector<float>& bias) {
+    in.dt_bias = bias;
+    for (DeviceProblem* x : {&d, &d_plain})
+      ASSERT_EQ(cudaMemcpy(x->dt_bias, bias.data(), bias.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+  };
+  set_bias(long_bias);  // the eager calls first (they also make the thread's stream for the node's body)
+  const std::vector<unsigned char> long_bits = run_bits(in, d);
+  EXPECT_EQ(pieces_flags(d)[0], 2) << "long memory: the pre-check's flag";
+  set_bias(random_bias);
+  const std::vector<unsigned char> random_bits = run_bits(in, d);
+  EXPECT_EQ(pieces_flags(d)[0], 0) << "random gates: the pieces ran the call";
+  EXPECT_FALSE(random_bits == long_bits);
+  CapturedCall node(in, d), plain(in, d_plain);
+  for (const bool long_memory : {false, true, false}) {
+    SCOPED_TRACE(long_memory ? "long memory" : "random gates");
+    set_bias(long_memory ? long_bias : random_bias);
+    const std::vector<unsigned char>& want = long_memory ? long_bits : random_bits;
+    EXPECT_TRUE(node.replay() == want) << "the graph with the node: not the eager call's bits";
+    EXPECT_EQ(pieces_flags(d)[0], long_memory ? 2 : 0);
+    EXPECT_TRUE(plain.replay() == want) << "the graph without the node: not the eager call's bits";
+  }
+}
+
 TEST_F(Prefill32Gpu, PiecesFlagsStartAtZeroInAnyWorkspace) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   for (const bool by_cu_seqlens : {false, true}) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <unordered_map>
 
 #include "backend.h"
 #include "cuda/check.h"
@@ -339,12 +340,12 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// PrefillLaunch's 20 fields, counted by a structured binding: a field added there stops the build here
+// PrefillLaunch's 21 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
-// (the fused kernel's and the CPU's fields); then the binding gains a name.
+// (the fused kernel's, the CPU's and pieces_graph_if); then the binding gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
   [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
-                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20] = l;
+                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21] = l;
 }
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
@@ -591,6 +592,90 @@ Params chunk16_params(const PrefillParams& p, const internal::PrefillLaunch& lau
   return kp;
 }
 
+// Calls captured in a CUDA graph with pieces (PrefillLaunch::pieces_graph_if): the kernels after the
+// pieces, which do nothing unless a piece stopped the call, go into the body of a conditional node
+// that the pieces' flag opens, so a replay whose pieces ran the call launches none of them (four
+// launches and their gaps at few heads, ~10 us a call on an H100). One thread sets the condition
+// from the flag once the pieces are done.
+__global__ void open_if_stopped_kernel(cudaGraphConditionalHandle handle, const int* flag) {
+  cudaGraphSetConditional(handle, *flag != 0 ? 1u : 0u);
+}
+
+// The stream that captures the conditional node's body: one per thread and device, made by a call
+// that is not being captured (a stream created during a global-mode capture could invalidate it), so
+// a capture before any eager call of its thread launches as an eager call does.
+cudaStream_t body_stream(bool may_create) {
+  thread_local std::unordered_map<int, cudaStream_t> streams;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  if (const auto it = streams.find(device); it != streams.end()) return it->second;
+  cudaStream_t s = nullptr;
+  if (!may_create || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return streams.emplace(device, s).first->second;
+}
+
+// Where `stream` is being captured: body(s) captured into a conditional node that runs it where
+// *flag is not zero when the graph reaches it; true. Else (an eager call, or no body stream yet)
+// false, and the caller launches body(stream) itself. An error after the condition's kernel was
+// captured throws: the capture would not instantiate.
+template <class Body>
+bool launch_if_stopped(cudaStream_t stream, const int* flag, const Body& body) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  if (status != cudaStreamCaptureStatusActive) {
+    (void)body_stream(true);  // for this thread's later captures
+    return false;
+  }
+  const cudaStream_t side = body_stream(false);
+  cudaGraph_t graph = nullptr;
+  cudaGraphConditionalHandle handle{};
+  if (side == nullptr || cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph) != cudaSuccess ||
+      cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  open_if_stopped_kernel<<<1, 1, 0, stream>>>(handle, flag);
+  FLASHKDA_CHECK_LAUNCH();
+  const cudaGraphNode_t* deps = nullptr;
+  size_t num_deps = 0;
+  FLASHKDA_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, &deps, nullptr, &num_deps));
+  cudaGraphNodeParams node_params{};
+  node_params.type = cudaGraphNodeTypeConditional;
+  node_params.conditional.handle = handle;
+  node_params.conditional.type = cudaGraphCondTypeIf;
+  node_params.conditional.size = 1;
+  cudaGraphNode_t node = nullptr;
+  FLASHKDA_CUDA_CHECK(cudaGraphAddNode(&node, graph, deps, nullptr, num_deps, &node_params));
+  FLASHKDA_CUDA_CHECK(cudaStreamBeginCaptureToGraph(side, node_params.conditional.phGraph_out[0], nullptr, nullptr, 0,
+                                                    cudaStreamCaptureModeRelaxed));
+  struct EndBody {  // the body's capture ends whatever body() does
+    cudaStream_t s;
+    bool ended = false;
+    ~EndBody() {
+      if (!ended) {
+        cudaGraph_t g = nullptr;
+        (void)cudaStreamEndCapture(s, &g);
+        (void)cudaGetLastError();
+      }
+    }
+  } end_body{side};
+  body(side);
+  end_body.ended = true;
+  cudaGraph_t captured = nullptr;
+  FLASHKDA_CUDA_CHECK(cudaStreamEndCapture(side, &captured));
+  FLASHKDA_CUDA_CHECK(cudaStreamUpdateCaptureDependencies(stream, &node, nullptr, 1, cudaStreamSetCaptureDependencies));
+  return true;
+}
+
 }  // namespace
 
 void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void* workspace, size_t,
@@ -601,6 +686,9 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int* pieces_flag = nullptr;
   uint32_t* prep_next = nullptr;  // unchained pieces: K1's counter after their flag (Params::prep_next)
   Params ahead{};  // with cu_seqlens or a pool: the chunk-16 kernels' parameters K0 ran with ahead of the pieces
+  const int* pieces_error_flag = nullptr;  // K0's verdict where it ran ahead of the pieces
+  const int32_t* pieces_ckpt_start = nullptr;
+  bool fused_if_stopped = false;  // where a piece stops the call, the fused kernel runs it
   if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
     uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
     int* const flag = reinterpret_cast<int*>(at);
@@ -612,71 +700,77 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // numbers their segments too), so that where those kernels run after the pieces they do not launch
     // it again (Params::k0_ran): one launch fewer on every call with cu_seqlens or a pool, as engines
     // make them.
-    const int* error_flag = nullptr;
-    const int32_t* ckpt_start = nullptr;
     const bool k0_first = p.state_pool != nullptr || p.cu_seqlens != nullptr;
     if (k0_first) {
       ahead = chunk16_params(p, launch, workspace, flag);
       ahead.pieces_zero = flag;  // K0 zeroes the pieces' flags: their memset's launch saved
       ahead.pieces_zero_ints = sm90::prefill_v2::fused_pieces_flag_ints(p, area.pieces, area.chained);
       launch_k0(ahead, stream);
-      error_flag = ahead.error_flag;
-      if (p.cu_seqlens != nullptr) ckpt_start = ahead.ckpt_start;
+      pieces_error_flag = ahead.error_flag;
+      if (p.cu_seqlens != nullptr) pieces_ckpt_start = ahead.ckpt_start;
     }
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does
     // (and they launch K0 again: without the pieces the fused kernel may take the call).
-    if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, error_flag,
-                                               ckpt_start, stream, chain_states, k0_first) == cudaSuccess) {
+    if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
+                                               pieces_ckpt_start, stream, chain_states, k0_first) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag
       ahead.k0_ran = k0_first;  // the kernels after the pieces take these parameters
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
       // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
-      if (launch.fused_v2 > 0 || fused_by_rule(p, launch)) {
-        if (sm90::prefill_v2::fused_after_pieces(p, flag, error_flag, ckpt_start, stream) == cudaSuccess) return;
-        (void)cudaGetLastError();  // an attribute query's error, which the next launch check would read
-      }
+      fused_if_stopped = launch.fused_v2 > 0 || fused_by_rule(p, launch);
     } else {
       (void)cudaGetLastError();
     }
   }
-  const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
-  if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
-    const int* error_flag = nullptr;
-    const int32_t *ckpt_start = nullptr, *order = nullptr;
-    if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
-      // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
-      // and checks their count against the lengths; with cu_seqlens it orders the sequences, longest first.
-      const Params kp = launch_k0_ahead(p, workspace, p.cu_seqlens != nullptr && launch.fused_order >= 0, stream);
-      error_flag = kp.error_flag;
-      if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
+  // The call's kernels on stream s: after pieces, those that run it where a piece stopped it (each
+  // returns at once while the pieces' flag is zero).
+  const auto run = [&](cudaStream_t s) {
+    if (fused_if_stopped) {
+      if (sm90::prefill_v2::fused_after_pieces(p, pieces_flag, pieces_error_flag, pieces_ckpt_start, s) == cudaSuccess)
+        return;
+      (void)cudaGetLastError();  // an attribute query's error, which the next launch check would read
     }
-    const cudaError_t err =
-        sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, stream, false, false, nullptr, 0, order);
-    if (err == cudaSuccess) return;
-    // Under the rule, a fused kernel that cannot start here (its register split or the driver's
-    // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
-    if (launch.fused_v2 > 0) FLASHKDA_CUDA_CHECK(err);
-  }
-  const int64_t N = detail::num_sequences(p);
-  Params kp = ahead.k0_ran ? ahead : chunk16_params(p, launch, workspace, pieces_flag);
-  kp.prep_next = prep_next;
-  // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
-  // kernel launched after them, while they do nothing.
-  const bool persistent = launch.fused_persistent > 0;
-  const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
-  if (fused_after) {
-    kp.fused_sms = sm_count();
-    if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
-  }
+    const bool fused_serves = pieces_flag == nullptr && launch.fused_v2 >= 0 && sm90::prefill_v2::fused_serves(p);
+    if (fused_serves && (launch.fused_v2 > 0 || fused_by_rule(p, launch))) {
+      const int* error_flag = nullptr;
+      const int32_t *ckpt_start = nullptr, *order = nullptr;
+      if (p.cu_seqlens != nullptr || p.state_pool != nullptr) {  // K0 first: what the host cannot check
+        // No segments: K0 checks, scans and, with checkpoints, numbers each sequence's first (ckpt_start)
+        // and checks their count against the lengths; with cu_seqlens it orders the sequences, longest first.
+        const Params kp = launch_k0_ahead(p, workspace, p.cu_seqlens != nullptr && launch.fused_order >= 0, s);
+        error_flag = kp.error_flag;
+        if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
+      }
+      const cudaError_t err =
+          sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, s, false, false, nullptr, 0, order);
+      if (err == cudaSuccess) return;
+      // Under the rule, a fused kernel that cannot start here (its register split or the driver's
+      // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
+      if (launch.fused_v2 > 0) FLASHKDA_CUDA_CHECK(err);
+    }
+    const int64_t N = detail::num_sequences(p);
+    Params kp = ahead.k0_ran ? ahead : chunk16_params(p, launch, workspace, pieces_flag);
+    kp.prep_next = prep_next;
+    // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
+    // kernel launched after them, while they do nothing.
+    const bool persistent = launch.fused_persistent > 0;
+    const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
+    if (fused_after) {
+      kp.fused_sms = sm_count();
+      if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
+    }
 
-  const int warps = choose_warps(N * p.H, launch);
-  const int seg_ctas = seg_ctas_per_sm(launch, p.H);
-  with_split(kp, p.precision, launch.f16_operands,
-             [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, stream); });
-  if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, stream, false));
+    const int warps = choose_warps(N * p.H, launch);
+    const int seg_ctas = seg_ctas_per_sm(launch, p.H);
+    with_split(kp, p.precision, launch.f16_operands,
+               [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, s); });
+    if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, s, false));
+  };
+  if (pieces_flag != nullptr && launch.pieces_graph_if >= 0 && launch_if_stopped(stream, pieces_flag, run)) return;
+  run(stream);
 }
 
 size_t segment_transition_workspace_size(const PrefillParams& p) {
