@@ -486,9 +486,9 @@ def implementations(args):
     if args.no_pieces:  # the rule without the fused kernel's pieces (internal fused_pieces -1): the chunk-16
         # segments at few heads, the unsplit fused kernel where its rule takes one sequence
         impls.append(("flashkda no pieces", lambda x, s: run_flashkda(x, s, launch=dict(fused_pieces=-1))))
-    if args.no_graph_if:  # the kernels after the pieces launched in a graph as in an eager call (internal
-        # pieces_graph_if -1), where the rule puts them in a conditional node the pieces' flag opens
-        impls.append(("flashkda no graph if", lambda x, s: run_flashkda(x, s, launch=dict(pieces_graph_if=-1))))
+    if args.graph_if:  # a candidate: in a graph, the kernels after the pieces in a conditional node the pieces'
+        # flag opens (internal pieces_graph_if 1), where the rule launches them as an eager call does
+        impls.append(("flashkda graph if", lambda x, s: run_flashkda(x, s, launch=dict(pieces_graph_if=1))))
     if args.lowrank:  # low-rank segment transitions (a candidate; DESIGN.md "Long memory: the transition is low rank")
         impls.append(("flashkda low-rank transitions",
                       lambda x, s: run_flashkda(x, s, launch=dict(lowrank_transitions=1))))
@@ -601,9 +601,9 @@ def main():
     ap.add_argument("--no-pieces", action="store_true",
                     help="also the default call without the fused kernel's pieces (internal fused_pieces -1: the rule "
                          "before few-head pieces)")
-    ap.add_argument("--no-graph-if", action="store_true",
-                    help="also the default call with the kernels after the pieces launched in the graph as in an eager "
-                         "call (internal pieces_graph_if -1: no conditional node)")
+    ap.add_argument("--graph-if", action="store_true",
+                    help="also the default call with the kernels after the pieces in a conditional graph node that the "
+                         "pieces' flag opens (internal pieces_graph_if 1, a candidate)")
     ap.add_argument("--lowrank", action="store_true",
                     help="also the default call with low-rank segment transitions (internal lowrank_transitions = 1, "
                          "a candidate: the chunk-16 segments where the rule runs them at two CTAs an SM)")

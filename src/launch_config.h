@@ -81,10 +81,11 @@ struct PrefillLaunch {
                              // its end state): 0 = rule (config.h fused_chain_pieces, where fused_pieces is 0;
                              // forced fused_pieces stop the call instead); 1 = chain forced fused_pieces;
                              // -1 = the rule's pieces off
-  int pieces_graph_if = 0;  // GPU, calls with pieces captured in a CUDA graph: 0 = rule (the kernels after the
-                            // pieces, which run the call only where a piece stopped it, in the body of a
-                            // conditional node that the pieces' flag opens: a replay whose pieces ran the
-                            // call launches none of them); -1 = launched as in an eager call
+  int pieces_graph_if = 0;  // GPU, a candidate, calls with pieces captured in a CUDA graph: 1 = the kernels after
+                            // the pieces, which run the call only where a piece stopped it, in the body of a
+                            // conditional node that the pieces' flag opens (a replay whose pieces ran the call
+                            // launches none of them; such a graph cannot be cloned, embedded as a child graph
+                            // or have the node updated); 0 = rule (launched as in an eager call)
   int lowrank_transitions = 0;  // GPU, a candidate, with segments and transition skipping: 1 = a segment's exact
                                 // run carries its transition as T G (docs/DESIGN.md "Long memory: the transition
                                 // is low rank"): the channels whose decay over its first chunk stays above 2^-30

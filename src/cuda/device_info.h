@@ -11,6 +11,11 @@ namespace flashkda::cuda {
 // once per device.
 int sm_count();
 
+// The current context's process-unique id (cuCtxGetId, CUDA 12): kernels' attributes and streams
+// belong to a context, and a reset device's new context may sit at the old one's address. 0 where the
+// driver has no such entry point or no context is current: then nothing is cached.
+unsigned long long context_id();
+
 // Makes `bytes` of dynamic shared memory available to `kernel` (cudaFuncAttributeMaxDynamicSharedMemorySize)
 // on the current context: the attribute is set once per kernel and context (a context the driver
 // recreates, after cudaDeviceReset, starts without it and is set again), and only raised.

@@ -69,10 +69,6 @@ int sm_count() {
   return sms;
 }
 
-namespace {
-// The current context's process-unique id (cuCtxGetId, CUDA 12): kernels' attributes belong to a
-// context, and a reset device's new context may sit at the old one's address. 0 where the driver has
-// no such entry point or no context is current: then nothing is cached.
 unsigned long long context_id() {
   struct Entry {
     PFN_cuCtxGetCurrent_v4000 current = nullptr;
@@ -99,6 +95,7 @@ unsigned long long context_id() {
   return id;
 }
 
+namespace {
 // (kernel, context id) -> the value asked once: the dynamic shared memory set, or the registers.
 struct KernelFacts {
   std::mutex mutex;

@@ -1404,16 +1404,13 @@ TEST_F(Prefill32Gpu, WorkspaceFromAnAllocatorGivesTheSameBits) {
   }
 }
 
-// The pieces' flags start at zero whatever the workspace held: filled with 0xff bytes before each call,
-// the few-head pieces still run (their flag 0 after the call) and give the bits of the call in a zeroed
-// workspace, where a memset zeroes the flags (no cu_seqlens) and where K0 does (device cu_seqlens:
-// Params::pieces_zero, in place of the memset).
-// A call with few-head pieces captured in a CUDA graph, where the rule puts the kernels after the
-// pieces in a conditional node that the pieces' flag opens (PrefillLaunch::pieces_graph_if): one
-// graph replayed on random gates (the pieces run the call, the node stays shut), then with
-// long-memory channels written into its dt_bias in place (the pre-check stops the pieces, the node
-// runs the chunk-16 kernels), then on random gates again. Each replay gives the eager call's bits
-// on the same inputs, and so does the same call captured without the node (pieces_graph_if -1).
+// A call with few-head pieces captured in a CUDA graph with the kernels after the pieces in a
+// conditional node that the pieces' flag opens (PrefillLaunch::pieces_graph_if 1, a candidate): the
+// graph holds one conditional node with a body (none without the option), and one graph replayed on
+// random gates (the pieces run the call, the node stays shut), then with long-memory channels
+// written into its dt_bias in place (the pre-check stops the pieces, the node runs the chunk-16
+// kernels), then on random gates again gives the eager call's bits on the same inputs each time, as
+// the same call captured without the node does.
 TEST_F(Prefill32Gpu, PiecesGraphRunsTheKernelsAfterThemWhereAPieceStops) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   KdaOptions o;
@@ -1423,9 +1420,9 @@ TEST_F(Prefill32Gpu, PiecesGraphRunsTheKernelsAfterThemWhereAPieceStops) {
   const std::vector<float> random_bias = in.dt_bias;
   std::vector<float> long_bias = random_bias;
   for (size_t ch = 0; ch < long_bias.size(); ch += 4) long_bias[ch] = -30.f;  // no decay: every head
-  internal::PrefillLaunch no_node;
-  no_node.pieces_graph_if = -1;
-  DeviceProblem d(in), d_plain(in, no_node);
+  internal::PrefillLaunch with_node;
+  with_node.pieces_graph_if = 1;
+  DeviceProblem d(in, with_node), d_plain(in);
   ASSERT_TRUE(fused_pieces_serve(d.params()));
   const auto set_bias = [&](const std::vector<float>& bias) {
     in.dt_bias = bias;
@@ -1440,6 +1437,26 @@ TEST_F(Prefill32Gpu, PiecesGraphRunsTheKernelsAfterThemWhereAPieceStops) {
   EXPECT_EQ(pieces_flags(d)[0], 0) << "random gates: the pieces ran the call";
   EXPECT_FALSE(random_bits == long_bits);
   CapturedCall node(in, d), plain(in, d_plain);
+  // The graphs' top-level nodes by type: with the option one conditional node, which holds the
+  // kernels after the pieces (fewer kernel nodes beside it than without, one of them the kernel that
+  // sets its condition); without, none. (An empty body would leave the long-memory replay's stopped
+  // rows poisoned: the bits below.)
+  const auto count = [](cudaGraph_t graph, cudaGraphNodeType want) {
+    size_t n = 0, found = 0;
+    EXPECT_EQ(cudaGraphGetNodes(graph, nullptr, &n), cudaSuccess);
+    std::vector<cudaGraphNode_t> nodes(n);
+    EXPECT_EQ(cudaGraphGetNodes(graph, nodes.data(), &n), cudaSuccess);
+    for (cudaGraphNode_t x : nodes) {
+      cudaGraphNodeType type{};
+      EXPECT_EQ(cudaGraphNodeGetType(x, &type), cudaSuccess);
+      found += type == want;
+    }
+    return found;
+  };
+  EXPECT_EQ(count(node.graph, cudaGraphNodeTypeConditional), 1u) << "the graph with the option: its conditional nodes";
+  EXPECT_EQ(count(plain.graph, cudaGraphNodeTypeConditional), 0u) << "the graph without the option: a conditional node";
+  EXPECT_LT(count(node.graph, cudaGraphNodeTypeKernel), count(plain.graph, cudaGraphNodeTypeKernel))
+      << "the kernels after the pieces are not inside the conditional node";
   for (const bool long_memory : {false, true, false}) {
     SCOPED_TRACE(long_memory ? "long memory" : "random gates");
     set_bias(long_memory ? long_bias : random_bias);
@@ -1450,6 +1467,10 @@ TEST_F(Prefill32Gpu, PiecesGraphRunsTheKernelsAfterThemWhereAPieceStops) {
   }
 }
 
+// The pieces' flags start at zero whatever the workspace held: filled with 0xff bytes before each call,
+// the few-head pieces still run (their flag 0 after the call) and give the bits of the call in a zeroed
+// workspace, where a memset zeroes the flags (no cu_seqlens) and where K0 does (device cu_seqlens:
+// Params::pieces_zero, in place of the memset).
 TEST_F(Prefill32Gpu, PiecesFlagsStartAtZeroInAnyWorkspace) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   for (const bool by_cu_seqlens : {false, true}) {

@@ -592,38 +592,37 @@ Params chunk16_params(const PrefillParams& p, const internal::PrefillLaunch& lau
   return kp;
 }
 
-// Calls captured in a CUDA graph with pieces (PrefillLaunch::pieces_graph_if): the kernels after the
-// pieces, which do nothing unless a piece stopped the call, go into the body of a conditional node
-// that the pieces' flag opens, so a replay whose pieces ran the call launches none of them (four
-// launches and their gaps at few heads, ~10 us a call on an H100). One thread sets the condition
-// from the flag once the pieces are done.
+// Calls captured in a CUDA graph with pieces (PrefillLaunch::pieces_graph_if, a candidate): the
+// kernels after the pieces, which do nothing unless a piece stopped the call, go into the body of a
+// conditional node that the pieces' flag opens, so a replay whose pieces ran the call launches none
+// of them (four launches and their gaps at few heads). One thread sets the condition from the flag
+// once the pieces are done. A graph with a conditional node cannot be cloned, embedded as a child
+// graph or have that node's parameters updated (cudaGraphExecUpdate): hence off by default.
 __global__ void open_if_stopped_kernel(cudaGraphConditionalHandle handle, const int* flag) {
   cudaGraphSetConditional(handle, *flag != 0 ? 1u : 0u);
 }
 
-// The stream that captures the conditional node's body: one per thread and device, made by a call
-// that is not being captured (a stream created during a global-mode capture could invalidate it), so
-// a capture before any eager call of its thread launches as an eager call does.
+// The stream that captures the conditional node's body: one per thread and context (a reset device's
+// new context gets its own), made by a call that is not being captured, so that nothing is created
+// inside the caller's capture; a capture before any eager call of its thread launches as an eager
+// call does. Never destroyed (one a thread and context).
 cudaStream_t body_stream(bool may_create) {
-  thread_local std::unordered_map<int, cudaStream_t> streams;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return nullptr;
-  }
-  if (const auto it = streams.find(device); it != streams.end()) return it->second;
+  thread_local std::unordered_map<unsigned long long, cudaStream_t> streams;
+  const unsigned long long ctx = context_id();
+  if (ctx == 0) return nullptr;
+  if (const auto it = streams.find(ctx); it != streams.end()) return it->second;
   cudaStream_t s = nullptr;
   if (!may_create || cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) {
     (void)cudaGetLastError();
     return nullptr;
   }
-  return streams.emplace(device, s).first->second;
+  return streams.emplace(ctx, s).first->second;
 }
 
 // Where `stream` is being captured: body(s) captured into a conditional node that runs it where
-// *flag is not zero when the graph reaches it; true. Else (an eager call, or no body stream yet)
-// false, and the caller launches body(stream) itself. An error after the condition's kernel was
-// captured throws: the capture would not instantiate.
+// *flag is not zero when the graph reaches it; true. Else (an eager call, no body stream yet, a
+// capture no longer active) false, and the caller launches body(stream) itself. An error after the
+// condition's kernel was captured throws: the capture would not instantiate.
 template <class Body>
 bool launch_if_stopped(cudaStream_t stream, const int* flag, const Body& body) {
   cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -639,6 +638,7 @@ bool launch_if_stopped(cudaStream_t stream, const int* flag, const Body& body) {
   cudaGraph_t graph = nullptr;
   cudaGraphConditionalHandle handle{};
   if (side == nullptr || cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph) != cudaSuccess ||
+      status != cudaStreamCaptureStatusActive ||
       cudaGraphConditionalHandleCreate(&handle, graph, 0, cudaGraphCondAssignDefault) != cudaSuccess) {
     (void)cudaGetLastError();
     return false;
@@ -648,6 +648,8 @@ bool launch_if_stopped(cudaStream_t stream, const int* flag, const Body& body) {
   const cudaGraphNode_t* deps = nullptr;
   size_t num_deps = 0;
   FLASHKDA_CUDA_CHECK(cudaStreamGetCaptureInfo(stream, &status, nullptr, &graph, &deps, nullptr, &num_deps));
+  FLASHKDA_CHECK(status == cudaStreamCaptureStatusActive, ErrorCode::kCuda,
+                 "the stream's capture ended inside the prefill call (another thread's unsafe call?)");
   cudaGraphNodeParams node_params{};
   node_params.type = cudaGraphNodeTypeConditional;
   node_params.conditional.handle = handle;
@@ -769,7 +771,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
                [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, s); });
     if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, s, false));
   };
-  if (pieces_flag != nullptr && launch.pieces_graph_if >= 0 && launch_if_stopped(stream, pieces_flag, run)) return;
+  if (pieces_flag != nullptr && launch.pieces_graph_if > 0 && launch_if_stopped(stream, pieces_flag, run)) return;
   run(stream);
 }
 
