@@ -435,6 +435,38 @@ __device__ __forceinline__ Span span_of(const DecodeArgs& a, int64_t n) {
   return sp;
 }
 
+// span_of in two steps for the persistent kernels, which ask for an item's span three items ahead:
+// load_span issues its loads (the offsets, and without num_accepted_tokens the start slot, which
+// state_indices always holds for a sequence of the call) and resolve_span applies span_of's rules
+// an item later, once they have landed. Resolved where it was loaded, the slot's range check held
+// every warp for a load's latency at each item (the offsets, widened as offset_at reads them,
+// still wait where they are loaded, on calls with cu_seqlens: splitting them too made the
+// bulk-copy kernel spill). The same span as span_of.
+struct SpanLoads {
+  int64_t bos, eos;
+  int32_t n;     // -1: past the last item
+  int32_t slot;  // state_indices' word for the first token (num_accepted_tokens: resolved later)
+};
+__device__ __forceinline__ SpanLoads load_span(const DecodeArgs& a, int64_t n) {
+  SpanLoads l;
+  l.bos = a.cu_seqlens != nullptr ? cu_at(a, n) : n * a.tokens_per_seq;
+  l.eos = a.cu_seqlens != nullptr ? cu_at(a, n + 1) : l.bos + a.tokens_per_seq;
+  l.n = int32_t(n);  // item numbers, and so sequences, stay below 2^31 (launch.cu)
+  l.slot = a.num_accepted_tokens == nullptr ? __ldg(a.state_indices + n * a.indices_stride) : -1;
+  return l;
+}
+__device__ __forceinline__ Span resolve_span(const DecodeArgs& a, const SpanLoads& l) {
+  if (l.n < 0) return Span{0, 0, -1};
+  const int64_t bos = l.bos, eos = l.eos;
+  Span sp;
+  sp.bos = bos;
+  sp.len = len_of(a, bos, eos);
+  if (sp.len <= 0) sp.slot = -1;
+  else if (a.num_accepted_tokens != nullptr) sp.slot = start_slot(a, l.n);  // its loads depend on each other
+  else sp.slot = l.slot < a.pool_size ? l.slot : -1;
+  return sp;
+}
+
 __device__ __forceinline__ float4 load_bias(const DecodeArgs& a, const Coord& c) {
   if (a.pre.gate == GateForm::kPrecomputed || a.pre.dt_bias == nullptr) return make_float4(0.0f, 0.0f, 0.0f, 0.0f);
   return __ldg(reinterpret_cast<const float4*>(a.pre.dt_bias + int64_t(c.h) * kHeadDimK) + c.lane);
@@ -826,6 +858,9 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
                                         staged0 + b * a.stage_tokens);
   };
   const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, int32_t(y), by_h).n) : Span{0, 0, -1}; };
+  const auto loads_at = [&](int64_t y) {  // item y's span three items ahead: resolved an item later
+    return y < items ? load_span(a, coord_of<TileT>(a, int32_t(y), by_h).n) : SpanLoads{0, 0, -1, -1};
+  };
 
   // Item i = x lives in buffer b = i % 3. Registers: spans of items i, i+1, i+2 (the last one's
   // loads issued an iteration ago) and the token scalars of items i and i+1.
@@ -848,7 +883,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     TokenWords w2{0u, -1};
     if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);
     else cp_async_commit();
-    const Span sp3 = span_at(x + 3 * step);
+    const SpanLoads loads3 = loads_at(x + 3 * step);
     bool shared = false;  // the slot check: on a shared slot NaN outputs, no store
     Coord c;  // the item's place (64-bit divisions by H): formed once, with the check before the waits
     if constexpr (kCheckSlots) {
@@ -876,7 +911,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
       const HeadGate gate = HeadGate::from_a_log(a.pre, hc.a_log);
       run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch[c.warp], state);
     }
-    sp0 = sp1, sp1 = sp2, sp2 = sp3;
+    sp0 = sp1, sp1 = sp2, sp2 = resolve_span(a, loads3);
     w0 = w1, w1 = w2;
   }
   cp_async_wait_all();  // nothing may be in flight into shared memory when the CTA exits
@@ -957,6 +992,9 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
                                              consts0 + b, staged0 + b * a.stage_tokens, &full[b]);
   };
   const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, int32_t(y), by_h).n) : Span{0, 0, -1}; };
+  const auto loads_at = [&](int64_t y) {  // item y's span three items ahead: resolved an item later
+    return y < items ? load_span(a, coord_of<TileT>(a, int32_t(y), by_h).n) : SpanLoads{0, 0, -1, -1};
+  };
 
   // Registers as in decode_persistent_kernel: spans of items i..i+2, token scalars of i and i+1.
   const int64_t step = gridDim.x;
@@ -984,7 +1022,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
     TokenWords w2{0u, -1};
     if (x + 2 * step < items) w2 = prefetch(x + 2 * step, sp2, b2);
     else cp_async_commit();
-    const Span sp3 = span_at(x + 3 * step);
+    const SpanLoads loads3 = loads_at(x + 3 * step);
     const bool live = sp0.len > 0 && sp0.slot >= 0;
     // The slot check: this thread's share of whether item i's sequence uses a slot that another
     // sequence uses (before the waits, so its loads overlap them).
@@ -1016,7 +1054,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
       run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch[c.warp], state, rows);
       if (a.num_accepted_tokens == nullptr) store_to = state_row<StateT>(a, sp0.slot, c.h, c.cta_row0);
     }
-    sp0 = sp1, sp1 = sp2, sp2 = sp3;
+    sp0 = sp1, sp1 = sp2, sp2 = resolve_span(a, loads3);
     w0 = w1, w1 = w2;
   }
   __syncthreads();  // the last item's rows are written and fenced
