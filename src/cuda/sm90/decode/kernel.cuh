@@ -341,6 +341,11 @@ __device__ __forceinline__ int64_t cu_at(const DecodeArgs& a, int64_t i) {
   return offset_at(a.cu_seqlens, a.cu_seqlens_i64, i);
 }
 
+// A slot word as a start slot: -1 (padding) past the pool; negative words stay negative (padding).
+__device__ __forceinline__ int32_t slot_in_pool(const DecodeArgs& a, int32_t slot) {
+  return slot < a.pool_size ? slot : -1;
+}
+
 // Start slot of sequence n, or -1 for padding (negative index, out-of-range slot or accepted count).
 __device__ __forceinline__ int32_t start_slot(const DecodeArgs& a, int64_t n) {
   int64_t t = 0;
@@ -349,8 +354,7 @@ __device__ __forceinline__ int32_t start_slot(const DecodeArgs& a, int64_t n) {
     if (accepted < 1 || accepted > a.indices_stride) return -1;
     t = accepted - 1;
   }
-  const int32_t slot = __ldg(a.state_indices + n * a.indices_stride + t);
-  return slot < a.pool_size ? slot : -1;
+  return slot_in_pool(a, __ldg(a.state_indices + n * a.indices_stride + t));
 }
 
 template <typename StateT>
@@ -457,13 +461,12 @@ __device__ __forceinline__ SpanLoads load_span(const DecodeArgs& a, int64_t n) {
 }
 __device__ __forceinline__ Span resolve_span(const DecodeArgs& a, const SpanLoads& l) {
   if (l.n < 0) return Span{0, 0, -1};
-  const int64_t bos = l.bos, eos = l.eos;
   Span sp;
-  sp.bos = bos;
-  sp.len = len_of(a, bos, eos);
+  sp.bos = l.bos;
+  sp.len = len_of(a, l.bos, l.eos);
   if (sp.len <= 0) sp.slot = -1;
   else if (a.num_accepted_tokens != nullptr) sp.slot = start_slot(a, l.n);  // its loads depend on each other
-  else sp.slot = l.slot < a.pool_size ? l.slot : -1;
+  else sp.slot = slot_in_pool(a, l.slot);
   return sp;
 }
 
@@ -857,10 +860,10 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
     return prefetch_item<StateT, TileT>(a, coord_of<TileT>(a, int32_t(y), by_h), sp, state0 + b * Layout::kStateElems, consts0 + b,
                                         staged0 + b * a.stage_tokens);
   };
-  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, int32_t(y), by_h).n) : Span{0, 0, -1}; };
   const auto loads_at = [&](int64_t y) {  // item y's span three items ahead: resolved an item later
     return y < items ? load_span(a, coord_of<TileT>(a, int32_t(y), by_h).n) : SpanLoads{0, 0, -1, -1};
   };
+  const auto span_at = [&](int64_t y) { return resolve_span(a, loads_at(y)); };
 
   // Item i = x lives in buffer b = i % 3. Registers: spans of items i, i+1, i+2 (the last one's
   // loads issued an iteration ago) and the token scalars of items i and i+1.
@@ -991,10 +994,10 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
     return prefetch_item_bulk<StateT, TileT, kRing>(a, coord_of<TileT>(a, int32_t(y), by_h), sp, state0 + b * Layout::kStateElems,
                                              consts0 + b, staged0 + b * a.stage_tokens, &full[b]);
   };
-  const auto span_at = [&](int64_t y) { return y < items ? span_of(a, coord_of<TileT>(a, int32_t(y), by_h).n) : Span{0, 0, -1}; };
   const auto loads_at = [&](int64_t y) {  // item y's span three items ahead: resolved an item later
     return y < items ? load_span(a, coord_of<TileT>(a, int32_t(y), by_h).n) : SpanLoads{0, 0, -1, -1};
   };
+  const auto span_at = [&](int64_t y) { return resolve_span(a, loads_at(y)); };
 
   // Registers as in decode_persistent_kernel: spans of items i..i+2, token scalars of i and i+1.
   const int64_t step = gridDim.x;

@@ -78,6 +78,8 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
 // Named barrier 2: both consumer warpgroups (256 threads; the producer's is 1). An immediate id (a
 // register id makes ptxas reserve all 16 barriers).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
+// The same barrier, returning to every consumer thread whether x was true in any.
+__device__ __forceinline__ bool consumers_sync_or(bool x) { return named_barrier_or<2, 2 * kThreads>(x); }
 // Named barrier 3: all 384 threads, between the items of a persistent CTA (the producer's and the
 // consumers' item loops meet there, each from its own branch). Not .aligned (bar.sync is): the
 // producer's warp 0 may reach it diverged (thread 0 alone took the item), and an aligned barrier
@@ -476,13 +478,7 @@ __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int 
     }
     consumers_sync();
   }
-  const bool stop = count > 0 && (nan || total > kPieceLog2Bound + 0.5f);
-  int r;
-  asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, 2, 256, p;\n selp.s32 %0, 1, 0, q;\n}"
-               : "=r"(r)
-               : "r"(int(stop))
-               : "memory");
-  return r != 0;
+  return consumers_sync_or(count > 0 && (nan || total > kPieceLog2Bound + 0.5f));
 }
 
 // FusedArgs::pieces: an upper bound on log2 ||A|| of the chunk's state transition

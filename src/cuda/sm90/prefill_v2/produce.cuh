@@ -64,18 +64,21 @@ struct CtaSync {
   __device__ __forceinline__ static void sync() { __syncthreads(); }
   __device__ __forceinline__ static bool sync_or(bool x) { return __syncthreads_or(x); }
 };
+// Named barrier kId of kCount threads that also returns, to each of them, whether x was true in any.
+template <int kId, int kCount>
+__device__ __forceinline__ bool named_barrier_or(bool x) {
+  int r;
+  asm volatile(
+      "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, %3, p;\n selp.s32 %0, 1, 0, q;\n}"
+      : "=r"(r)
+      : "r"(int(x)), "n"(kId), "n"(kCount)
+      : "memory");
+  return r != 0;
+}
 template <int kId>
 struct WarpgroupSync {  // the 128 threads of one warpgroup, named barrier kId (0 is __syncthreads')
   __device__ __forceinline__ static void sync() { asm volatile("bar.sync %0, 128;" ::"n"(kId) : "memory"); }
-  __device__ __forceinline__ static bool sync_or(bool x) {
-    int r;
-    asm volatile(
-        "{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n selp.s32 %0, 1, 0, q;\n}"
-        : "=r"(r)
-        : "r"(int(x)), "n"(kId)
-        : "memory");
-    return r != 0;
-  }
+  __device__ __forceinline__ static bool sync_or(bool x) { return named_barrier_or<kId, 128>(x); }
 };
 
 // Timing only: produce_chunk calls mark(i) after its step i (fused.cu's phase clocks); by default
