@@ -78,8 +78,10 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
 // Named barrier 2: both consumer warpgroups (256 threads; the producer's is 1). An immediate id (a
 // register id makes ptxas reserve all 16 barriers).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
-// The same barrier, returning to every consumer thread whether x was true in any.
-__device__ __forceinline__ bool consumers_sync_or(bool x) { return named_barrier_or<2, 2 * kThreads>(x); }
+// Named barrier 4: all 384 threads once, as the pieces start (FusedArgs::pieces without
+// pieces_chain): the consumers' gates pre-check's verdict (precheck_warmups), returned to the
+// producer too before its first chunk.
+__device__ __forceinline__ bool precheck_verdict_or(bool x) { return named_barrier_or<4, 3 * kThreads>(x); }
 // Named barrier 3: all 384 threads, between the items of a persistent CTA (the producer's and the
 // consumers' item loops meet there, each from its own branch). Not .aligned (bar.sync is): the
 // producer's warp 0 may reach it diverged (thread 0 alone took the item), and an aligned barrier
@@ -205,11 +207,9 @@ struct SeqArgs {
   volatile int64_t stopped_at;
   // FusedArgs::pieces without pieces_chain: the next piece's warm-up, next_warmup chunks from chunk
   // next_warmup_at of this piece (-1: no next piece, or its warm-up starts before this piece), which
-  // the consumers' gates pre-check checks beside the piece's own (precheck_warmups), and that
-  // check's stop for the producer (set by consumer thread 0, read by shared atomics).
+  // the consumers' gates pre-check checks beside the piece's own (precheck_warmups).
   int64_t next_warmup_at;
   int next_warmup;
-  int prechecked_stop;
 };
 
 // SeqArgs::stopped_at, by atomics: the draining consumers compare it with chunks the producer has
@@ -296,7 +296,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.stage_stop[0] = seq.stage_stop[1] = 0;
   seq.stopped_at = INT64_MAX;
   seq.warmup = 0;
-  seq.next_warmup_at = -1, seq.next_warmup = 0, seq.prechecked_stop = 0;
+  seq.next_warmup_at = -1, seq.next_warmup = 0;
   seq.publish = 0, seq.chain = 0, seq.chunk0 = 0;
   if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows,
     if (piece > 0) seq.produce.T = seq.consume.T = -1;  // the others are padding of no rows (the CTA leaves)
@@ -367,6 +367,11 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   if constexpr (kStaged) {
     if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
   }
+  // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
+  // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
+  // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
+  // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped).
+  const bool prechecked = kPieces && !a.pieces_chain && precheck_verdict_or(false);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
     const int stage = int(gc % kStages);
@@ -376,11 +381,8 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     mark(0);
     if constexpr (kPieces) {
       // The stop as the consumers released this stage (uniform: as the release the wait acquired left
-      // it); before the second chunk, whose stage is free, their gates' pre-check's (uniform by the
-      // barrier's reduction).
-      const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0
-                           : c > 0       ? ProducerSync::sync_or(atomicAdd(&stop->prechecked_stop, 0) != 0)
-                                         : false;
+      // it); at the first chunk, their gates' pre-check's (uniform: the barrier's reduction).
+      const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
         if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows, issued with chunk c - 1
@@ -431,17 +433,18 @@ constexpr int kPiecesPrechecked = 2;  // the flag's value where the gates' pre-c
 // warm-up chunks' bounds multiply to more than 2^kPieceLog2Bound, and each chunk's bound
 // (chunk_log2_bound) is at least max_c e^{Gamma_c}, its channels' decay over the chunk. So where a
 // warm-up's sum over its chunks of log2 max_c e^{Gamma_c} is above the bound, the piece will stop;
-// the consumers find it from the gates alone when the piece starts, while the producer builds its
-// first chunk, and stop the call at once instead of after the warm-up's recurrence (run 112: ~34 us
+// the consumers find it from the gates alone when the piece starts, while the producer's first
+// rows are in flight, and stop the call at once instead of after the warm-up's recurrence (run 112: ~34 us
 // at few heads with long-memory channels when every piece ran its warm-up and drained). Half a unit
 // of margin against the two computations' rounding: the check stops only calls whose pieces' own
 // bounds would stop them, so the results are the rule's kernels' either way (an early exit, not a
 // decision). A NaN gate stops the call, as in the pieces. Consumer warpgroup 0 checks the piece's own
 // warm-up, warpgroup 1 the next piece's (the last chunks of this one), so that the first piece,
 // which has none, learns of its successor's at once, and a call whose every head has long-memory
-// channels stops in each CTA before its consumers' first chunk. Thread c of a warpgroup: channel c;
+// channels stops in each CTA before its first chunk. Thread c of a warpgroup: channel c;
 // lower-bound bf16 gates (what the pieces serve). All 256 consumer threads (named barrier 2), before
-// any other use of `scratch` (8 floats); returns the verdict in every thread.
+// any other use of `scratch` (8 floats); returns the verdict in every thread, the producer's too
+// (precheck_verdict_or, which the producer joins before its first chunk).
 __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int ctid, float* scratch) {
   const int cwg = ctid >> 7, c = ctid & (kHeadDim - 1), warp = (ctid >> 5) & 3, lane = ctid & 31;
   const ProduceArgs& pa = seq.produce;
@@ -478,7 +481,7 @@ __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int 
     }
     consumers_sync();
   }
-  return consumers_sync_or(count > 0 && (nan || total > kPieceLog2Bound + 0.5f));
+  return precheck_verdict_or(count > 0 && (nan || total > kPieceLog2Bound + 0.5f));
 }
 
 // FusedArgs::pieces: an upper bound on log2 ||A|| of the chunk's state transition
@@ -579,8 +582,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     if (!a.pieces_chain && precheck_warmups(*stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes)) &&
         ctid == 0) {
       atomicCAS(a.pieces_flag, 0, kPiecesPrechecked);
-      stop->abort = 1;  // read by every consumer after the first chunk's barrier
-      atomicExch(&stop->prechecked_stop, 1);  // the producer's, before its second chunk
+      stop->abort = 1;  // read by every consumer after the first chunk's barrier (the producer stops there)
     }
   }
   float S[64];
