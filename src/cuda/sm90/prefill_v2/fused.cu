@@ -51,7 +51,7 @@ struct SmemLayout {
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
   static constexpr int kOffSeqArgs = kOffClocks + kPhaseClocks * 8;  // FusedArgs::num_seqs: the CTA's sequence
   static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
-  // + full[2], empty[2], staged_full; + the 1024-byte alignment
+  // + full[2], empty[2], staged_full, the pieces' verdict's (64 bytes: 8 barriers); + the 1024-byte alignment
   static constexpr int kBytes = (kStaged ? kOffStaged + kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
   static_assert(2 * kSmallBytes + ProduceScratch::kInvScratchBytes <= kInvSpan);
   static_assert(kBytes <= 227 * 1024);
@@ -78,10 +78,8 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
 // Named barrier 2: both consumer warpgroups (256 threads; the producer's is 1). An immediate id (a
 // register id makes ptxas reserve all 16 barriers).
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
-// Named barrier 4: all 384 threads once, as the pieces start (FusedArgs::pieces without
-// pieces_chain): the consumers' gates pre-check's verdict (precheck_warmups), returned to the
-// producer too before its first chunk.
-__device__ __forceinline__ bool precheck_verdict_or(bool x) { return named_barrier_or<4, 3 * kThreads>(x); }
+// The same barrier, returning to every consumer thread whether x was true in any.
+__device__ __forceinline__ bool consumers_sync_or(bool x) { return named_barrier_or<2, 2 * kThreads>(x); }
 // Named barrier 3: all 384 threads, between the items of a persistent CTA (the producer's and the
 // consumers' item loops meet there, each from its own branch). Not .aligned (bar.sync is): the
 // producer's warp 0 may reach it diverged (thread 0 alone took the item), and an aligned barrier
@@ -207,9 +205,12 @@ struct SeqArgs {
   volatile int64_t stopped_at;
   // FusedArgs::pieces without pieces_chain: the next piece's warm-up, next_warmup chunks from chunk
   // next_warmup_at of this piece (-1: no next piece, or its warm-up starts before this piece), which
-  // the consumers' gates pre-check checks beside the piece's own (precheck_warmups).
+  // the consumers' gates pre-check checks beside the piece's own (precheck_warmups), and that
+  // check's verdict for the producer (written by consumer thread 0 before its arrival on the verdict
+  // barrier, read by the producer after its wait there: verdict_barrier).
   int64_t next_warmup_at;
   int next_warmup;
+  volatile int prechecked_stop;
 };
 
 // SeqArgs::stopped_at, by atomics: the draining consumers compare it with chunks the producer has
@@ -296,7 +297,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   seq.stage_stop[0] = seq.stage_stop[1] = 0;
   seq.stopped_at = INT64_MAX;
   seq.warmup = 0;
-  seq.next_warmup_at = -1, seq.next_warmup = 0;
+  seq.next_warmup_at = -1, seq.next_warmup = 0, seq.prechecked_stop = 0;
   seq.publish = 0, seq.chain = 0, seq.chunk0 = 0;
   if (seq.produce.T < 0) {  // a padding sequence (a pool slot outside [0, P)): its first piece zeroes its rows,
     if (piece > 0) seq.produce.T = seq.consume.T = -1;  // the others are padding of no rows (the CTA leaves)
@@ -325,12 +326,21 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   }
 }
 
+// FusedArgs::pieces without pieces_chain: the barrier on which consumer thread 0 hands the gates
+// pre-check's verdict (SeqArgs::prechecked_stop) to the producer, once, before the producer's first
+// chunk. An mbarrier, as the ring's hand-offs: with a named barrier of all 384 threads there
+// (bar.red, which the two roles reach from their own code) synccheck failed both pieces tests in
+// run 136 where the tests alone, memcheck and racecheck passed (its report was not kept; an aligned
+// barrier reached from different instructions is the likely cause, as items_sync's in run 103).
+__device__ __forceinline__ uint64_t* verdict_barrier(uint64_t* full) { return full + 2 * kStages + 1; }
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
-// arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the bytes).
+// arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the
+// bytes) and the pieces' pre-check verdict's (consumer thread 0: verdict_barrier).
 __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
   uint64_t* const empty = full + kStages;
   for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
   mbarrier_init(empty + kStages, 1);
+  mbarrier_init(verdict_barrier(full), 1);
   fence_mbarrier_init();
 }
 
@@ -370,8 +380,13 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
   // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
-  // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped).
-  const bool prechecked = kPieces && !a.pieces_chain && precheck_verdict_or(false);
+  // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped; 9.2-9.7
+  // with this wait, run 136).
+  bool prechecked = false;
+  if (kPieces && !a.pieces_chain) {
+    mbarrier_wait(verdict_barrier(full), 0);
+    prechecked = stop->prechecked_stop != 0;
+  }
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
     const int stage = int(gc % kStages);
@@ -443,8 +458,8 @@ constexpr int kPiecesPrechecked = 2;  // the flag's value where the gates' pre-c
 // which has none, learns of its successor's at once, and a call whose every head has long-memory
 // channels stops in each CTA before its first chunk. Thread c of a warpgroup: channel c;
 // lower-bound bf16 gates (what the pieces serve). All 256 consumer threads (named barrier 2), before
-// any other use of `scratch` (8 floats); returns the verdict in every thread, the producer's too
-// (precheck_verdict_or, which the producer joins before its first chunk).
+// any other use of `scratch` (8 floats); returns the verdict in every thread (consume_item hands it
+// to the producer, which waits for it before its first chunk: verdict_barrier).
 __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int ctid, float* scratch) {
   const int cwg = ctid >> 7, c = ctid & (kHeadDim - 1), warp = (ctid >> 5) & 3, lane = ctid & 31;
   const ProduceArgs& pa = seq.produce;
@@ -481,7 +496,7 @@ __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int 
     }
     consumers_sync();
   }
-  return precheck_verdict_or(count > 0 && (nan || total > kPieceLog2Bound + 0.5f));
+  return consumers_sync_or(count > 0 && (nan || total > kPieceLog2Bound + 0.5f));
 }
 
 // FusedArgs::pieces: an upper bound on log2 ||A|| of the chunk's state transition
@@ -579,10 +594,16 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   uint8_t* const own_inv = ring + L::kOffInv;
   if constexpr (kPieces) {  // the gates' pre-check: a stop is the call's (flag 2) and this piece's at once
     static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
-    if (!a.pieces_chain && precheck_warmups(*stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes)) &&
-        ctid == 0) {
-      atomicCAS(a.pieces_flag, 0, kPiecesPrechecked);
-      stop->abort = 1;  // read by every consumer after the first chunk's barrier (the producer stops there)
+    if (!a.pieces_chain) {
+      const bool stopped = precheck_warmups(*stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes));
+      if (ctid == 0) {
+        if (stopped) {
+          atomicCAS(a.pieces_flag, 0, kPiecesPrechecked);
+          stop->abort = 1;  // read by every consumer after the first chunk's barrier
+        }
+        stop->prechecked_stop = stopped;  // the producer's, before its first chunk (it stops there)
+        mbarrier_arrive(verdict_barrier(full));
+      }
     }
   }
   float S[64];
