@@ -351,7 +351,8 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // kPieces (FusedArgs::pieces): after each empty-stage wait the producer reads the consumers' stop
 // as they released that stage (SeqArgs::stage_stop in `stop`); once set it writes the chunk as
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
-// rows in flight have landed.
+// rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
+// gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
@@ -396,11 +397,12 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     mark(0);
     if constexpr (kPieces) {
       // The stop as the consumers released this stage (uniform: as the release the wait acquired left
-      // it); at the first chunk, their gates' pre-check's (uniform: the barrier's reduction).
+      // it); at the first chunk, their gates' pre-check's (uniform: one value, written once by
+      // consumer thread 0 before its arrival on verdict_barrier).
       const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
-        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows, issued with chunk c - 1
+        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop)
         mbarrier_arrive(&full[stage]);
         break;
       }
