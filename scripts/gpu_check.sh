@@ -190,8 +190,9 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # the gates' pre-check in the pieces' consumers (b9abcc3): the pieces by rule, stopped by the
-  # pre-check (flag 2), by a warm-up's bound and by a NaN; the kernels after them in a graph's node
+  # the gates' pre-check's verdict handed to the pieces' producer by an mbarrier (1335452; synccheck
+  # failed the named barrier before it): the pieces by rule, stopped by the pre-check (flag 2), by a
+  # warm-up's bound and by a NaN; the kernels after them in a graph's node (memcheck only, below)
   pending_tests=(test_prefill32_gpu '*RuleRunsFewHeadPieces*:*FusedPiecesSkipOrFallBack*:*PiecesGraphRunsTheKernelsAfterThem*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
