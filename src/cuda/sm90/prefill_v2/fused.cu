@@ -575,6 +575,57 @@ __device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int 
   rs.renormalise(S);
 }
 
+// The chunk's output through the stage's v, once each thread has written its 16 slots' bf16 where
+// it read its v (no other thread reads those bytes; the other consumer warpgroup's columns are
+// disjoint): the warp's 32 tokens x 16 columns from col to global memory as 16-byte rows, before
+// the stage is released. Pass u: tokens of parity u, lanes 2m and 2m + 1 one token's 32 bytes; a
+// quarter-warp's 8 reads (tokens 8 k + u, + 2, + 4, + 6, both halves) fall on 8 distinct granule
+// positions. rows: the chunk's tokens (fewer at a sequence's end).
+__device__ __forceinline__ void store_chunk_output(const ConsumeArgs& p, int h, int64_t c, int rows, const uint8_t* vs,
+                                                   int col, int lane) {
+  __syncwarp();
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    const int t = 8 * (lane >> 3) + 2 * ((lane >> 1) & 3) + u, part = lane & 1;
+    if (t < rows)
+      *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
+                                8 * part) = *reinterpret_cast<const uint4*>(&staged_v(vs, t, col + 8 * part));
+  }
+}
+
+// FusedArgs::pieces, consumer thread 0 after a piece's last warm-up chunk, log2_bound the sum of its
+// chunks' bounds: where it is not below 2^kPieceLog2Bound (or NaN: not erased either), chained, the
+// piece takes its predecessor's end state (stop->chain, which the others read after the next chunk's
+// first barrier); unchained, it stops the call (flag 1; the first stop's value stays, the pre-check's
+// 2) and itself (stop->abort, likewise).
+__device__ __forceinline__ void warmup_verdict(const FusedArgs& a, SeqArgs* stop, float log2_bound) {
+  if (log2_bound <= kPieceLog2Bound) return;
+  if (a.pieces_chain) {
+    stop->chain = 1;
+  } else {
+    atomicCAS(a.pieces_flag, 0, 1);
+    stop->abort = 1;
+  }
+}
+
+// FusedArgs::pieces without pieces_chain, all 256 consumer threads as the piece starts: the gates'
+// pre-check (precheck_warmups), whose stop is the call's (flag 2, by compare-and-swap: a piece's own
+// later stop, 1, does not overwrite it) and this piece's at once (stop->abort, which every consumer
+// reads after the first chunk's barrier); consumer thread 0 hands the verdict to the producer, which
+// waits for it before its first chunk and stops there (verdict_barrier).
+__device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqArgs* stop, int h, int ctid, float* scratch,
+                                                       uint64_t* full) {
+  const bool stopped = precheck_warmups(*stop, h, ctid, scratch);
+  if (ctid == 0) {
+    if (stopped) {
+      atomicCAS(a.pieces_flag, 0, kPiecesPrechecked);
+      stop->abort = 1;
+    }
+    stop->prechecked_stop = stopped;
+    mbarrier_arrive(verdict_barrier(full));
+  }
+}
+
 // The consumers' side of the same item (p: its sequence's arguments; first_ckpt: its first
 // checkpoint, FusedArgs::checkpoint_every). kPieces (FusedArgs::pieces): the item's first
 // stop->warmup chunks write no output and are bounded (chunk_log2_bound); once their bounds'
@@ -594,19 +645,9 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   const int ctid = tid - kThreads, warp = (ctid >> 5) & 3, lane = ctid & 31, g = lane >> 2, t4 = lane & 3;
   const int v_row = 64 * cwg + 16 * warp + g;
   uint8_t* const own_inv = ring + L::kOffInv;
-  if constexpr (kPieces) {  // the gates' pre-check: a stop is the call's (flag 2) and this piece's at once
+  if constexpr (kPieces) {
     static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
-    if (!a.pieces_chain) {
-      const bool stopped = precheck_warmups(*stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes));
-      if (ctid == 0) {
-        if (stopped) {
-          atomicCAS(a.pieces_flag, 0, kPiecesPrechecked);
-          stop->abort = 1;  // read by every consumer after the first chunk's barrier
-        }
-        stop->prechecked_stop = stopped;  // the producer's, before its first chunk (it stops there)
-        mbarrier_arrive(verdict_barrier(full));
-      }
-    }
+    if (!a.pieces_chain) precheck_and_hand_over(a, stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), full);
   }
   float S[64];
   prefill::load_state_rows(S, p.initial_state,
@@ -702,36 +743,16 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
                                          reinterpret_cast<float*>(own_inv + 2 * kSmallBytes));
         if (ctid == 0) {
           log2_bound += b;
-          if (c + 1 == warmup && !(log2_bound <= kPieceLog2Bound)) {  // NaN: not erased either
-            if (a.pieces_chain) {
-              stop->chain = 1;  // the others read it after the next chunk's first barrier
-            } else {
-              atomicCAS(a.pieces_flag, 0, 1);  // the first stop's value stays (the pre-check's 2)
-              stop->abort = 1;  // likewise
-            }
-          }
+          if (c + 1 == warmup) warmup_verdict(a, stop, log2_bound);
         }
         fence_proxy_async_shared();
         release(stage);
         continue;
       }
     }
-    // The output through the stage's v: each slot's bf16 where this thread read its v (no other
-    // thread reads those bytes; the other consumer warpgroup's columns are disjoint), then the
-    // warp's 32 tokens x 16 columns to global memory as 16-byte rows, before the stage is released.
 #pragma unroll
     for (int i = 0; i < 16; ++i) slot(i) = o[i];
-    __syncwarp();
-    // Pass u: tokens of parity u, lanes 2m and 2m + 1 one token's 32 bytes; a quarter-warp's 8 reads
-    // (tokens 8 k + u, + 2, + 4, + 6, both halves) fall on 8 distinct granule positions.
-    const int col = 64 * cwg + 16 * warp;
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int t = 8 * (lane >> 3) + 2 * ((lane >> 1) & 3) + u, part = lane & 1;
-      if (t < rows)
-        *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(p.out) + ((c * kChunk + t) * p.H + h) * kHeadDim + col +
-                                  8 * part) = *reinterpret_cast<const uint4*>(&staged_v(vs, t, col + 8 * part));
-    }
+    store_chunk_output(p, h, c, rows, vs, 64 * cwg + 16 * warp, lane);
     // This thread's generic writes of the stage's v (the output slots) before the producer's TMA
     // overwrites them: fenced by each writing thread, then released by its arrival.
     fence_proxy_async_shared();
