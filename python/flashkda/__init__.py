@@ -104,6 +104,24 @@ def _not_supported(fn_name, **options):
             raise NotImplementedError(f"{fn_name}: {name}={value!r} is not supported by flashkda")
 
 
+def _neg_eigval_beta(fn_name, beta, use_beta_sigmoid_in_kernel):
+    """fla's allow_neg_eigval=True: beta = 2 sigmoid(raw beta), in (0, 2), so that a token's transition
+    I - beta k k^T may have a negative eigenvalue. fla requires the raw beta then (the ValueError is
+    fla's). Formed here in fp32 ([B, T, H], small beside q) and passed as beta itself, which every
+    backend takes in fp32; the kernels' own sigmoid is not used."""
+    if not use_beta_sigmoid_in_kernel:
+        raise ValueError(f"{fn_name}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
+    if is_torch(beta):
+        import torch
+
+        return 2.0 * torch.sigmoid(beta.float())
+    import numpy as np
+
+    b = np.asarray(beta).astype(np.float32)
+    with np.errstate(over="ignore"):  # exp(-b) = inf for b far below zero: 2 / inf = 0, sigmoid's limit
+        return (np.float32(2.0) / (np.float32(1.0) + np.exp(-b))).astype(np.float32)
+
+
 _PARAMS = {fn: tuple(inspect.signature(fn).parameters)[1:] for fn in (_impl.chunk_kda, _impl.fwd,
                                                                       _impl.fused_recurrent_kda)}
 
@@ -165,10 +183,13 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     The positional order is fla 0.6.0's; A_log, dt_bias and precision are keywords. fla options
     without effect here (disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs, chunk_size) are
-    accepted; allow_neg_eigval and cp_context raise NotImplementedError when set.
+    accepted; cp_context raises NotImplementedError when set. allow_neg_eigval=True (fla's, with
+    use_beta_sigmoid_in_kernel=True) takes beta as 2 sigmoid(beta), formed in fp32 before the call.
     """
     state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
-    _not_supported("chunk_kda", allow_neg_eigval=allow_neg_eigval, cp_context=cp_context)
+    _not_supported("chunk_kda", cp_context=cp_context)
+    if allow_neg_eigval:
+        beta, use_beta_sigmoid_in_kernel = _neg_eigval_beta("chunk_kda", beta, use_beta_sigmoid_in_kernel), False
     return_intermediate_states = bool(return_intermediate_states)
     args = _args(_impl.chunk_kda, q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -250,14 +271,17 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
       shared slot's contents are then undefined. The CPU checks on the host either way, and inputs
       longer than a decode step (the serving prefill through the pool) are checked always.
 
-    The positional order is fla 0.6.0's (allow_neg_eigval=True raises NotImplementedError); the
-    serving arguments are keywords. The kernels keep states as [P, H, V, K]; with other layouts
+    The positional order is fla 0.6.0's (allow_neg_eigval=True, with use_beta_sigmoid_in_kernel=True,
+    takes beta as 2 sigmoid(beta), formed in fp32 before the call, as chunk_kda); the serving arguments
+    are keywords. The kernels keep states as [P, H, V, K]; with other layouts
     only the named slots are transposed around the call. Inputs longer than a decode step
     (T > 16, or host-side cu_seqlens with a longer sequence) run the chunked forward, which
     computes the same recurrence, also through a pool with 1-d ssm_state_indices.
     """
     state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first)
-    _not_supported("fused_recurrent_kda", allow_neg_eigval=allow_neg_eigval)
+    if allow_neg_eigval:
+        beta, use_beta_sigmoid_in_kernel = (_neg_eigval_beta("fused_recurrent_kda", beta, use_beta_sigmoid_in_kernel),
+                                            False)
     if inplace_final_state is None:
         inplace_final_state = ssm_state_indices is not None
     use_op = _use_op(q)

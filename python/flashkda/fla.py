@@ -13,8 +13,8 @@ Registered (fla.backends.register, priority 2, ahead of fla's FlashKDA backend a
   serving call vLLM makes): the same, plus the state pool through ssm_state_indices, speculative
   slots with num_accepted_tokens, in place or not.
 
-Calls it cannot serve (autograd, grouped value heads, per-channel beta, allow_neg_eigval,
-context parallelism, a GPU without the CUDA backend, ...) are
+Calls it cannot serve (autograd, grouped value heads, per-channel beta, context parallelism, a
+GPU without the CUDA backend, ...) are
 declined with a reason (fla logs it at INFO) and fla runs its own kernels. `FLA_FLASHKDA=0`
 switches the backend off, as `FLA_FLASH_KDA=0` does fla's FlashKDA backend.
 """
@@ -36,13 +36,10 @@ def _requires_grad(*xs):
     return torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in xs)
 
 
-def _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
-                   allow_neg_eigval):
+def _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound):
     """Why flashkda cannot serve this call, or None. The reasons name what flashkda requires."""
     if _requires_grad(q, k, v, g, beta, initial_state, A_log, dt_bias):
         return "flashkda only supports inference (tensors require grad)"
-    if allow_neg_eigval:
-        return "flashkda requires allow_neg_eigval=False"
     if q.dim() != 4 or v.dim() != 4:
         return f"flashkda requires 4-d q and v, got {q.dim()}-d and {v.dim()}-d"
     B, T, H, K = q.shape
@@ -91,8 +88,7 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
                            return_intermediate_states=False, state_v_first=False, cu_seqlens=None,
                            cu_seqlens_cpu=None, cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None,
                            dt_bias=None, **kwargs):
-        reason = _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
-                                allow_neg_eigval)
+        reason = _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound)
         if reason is None and cp_context is not None:
             reason = "flashkda does not support context parallel"
         if reason is None and safe_gate and lower_bound is None:
@@ -108,7 +104,8 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
                                   output_final_state=output_final_state,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                   use_gate_in_kernel=use_gate_in_kernel,
-                                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, safe_gate=safe_gate,
+                                  use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                                  allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
                                   lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                                   return_intermediate_states=return_intermediate_states, A_log=A_log,
                                   dt_bias=dt_bias)
@@ -125,8 +122,7 @@ class FlashkdaKDABackend(_FlashkdaBackend):
                                          num_accepted_tokens=None, use_qk_l2norm_in_kernel=False,
                                          use_gate_in_kernel=False, use_beta_sigmoid_in_kernel=False,
                                          allow_neg_eigval=False, lower_bound=None, out=None, **kwargs):
-        reason = _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound,
-                                allow_neg_eigval)
+        reason = _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_kernel, lower_bound)
         if reason is None and inplace_final_state and initial_state is None:
             reason = "flashkda requires initial_state (the pool) with inplace_final_state=True"
         if reason is None and not inplace_final_state and ssm_state_indices is not None:
@@ -146,6 +142,8 @@ class FlashkdaKDABackend(_FlashkdaBackend):
             q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
             use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+            # fla's kernel doubles beta only after its sigmoid (allow_neg_eigval alone is ignored there)
+            allow_neg_eigval=allow_neg_eigval and use_beta_sigmoid_in_kernel,
             lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
             ssm_state_indices=ssm_state_indices, num_accepted_tokens=num_accepted_tokens,
             inplace_final_state=inplace_final_state, out=out)

@@ -43,9 +43,13 @@ def fw(request):
     return Arrays(request.param)
 
 
-def _ref_prefill(p, h0_vk, cu=None):
-    return kda_forward(p["q"], p["k"], p["v"], p["g"], p["beta"], l2norm=True, beta_logit=True, initial_state=h0_vk,
-                       cu_seqlens=cu, **p.ref_kwargs())
+def _ref_prefill(p, h0_vk, cu=None, neg_eigval=False):
+    """The fp64 reference; neg_eigval: fla's allow_neg_eigval, beta = 2 sigmoid(raw beta)."""
+    beta = p["beta"]
+    if neg_eigval:
+        beta = 2.0 / (1.0 + np.exp(-np.asarray(beta).astype(np.float64)))
+    return kda_forward(p["q"], p["k"], p["v"], p["g"], beta, l2norm=True, beta_logit=not neg_eigval,
+                       initial_state=h0_vk, cu_seqlens=cu, **p.ref_kwargs())
 
 
 def test_chunk_kda_takes_fla_positional_order(rng):
@@ -59,8 +63,13 @@ def test_chunk_kda_takes_fla_positional_order(rng):
     ref_o, ref_h = _ref_prefill(p, p["h0_vk"])
     assert rel_rms(o, ref_o) <= 1e-5
     assert rel_rms(np.swapaxes(ht, -1, -2), ref_h) <= 1e-5
-    with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
-        flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], None, None, False, True, True, True, True)
+    # allow_neg_eigval (the seventh): beta = 2 sigmoid(raw beta), which fla requires as a logit
+    o2, _ = flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], None, h0_kv, False, True, True, True, True,
+                               True, p["lower_bound"], A_log=p["A_log"], dt_bias=p["dt_bias"])
+    assert rel_rms(o2, _ref_prefill(p, p["h0_vk"], neg_eigval=True)[0]) <= 1e-5
+    assert rel_rms(o2, o) > 1e-2  # the doubled beta changes the result
+    with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
+        flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], None, None, False, True, True, False, True)
     with pytest.raises(NotImplementedError, match="cp_context"):
         flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], cp_context=object())
     # accepted and without effect here
@@ -77,9 +86,14 @@ def test_fused_recurrent_kda_takes_fla_positional_order(rng):
                                          h0_kv, True, True, True, True, False, p["lower_bound"])
     ref_o, ref_h = _ref_prefill(p, p["h0_vk"])
     assert rel_rms(o, ref_o) <= 1e-5 and rel_rms(np.swapaxes(ht, -1, -2), ref_h) <= 1e-5
-    with pytest.raises(NotImplementedError, match="allow_neg_eigval"):
+    # allow_neg_eigval (the ninth): beta = 2 sigmoid(raw beta)
+    o2, ht2 = flashkda.fused_recurrent_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], p["A_log"], p["dt_bias"], None,
+                                           h0_kv, True, True, True, True, True, p["lower_bound"])
+    ref_o2, ref_h2 = _ref_prefill(p, p["h0_vk"], neg_eigval=True)
+    assert rel_rms(o2, ref_o2) <= 1e-5 and rel_rms(np.swapaxes(ht2, -1, -2), ref_h2) <= 1e-5
+    with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
         flashkda.fused_recurrent_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], p["A_log"], p["dt_bias"], None, h0_kv,
-                                     True, True, True, True, True, p["lower_bound"])
+                                     True, True, True, False, True, p["lower_bound"])
 
 
 def test_fused_recurrent_kda_never_writes_initial_state_by_default(rng):

@@ -74,11 +74,11 @@ def test_unservable_calls_are_declined_with_a_reason(rng):
     args = (t["q"], t["k"], t["v"], t["g"], t["beta"])
     assert chunk.chunk_kda_verifier(*args, **kw) == (True, None)
     cases = {
-        "allow_neg_eigval": dict(allow_neg_eigval=True),
         "context parallel": dict(cp_context=object()),
     }
     # served on both backends (on the GPU checked against fla's own below)
     assert chunk.chunk_kda_verifier(*args, **{**kw, "return_intermediate_states": True}) == (True, None)
+    assert chunk.chunk_kda_verifier(*args, **{**kw, "allow_neg_eigval": True}) == (True, None)
     for needle, extra in cases.items():
         ok, reason = chunk.chunk_kda_verifier(*args, **{**kw, **extra})
         assert not ok and needle in reason
@@ -95,18 +95,44 @@ def test_unservable_calls_are_declined_with_a_reason(rng):
 
 
 def test_a_declined_call_runs_flas_own_path(rng, monkeypatch):
-    """allow_neg_eigval=True is declined, so fla's own kernels run: on the CPU they need Triton's GPU
-    backend and fail, which shows the call did not go to flashkda (on the GPU fla's result returns)."""
+    """A call that needs autograd is declined, so fla's own kernels run: on the CPU they need Triton's
+    GPU backend and fail, which shows the call did not go to flashkda (on the GPU fla's result returns,
+    with the graph flashkda's would not have)."""
     t, kw = inputs(rng, DEVICES[-1])
-    with torch.no_grad():
+    q = t["q"].clone().requires_grad_(True)
+    with torch.enable_grad():
         try:
-            o, _ = fla_kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], allow_neg_eigval=True, **kw)
+            o, _ = fla_kda.chunk_kda(q, t["k"], t["v"], t["g"], t["beta"], **kw)
         except Exception as e:  # noqa: BLE001 - fla's Triton path on a machine without its GPU backend
             assert t["q"].device.type == "cpu", f"fla's own path failed on the GPU: {e}"
             return
-        with pytest.raises(NotImplementedError):
-            flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], allow_neg_eigval=True, **kw)
-        assert o.shape == t["v"].shape
+    assert o.shape == t["v"].shape and o.requires_grad
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_allow_neg_eigval_is_served(rng, device, monkeypatch):
+    """allow_neg_eigval=True (beta = 2 sigmoid(raw beta)): fla's calls return flashkda's results, the
+    same as flashkda given that beta itself; on the GPU also within both implementations' rounding of
+    fla's own kernels (FLA_FLASHKDA=0)."""
+    t, kw = inputs(rng, device)
+    beta2 = 2.0 * torch.sigmoid(t["beta"].float())
+    with torch.no_grad():
+        o_fla, ht_fla = fla_kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0_vk"],
+                                          allow_neg_eigval=True, **kw)
+        o, ht = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], beta2, initial_state=t["h0_vk"],
+                                   **{**kw, "use_beta_sigmoid_in_kernel": False})
+    assert torch.equal(o_fla, o) and torch.equal(ht_fla, ht)
+    if device != "cuda":
+        return
+    monkeypatch.setenv("FLA_FLASHKDA", "0")
+    with torch.no_grad():
+        o_own, ht_own = fla_kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=t["h0_vk"],
+                                          allow_neg_eigval=True, **kw)
+
+    def rel(a, b):
+        return (torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double())).item()
+
+    assert rel(o, o_own) <= 2e-2 and rel(ht, ht_own) <= 2e-2, (rel(o, o_own), rel(ht, ht_own))
 
 
 def test_fla_flashkda_0_switches_it_off(monkeypatch):
