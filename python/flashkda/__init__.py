@@ -122,6 +122,26 @@ def _neg_eigval_beta(fn_name, beta, use_beta_sigmoid_in_kernel):
         return (np.float32(2.0) / (np.float32(1.0) + np.exp(-b))).astype(np.float32)
 
 
+def _grouped_value_heads(q, k, v):
+    """fla's grouped value heads (GVA): v, g, beta, A_log, dt_bias and the states with HV heads, q and
+    k with H, HV a multiple of H; value head hv reads q and k head hv // (HV / H). Served by repeating
+    each q and k head HV / H times, side by side, before the call: the same recurrence, at HV / H
+    times q's and k's memory (fla's own kernels read them in place)."""
+    if (getattr(q, "ndim", 0) != 4 or getattr(k, "ndim", 0) != 4 or getattr(v, "ndim", 0) != 4
+            or is_torch(q) != is_torch(k) or k.shape[2] != q.shape[2]):
+        return q, k  # the usual type and shape errors
+    H, HV = q.shape[2], v.shape[2]
+    if HV == H or H == 0 or HV < H:
+        return q, k
+    if HV % H != 0:
+        raise ValueError(f"v: grouped value heads need HV a multiple of H, got HV={HV}, H={H}")
+    if is_torch(q):
+        return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
+    import numpy as np
+
+    return np.repeat(q, HV // H, axis=2), np.repeat(k, HV // H, axis=2)
+
+
 _PARAMS = {fn: tuple(inspect.signature(fn).parameters)[1:] for fn in (_impl.chunk_kda, _impl.fwd,
                                                                       _impl.fused_recurrent_kda)}
 
@@ -185,9 +205,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     without effect here (disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs, chunk_size) are
     accepted; cp_context raises NotImplementedError when set. allow_neg_eigval=True (fla's, with
     use_beta_sigmoid_in_kernel=True) takes beta as 2 sigmoid(beta), formed in fp32 before the call.
+    Grouped value heads (fla's GVA: v, g, beta, A_log, dt_bias and the states with HV heads, q and k
+    with H, HV a multiple of H) repeat q's and k's heads before the call.
     """
     state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
     _not_supported("chunk_kda", cp_context=cp_context)
+    q, k = _grouped_value_heads(q, k, v)
     if allow_neg_eigval:
         beta, use_beta_sigmoid_in_kernel = _neg_eigval_beta("chunk_kda", beta, use_beta_sigmoid_in_kernel), False
     return_intermediate_states = bool(return_intermediate_states)
@@ -272,13 +295,14 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
       longer than a decode step (the serving prefill through the pool) are checked always.
 
     The positional order is fla 0.6.0's (allow_neg_eigval=True, with use_beta_sigmoid_in_kernel=True,
-    takes beta as 2 sigmoid(beta), formed in fp32 before the call, as chunk_kda); the serving arguments
-    are keywords. The kernels keep states as [P, H, V, K]; with other layouts
+    takes beta as 2 sigmoid(beta), formed in fp32 before the call, as chunk_kda; grouped value heads
+    repeat q's and k's heads, as chunk_kda); the serving arguments are keywords. The kernels keep states as [P, H, V, K]; with other layouts
     only the named slots are transposed around the call. Inputs longer than a decode step
     (T > 16, or host-side cu_seqlens with a longer sequence) run the chunked forward, which
     computes the same recurrence, also through a pool with 1-d ssm_state_indices.
     """
     state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first)
+    q, k = _grouped_value_heads(q, k, v)
     if allow_neg_eigval:
         beta, use_beta_sigmoid_in_kernel = (_neg_eigval_beta("fused_recurrent_kda", beta, use_beta_sigmoid_in_kernel),
                                             False)

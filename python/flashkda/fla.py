@@ -13,8 +13,8 @@ Registered (fla.backends.register, priority 2, ahead of fla's FlashKDA backend a
   serving call vLLM makes): the same, plus the state pool through ssm_state_indices, speculative
   slots with num_accepted_tokens, in place or not.
 
-Calls it cannot serve (autograd, grouped value heads, per-channel beta, context parallelism, a
-GPU without the CUDA backend, ...) are
+Calls it cannot serve (autograd, per-channel beta, context parallelism, a GPU without the CUDA
+backend, ...) are
 declined with a reason (fla logs it at INFO) and fla runs its own kernels. `FLA_FLASHKDA=0`
 switches the backend off, as `FLA_FLASH_KDA=0` does fla's FlashKDA backend.
 """
@@ -43,8 +43,9 @@ def _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_
     if q.dim() != 4 or v.dim() != 4:
         return f"flashkda requires 4-d q and v, got {q.dim()}-d and {v.dim()}-d"
     B, T, H, K = q.shape
-    if v.shape[2] != H:
-        return f"flashkda does not support GVA (HV={v.shape[2]} != H={H})"
+    if v.shape[2] != H and (v.shape[2] < H or v.shape[2] % H != 0):
+        return f"flashkda does not support GVA with HV={v.shape[2]}, H={H} (HV a multiple of H only)"
+    H = v.shape[2]  # the value heads: dt_bias's, g's and beta's (grouped value heads repeat q and k)
     if beta.dim() != 3:
         return "flashkda does not support per-channel beta"
     V = v.shape[3]

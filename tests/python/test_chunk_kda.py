@@ -188,6 +188,21 @@ def test_inputs_are_not_modified(rng):
 # ---- fla keyword arguments -----------------------------------------------------------------------
 
 
+def test_grouped_value_heads_repeat_q_and_k(rng):
+    """fla's GVA: q and k with H heads, v, g, beta, the gate's parameters and the states with HV = 2H;
+    value head hv reads q and k head hv // 2. The result of q and k repeated head by head, bit for bit,
+    and the reference's; varlen with a state."""
+    p = make_problem(rng, H=4, gate="softplus", state=True, lengths=[17, 20])
+    q2, k2 = p["q"][:, :, ::2].copy(), p["k"][:, :, ::2].copy()
+    p["q"], p["k"] = np.repeat(q2, 2, axis=2), np.repeat(k2, 2, axis=2)
+    o_rep, ht_rep = run_chunk(p)
+    check(p, o_rep, np.swapaxes(ht_rep, -1, -2), 1e-5)
+    p["q"], p["k"] = q2, k2
+    o, ht = run_chunk(p)
+    np.testing.assert_array_equal(o, o_rep)
+    np.testing.assert_array_equal(ht, ht_rep)
+
+
 def test_fla_options_without_effect_are_accepted(rng):
     p = make_problem(rng)
     o1, _ = run_chunk(p)

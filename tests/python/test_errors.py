@@ -50,9 +50,13 @@ def test_type_errors(rng):
         chunk(p, k=p["k"].tolist())
 
 
-def test_grouped_value_heads_and_per_channel_beta_are_rejected(rng):
+def test_grouped_value_heads_not_a_multiple_and_per_channel_beta_are_rejected(rng):
     p = make_problem(rng, T=8)
-    with pytest.raises(ValueError, match="grouped value heads"):
+    with pytest.raises(ValueError, match="grouped value heads need HV a multiple of H"):
+        chunk(p, v=np.zeros((1, 8, 3, 64), np.float32))
+    with pytest.raises(ValueError, match="grouped value heads"):  # fewer value heads than q's
+        chunk(p, v=np.zeros((1, 8, 1, 64), np.float32))
+    with pytest.raises(ValueError, match=r"g: expected shape \[1, 8, 4, 64\]"):  # grouped: g has HV heads
         chunk(p, v=np.zeros((1, 8, 4, 64), np.float32))
     with pytest.raises(ValueError, match="per-channel beta"):
         chunk(p, beta=np.zeros((1, 8, 2, 64), np.float32))

@@ -135,6 +135,19 @@ def test_allow_neg_eigval_is_served(rng, device, monkeypatch):
     assert rel(o, o_own) <= 2e-2 and rel(ht, ht_own) <= 2e-2, (rel(o, o_own), rel(ht, ht_own))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_grouped_value_heads_are_served(rng, device):
+    """fla's GVA (q and k with one head, v, g, beta and the states with two): fla's call returns
+    flashkda's result, which is that of q and k repeated per head."""
+    t, kw = inputs(rng, device)
+    q1, k1 = t["q"][:, :, :1].contiguous(), t["k"][:, :, :1].contiguous()
+    with torch.no_grad():
+        o_fla, ht_fla = fla_kda.chunk_kda(q1, k1, t["v"], t["g"], t["beta"], initial_state=t["h0_vk"], **kw)
+        o, ht = flashkda.chunk_kda(q1.repeat(1, 1, 2, 1), k1.repeat(1, 1, 2, 1), t["v"], t["g"], t["beta"],
+                                   initial_state=t["h0_vk"], **kw)
+    assert torch.equal(o_fla, o) and torch.equal(ht_fla, ht)
+
+
 def test_fla_flashkda_0_switches_it_off(monkeypatch):
     assert backend.FlashkdaChunkBackend().is_enabled()
     monkeypatch.setenv("FLA_FLASHKDA", "0")

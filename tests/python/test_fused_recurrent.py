@@ -64,6 +64,25 @@ def test_multi_token_without_indices_not_in_place(rng, decode_ready):
     assert none is None
 
 
+def test_grouped_value_heads_repeat_q_and_k(rng, decode_ready):
+    """fla's GVA in decode: q and k with one head, v, g, beta and the pool with two; both value heads
+    read the one q and k head: the result of q and k repeated, bit for bit, and the reference's."""
+    N, T = 3, 2
+    p = make_problem(rng, B=N, T=T, H=H, K=K, V=V, gate="lower_bound")
+    q1, k1 = p["q"][:, :, :1].copy(), p["k"][:, :, :1].copy()
+    p["q"], p["k"] = np.repeat(q1, H, axis=2), np.repeat(k1, H, axis=2)
+    pool = random_pool(rng, N + 2)
+    idx = np.array([4, 0, 2], np.int32)
+    pool_rep = pool.copy()
+    o_rep, _ = call(p, initial_state=pool_rep, ssm_state_indices=idx, state_v_first=True)
+    ref_o, ref_h = decode_ref(p, pool, idx)
+    assert rel_rms(o_rep, ref_o) <= 1e-5
+    p["q"], p["k"] = q1, k1
+    o, _ = call(p, initial_state=pool, ssm_state_indices=idx, state_v_first=True)
+    np.testing.assert_array_equal(o, o_rep)
+    np.testing.assert_array_equal(pool, pool_rep)
+
+
 def test_zero_initial_state_in_place_default(rng, decode_ready):
     p = make_problem(rng, B=2, T=3, H=H, K=K, V=V, gate="softplus")
     o, ht = call(p, output_final_state=True, state_v_first=True)
