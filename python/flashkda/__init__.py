@@ -111,15 +111,7 @@ def _neg_eigval_beta(fn_name, beta, use_beta_sigmoid_in_kernel):
     backend takes in fp32; the kernels' own sigmoid is not used."""
     if not use_beta_sigmoid_in_kernel:
         raise ValueError(f"{fn_name}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
-    if is_torch(beta):
-        import torch
-
-        return 2.0 * torch.sigmoid(beta.float())
-    import numpy as np
-
-    b = np.asarray(beta).astype(np.float32)
-    with np.errstate(over="ignore"):  # exp(-b) = inf for b far below zero: 2 / inf = 0, sigmoid's limit
-        return (np.float32(2.0) / (np.float32(1.0) + np.exp(-b))).astype(np.float32)
+    return 2 * ops_for(beta, "beta").sigmoid_f32(beta)
 
 
 def _grouped_value_heads(q, k, v):
@@ -135,11 +127,8 @@ def _grouped_value_heads(q, k, v):
         return q, k
     if HV % H != 0:
         raise ValueError(f"v: grouped value heads need HV a multiple of H, got HV={HV}, H={H}")
-    if is_torch(q):
-        return q.repeat_interleave(HV // H, dim=2), k.repeat_interleave(HV // H, dim=2)
-    import numpy as np
-
-    return np.repeat(q, HV // H, axis=2), np.repeat(k, HV // H, axis=2)
+    ops = ops_for(q)
+    return ops.repeat_axis2(q, HV // H), ops.repeat_axis2(k, HV // H)
 
 
 _PARAMS = {fn: tuple(inspect.signature(fn).parameters)[1:] for fn in (_impl.chunk_kda, _impl.fwd,
@@ -296,8 +285,8 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
 
     The positional order is fla 0.6.0's (allow_neg_eigval=True, with use_beta_sigmoid_in_kernel=True,
     takes beta as 2 sigmoid(beta), formed in fp32 before the call, as chunk_kda; grouped value heads
-    repeat q's and k's heads, as chunk_kda); the serving arguments are keywords. The kernels keep states as [P, H, V, K]; with other layouts
-    only the named slots are transposed around the call. Inputs longer than a decode step
+    repeat q's and k's heads, as chunk_kda); the serving arguments are keywords. The kernels keep
+    states as [P, H, V, K]; with other layouts only the named slots are transposed around the call. Inputs longer than a decode step
     (T > 16, or host-side cu_seqlens with a longer sequence) run the chunked forward, which
     computes the same recurrence, also through a pool with 1-d ssm_state_indices.
     """

@@ -116,6 +116,18 @@ class NumpyOps:
         return np.where(cond, a, b)
 
     @staticmethod
+    def sigmoid_f32(x):
+        """The logistic of x in fp32 (exp(-x) = inf far below zero gives sigmoid's limit 0)."""
+        b = x.astype(np.float32)
+        with np.errstate(over="ignore"):
+            return (np.float32(1.0) / (np.float32(1.0) + np.exp(-b))).astype(np.float32)
+
+    @staticmethod
+    def repeat_axis2(x, n):
+        """Each index of axis 2 n times, side by side."""
+        return np.repeat(x, n, axis=2)
+
+    @staticmethod
     def first_true(mask):
         """Index of the first True of a 1-d mask (0 when there is none), as a 0-d integer array."""
         return np.argmax(mask)
@@ -252,6 +264,14 @@ class TorchOps:
     @staticmethod
     def where(cond, a, b):
         return _torch().where(cond, a, b)
+
+    @staticmethod
+    def sigmoid_f32(x):
+        return _torch().sigmoid(x.float())
+
+    @staticmethod
+    def repeat_axis2(x, n):
+        return x.repeat_interleave(n, dim=2)
 
     @staticmethod
     def first_true(mask):

@@ -193,12 +193,13 @@ struct SeqArgs {
   volatile int chain;
   // FusedArgs::pieces: the piece's warm-up chunks (0: the first piece), and its stop: abort (set by
   // the consumers' thread 0 once the gates' pre-check or a warm-up bound failed or
-  // FusedArgs::pieces_flag is set, read by the consumers after a barrier), its snapshot stage_stop[s] (written by the consumers' thread 0 before
-  // it releases stage s, read by the producer after its wait for that release: every producer warp
-  // reads the same value, which the consumers rewrite only after the producer's next arrival on
-  // full[s]) and stopped_at (the chunk at which the producer stopped, written before its last
-  // arrival on the full barrier; INT64_MAX: none; written and read by 64-bit shared atomics,
-  // stopped_at_store / stopped_at_load, as the consumers may read it while the producer writes it).
+  // FusedArgs::pieces_flag is set, read by the consumers after a barrier), its snapshot
+  // stage_stop[s] (written by the consumers' thread 0 before it releases stage s, read by the
+  // producer after its wait for that release: every producer warp reads the same value, which the
+  // consumers rewrite only after the producer's next arrival on full[s]) and stopped_at (the chunk
+  // at which the producer stopped, written before its last arrival on the full barrier; INT64_MAX:
+  // none; written and read by 64-bit shared atomics, stopped_at_store / stopped_at_load, as the
+  // consumers may read it while the producer writes it).
   int warmup;
   volatile int abort;
   volatile int stage_stop[2];
@@ -402,7 +403,8 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
-        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);  // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop)
+        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop)
+        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
         mbarrier_arrive(&full[stage]);
         break;
       }
@@ -444,7 +446,8 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
 // share of the piece's start state below fp32's rounding of it, as the chunk-16 kernels' transition
 // skipping requires).
 constexpr float kPieceLog2Bound = -30.f;
-constexpr int kPiecesPrechecked = 2;  // the flag's value where the gates' pre-check stopped the pieces (a piece's bound: 1)
+// The flag's value where the gates' pre-check stopped the pieces (a piece's own bound: 1).
+constexpr int kPiecesPrechecked = 2;
 
 // FusedArgs::pieces without pieces_chain, the gates' pre-check: a piece stops the call where its
 // warm-up chunks' bounds multiply to more than 2^kPieceLog2Bound, and each chunk's bound
@@ -613,8 +616,8 @@ __device__ __forceinline__ void warmup_verdict(const FusedArgs& a, SeqArgs* stop
 // later stop, 1, does not overwrite it) and this piece's at once (stop->abort, which every consumer
 // reads after the first chunk's barrier); consumer thread 0 hands the verdict to the producer, which
 // waits for it before its first chunk and stops there (verdict_barrier).
-__device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqArgs* stop, int h, int ctid, float* scratch,
-                                                       uint64_t* full) {
+__device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqArgs* stop, int h, int ctid,
+                                                       float* scratch, uint64_t* full) {
   const bool stopped = precheck_warmups(*stop, h, ctid, scratch);
   if (ctid == 0) {
     if (stopped) {
@@ -647,7 +650,8 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   uint8_t* const own_inv = ring + L::kOffInv;
   if constexpr (kPieces) {
     static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
-    if (!a.pieces_chain) precheck_and_hand_over(a, stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), full);
+    if (!a.pieces_chain)
+      precheck_and_hand_over(a, stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), full);
   }
   float S[64];
   prefill::load_state_rows(S, p.initial_state,

@@ -205,7 +205,6 @@ __device__ __forceinline__ void issue_chunk_rows(const ChunkRowMaps& maps, int h
   tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
 }
 
-
 __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
   x[0] = bf16_lo(v.x), x[1] = bf16_hi(v.x), x[2] = bf16_lo(v.y), x[3] = bf16_hi(v.y);
   x[4] = bf16_lo(v.z), x[5] = bf16_hi(v.z), x[6] = bf16_lo(v.w), x[7] = bf16_hi(v.w);
