@@ -1,9 +1,10 @@
 // The two kernels that finish a segmented prefill (config.h "Segments") after the segmented K2:
 //
 // chain    grid (N * H, kHeadDim / kChainRows), block kChainThreads. Per sequence and head, in
-//          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T in fp32 (rows of X^T are independent,
-//          so each CTA owns kChainRows of them); X_1 comes from segment 0, the last product is
-//          the final state. With checkpoints it writes those at segment starts X_s and at the end;
+//          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T (rows of X^T are independent, so each
+//          CTA owns kChainRows of them), the product on the tensor cores with split tf32 operands
+//          (hi * hi + hi * lo + lo * hi, about fp32 accuracy) accumulated in fp32 onto B_s^T;
+//          X_1 comes from segment 0, the last product is the final state. With checkpoints it writes those at segment starts X_s and at the end;
 //          with checkpoints inside segments (p.seg_ckpt_b; otherwise the segment length divides
 //          checkpoint_every and there are none) also X_s^T A_c^T + B_c^T for each checkpoint c
 //          inside segment s > 0, from the partial transitions K2 stored (segment 0's: K2).
@@ -16,25 +17,56 @@
 
 #include <type_traits>
 
+#include "cuda/common/async_copy.cuh"
 #include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
 
 namespace flashkda::cuda::sm90::prefill {
 
-constexpr int kChainRows = 8;
-constexpr int kChainThreads = 256;
+constexpr int kChainRows = 16;     // rows of X^T a CTA: one m16 tile
+constexpr int kChainThreads = 256;  // 8 warps, 16 columns each (two n8 tiles)
+constexpr int kChainElems = 8;      // a thread's elements of the CTA's [16][128]: two C fragments
+constexpr int kChainAStride = kHeadDim + 8;  // floats per row of A^T in shared memory: conflict-free B fragments
+constexpr int kChainXStride = kHeadDim + 4;  // floats per row of X^T: conflict-free A fragments
+constexpr int kChainYStride = kLowRankRows + 4;
 constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
 
 struct ChainSmem {
-  float a[kHeadDim][kHeadDim];  // A_s^T of the current segment (low rank: T^T, rows 0-63)
-  float x[kChainRows][kHeadDim];
+  float a[kHeadDim][kChainAStride];  // A_s^T of the current segment (low rank: T^T, rows 0-63)
+  float x[kChainRows][kChainXStride];
 };
 struct ChainLowRankSmem : ChainSmem {
-  float y[kChainRows][kLowRankRows];  // Y_s^T = X_s^T G^T, this CTA's rows (low-rank transitions)
+  float y[kChainRows][kChainYStride];  // Y_s^T = X_s^T G^T, this CTA's rows (low-rank transitions)
 };
+
+// acc += x a for one warp's 16 columns of the CTA's rows: x [16][kK] (rows of X^T or Y^T), a [kK][128]
+// (rows of A^T or T^T), on the tensor cores with split tf32 operands, the small products first.
+// acc[j]: the C fragment of n-tile j (columns 16 warp + 8 j ..).
+template <int kK, int kXStride>
+__device__ __forceinline__ void chain_product(float (&acc)[2][4], const float (*x)[kXStride],
+                                              const float (*a)[kChainAStride], int warp, int g, int t) {
+#pragma unroll 4
+  for (int ks = 0; ks < kK / 8; ++ks) {
+    const int k = 8 * ks + t;
+    const float xa[4] = {x[g][k], x[g + 8][k], x[g][k + 4], x[g + 8][k + 4]};
+    uint32_t a_hi[4], a_lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) split_tf32(xa[r], a_hi[r], a_lo[r]);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int n = 16 * warp + 8 * j + g;
+      uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
+      split_tf32(a[k][n], b_hi0, b_lo0);
+      split_tf32(a[k + 4][n], b_hi1, b_lo1);
+      mma_tf32(acc[j], a_lo, b_hi0, b_hi1);
+      mma_tf32(acc[j], a_hi, b_lo0, b_lo1);
+      mma_tf32(acc[j], a_hi, b_hi0, b_hi1);
+    }
+  }
+}
 
 constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T: 144 bytes, conflict-free
 
@@ -151,8 +183,12 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   const bool final_checkpoint = checkpoint_at(sc.eos - sc.bos) >= 0;
 
   const int tid = threadIdx.x;
-  const int v0 = blockIdx.y * kChainRows;          // this CTA's rows of X^T
-  const int c = tid % kHeadDim, r0 = (tid / kHeadDim) * (kChainRows / 2);  // this thread: rows r0.. r0+3, column c
+  const int v0 = blockIdx.y * kChainRows;  // this CTA's rows of X^T
+  // This thread's elements e of the CTA's rows: those of its warp's two C fragments (mma.cuh),
+  // e = 4 j + i: row g (i < 2) or g + 8, column 16 warp + 8 j + 2 t + i % 2 (g = lane / 4, t = lane % 4).
+  const int warp = tid / 32, frag_g = (tid % 32) / 4, frag_t = tid % 4;
+  auto erow = [&](int e) { return frag_g + 8 * ((e % 4) / 2); };
+  auto ecol = [&](int e) { return 16 * warp + 8 * (e / 4) + 2 * frag_t + e % 2; };
   constexpr int kQuads = kHeadDim * kHeadDim / 4;
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
@@ -175,7 +211,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     }
     if (tid == 0) s_any_taint = false;
     __syncthreads();
-    if (tid < kChainRows) {
+    if (tid < kChainRows) {  // row tid
       const int64_t gs = (first + s) * p.H + h;
       const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
       const int pieces = int(pieces_of(len, p.run_chunks));
@@ -210,7 +246,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
       if (s_taint[r] != INT64_MAX) poison_column(p, min(eos, bos + s_taint[r] * kChunk), eos, h, v0 + r);
     return true;
   };
-  auto tainted = [&](int i) { return s_taint[r0 + i] != INT64_MAX; };
+  auto tainted = [&](int e) { return s_taint[erow(e)] != INT64_MAX; };  // element e's row
   // ... and the checkpoints K2 wrote inside segment s after chunk `from` of it (segment 0, skipping
   // runs) in those rows, where the state before them is not finite: NaN (with_end: also one at the
   // segment's end, which K2 wrote in a one-segment sequence).
@@ -223,9 +259,9 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
       ElemType type;
       int64_t offset;
       if (pos <= from || !checkpoint_target(p, ck, h, base, type, offset)) continue;
-      for (int i = 0; i < kChainRows / 2; ++i)
-        if (s_taint[r0 + i] <= pos)
-          store_state_elem(base, type, offset + int64_t(v0 + r0 + i) * kHeadDim + c, __int_as_float(0x7fc00000));
+      for (int e = 0; e < kChainElems; ++e)
+        if (s_taint[erow(e)] <= pos)
+          store_state_elem(base, type, offset + int64_t(v0 + erow(e)) * kHeadDim + ecol(e), __int_as_float(0x7fc00000));
     }
   };
 
@@ -233,61 +269,58 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     if (!find_taint(0)) return;
     taint_checkpoints(0, 0, true);
     if (p.final_state == nullptr) return;
-    for (int i = 0; i < kChainRows / 2; ++i)
-      if (tainted(i))
-        store_state_elem(p.final_state, p.final_state_type, state_base + int64_t(v0 + r0 + i) * kHeadDim + c,
+    for (int e = 0; e < kChainElems; ++e)
+      if (tainted(e))
+        store_state_elem(p.final_state, p.final_state_type, state_base + int64_t(v0 + erow(e)) * kHeadDim + ecol(e),
                          __int_as_float(0x7fc00000));
     return;
   }
-  // Writes this thread's elements (rows r0.., column c) of a state into checkpoint `ckpt`.
-  auto store_checkpoint = [&](int64_t ckpt, const float* x, int stride) {
+  // Writes this thread's elements of a state (x[e]: element e) into checkpoint `ckpt`.
+  auto store_checkpoint = [&](int64_t ckpt, const float (&x)[2][4]) {
     void* base;
     ElemType type;
     int64_t offset;
     if (!checkpoint_target(p, ckpt, h, base, type, offset)) return;
-    for (int i = 0; i < kChainRows / 2; ++i)
-      store_state_elem(base, type, offset + int64_t(v0 + r0 + i) * kHeadDim + c, x[i * stride]);
+    for (int e = 0; e < kChainElems; ++e)
+      store_state_elem(base, type, offset + int64_t(v0 + erow(e)) * kHeadDim + ecol(e), x[e / 4][e % 4]);
   };
   for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
     sm.x[i / kHeadDim][i % kHeadDim] = p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i];
   if (runs && find_taint(0)) {  // X_1's tainted rows NaN here and for the combine of segment 1
     taint_checkpoints(0, 0, false);
-    for (int i = 0; i < kChainRows / 2; ++i)
-      if (tainted(i)) {
-        sm.x[r0 + i][c] = __int_as_float(0x7fc00000);
-        p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0 + r0 + i) * kHeadDim + c] = __int_as_float(0x7fc00000);
+    for (int e = 0; e < kChainElems; ++e)
+      if (tainted(e)) {
+        sm.x[erow(e)][ecol(e)] = __int_as_float(0x7fc00000);
+        p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0 + erow(e)) * kHeadDim + ecol(e)] = __int_as_float(0x7fc00000);
       }
   }
   __syncthreads();
-  if (checkpoint_at(seg_tokens) >= 0) store_checkpoint(checkpoint_at(seg_tokens), &sm.x[r0][c], kHeadDim);
+  if (checkpoint_at(seg_tokens) >= 0) {
+    float x1[2][4];
+    for (int e = 0; e < kChainElems; ++e) x1[e / 4][e % 4] = sm.x[erow(e)][ecol(e)];
+    store_checkpoint(checkpoint_at(seg_tokens), x1);
+  }
   // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices), or
-  // with a low-rank transition (lowrank) Y_s^T a^T + b^T over a's first 64 rows (T^T).
-  float acc[kChainRows / 2];
+  // with a low-rank transition (lowrank) Y_s^T a^T + b^T over a's first 64 rows (T^T). a's rows come
+  // by cp.async, all in flight at once, while b's elements load into the accumulators.
+  float acc[2][4];  // element e: acc[e / 4][e % 4], the C fragments
   bool lowrank = false;
   auto affine = [&](const float* a, const float* b) {
     __syncthreads();  // the previous product's reads of sm.a and sm.x are done
     for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
-      reinterpret_cast<float4*>(&sm.a[0][0])[i] = reinterpret_cast<const float4*>(a)[i];
-    __syncthreads();
+      cp_async_16(&sm.a[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(a) + i);
+    cp_async_commit();
     b += int64_t(v0) * kHeadDim;
 #pragma unroll
-    for (int i = 0; i < kChainRows / 2; ++i) acc[i] = b[(r0 + i) * kHeadDim + c];
+    for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = b[erow(e) * kHeadDim + ecol(e)];
+    cp_async_wait_all();
+    __syncthreads();
     if constexpr (kLowRank)
       if (lowrank) {
-#pragma unroll 4
-        for (int k = 0; k < kLowRankRows; ++k) {
-          const float ak = sm.a[k][c];
-#pragma unroll
-          for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.y[r0 + i][k], ak, acc[i]);
-        }
+        chain_product<kLowRankRows>(acc, sm.y, sm.a, warp, frag_g, frag_t);
         return;
       }
-#pragma unroll 4
-    for (int k = 0; k < kHeadDim; ++k) {
-      const float ak = sm.a[k][c];
-#pragma unroll
-      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = fmaf(sm.x[r0 + i][k], ak, acc[i]);
-    }
+    chain_product<kHeadDim>(acc, sm.x, sm.a, warp, frag_g, frag_t);
   };
   // Low-rank transitions: Y_s^T = X_s^T G^T for this CTA's rows (the kept channels' columns of X_s^T,
   // then its products with G's chunk rows, zero past the rank) into sm.y and the workspace for the
@@ -330,7 +363,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
         const int64_t ck = checkpoint_at(t);
         if (ck < 0 || ck >= p.num_checkpoints) continue;
         affine(p.seg_ckpt_a + segment_matrix(p, ck, h), p.seg_ckpt_b + segment_matrix(p, ck, h));
-        store_checkpoint(ck, acc, 1);
+        store_checkpoint(ck, acc);
       }
       if (any_taint) taint_checkpoints(s, exact, false);  // the skipping runs' (K2)
     }
@@ -339,23 +372,24 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     if (skipped) {
       const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
 #pragma unroll
-      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = b[(r0 + i) * kHeadDim + c];
+      for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = b[erow(e) * kHeadDim + ecol(e)];
     } else {
       affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h));
     }
     if (any_taint)
 #pragma unroll
-      for (int i = 0; i < kChainRows / 2; ++i) acc[i] = tainted(i) ? __int_as_float(0x7fc00000) : acc[i];
+      for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = tainted(e) ? __int_as_float(0x7fc00000) : acc[e / 4][e % 4];
     __syncthreads();  // every thread has read sm.x for this step
 #pragma unroll
-    for (int i = 0; i < kChainRows / 2; ++i) {
-      const int64_t idx = int64_t(v0 + r0 + i) * kHeadDim + c;
-      sm.x[r0 + i][c] = acc[i];
-      if (!last) p.seg_x[segment_matrix(p, first + s + 1, h) + idx] = acc[i];
-      else if (p.final_state != nullptr) store_state_elem(p.final_state, p.final_state_type, state_base + idx, acc[i]);
+    for (int e = 0; e < kChainElems; ++e) {
+      const int64_t idx = int64_t(v0 + erow(e)) * kHeadDim + ecol(e);
+      const float x = acc[e / 4][e % 4];
+      sm.x[erow(e)][ecol(e)] = x;
+      if (!last) p.seg_x[segment_matrix(p, first + s + 1, h) + idx] = x;
+      else if (p.final_state != nullptr) store_state_elem(p.final_state, p.final_state_type, state_base + idx, x);
     }
     const int64_t ckpt = checkpoint_at(last ? sc.eos - sc.bos : (s + 1) * seg_tokens);
-    if (ckpt >= 0) store_checkpoint(ckpt, acc, 1);
+    if (ckpt >= 0) store_checkpoint(ckpt, acc);
   }
 }
 
