@@ -193,7 +193,8 @@ if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on th
   # the gates' pre-check's verdict handed to the pieces' producer by an mbarrier (1335452; synccheck
   # failed the named barrier before it): the pieces by rule, stopped by the pre-check (flag 2), by a
   # warm-up's bound and by a NaN; the kernels after them in a graph's node (memcheck only, below)
-  # the segment chain on the tensor cores (35f5604): its small cases with checkpoints and skipping
+  # the segment chain on the tensor cores (35f5604) and the combine with its w by cp.async (d68f28a):
+  # their small cases with checkpoints and skipping
   pending_tests=(test_prefill32_gpu '*RuleRunsFewHeadPieces*:*FusedPiecesSkipOrFallBack*:*PiecesGraphRunsTheKernelsAfterThem*'
                  test_prefill_gpu '*SegmentsSmallForSanitizers*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
