@@ -33,7 +33,6 @@ constexpr int kChainYStride = kLowRankRows + 4;
 constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
-constexpr int kCombineWStride = kHeadDim + 8;    // floats per token of a chunk's w in shared memory: conflict-free float2 reads
 
 struct ChainSmem {
   float a[kHeadDim][kChainAStride];  // A_s^T of the current segment (low rank: T^T, rows 0-63)
@@ -72,7 +71,6 @@ __device__ __forceinline__ void chain_product(float (&acc)[2][4], const float (*
 constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T: 144 bytes, conflict-free
 
 struct CombineSmem {
-  float w[kCombineChunks][kChunk][kCombineWStride];  // each warp's chunk: w [t][k] (by cp.async)
   __nv_bfloat16 x_hi[kHeadDim][kCombineRowStride];  // X_s^T [v][k], split
   __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
 };
@@ -81,23 +79,29 @@ struct CombineLowRankSmem : CombineSmem {
   __nv_bfloat16 y_lo[kHeadDim][kCombineLowRankStride];
 };
 
-// acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (w: the chunk's fp32 w [t][k] in
-// shared memory; x: split bf16 [v][k] rows of kStride), with split-bf16 operands (hi * hi + hi * lo +
-// lo * hi).
+// acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (w: the fp32 w columns of o, from
+// column kHeadDim, stride kSegRows; x: split bf16 [v][k] rows of kStride), with split-bf16 operands
+// (hi * hi + hi * lo + lo * hi). Every load of w is one k-step ahead.
 template <int kSteps, int kStride>
-__device__ __forceinline__ void combine_product(float (&acc)[16][4], const float (*w)[kCombineWStride],
+__device__ __forceinline__ void combine_product(float (&acc)[16][4], const float* o,
                                                 const __nv_bfloat16 (*x_hi)[kStride],
                                                 const __nv_bfloat16 (*x_lo)[kStride], int g, int t4) {
-#pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks) {
-    // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
-    uint32_t a_hi[4], a_lo[4];
+  // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
+  auto load_w = [&](int ks, float2 (&w)[4]) {
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
-      const float2 wr = *reinterpret_cast<const float2*>(&w[t][k]);
-      split_bf16x2(wr.x, wr.y, a_hi[r], a_lo[r]);
+      w[r] = *reinterpret_cast<const float2*>(o + t * kSegRows + kHeadDim + k);
     }
+  };
+  float2 w_next[4];
+  load_w(0, w_next);
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    uint32_t a_hi[4], a_lo[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) split_bf16x2(w_next[r].x, w_next[r].y, a_hi[r], a_lo[r]);
+    if (ks + 1 < kSteps) load_w(ks + 1, w_next);
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
       const int v = 8 * nt + g, k = kMmaK * ks + 2 * t4;
@@ -389,11 +393,11 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   }
 }
 
-// Every global load is issued before X_s is split: each warp's chunk of w (8 KB) by cp.async into
-// shared memory, its o_zero (8 KB) into the accumulators, then X_s (16 float4 per thread), so the
-// CTA waits about one memory round trip. kLowRank: as the chain's.
+// Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: one
+// k-step ahead; o_zero: half a chunk at a time), so each phase costs one memory round trip.
+// kLowRank: as the chain's.
 template <bool kLowRank>
-__global__ void __launch_bounds__(kCombineThreads, 1) segment_combine_kernel(const __grid_constant__ Params p,
+__global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
                                                                              int64_t tiles) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   CombineSmem& sm = *reinterpret_cast<CombineSmem*>(smem_raw);
@@ -411,29 +415,6 @@ __global__ void __launch_bounds__(kCombineThreads, 1) segment_combine_kernel(con
   // the run length is a multiple of the tile's, kCombineChunks).
   if (p.seg_exact != nullptr && j0 >= p.seg_exact[(seg.first + seg.s) * p.H + h]) return;
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int64_t slot = sc.chunk_begin + j0 + warp;
-  const bool has_chunk = slot < sc.chunk_end;
-  const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
-  // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1); it starts as o_zero.
-  float acc[16][4];
-  if (has_chunk) {
-    for (int q = lane; q < kChunk * kHeadDim / 4; q += 32) {
-      const int t = q / (kHeadDim / 4), k = 4 * (q % (kHeadDim / 4));
-      cp_async_16(&sm.w[warp][t][k], o + t * kSegRows + kHeadDim + k);
-    }
-    cp_async_commit();
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const float2 z = *reinterpret_cast<const float2*>(o + (g + 8 * half) * kSegRows + 8 * nt + 2 * t4);
-        acc[nt][2 * half] = z.x;
-        acc[nt][2 * half + 1] = z.y;
-      }
-  }
-
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
   // low-rank transition Y_s^T [v][i] for the chunks after the segment's first, X_s^T for that one.
   const int64_t gs = (seg.first + seg.s) * p.H + h;
@@ -444,27 +425,40 @@ __global__ void __launch_bounds__(kCombineThreads, 1) segment_combine_kernel(con
     load_split<kLowRankRows, kCombineLowRankStride>(p.seg_y + gs * kLowRankYFloats, lr.y_hi, lr.y_lo);
   }
   __syncthreads();
-  if (!has_chunk) return;
-  cp_async_wait_all();
-  __syncwarp();  // every lane's copies of the warp's w have landed
 
-  if (lowrank && j0 + warp > 0) {
-    const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
-    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, sm.w[warp], lr.y_hi, lr.y_lo, g, t4);
-  } else {
-    combine_product<kKSteps, kCombineRowStride>(acc, sm.w[warp], sm.x_hi, sm.x_lo, g, t4);
-  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t slot = sc.chunk_begin + j0 + warp;
+  if (slot >= sc.chunk_end) return;
   const int64_t row0 = sc.bos + (j0 + warp) * kChunk;
   const int64_t left = sc.eos - row0;
   const int rows = int(left < kChunk ? left : kChunk);
+  const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
+
+  float acc[16][4];
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
+  if (lowrank && j0 + warp > 0) {
+    const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
+    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, lr.y_hi, lr.y_lo, g, t4);
+  } else {
+    combine_product<kKSteps, kCombineRowStride>(acc, o, sm.x_hi, sm.x_lo, g, t4);
+  }
+  // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = g + 8 * half;
+    float2 z[16];
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) z[nt] = *reinterpret_cast<const float2*>(o + t * kSegRows + 8 * nt + 2 * t4);
     if (t >= rows) continue;
     __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + ((row0 + t) * p.H + h) * kHeadDim;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
-      *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) = pack_bf16x2(acc[nt][2 * half], acc[nt][2 * half + 1]);
+      *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) =
+          pack_bf16x2(z[nt].x + acc[nt][2 * half], z[nt].y + acc[nt][2 * half + 1]);
   }
 }
 
