@@ -9,9 +9,8 @@
 #
 #   scripts/gpu_ab.sh [NAME ...]     (default: every .ab/*.patch)
 #   AB_STEPS="test sanitize profile" (default) picks the steps; AB_STEPS=profile times every
-#   candidate first (about 2 minutes each: the Python extension build and the profile; its arguments
-#   in AB_PROFILE_ARGS, default --quick), so that
-#   the tests and sanitizers (about 6 minutes each) run in a later call for the winners only.
+#   candidate first (about 2 minutes each: the Python extension build and the profile, its arguments
+#   in AB_PROFILE_ARGS, default --quick), so that the tests and sanitizers (about 6 minutes each) run in a later call for the winners only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
@@ -82,8 +81,8 @@ for name in "${names[@]}"; do
   if [ -f ".ab/$name.env" ]; then  # a second profile with the patch's switches (KEY=VALUE lines)
     say "$name: profile with $(tr '\n' ' ' < ".ab/$name.env")"
     (set -a; . ".ab/$name.env"; set +a
-     # shellcheck disable=SC2086  # AB_PROFILE_ARGS: the profile's arguments (default --quick), split on spaces
-  PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py ${AB_PROFILE_ARGS:---quick} 2>&1 |
+     # shellcheck disable=SC2086
+     PYTHONPATH="$dir/site:${PYTHONPATH:-}" FLA_FLASH_KDA=0 python3 benchmarks/profile_prefill.py ${AB_PROFILE_ARGS:---quick} 2>&1 |
        grep -v Warn | tee -a "$LOG" | tail -24)
   fi
 done
