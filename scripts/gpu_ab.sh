@@ -10,7 +10,8 @@
 #   scripts/gpu_ab.sh [NAME ...]     (default: every .ab/*.patch)
 #   AB_STEPS="test sanitize profile" (default) picks the steps; AB_STEPS=profile times every
 #   candidate first (about 2 minutes each: the Python extension build and the profile, its arguments
-#   in AB_PROFILE_ARGS, default --quick), so that the tests and sanitizers (about 6 minutes each) run in a later call for the winners only.
+#   in AB_PROFILE_ARGS, default --quick), so that the tests and sanitizers (about 6 minutes each)
+#   run in a later call for the winners only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
