@@ -190,10 +190,10 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # nothing of main's code is pending since run 137; these stay as the last ones validated: the pieces
-  # by rule, stopped by the pre-check's verdict (an mbarrier, 1335452), by a warm-up's bound and by a
-  # NaN; the kernels after them in a graph's node (memcheck only, below); the segment chain on the
-  # tensor cores (35f5604) in its small cases with checkpoints and skipping
+  # the segment chain's plans loaded up front and its next step prefetched (not yet run): its small
+  # cases with checkpoints and skipping; and, validated in run 137, the pieces by rule, stopped by
+  # the pre-check's verdict (an mbarrier, 1335452), by a warm-up's bound and by a NaN; the kernels
+  # after them in a graph's node (memcheck only, below)
   pending_tests=(test_prefill32_gpu '*RuleRunsFewHeadPieces*:*FusedPiecesSkipOrFallBack*:*PiecesGraphRunsTheKernelsAfterThem*'
                  test_prefill_gpu '*SegmentsSmallForSanitizers*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do

@@ -24,6 +24,11 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
                : "memory");
 }
 
+// Asks L2 for the 128-byte line holding gmem_src (no register, no wait): ahead of a later load.
+__device__ __forceinline__ void prefetch_l2(const void* gmem_src) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(gmem_src));
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Waits for all of this thread's cp.async groups; a barrier is still needed before other threads read.

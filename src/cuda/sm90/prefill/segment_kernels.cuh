@@ -30,6 +30,7 @@ constexpr int kChainElems = 8;      // a thread's elements of the CTA's [16][128
 constexpr int kChainAStride = kHeadDim + 8;  // floats per row of A^T in shared memory: conflict-free B fragments
 constexpr int kChainXStride = kHeadDim + 4;  // floats per row of X^T: conflict-free A fragments
 constexpr int kChainYStride = kLowRankRows + 4;
+constexpr int kChainPreload = kChainThreads / kPlanWords;  // segments whose plans the chain loads up front
 constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
@@ -193,6 +194,39 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
 
+  // Transition skipping: the first kChainPreload segments' exact-run lengths and plan words, loaded
+  // once here (one round trip) instead of at every step; later segments read them where used.
+  __shared__ int32_t s_exact[kChainPreload];
+  __shared__ uint32_t s_plan[kChainPreload][kPlanWords];
+  const int64_t preloaded = runs ? min(count, int64_t(kChainPreload)) : 0;
+  if (tid < preloaded * kPlanWords) {
+    const int64_t gs = (first + tid / kPlanWords) * p.H + h;
+    s_plan[tid / kPlanWords][tid % kPlanWords] = p.seg_plan[gs * kPlanWords + tid % kPlanWords];
+    if (tid % kPlanWords == 0) s_exact[tid / kPlanWords] = p.seg_exact[gs];
+  }
+  auto exact_of = [&](int64_t s) -> int64_t { return s < preloaded ? s_exact[s] : p.seg_exact[(first + s) * p.H + h]; };
+  auto plan_word = [&](int64_t s, int w) -> uint32_t {
+    return s < preloaded ? s_plan[s][w] : p.seg_plan[((first + s) * p.H + h) * kPlanWords + w];
+  };
+  // Segment s's transition (A_s^T, or its low-rank T^T) and this CTA's rows of B_s^T into L2, a
+  // step ahead of their cp.async and loads (K2's later stores may have evicted them): 64 threads a
+  // 128-byte line each of the CTA's eighth of A_s^T, 64 of its rows of B_s^T.
+  auto prefetch_step = [&](int64_t s) {
+    if (s >= count) return;
+    constexpr int kLines = kSegStateFloats * 4 / 128 / (kHeadDim / kChainRows);  // 64
+    const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+    const bool needs_a = !runs || exact_of(s) >= len;  // else X_{s+1} = B_s (below)
+    const float* a = p.seg_a + segment_matrix(p, first + s, h) + int64_t(blockIdx.y) * kLines * 32;
+    const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
+    if (tid < kLines) {
+      if (needs_a) prefetch_l2(a + tid * 32);
+    } else if (tid < 2 * kLines) {
+      prefetch_l2(b + (tid - kLines) * 32);
+    }
+  };
+  __syncthreads();  // the preloaded plans
+  prefetch_step(1);
+
   // Transition skipping: the first chunk of segment s (from its start) after which the recurrence's
   // state row v0 + r is not finite, for this CTA's rows (INT64_MAX: none), where a skipping run
   // would not carry it: the end of a run that ends inside the segment with the row not finite, or,
@@ -201,12 +235,11 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   __shared__ int64_t s_taint[kChainRows];
   __shared__ bool s_any_taint;
   auto find_taint = [&](int64_t s) {
-    {  // nothing to find where the segment is one exact run (every thread loads the same words)
-      const int64_t gs = (first + s) * p.H + h;
+    {  // nothing to find where the segment is one exact run (every thread reads the same words)
       const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
-      uint32_t runs_inside = p.seg_exact[gs] < len;
+      uint32_t runs_inside = exact_of(s) < len;
 #pragma unroll
-      for (int w = 0; w < kPlanWords; ++w) runs_inside |= p.seg_plan[gs * kPlanWords + w];
+      for (int w = 0; w < kPlanWords; ++w) runs_inside |= plan_word(s, w);
       if (runs_inside == 0) return false;
     }
     if (tid == 0) s_any_taint = false;
@@ -215,15 +248,27 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
       const int64_t gs = (first + s) * p.H + h;
       const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
       const int pieces = int(pieces_of(len, p.run_chunks));
-      const int64_t exact = p.seg_exact[gs];
-      const uint32_t* plan = p.seg_plan + gs * kPlanWords;
+      const int64_t exact = exact_of(s);
       const uint8_t* taint = p.seg_taint + gs * p.max_pieces * kTaintBytes;
-      auto starts_run = [&](int i) { return (plan[i / 32] >> (i % 32)) & 1u; };
+      auto starts_run = [&](int i) { return (plan_word(s, i / 32) >> (i % 32)) & 1u; };
       int64_t t = INT64_MAX;
       if (s > 0 && exact < len) {
+        // Every load issued at once (no early exit): X_s's row by 16-byte words, the transition rows'
+        // taint bytes by 16.
         bool bad = false;
-        for (int k = 0; k < kHeadDim; ++k) bad = bad || !isfinite(sm.x[tid][k]);
-        for (int r = kHeadDim; r < kSegRows && exact > 0; ++r) bad = bad || taint[r] != 0;
+#pragma unroll 8
+        for (int k = 0; k < kHeadDim; k += 4) {
+          const float4 x = *reinterpret_cast<const float4*>(&sm.x[tid][k]);
+          bad |= !isfinite(x.x) || !isfinite(x.y) || !isfinite(x.z) || !isfinite(x.w);
+        }
+        if (exact > 0) {
+          const uint4* words = reinterpret_cast<const uint4*>(taint + kHeadDim);
+#pragma unroll
+          for (int i = 0; i < (kSegRows - kHeadDim) / 16; ++i) {
+            const uint4 w = words[i];
+            bad |= (w.x | w.y | w.z | w.w) != 0;
+          }
+        }
         if (bad) t = exact;
       }
       for (int i = 0; i < pieces;) {  // the runs in order; the last one ends at the segment's end
@@ -352,7 +397,8 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     // With transition skipping, a segment whose exact run ends inside it: X_{s+1} = its last run's
     // end state (B_s), which owes nothing to X_s; the rows a non-finite state reaches are NaN.
     const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
-    const int64_t exact = runs ? p.seg_exact[(first + s) * p.H + h] : len;  // chunks of the exact run
+    const int64_t exact = runs ? exact_of(s) : len;  // chunks of the exact run
+    prefetch_step(s + 1);
     const bool any_taint = runs && find_taint(s);  // before X_s is replaced
     // Low rank (K2 writes the plan only where the segment has an exact run)
     lowrank = kLowRank && exact > 0 && p.seg_lowrank[(first + s) * p.H + h].rank > 0;
