@@ -179,9 +179,9 @@ KdaOptions repeated_key_options(Precision precision) {
 
 // The benchmark's long-memory regime (bench_prefill.py): random lower-bound gates, 8 of every
 // head's 128 channels at dt_bias = -8 (near-zero decay); T = 3000, H = 2, fp32 states.
-KdaInputs long_memory_inputs() {
+KdaInputs long_memory_inputs(int64_t T = 3000) {
   KdaOptions o;
-  o.T = 3000, o.H = 2;
+  o.T = T, o.H = 2;
   o.g_min = -2, o.g_max = 2, o.A_log_min = 0, o.A_log_max = 1, o.dt_bias_min = 0, o.dt_bias_max = 1;
   o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
   KdaInputs in(o);
@@ -788,6 +788,14 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     const auto [e_skip1, bits_skip1] = run(in, skip1);
     EXPECT_TRUE(bits_skip1 == bits_exact1) << "a long-memory one-piece segment skipped its transition";
   }
+  {  // 47 segments of 8 chunks: the chain reads the plans of segments 32 on from global memory (it
+     // loads the first 32 into shared memory up front)
+    KdaInputs longer = long_memory_inputs(6000);
+    const auto [e_exact1, bits_exact1] = run(longer, exact1);
+    const auto [e_skip1, bits_skip1] = run(longer, skip1);
+    report("skip transitions long memory 47 segments out", e_skip1.out);
+    EXPECT_TRUE(bits_skip1 == bits_exact1) << "a long-memory segment past the 32nd skipped its transition";
+  }
   // Strong decay everywhere: every piece but a sequence's first skips. T = 2000 is four segments, 500
   // one (the chain's one-segment path). The NaN at the first token of a chunk (the chunk's products
   // carry a NaN to its earlier tokens too), head 1, value column 37: chunk 6 ends the first segment's
@@ -798,8 +806,10 @@ TEST_F(PrefillGpu, SegmentsSkipTransitionsMatchReference) {
     int64_t T, t0;
     const internal::PrefillLaunch& launch;
   };
+  // Last, a NaN in the 36th of 47 one-piece segments (T = 6000; the chain's plans past the 32nd from
+  // global memory).
   for (const NanCase nc : {NanCase{2000, 96, skip}, NanCase{2000, 640, skip}, NanCase{500, 32, skip},
-                           NanCase{2000, 96, skip1}, NanCase{2000, 640, skip1}}) {
+                           NanCase{2000, 96, skip1}, NanCase{2000, 640, skip1}, NanCase{6000, 4576, skip1}}) {
     KdaOptions o;
     o.T = nc.T, o.H = 2;
     o.A_log_min = 0.5, o.A_log_max = 1, o.dt_bias_min = 4, o.dt_bias_max = 5;

@@ -259,15 +259,17 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
 #pragma unroll 8
         for (int k = 0; k < kHeadDim; k += 4) {
           const float4 x = *reinterpret_cast<const float4*>(&sm.x[tid][k]);
-          bad |= !isfinite(x.x) || !isfinite(x.y) || !isfinite(x.z) || !isfinite(x.w);
+          bad |= !isfinite(x.x) | !isfinite(x.y) | !isfinite(x.z) | !isfinite(x.w);
         }
         if (exact > 0) {
           const uint4* words = reinterpret_cast<const uint4*>(taint + kHeadDim);
+          uint32_t any = 0;
 #pragma unroll
           for (int i = 0; i < (kSegRows - kHeadDim) / 16; ++i) {
             const uint4 w = words[i];
-            bad |= (w.x | w.y | w.z | w.w) != 0;
+            any |= w.x | w.y | w.z | w.w;
           }
+          bad |= any != 0;
         }
         if (bad) t = exact;
       }
