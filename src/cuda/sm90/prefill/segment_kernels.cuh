@@ -4,7 +4,8 @@
 //          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T (rows of X^T are independent, so each
 //          CTA owns kChainRows of them), the product on the tensor cores with split tf32 operands
 //          (hi * hi + hi * lo + lo * hi, about fp32 accuracy) accumulated in fp32 onto B_s^T;
-//          X_1 comes from segment 0, the last product is the final state. With checkpoints it writes those at segment starts X_s and at the end;
+//          X_1 comes from segment 0, the last product is the final state. With checkpoints it
+//          writes those at segment starts X_s and at the end;
 //          with checkpoints inside segments (p.seg_ckpt_b; otherwise the segment length divides
 //          checkpoint_every and there are none) also X_s^T A_c^T + B_c^T for each checkpoint c
 //          inside segment s > 0, from the partial transitions K2 stored (segment 0's: K2).
@@ -193,6 +194,8 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   constexpr int kQuads = kHeadDim * kHeadDim / 4;
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
+  // Chunks of segment s.
+  auto seg_len = [&](int64_t s) { return min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks); };
 
   // Transition skipping: the first kChainPreload segments' exact-run lengths and plan words, loaded
   // once here (one round trip) instead of at every step; later segments read them where used.
@@ -214,7 +217,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   auto prefetch_step = [&](int64_t s) {
     if (s >= count) return;
     constexpr int kLines = kSegStateFloats * 4 / 128 / (kHeadDim / kChainRows);  // 64
-    const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+    const int64_t len = seg_len(s);
     const bool needs_a = !runs || exact_of(s) >= len;  // else X_{s+1} = B_s (below)
     const float* a = p.seg_a + segment_matrix(p, first + s, h) + int64_t(blockIdx.y) * kLines * 32;
     const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
@@ -236,7 +239,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   __shared__ bool s_any_taint;
   auto find_taint = [&](int64_t s) {
     {  // nothing to find where the segment is one exact run (every thread reads the same words)
-      const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+      const int64_t len = seg_len(s);
       uint32_t runs_inside = exact_of(s) < len;
 #pragma unroll
       for (int w = 0; w < kPlanWords; ++w) runs_inside |= plan_word(s, w);
@@ -246,7 +249,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     __syncthreads();
     if (tid < kChainRows) {  // row tid
       const int64_t gs = (first + s) * p.H + h;
-      const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+      const int64_t len = seg_len(s);
       const int pieces = int(pieces_of(len, p.run_chunks));
       const int64_t exact = exact_of(s);
       const uint8_t* taint = p.seg_taint + gs * p.max_pieces * kTaintBytes;
@@ -308,7 +311,8 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
       if (pos <= from || !checkpoint_target(p, ck, h, base, type, offset)) continue;
       for (int e = 0; e < kChainElems; ++e)
         if (s_taint[erow(e)] <= pos)
-          store_state_elem(base, type, offset + int64_t(v0 + erow(e)) * kHeadDim + ecol(e), __int_as_float(0x7fc00000));
+          store_state_elem(base, type, offset + int64_t(v0 + erow(e)) * kHeadDim + ecol(e),
+                           __int_as_float(0x7fc00000));
     }
   };
 
@@ -338,7 +342,8 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     for (int e = 0; e < kChainElems; ++e)
       if (tainted(e)) {
         sm.x[erow(e)][ecol(e)] = __int_as_float(0x7fc00000);
-        p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0 + erow(e)) * kHeadDim + ecol(e)] = __int_as_float(0x7fc00000);
+        p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0 + erow(e)) * kHeadDim + ecol(e)] =
+            __int_as_float(0x7fc00000);
       }
   }
   __syncthreads();
@@ -351,15 +356,19 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   // with a low-rank transition (lowrank) Y_s^T a^T + b^T over a's first 64 rows (T^T). a's rows come
   // by cp.async, all in flight at once, while b's elements load into the accumulators.
   float acc[2][4];  // element e: acc[e / 4][e % 4], the C fragments
+  // acc = this thread's elements of b, a [V][K] B^T matrix (this CTA's rows)
+  auto load_b = [&](const float* b) {
+    b += int64_t(v0) * kHeadDim;
+#pragma unroll
+    for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = b[erow(e) * kHeadDim + ecol(e)];
+  };
   bool lowrank = false;
   auto affine = [&](const float* a, const float* b) {
     __syncthreads();  // the previous product's reads of sm.a and sm.x are done
     for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
       cp_async_16(&sm.a[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(a) + i);
     cp_async_commit();
-    b += int64_t(v0) * kHeadDim;
-#pragma unroll
-    for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = b[erow(e) * kHeadDim + ecol(e)];
+    load_b(b);
     cp_async_wait_all();
     __syncthreads();
     if constexpr (kLowRank)
@@ -398,7 +407,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     const bool last = s + 1 == count;
     // With transition skipping, a segment whose exact run ends inside it: X_{s+1} = its last run's
     // end state (B_s), which owes nothing to X_s; the rows a non-finite state reaches are NaN.
-    const int64_t len = min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks);
+    const int64_t len = seg_len(s);
     const int64_t exact = runs ? exact_of(s) : len;  // chunks of the exact run
     prefetch_step(s + 1);
     const bool any_taint = runs && find_taint(s);  // before X_s is replaced
@@ -418,15 +427,14 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     const bool skipped = exact < len;
     if (last && p.final_state == nullptr && !final_checkpoint) break;
     if (skipped) {
-      const float* b = p.seg_b + segment_matrix(p, first + s, h) + int64_t(v0) * kHeadDim;
-#pragma unroll
-      for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = b[erow(e) * kHeadDim + ecol(e)];
+      load_b(p.seg_b + segment_matrix(p, first + s, h));
     } else {
       affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h));
     }
     if (any_taint)
 #pragma unroll
-      for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = tainted(e) ? __int_as_float(0x7fc00000) : acc[e / 4][e % 4];
+      for (int e = 0; e < kChainElems; ++e)
+        if (tainted(e)) acc[e / 4][e % 4] = __int_as_float(0x7fc00000);
     __syncthreads();  // every thread has read sm.x for this step
 #pragma unroll
     for (int e = 0; e < kChainElems; ++e) {
