@@ -108,10 +108,11 @@ def _neg_eigval_beta(fn_name, beta, use_beta_sigmoid_in_kernel):
     """fla's allow_neg_eigval=True: beta = 2 sigmoid(raw beta), in (0, 2), so that a token's transition
     I - beta k k^T may have a negative eigenvalue. fla requires the raw beta then (the ValueError is
     fla's). Formed here in fp32 ([B, T, H], small beside q) and passed as beta itself, which every
-    backend takes in fp32; the kernels' own sigmoid is not used."""
+    backend takes in fp32; returns it with use_beta_sigmoid_in_kernel=False (the kernels' own sigmoid
+    is not used)."""
     if not use_beta_sigmoid_in_kernel:
         raise ValueError(f"{fn_name}: allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
-    return 2 * ops_for(beta, "beta").sigmoid_f32(beta)
+    return 2 * ops_for(beta, "beta").sigmoid_f32(beta), False
 
 
 def _grouped_value_heads(q, k, v):
@@ -201,7 +202,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     _not_supported("chunk_kda", cp_context=cp_context)
     q, k = _grouped_value_heads(q, k, v)
     if allow_neg_eigval:
-        beta, use_beta_sigmoid_in_kernel = _neg_eigval_beta("chunk_kda", beta, use_beta_sigmoid_in_kernel), False
+        beta, use_beta_sigmoid_in_kernel = _neg_eigval_beta("chunk_kda", beta, use_beta_sigmoid_in_kernel)
     return_intermediate_states = bool(return_intermediate_states)
     args = _args(_impl.chunk_kda, q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -286,15 +287,15 @@ def fused_recurrent_kda(q, k, v, g, beta, A_log=None, dt_bias=None, scale=None, 
     The positional order is fla 0.6.0's (allow_neg_eigval=True, with use_beta_sigmoid_in_kernel=True,
     takes beta as 2 sigmoid(beta), formed in fp32 before the call, as chunk_kda; grouped value heads
     repeat q's and k's heads, as chunk_kda); the serving arguments are keywords. The kernels keep
-    states as [P, H, V, K]; with other layouts only the named slots are transposed around the call. Inputs longer than a decode step
-    (T > 16, or host-side cu_seqlens with a longer sequence) run the chunked forward, which
-    computes the same recurrence, also through a pool with 1-d ssm_state_indices.
+    states as [P, H, V, K]; with other layouts only the named slots are transposed around the call.
+    Inputs longer than a decode step (T > 16, or host-side cu_seqlens with a longer sequence) run the
+    chunked forward, which computes the same recurrence, also through a pool with 1-d
+    ssm_state_indices.
     """
     state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first)
     q, k = _grouped_value_heads(q, k, v)
     if allow_neg_eigval:
-        beta, use_beta_sigmoid_in_kernel = (_neg_eigval_beta("fused_recurrent_kda", beta, use_beta_sigmoid_in_kernel),
-                                            False)
+        beta, use_beta_sigmoid_in_kernel = _neg_eigval_beta("fused_recurrent_kda", beta, use_beta_sigmoid_in_kernel)
     if inplace_final_state is None:
         inplace_final_state = ssm_state_indices is not None
     use_op = _use_op(q)
