@@ -11,9 +11,9 @@
 //
 // Data flow of one CTA: issue the 16-byte loads of its state rows into registers, then stage all
 // tokens' q, k, g, v (its rows), beta with cp.async into shared memory, so both latencies overlap;
-// every warp then prepares q̂·scale, k̂, exp(a) of a token itself (4 channels per lane, warp
-// shuffles for the L2 norms) into its own scratch, runs the recurrence on its rows in fp32 and
-// writes the outputs. The state is written once at the end, or after each token whose speculative
+// the warps prepare q̂·scale, k̂, exp(a) of the tokens (4 channels per lane, warp shuffles for the
+// L2 norms: at one token every warp for itself, from two on warp w token w of each group of four,
+// shared through the CTA's scratch), run the recurrence on their rows in fp32 and write the outputs. The state is written once at the end, or after each token whose speculative
 // slot is valid. Memory-bound: the state slice is read and written once; all else is ~1 KB/token.
 #pragma once
 
@@ -216,7 +216,9 @@ __device__ __forceinline__ void stage_tokens(const DecodeArgs& a, const Coord& c
   if (threadIdx.x < count) staged[threadIdx.x].words = load_token_words(a, c, bos, t0 + int(threadIdx.x));
 }
 
-// Shared scratch of one warp: the prepared scale·q̂, k̂, exp(a) of the current token, all K channels.
+// Shared scratch of one token: the prepared scale·q̂, k̂, exp(a), all K channels. The CTA has
+// kWarps of them: at one token each warp prepares the token into its own; from two tokens on
+// warp w prepares token w of each group of kWarps into scratch w for the whole CTA (run_tokens).
 struct WarpScratch {
   float4 q[kHeadDimK / 4];
   float4 k[kHeadDimK / 4];
@@ -230,16 +232,18 @@ struct TokenScalars {
   float b;
 };
 
-// Prepares one token (docs/SPEC.md §2) in the warp: lane l computes channels 4l..4l+3 and publishes
-// them through the warp's scratch (read back per column in recur_token).
-template <class TileT>
-__device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> prepare_token(
-    const DecodeArgs& a, const Coord& c, const HeadGate& gate, const float4& bias, const StagedToken& raw,
-    WarpScratch& scratch) {
+// One token's preparation (docs/SPEC.md §2) in one warp: lane l's channels 4l..4l+3.
+struct PreparedLane {
+  float q[kPrepPerLane], k[kPrepPerLane], decay[kPrepPerLane];
+};
+
+__device__ __forceinline__ PreparedLane prepare_lane(const DecodeArgs& a, const Coord& c, const HeadGate& gate,
+                                                     const float4& bias, const StagedToken& raw) {
+  PreparedLane p;
   const uint2 q2 = reinterpret_cast<const uint2*>(raw.q)[c.lane];
   const uint2 k2 = reinterpret_cast<const uint2*>(raw.k)[c.lane];
-  float q[kPrepPerLane] = {bf16_lo(q2.x), bf16_hi(q2.x), bf16_lo(q2.y), bf16_hi(q2.y)};
-  float k[kPrepPerLane] = {bf16_lo(k2.x), bf16_hi(k2.x), bf16_lo(k2.y), bf16_hi(k2.y)};
+  p.q[0] = bf16_lo(q2.x), p.q[1] = bf16_hi(q2.x), p.q[2] = bf16_lo(q2.y), p.q[3] = bf16_hi(q2.y);
+  p.k[0] = bf16_lo(k2.x), p.k[1] = bf16_hi(k2.x), p.k[2] = bf16_lo(k2.y), p.k[3] = bf16_hi(k2.y);
   float g[kPrepPerLane];
   if (a.g_is_f32) {
     const uint4 g4 = raw.g[c.lane];
@@ -255,29 +259,47 @@ __device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> prepare_token(
     g[3] = bf16_hi(g2.y);
   }
   if (a.pre.l2norm_qk) {
-    warp_l2_normalize(q);
-    warp_l2_normalize(k);
+    warp_l2_normalize(p.q);
+    warp_l2_normalize(p.k);
   }
   const float bias_arr[kPrepPerLane] = {bias.x, bias.y, bias.z, bias.w};
-  float decay[kPrepPerLane];
 #pragma unroll
   for (int i = 0; i < kPrepPerLane; ++i) {
-    q[i] *= a.scale;
-    decay[i] = __expf(gate.log_decay(g[i], bias_arr[i]));
+    p.q[i] *= a.scale;
+    p.decay[i] = __expf(gate.log_decay(g[i], bias_arr[i]));
   }
+  return p;
+}
 
-  __syncwarp();  // every lane has finished reading the previous token's scratch
-  scratch.q[c.lane] = make_float4(q[0], q[1], q[2], q[3]);
-  scratch.k[c.lane] = make_float4(k[0], k[1], k[2], k[3]);
-  scratch.decay[c.lane] = make_float4(decay[0], decay[1], decay[2], decay[3]);
-  __syncwarp();  // the scratch is complete
+__device__ __forceinline__ void publish(const Coord& c, const PreparedLane& p, WarpScratch& scratch) {
+  scratch.q[c.lane] = make_float4(p.q[0], p.q[1], p.q[2], p.q[3]);
+  scratch.k[c.lane] = make_float4(p.k[0], p.k[1], p.k[2], p.k[3]);
+  scratch.decay[c.lane] = make_float4(p.decay[0], p.decay[1], p.decay[2], p.decay[3]);
+}
 
+// The thread's rows of v and the token's beta.
+template <class TileT>
+__device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> token_scalars(const DecodeArgs& a, const Coord& c,
+                                                                             const StagedToken& raw) {
   TokenScalars<TileT::kRowsPerThread> s;
   const uint16_t* v_rows = reinterpret_cast<const uint16_t*>(raw.v) + (c.row0 - c.cta_row0);
 #pragma unroll
   for (int i = 0; i < TileT::kRowsPerThread; ++i) s.v[i] = bf16_bits_to_float(v_rows[i * kRowsPerPass]);
   s.b = beta_activation(a.pre, a.beta_is_f32 ? __uint_as_float(raw.words.beta) : bf16_bits_to_float(raw.words.beta));
   return s;
+}
+
+// Prepares one token in the warp for the warp alone, through the warp's own scratch (read back per
+// column in recur_token).
+template <class TileT>
+__device__ __forceinline__ TokenScalars<TileT::kRowsPerThread> prepare_token(
+    const DecodeArgs& a, const Coord& c, const HeadGate& gate, const float4& bias, const StagedToken& raw,
+    WarpScratch& scratch) {
+  const PreparedLane p = prepare_lane(a, c, gate, bias, raw);
+  __syncwarp();  // every lane has finished reading the previous token's scratch
+  publish(c, p, scratch);
+  __syncwarp();  // the scratch is complete
+  return token_scalars<TileT>(a, c, raw);
 }
 
 // docs/SPEC.md §3 for one token on the thread's rows: decay, delta-rule correction, output read.
@@ -638,7 +660,7 @@ __device__ __forceinline__ bool shares_a_slot(const DecodeArgs& a, int64_t n, co
 // CTA's rows instead of global memory (speculative stores still go to global memory).
 template <typename StateT, class TileT, bool kFirstGroupStaged, bool kCheckSlots = false>
 __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, const Span& sp, const HeadGate& gate,
-                                           const float4& bias, StagedToken* staged, WarpScratch& scratch,
+                                           const float4& bias, StagedToken* staged, WarpScratch* scratch,
                                            float (&state)[TileT::kRowsPerThread][kKPerLane],
                                            StateT* shared_rows = nullptr) {
   constexpr int kRows = TileT::kRowsPerThread;
@@ -662,20 +684,35 @@ __device__ __forceinline__ void run_tokens(const DecodeArgs& a, const Coord& c, 
         __syncthreads();
       }
     }
-    for (int t = 0; t < count; ++t) {
-      const StagedToken& raw = staged[t];
-      const TokenScalars<kRows> scalars = prepare_token<TileT>(a, c, gate, bias, raw, scratch);
-      float o[kRows];
-      recur_token<StateT>(c, scalars, scratch, state, o);
-
-      if (c.col == 0) {
-        uint16_t* out_row =
-            static_cast<uint16_t*>(a.out) + ((sp.bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
-#pragma unroll
-        for (int i = 0; i < kRows; ++i) out_row[i * kRowsPerPass] = float_to_bf16_bits(o[i]);
+    // One token: each warp prepares it for itself (no CTA barrier). Two or more: warp w prepares
+    // token t + w of each group of kWarps for the CTA, so that no warp repeats another's
+    // preparation (at four tokens ~3/4 of it, docs/DESIGN.md "Decode on sm90"); a CTA barrier
+    // hands the scratch over and another frees it for the next group.
+    const bool shared_prep = count > 1;
+    for (int t1 = 0; t1 < count; t1 += kWarps) {
+      const int in_group = shared_prep ? min(kWarps, count - t1) : 1;
+      if (shared_prep) {
+        if (t1 > 0) __syncthreads();  // every warp has read the previous group's scratch
+        if (c.warp < in_group) publish(c, prepare_lane(a, c, gate, bias, staged[t1 + c.warp]), scratch[c.warp]);
+        __syncthreads();  // the group's scratch is complete
       }
-      const int32_t store_slot = raw.words.store_slot;
-      if (speculative && store_slot >= 0 && store_slot < a.pool_size) store_state<StateT>(a, c, store_slot, state);
+      for (int u = 0; u < in_group; ++u) {
+        const int t = t1 + u;
+        const StagedToken& raw = staged[t];
+        const TokenScalars<kRows> scalars = shared_prep ? token_scalars<TileT>(a, c, raw)
+                                                        : prepare_token<TileT>(a, c, gate, bias, raw, scratch[c.warp]);
+        float o[kRows];
+        recur_token<StateT>(c, scalars, shared_prep ? scratch[u] : scratch[c.warp], state, o);
+
+        if (c.col == 0) {
+          uint16_t* out_row =
+              static_cast<uint16_t*>(a.out) + ((sp.bos + t0 + t) * a.H + c.h) * kHeadDimV + c.row0;
+#pragma unroll
+          for (int i = 0; i < kRows; ++i) out_row[i * kRowsPerPass] = float_to_bf16_bits(o[i]);
+        }
+        const int32_t store_slot = raw.words.store_slot;
+        if (speculative && store_slot >= 0 && store_slot < a.pool_size) store_state<StateT>(a, c, store_slot, state);
+      }
     }
   }
   if (speculative) return;
@@ -712,7 +749,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_kernel(
   load_state<StateT>(a, c, sp.slot, state);
   const HeadGate gate = HeadGate::make(a.pre, c.h);
   const float4 bias = load_bias(a, c);
-  run_tokens<StateT, TileT, false, kCheckSlots>(a, c, sp, gate, bias, staged, scratch[c.warp], state);
+  run_tokens<StateT, TileT, false, kCheckSlots>(a, c, sp, gate, bias, staged, scratch, state);
 }
 
 // Persistent variant: grid = a few CTAs per SM, each looping over items x = blockIdx.x, +gridDim.x,
@@ -912,7 +949,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_persist
       }
       const HeadConsts& hc = consts0[b];
       const HeadGate gate = HeadGate::from_a_log(a.pre, hc.a_log);
-      run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch[c.warp], state);
+      run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch, state);
     }
     sp0 = sp1, sp1 = sp2, sp2 = resolve_span(a, loads3);
     w0 = w1, w1 = w2;
@@ -1054,7 +1091,7 @@ __global__ void __launch_bounds__(kThreads, TileT::kMinCtasPerSm) decode_bulk_ke
       }
       const HeadConsts& hc = consts0[b];
       const HeadGate gate = HeadGate::from_a_log(a.pre, hc.a_log);
-      run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch[c.warp], state, rows);
+      run_tokens<StateT, TileT, true>(a, c, sp0, gate, hc.bias[c.lane], staged, scratch, state, rows);
       if (a.num_accepted_tokens == nullptr) store_to = state_row<StateT>(a, sp0.slot, c.h, c.cta_row0);
     }
     sp0 = sp1, sp1 = sp2, sp2 = resolve_span(a, loads3);
