@@ -2,8 +2,10 @@
 //
 // chain    grid (N * H, kHeadDim / kChainRows), block kChainThreads. Per sequence and head, in
 //          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T (rows of X^T are independent, so each
-//          CTA owns kChainRows of them), the product on the tensor cores with split tf32 operands
-//          (hi * hi + hi * lo + lo * hi, about fp32 accuracy) accumulated in fp32 onto B_s^T;
+//          CTA owns kChainRows of them, each of its 16 warps 8 columns), the product on the tensor
+//          cores with split tf32 operands (hi * hi + hi * lo + lo * hi, about fp32 accuracy)
+//          accumulated in fp32 onto B_s^T; A_{s+1}^T and B_{s+1}^T come into the other of two
+//          shared-memory buffers while step s computes;
 //          X_1 comes from segment 0, the last product is the final state. With checkpoints it
 //          writes those at segment starts X_s and at the end;
 //          with checkpoints inside segments (p.seg_ckpt_b; otherwise the segment length divides
@@ -26,29 +28,36 @@
 namespace flashkda::cuda::sm90::prefill {
 
 constexpr int kChainRows = 16;     // rows of X^T a CTA: one m16 tile
-constexpr int kChainThreads = 256;  // 8 warps, 16 columns each (two n8 tiles)
-constexpr int kChainElems = 8;      // a thread's elements of the CTA's [16][128]: two C fragments
+constexpr int kChainThreads = 512;  // 16 warps, 8 columns each (one n8 tile)
+constexpr int kChainElems = 4;      // a thread's elements of the CTA's [16][128]: one C fragment
 constexpr int kChainAStride = kHeadDim + 8;  // floats per row of A^T in shared memory: conflict-free B fragments
-constexpr int kChainXStride = kHeadDim + 4;  // floats per row of X^T: conflict-free A fragments
+constexpr int kChainXStride = kHeadDim + 4;  // floats per row of X^T (and of B^T): conflict-free A fragments
 constexpr int kChainYStride = kLowRankRows + 4;
-constexpr int kChainPreload = kChainThreads / kPlanWords;  // segments whose plans the chain loads up front
+constexpr int kChainPreload = 32;  // segments whose plans the chain loads up front
+static_assert(kChainPreload * kPlanWords <= kChainThreads, "one plan word a thread");
 constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
 
+// One step's operands: A^T (low rank: T^T, rows 0-63) and the CTA's rows of B^T.
+struct ChainStep {
+  float a[kHeadDim][kChainAStride];
+  float b[kChainRows][kChainXStride];
+};
 struct ChainSmem {
-  float a[kHeadDim][kChainAStride];  // A_s^T of the current segment (low rank: T^T, rows 0-63)
+  ChainStep step[2];  // the current step's and the next one's, in flight
   float x[kChainRows][kChainXStride];
+  uint2 x_split[kChainRows][kChainXStride];  // the same X_s^T split once for the products: (hi, lo) tf32 bits
 };
 struct ChainLowRankSmem : ChainSmem {
   float y[kChainRows][kChainYStride];  // Y_s^T = X_s^T G^T, this CTA's rows (low-rank transitions)
 };
 
-// acc += x a for one warp's 16 columns of the CTA's rows: x [16][kK] (rows of X^T or Y^T), a [kK][128]
+// acc += x a for one warp's 8 columns of the CTA's rows: x [16][kK] (rows of X^T or Y^T), a [kK][128]
 // (rows of A^T or T^T), on the tensor cores with split tf32 operands, the small products first.
-// acc[j]: the C fragment of n-tile j (columns 16 warp + 8 j ..).
+// acc: the C fragment of the warp's n-tile (columns 8 warp ..).
 template <int kK, int kXStride>
-__device__ __forceinline__ void chain_product(float (&acc)[2][4], const float (*x)[kXStride],
+__device__ __forceinline__ void chain_product(float (&acc)[4], const float (*x)[kXStride],
                                               const float (*a)[kChainAStride], int warp, int g, int t) {
 #pragma unroll 4
   for (int ks = 0; ks < kK / 8; ++ks) {
@@ -57,17 +66,38 @@ __device__ __forceinline__ void chain_product(float (&acc)[2][4], const float (*
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) split_tf32(xa[r], a_hi[r], a_lo[r]);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int n = 16 * warp + 8 * j + g;
-      uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
-      split_tf32(a[k][n], b_hi0, b_lo0);
-      split_tf32(a[k + 4][n], b_hi1, b_lo1);
-      mma_tf32(acc[j], a_lo, b_hi0, b_hi1);
-      mma_tf32(acc[j], a_hi, b_lo0, b_lo1);
-      mma_tf32(acc[j], a_hi, b_hi0, b_hi1);
-    }
+    const int n = 8 * warp + g;
+    uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
+    split_tf32(a[k][n], b_hi0, b_lo0);
+    split_tf32(a[k + 4][n], b_hi1, b_lo1);
+    mma_tf32(acc, a_lo, b_hi0, b_hi1);
+    mma_tf32(acc, a_hi, b_lo0, b_lo1);
+    mma_tf32(acc, a_hi, b_hi0, b_hi1);
   }
+}
+
+// chain_product with X^T split once into (hi, lo) words (set_x), and two accumulators (even and odd
+// k-steps, added at the end) so that a warp's MMAs form two dependent chains of 24, not one of 48.
+__device__ __forceinline__ void chain_product_split(float (&acc)[4], const uint2 (*xs)[kChainXStride],
+                                                    const float (*a)[kChainAStride], int warp, int g, int t) {
+  float odd[4] = {0.f, 0.f, 0.f, 0.f};
+  const int n = 8 * warp + g;
+#pragma unroll 4
+  for (int ks = 0; ks < kHeadDim / 8; ++ks) {
+    const int k = 8 * ks + t;
+    const uint2 xa[4] = {xs[g][k], xs[g + 8][k], xs[g][k + 4], xs[g + 8][k + 4]};
+    const uint32_t a_hi[4] = {xa[0].x, xa[1].x, xa[2].x, xa[3].x};
+    const uint32_t a_lo[4] = {xa[0].y, xa[1].y, xa[2].y, xa[3].y};
+    uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
+    split_tf32(a[k][n], b_hi0, b_lo0);
+    split_tf32(a[k + 4][n], b_hi1, b_lo1);
+    float (&d)[4] = (ks % 2 == 0) ? acc : odd;
+    mma_tf32(d, a_lo, b_hi0, b_hi1);
+    mma_tf32(d, a_hi, b_lo0, b_lo1);
+    mma_tf32(d, a_hi, b_hi0, b_hi1);
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] += odd[i];
 }
 
 constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T: 144 bytes, conflict-free
@@ -186,11 +216,11 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
 
   const int tid = threadIdx.x;
   const int v0 = blockIdx.y * kChainRows;  // this CTA's rows of X^T
-  // This thread's elements e of the CTA's rows: those of its warp's two C fragments (mma.cuh),
-  // e = 4 j + i: row g (i < 2) or g + 8, column 16 warp + 8 j + 2 t + i % 2 (g = lane / 4, t = lane % 4).
+  // This thread's elements e of the CTA's rows: those of its warp's C fragment (mma.cuh): row g
+  // (e < 2) or g + 8, column 8 warp + 2 t + e % 2 (g = lane / 4, t = lane % 4).
   const int warp = tid / 32, frag_g = (tid % 32) / 4, frag_t = tid % 4;
-  auto erow = [&](int e) { return frag_g + 8 * ((e % 4) / 2); };
-  auto ecol = [&](int e) { return 16 * warp + 8 * (e / 4) + 2 * frag_t + e % 2; };
+  auto erow = [&](int e) { return frag_g + 8 * (e / 2); };
+  auto ecol = [&](int e) { return 8 * warp + 2 * frag_t + e % 2; };
   constexpr int kQuads = kHeadDim * kHeadDim / 4;
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
@@ -211,9 +241,9 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   auto plan_word = [&](int64_t s, int w) -> uint32_t {
     return s < preloaded ? s_plan[s][w] : p.seg_plan[((first + s) * p.H + h) * kPlanWords + w];
   };
-  // Segment s's transition (A_s^T, or its low-rank T^T) and this CTA's rows of B_s^T into L2, a
-  // step ahead of their cp.async and loads (K2's later stores may have evicted them): 64 threads a
-  // 128-byte line each of the CTA's eighth of A_s^T, 64 of its rows of B_s^T.
+  // Segment s's transition (A_s^T, or its low-rank T^T) and this CTA's rows of B_s^T into L2, two
+  // steps ahead (K2's later stores may have evicted them; the copy into shared memory is issued a
+  // step ahead): 64 threads a 128-byte line each of the CTA's eighth of A_s^T, 64 of its rows of B_s^T.
   auto prefetch_step = [&](int64_t s) {
     if (s >= count) return;
     constexpr int kLines = kSegStateFloats * 4 / 128 / (kHeadDim / kChainRows);  // 64
@@ -228,7 +258,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     }
   };
   __syncthreads();  // the preloaded plans
-  prefetch_step(1);
+  prefetch_step(2);
 
   // Transition skipping: the first chunk of segment s (from its start) after which the recurrence's
   // state row v0 + r is not finite, for this CTA's rows (INT64_MAX: none), where a skipping run
@@ -327,66 +357,110 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     return;
   }
   // Writes this thread's elements of a state (x[e]: element e) into checkpoint `ckpt`.
-  auto store_checkpoint = [&](int64_t ckpt, const float (&x)[2][4]) {
+  auto store_checkpoint = [&](int64_t ckpt, const float (&x)[kChainElems]) {
     void* base;
     ElemType type;
     int64_t offset;
     if (!checkpoint_target(p, ckpt, h, base, type, offset)) return;
     for (int e = 0; e < kChainElems; ++e)
-      store_state_elem(base, type, offset + int64_t(v0 + erow(e)) * kHeadDim + ecol(e), x[e / 4][e % 4]);
+      store_state_elem(base, type, offset + int64_t(v0 + erow(e)) * kHeadDim + ecol(e), x[e]);
   };
+  // X_s^T's element (r, c) in both forms: fp32 and split for the products.
+  auto set_x = [&](int r, int c, float v) {
+    uint2 hl;
+    split_tf32(v, hl.x, hl.y);
+    sm.x[r][c] = v;
+    sm.x_split[r][c] = hl;
+  };
+  bool lowrank = false;
+  // A step's operands into buffer `buf` as one cp.async group: a's rows (the first 64 with a
+  // low-rank transition) and this CTA's rows of b.
+  auto copy_step = [&](int buf, const float* a, const float* b) {
+    for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
+      cp_async_16(&sm.step[buf].a[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(a) + i);
+    const float4* b_rows = reinterpret_cast<const float4*>(b + int64_t(v0) * kHeadDim);
+    for (int i = tid; i < kChainRows * kHeadDim / 4; i += kChainThreads)
+      cp_async_16(&sm.step[buf].b[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], b_rows + i);
+    cp_async_commit();
+  };
+  // The transition of step s's own product (A_s^T), or null where it has none or it is not copied
+  // ahead: its transition skipped, the chain stopping before it, low-rank transitions (their G
+  // scratch shares the buffers).
+  auto copied_ahead = [&](int64_t s) -> const float* {
+    if (kLowRank || s >= count) return nullptr;
+    if (s + 1 == count && p.final_state == nullptr && !final_checkpoint) return nullptr;
+    if (runs && exact_of(s) < seg_len(s)) return nullptr;
+    return p.seg_a + segment_matrix(p, first + s, h);
+  };
+  const float* ahead = copied_ahead(1);  // the step copied ahead (its A^T; null: none) and its buffer
+  int ahead_buf = 0;
+  if (ahead != nullptr) copy_step(ahead_buf, ahead, p.seg_b + segment_matrix(p, first + 1, h));
   for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
-    sm.x[i / kHeadDim][i % kHeadDim] = p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i];
+    set_x(i / kHeadDim, i % kHeadDim, p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i]);
   if (runs && find_taint(0)) {  // X_1's tainted rows NaN here and for the combine of segment 1
     taint_checkpoints(0, 0, false);
     for (int e = 0; e < kChainElems; ++e)
       if (tainted(e)) {
-        sm.x[erow(e)][ecol(e)] = __int_as_float(0x7fc00000);
+        set_x(erow(e), ecol(e), __int_as_float(0x7fc00000));
         p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0 + erow(e)) * kHeadDim + ecol(e)] =
             __int_as_float(0x7fc00000);
       }
   }
   __syncthreads();
   if (checkpoint_at(seg_tokens) >= 0) {
-    float x1[2][4];
-    for (int e = 0; e < kChainElems; ++e) x1[e / 4][e % 4] = sm.x[erow(e)][ecol(e)];
+    float x1[kChainElems];
+    for (int e = 0; e < kChainElems; ++e) x1[e] = sm.x[erow(e)][ecol(e)];
     store_checkpoint(checkpoint_at(seg_tokens), x1);
   }
-  // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices), or
-  // with a low-rank transition (lowrank) Y_s^T a^T + b^T over a's first 64 rows (T^T). a's rows come
-  // by cp.async, all in flight at once, while b's elements load into the accumulators.
-  float acc[2][4];  // element e: acc[e / 4][e % 4], the C fragments
-  // acc = this thread's elements of b, a [V][K] B^T matrix (this CTA's rows)
+  float acc[kChainElems];  // element e: acc[e], the C fragment
+  // acc = this thread's elements of b, a [V][K] B^T matrix in global memory (this CTA's rows)
   auto load_b = [&](const float* b) {
     b += int64_t(v0) * kHeadDim;
 #pragma unroll
-    for (int e = 0; e < kChainElems; ++e) acc[e / 4][e % 4] = b[erow(e) * kHeadDim + ecol(e)];
+    for (int e = 0; e < kChainElems; ++e) acc[e] = b[erow(e) * kHeadDim + ecol(e)];
   };
-  bool lowrank = false;
-  auto affine = [&](const float* a, const float* b) {
-    __syncthreads();  // the previous product's reads of sm.a and sm.x are done
-    for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
-      cp_async_16(&sm.a[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(a) + i);
-    cp_async_commit();
-    load_b(b);
-    cp_async_wait_all();
+  // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices), or
+  // with a low-rank transition (lowrank) Y_s^T a^T + b^T over a's first 64 rows (T^T). Operands copied
+  // ahead are in their buffer; others come now, into the buffer not holding them. next_a, next_b:
+  // the next step's own operands (copied_ahead), copied into the buffer this product does not read.
+  auto affine = [&](const float* a, const float* b, const float* next_a, const float* next_b) {
+    __syncthreads();  // the previous product's reads of sm.x and of both buffers are done
+    int cur;
+    if (a == ahead) {
+      cur = ahead_buf;
+      ahead = nullptr;
+    } else {
+      cur = ahead != nullptr ? ahead_buf ^ 1 : 0;  // a step copied ahead keeps its buffer
+      copy_step(cur, a, b);
+    }
+    if (next_a != nullptr) {
+      if (ahead != nullptr) cp_async_wait_all();  // a copy ahead that no step took (not reached)
+      ahead = next_a, ahead_buf = cur ^ 1;
+      copy_step(ahead_buf, next_a, next_b);
+      cp_async_wait_group<1>();  // every group but the one just issued
+    } else {
+      cp_async_wait_all();
+    }
     __syncthreads();
+    const ChainStep& st = sm.step[cur];
+#pragma unroll
+    for (int e = 0; e < kChainElems; ++e) acc[e] = st.b[erow(e)][ecol(e)];
     if constexpr (kLowRank)
       if (lowrank) {
-        chain_product<kLowRankRows>(acc, sm.y, sm.a, warp, frag_g, frag_t);
+        chain_product<kLowRankRows>(acc, sm.y, st.a, warp, frag_g, frag_t);
         return;
       }
-    chain_product<kHeadDim>(acc, sm.x, sm.a, warp, frag_g, frag_t);
+    chain_product_split(acc, sm.x_split, st.a, warp, frag_g, frag_t);
   };
   // Low-rank transitions: Y_s^T = X_s^T G^T for this CTA's rows (the kept channels' columns of X_s^T,
   // then its products with G's chunk rows, zero past the rank) into sm.y and the workspace for the
-  // combine. sm.a holds G's chunk rows meanwhile, transposed ([k][16]: a warp's lanes read adjacent words).
+  // combine. Buffer 0 holds G's chunk rows meanwhile, transposed ([k][16]: a warp's lanes read adjacent words).
   auto coordinates = [&](int64_t gs) {
     if constexpr (kLowRank) {
       const LowRankInfo& info = p.seg_lowrank[gs];
       const int rank = info.rank, kept = rank - kChunk;
-      float* gt = &sm.a[0][0];
-      __syncthreads();  // the previous product's reads of sm.a are done; sm.x holds X_s
+      float* gt = &sm.step[0].a[0][0];  // no step is copied ahead with low-rank transitions
+      __syncthreads();  // the previous product's reads of buffer 0 are done; sm.x holds X_s
       for (int e = tid; e < kLowRankGFloats; e += kChainThreads)
         gt[(e % kHeadDim) * kChunk + e / kHeadDim] = p.seg_g[gs * kLowRankGFloats + e];
       __syncthreads();
@@ -409,7 +483,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     // end state (B_s), which owes nothing to X_s; the rows a non-finite state reaches are NaN.
     const int64_t len = seg_len(s);
     const int64_t exact = runs ? exact_of(s) : len;  // chunks of the exact run
-    prefetch_step(s + 1);
+    prefetch_step(s + 2);
     const bool any_taint = runs && find_taint(s);  // before X_s is replaced
     // Low rank (K2 writes the plan only where the segment has an exact run)
     lowrank = kLowRank && exact > 0 && p.seg_lowrank[(first + s) * p.H + h].rank > 0;
@@ -419,7 +493,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
       for (int64_t t = (begin / E + 1) * E; t < end && (t - begin) / kChunk <= exact; t += E) {
         const int64_t ck = checkpoint_at(t);
         if (ck < 0 || ck >= p.num_checkpoints) continue;
-        affine(p.seg_ckpt_a + segment_matrix(p, ck, h), p.seg_ckpt_b + segment_matrix(p, ck, h));
+        affine(p.seg_ckpt_a + segment_matrix(p, ck, h), p.seg_ckpt_b + segment_matrix(p, ck, h), nullptr, nullptr);
         store_checkpoint(ck, acc);
       }
       if (any_taint) taint_checkpoints(s, exact, false);  // the skipping runs' (K2)
@@ -429,24 +503,27 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     if (skipped) {
       load_b(p.seg_b + segment_matrix(p, first + s, h));
     } else {
-      affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h));
+      const float* next_a = copied_ahead(s + 1);
+      affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h), next_a,
+             next_a != nullptr ? p.seg_b + segment_matrix(p, first + s + 1, h) : nullptr);
     }
     if (any_taint)
 #pragma unroll
       for (int e = 0; e < kChainElems; ++e)
-        if (tainted(e)) acc[e / 4][e % 4] = __int_as_float(0x7fc00000);
+        if (tainted(e)) acc[e] = __int_as_float(0x7fc00000);
     __syncthreads();  // every thread has read sm.x for this step
 #pragma unroll
     for (int e = 0; e < kChainElems; ++e) {
       const int64_t idx = int64_t(v0 + erow(e)) * kHeadDim + ecol(e);
-      const float x = acc[e / 4][e % 4];
-      sm.x[erow(e)][ecol(e)] = x;
+      const float x = acc[e];
+      set_x(erow(e), ecol(e), x);
       if (!last) p.seg_x[segment_matrix(p, first + s + 1, h) + idx] = x;
       else if (p.final_state != nullptr) store_state_elem(p.final_state, p.final_state_type, state_base + idx, x);
     }
     const int64_t ckpt = checkpoint_at(last ? sc.eos - sc.bos : (s + 1) * seg_tokens);
     if (ckpt >= 0) store_checkpoint(ckpt, acc);
   }
+  cp_async_wait_all();  // nothing in flight into shared memory when the CTA exits (every copy ahead is taken)
 }
 
 // Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: one
