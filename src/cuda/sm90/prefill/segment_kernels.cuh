@@ -47,7 +47,10 @@ struct ChainStep {
 struct ChainSmem {
   ChainStep step[2];  // the current step's and the next one's, in flight
   float x[kChainRows][kChainXStride];
-  uint2 x_split[kChainRows][kChainXStride];  // the same X_s^T split once for the products: (hi, lo) tf32 bits
+  // The same X_s^T split once for the products (tf32 hi and lo bits) in the A fragments' order: k-step
+  // ks, lane 4 g + t holds a0..a3 = (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) of the step's 16 x 8.
+  uint4 x_hi[kHeadDim / 8][32];
+  uint4 x_lo[kHeadDim / 8][32];
 };
 struct ChainLowRankSmem : ChainSmem {
   float y[kChainRows][kChainYStride];  // Y_s^T = X_s^T G^T, this CTA's rows (low-rank transitions)
@@ -76,18 +79,19 @@ __device__ __forceinline__ void chain_product(float (&acc)[4], const float (*x)[
   }
 }
 
-// chain_product with X^T split once into (hi, lo) words (set_x), and two accumulators (even and odd
-// k-steps, added at the end) so that a warp's MMAs form two dependent chains of 24, not one of 48.
-__device__ __forceinline__ void chain_product_split(float (&acc)[4], const uint2 (*xs)[kChainXStride],
+// chain_product over X^T split once into its A fragments (ChainSmem::x_hi, x_lo; set_x), with two
+// accumulators (even and odd k-steps, added at the end) so that a warp's MMAs form two dependent
+// chains of 24, not one of 48.
+__device__ __forceinline__ void chain_product_split(float (&acc)[4], const uint4 (*x_hi)[32], const uint4 (*x_lo)[32],
                                                     const float (*a)[kChainAStride], int warp, int g, int t) {
   float odd[4] = {0.f, 0.f, 0.f, 0.f};
-  const int n = 8 * warp + g;
+  const int n = 8 * warp + g, lane = 4 * g + t;
 #pragma unroll 4
   for (int ks = 0; ks < kHeadDim / 8; ++ks) {
     const int k = 8 * ks + t;
-    const uint2 xa[4] = {xs[g][k], xs[g + 8][k], xs[g][k + 4], xs[g + 8][k + 4]};
-    const uint32_t a_hi[4] = {xa[0].x, xa[1].x, xa[2].x, xa[3].x};
-    const uint32_t a_lo[4] = {xa[0].y, xa[1].y, xa[2].y, xa[3].y};
+    const uint4 h = x_hi[ks][lane], l = x_lo[ks][lane];
+    const uint32_t a_hi[4] = {h.x, h.y, h.z, h.w};
+    const uint32_t a_lo[4] = {l.x, l.y, l.z, l.w};
     uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
     split_tf32(a[k][n], b_hi0, b_lo0);
     split_tf32(a[k + 4][n], b_hi1, b_lo1);
@@ -365,12 +369,14 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     for (int e = 0; e < kChainElems; ++e)
       store_state_elem(base, type, offset + int64_t(v0 + erow(e)) * kHeadDim + ecol(e), x[e]);
   };
-  // X_s^T's element (r, c) in both forms: fp32 and split for the products.
+  // X_s^T's element (r, c) in both forms: fp32, and split in the A fragments' order for the products.
   auto set_x = [&](int r, int c, float v) {
-    uint2 hl;
-    split_tf32(v, hl.x, hl.y);
+    uint32_t hi, lo;
+    split_tf32(v, hi, lo);
     sm.x[r][c] = v;
-    sm.x_split[r][c] = hl;
+    const int ks = c / 8, lane = 4 * (r % 8) + c % 4, reg = r / 8 + 2 * ((c % 8) / 4);
+    reinterpret_cast<uint32_t*>(&sm.x_hi[ks][lane])[reg] = hi;
+    reinterpret_cast<uint32_t*>(&sm.x_lo[ks][lane])[reg] = lo;
   };
   bool lowrank = false;
   // A step's operands into buffer `buf` as one cp.async group: a's rows (the first 64 with a
@@ -450,7 +456,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
         chain_product<kLowRankRows>(acc, sm.y, st.a, warp, frag_g, frag_t);
         return;
       }
-    chain_product_split(acc, sm.x_split, st.a, warp, frag_g, frag_t);
+    chain_product_split(acc, sm.x_hi, sm.x_lo, st.a, warp, frag_g, frag_t);
   };
   // Low-rank transitions: Y_s^T = X_s^T G^T for this CTA's rows (the kept channels' columns of X_s^T,
   // then its products with G's chunk rows, zero past the rank) into sm.y and the workspace for the
