@@ -38,6 +38,8 @@ static_assert(kChainPreload * kPlanWords <= kChainThreads, "one plan word a thre
 constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
+constexpr int kCombineStages = 3;   // a warp's ring of w's k-steps (cp.async): two in flight while one multiplies
+constexpr int kCombineWStride = 24;  // floats per token row of a k-step's w (16 used): conflict-free float2 reads
 
 // One step's operands: A^T (low rank: T^T, rows 0-63) and the CTA's rows of B^T.
 struct ChainStep {
@@ -109,35 +111,53 @@ constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T:
 struct CombineSmem {
   __nv_bfloat16 x_hi[kHeadDim][kCombineRowStride];  // X_s^T [v][k], split
   __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
+  float w[kCombineChunks][kCombineStages][kChunk][kCombineWStride];  // each warp's ring: [stage][token][k]
 };
 struct CombineLowRankSmem : CombineSmem {
   __nv_bfloat16 y_hi[kHeadDim][kCombineLowRankStride];  // Y_s^T [v][i], split (low-rank transitions)
   __nv_bfloat16 y_lo[kHeadDim][kCombineLowRankStride];
 };
 
-// acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (w: the fp32 w columns of o, from
-// column kHeadDim, stride kSegRows; x: split bf16 [v][k] rows of kStride), with split-bf16 operands
-// (hi * hi + hi * lo + lo * hi). Every load of w is one k-step ahead.
+// A warp's copy of k-step ks of w (kSteps of them; the fp32 w columns of o, from column kHeadDim,
+// stride kSegRows: 16 tokens x 16 floats, 64 copies of 16 bytes, two a lane) into its ring, as one
+// cp.async group, empty past the last k-step, so that wait_group<kCombineStages - 1> in
+// combine_product always means "k-step ks has landed". The caller issues k-steps 0 .. kCombineStages - 2.
+template <int kSteps>
+__device__ __forceinline__ void copy_w(float (*ring)[kChunk][kCombineWStride], const float* o, int lane, int ks) {
+  if (ks < kSteps) {
+#pragma unroll
+    for (int c = lane; c < kChunk * 4; c += 32) {
+      const int t = c / 4, q = c % 4;
+      cp_async_16(&ring[ks % kCombineStages][t][4 * q],
+                  reinterpret_cast<const float4*>(o + t * kSegRows + kHeadDim + kMmaK * ks) + q);
+    }
+  }
+  cp_async_commit();
+}
+
+// acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (x: split bf16 [v][k] rows of
+// kStride), with split-bf16 operands (hi * hi + hi * lo + lo * hi). w's k-steps come through the
+// warp's ring (copy_w), two ahead of the one multiplied; __syncwarp makes each lane's copies the warp's.
 template <int kSteps, int kStride>
 __device__ __forceinline__ void combine_product(float (&acc)[16][4], const float* o,
+                                                float (*ring)[kChunk][kCombineWStride],
                                                 const __nv_bfloat16 (*x_hi)[kStride],
-                                                const __nv_bfloat16 (*x_lo)[kStride], int g, int t4) {
-  // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
-  auto load_w = [&](int ks, float2 (&w)[4]) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int t = g + 8 * (r & 1), k = kMmaK * ks + 2 * t4 + 8 * (r >> 1);
-      w[r] = *reinterpret_cast<const float2*>(o + t * kSegRows + kHeadDim + k);
-    }
-  };
-  float2 w_next[4];
-  load_w(0, w_next);
+                                                const __nv_bfloat16 (*x_lo)[kStride], int lane) {
+  const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
+    copy_w<kSteps>(ring, o, lane, ks + kCombineStages - 1);  // into the stage k-step ks - 1 read (__syncwarp below)
+    cp_async_wait_group<kCombineStages - 1>();
+    __syncwarp();  // every lane's copies of k-step ks
+    // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
+    const float (*w)[kCombineWStride] = ring[ks % kCombineStages];
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) split_bf16x2(w_next[r].x, w_next[r].y, a_hi[r], a_lo[r]);
-    if (ks + 1 < kSteps) load_w(ks + 1, w_next);
+    for (int r = 0; r < 4; ++r) {
+      const float2 wr = *reinterpret_cast<const float2*>(&w[g + 8 * (r & 1)][2 * t4 + 8 * (r >> 1)]);
+      split_bf16x2(wr.x, wr.y, a_hi[r], a_lo[r]);
+    }
+    __syncwarp();  // every lane has read k-step ks before the next iteration refills its stage
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
       const int v = 8 * nt + g, k = kMmaK * ks + 2 * t4;
@@ -532,8 +552,9 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
   cp_async_wait_all();  // nothing in flight into shared memory when the CTA exits (every copy ahead is taken)
 }
 
-// Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: one
-// k-step ahead; o_zero: half a chunk at a time), so each phase costs one memory round trip.
+// Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: by
+// cp.async into each warp's ring, its first two k-steps before X_s's loads and then two ahead of the
+// product; o_zero: half a chunk at a time).
 // kLowRank: as the chain's.
 template <bool kLowRank>
 __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
@@ -554,6 +575,16 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   // the run length is a multiple of the tile's, kCombineChunks).
   if (p.seg_exact != nullptr && j0 >= p.seg_exact[(seg.first + seg.s) * p.H + h]) return;
 
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t4 = lane & 3;
+  const int64_t slot = sc.chunk_begin + j0 + warp;  // this warp's chunk, if it has one
+  const bool has_chunk = slot < sc.chunk_end;
+  const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
+  // w's first k-steps, in flight while X_s comes (every warp's product has two k-steps or more)
+  if (has_chunk)
+#pragma unroll
+    for (int ks = 0; ks < kCombineStages - 1; ++ks) copy_w<kKSteps>(sm.w[warp], o, lane, ks);
+
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
   // low-rank transition Y_s^T [v][i] for the chunks after the segment's first, X_s^T for that one.
   const int64_t gs = (seg.first + seg.s) * p.H + h;
@@ -564,15 +595,10 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
     load_split<kLowRankRows, kCombineLowRankStride>(p.seg_y + gs * kLowRankYFloats, lr.y_hi, lr.y_lo);
   }
   __syncthreads();
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t4 = lane & 3;
-  const int64_t slot = sc.chunk_begin + j0 + warp;
-  if (slot >= sc.chunk_end) return;
+  if (!has_chunk) return;
   const int64_t row0 = sc.bos + (j0 + warp) * kChunk;
   const int64_t left = sc.eos - row0;
   const int rows = int(left < kChunk ? left : kChunk);
-  const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
 
   float acc[16][4];
 #pragma unroll
@@ -581,9 +607,9 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
   if (lowrank && j0 + warp > 0) {
     const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
-    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, lr.y_hi, lr.y_lo, g, t4);
+    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, sm.w[warp], lr.y_hi, lr.y_lo, lane);
   } else {
-    combine_product<kKSteps, kCombineRowStride>(acc, o, sm.x_hi, sm.x_lo, g, t4);
+    combine_product<kKSteps, kCombineRowStride>(acc, o, sm.w[warp], sm.x_hi, sm.x_lo, lane);
   }
   // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1).
 #pragma unroll
