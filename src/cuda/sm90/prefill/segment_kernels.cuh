@@ -126,8 +126,8 @@ template <int kSteps>
 __device__ __forceinline__ void copy_w(float (*ring)[kChunk][kCombineWStride], const float* o, int lane, int ks) {
   if (ks < kSteps) {
 #pragma unroll
-    for (int c = lane; c < kChunk * 4; c += 32) {
-      const int t = c / 4, q = c % 4;
+    for (int i = 0; i < kChunk * 4 / 32; ++i) {
+      const int c = lane + 32 * i, t = c / 4, q = c % 4;
       cp_async_16(&ring[ks % kCombineStages][t][4 * q],
                   reinterpret_cast<const float4*>(o + t * kSegRows + kHeadDim + kMmaK * ks) + q);
     }
@@ -581,9 +581,11 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const bool has_chunk = slot < sc.chunk_end;
   const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
   // w's first k-steps, in flight while X_s comes (every warp's product has two k-steps or more)
-  if (has_chunk)
+  static_assert(kLowRankRows / kMmaK >= kCombineStages - 1, "the prologue's k-steps are every product's");
+  if (has_chunk) {
 #pragma unroll
     for (int ks = 0; ks < kCombineStages - 1; ++ks) copy_w<kKSteps>(sm.w[warp], o, lane, ks);
+  }
 
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
   // low-rank transition Y_s^T [v][i] for the chunks after the segment's first, X_s^T for that one.
