@@ -224,14 +224,18 @@ if want profile; then
   python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
   if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
     # PROFILE_NCU_CASES: bench_prefill cases as TABLE:INDEX (default MANY:1, T=8192 H=96), fp32
-    # state, the first call's K1 and K2 kernels (the segmented and three-CTA ones included).
+    # state, the first call's kernels matching PROFILE_NCU_KERNELS (default K1 and K2, the segmented
+    # and three-CTA ones included; e.g. "segment_chain_kernel|segment_combine_kernel") with gates of
+    # PROFILE_NCU_REGIME (random or long, bench_prefill's regimes; default random).
     for c in ${PROFILE_NCU_CASES:-MANY:1}; do
-      ncu --clock-control none -k regex:"prepare_kernel|recur_kernel|recur_seg3_kernel" -c 3 --section SpeedOfLight \
-        --section Occupancy --section SchedulerStats --section WarpStateStats --section InstructionStats \
-        --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+      ncu --clock-control none -k regex:"${PROFILE_NCU_KERNELS:-prepare_kernel|recur_kernel|recur_seg3_kernel}" -c 3 \
+        --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+        --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
         python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
 import bench_prefill as b
-_, H, lens, st = getattr(b, '${c%%:*}')[${c##*:}]; fn = b.run_flashkda(b.make_inputs(H, lens, st), st)[0]; fn(); torch.cuda.synchronize()" \
+_, H, lens, st = getattr(b, '${c%%:*}')[${c##*:}]
+fn = b.run_flashkda(b.make_inputs(H, lens, st, regime='${PROFILE_NCU_REGIME:-random}'), st)[0]; fn(); torch.cuda.synchronize()" \
         >> "$OUT/profile.log" 2>&1 || echo "ncu case $c failed (see profile.log)"
     done
   fi
