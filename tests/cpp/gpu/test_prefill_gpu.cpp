@@ -178,7 +178,7 @@ KdaOptions repeated_key_options(Precision precision) {
 }
 
 // The benchmark's long-memory regime (bench_prefill.py): random lower-bound gates, 8 of every
-// head's 128 channels at dt_bias = -8 (near-zero decay); T = 3000, H = 2, fp32 states.
+// head's 128 channels at dt_bias = -8 (near-zero decay); T tokens (3000 unless given), H = 2, fp32 states.
 KdaInputs long_memory_inputs(int64_t T = 3000) {
   KdaOptions o;
   o.T = T, o.H = 2;

@@ -13,8 +13,9 @@
 // tokens' q, k, g, v (its rows), beta with cp.async into shared memory, so both latencies overlap;
 // the warps prepare q̂·scale, k̂, exp(a) of the tokens (4 channels per lane, warp shuffles for the
 // L2 norms: at one token every warp for itself, from two on warp w token w of each group of four,
-// shared through the CTA's scratch), run the recurrence on their rows in fp32 and write the outputs. The state is written once at the end, or after each token whose speculative
-// slot is valid. Memory-bound: the state slice is read and written once; all else is ~1 KB/token.
+// shared through the CTA's scratch), run the recurrence on their rows in fp32 and write the
+// outputs. The state is written once at the end, or after each token whose speculative slot is
+// valid. Memory-bound: the state slice is read and written once; all else is ~1 KB/token.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -58,6 +58,18 @@ struct ChainLowRankSmem : ChainSmem {
   float y[kChainRows][kChainYStride];  // Y_s^T = X_s^T G^T, this CTA's rows (low-rank transitions)
 };
 
+// d += x a over one k-step of 8 (rows k and k + 4 of a, the thread's B fragment at column n; x: its A
+// fragment, split), with a's elements split here: lo * hi and hi * lo first, then hi * hi.
+__device__ __forceinline__ void chain_kstep(float (&d)[4], const uint32_t (&x_hi)[4], const uint32_t (&x_lo)[4],
+                                            const float (*a)[kChainAStride], int k, int n) {
+  uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
+  split_tf32(a[k][n], b_hi0, b_lo0);
+  split_tf32(a[k + 4][n], b_hi1, b_lo1);
+  mma_tf32(d, x_lo, b_hi0, b_hi1);
+  mma_tf32(d, x_hi, b_lo0, b_lo1);
+  mma_tf32(d, x_hi, b_hi0, b_hi1);
+}
+
 // acc += x a for one warp's 8 columns of the CTA's rows: x [16][kK] (rows of X^T or Y^T), a [kK][128]
 // (rows of A^T or T^T), on the tensor cores with split tf32 operands, the small products first.
 // acc: the C fragment of the warp's n-tile (columns 8 warp ..).
@@ -71,13 +83,7 @@ __device__ __forceinline__ void chain_product(float (&acc)[4], const float (*x)[
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) split_tf32(xa[r], a_hi[r], a_lo[r]);
-    const int n = 8 * warp + g;
-    uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
-    split_tf32(a[k][n], b_hi0, b_lo0);
-    split_tf32(a[k + 4][n], b_hi1, b_lo1);
-    mma_tf32(acc, a_lo, b_hi0, b_hi1);
-    mma_tf32(acc, a_hi, b_lo0, b_lo1);
-    mma_tf32(acc, a_hi, b_hi0, b_hi1);
+    chain_kstep(acc, a_hi, a_lo, a, k, 8 * warp + g);
   }
 }
 
@@ -90,17 +96,10 @@ __device__ __forceinline__ void chain_product_split(float (&acc)[4], const uint4
   const int n = 8 * warp + g, lane = 4 * g + t;
 #pragma unroll 4
   for (int ks = 0; ks < kHeadDim / 8; ++ks) {
-    const int k = 8 * ks + t;
     const uint4 h = x_hi[ks][lane], l = x_lo[ks][lane];
     const uint32_t a_hi[4] = {h.x, h.y, h.z, h.w};
     const uint32_t a_lo[4] = {l.x, l.y, l.z, l.w};
-    uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
-    split_tf32(a[k][n], b_hi0, b_lo0);
-    split_tf32(a[k + 4][n], b_hi1, b_lo1);
-    float (&d)[4] = (ks % 2 == 0) ? acc : odd;
-    mma_tf32(d, a_lo, b_hi0, b_hi1);
-    mma_tf32(d, a_hi, b_lo0, b_lo1);
-    mma_tf32(d, a_hi, b_hi0, b_hi1);
+    chain_kstep((ks % 2 == 0) ? acc : odd, a_hi, a_lo, a, 8 * ks + t, n);
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) acc[i] += odd[i];
