@@ -55,7 +55,7 @@ constexpr int64_t kLargeTileMinHeads = 2048;
 constexpr int64_t kPersistentMinHeads = kLargeTileMinHeads;
 
 // N·H range in which bf16 pools take the bulk-copy kernel with three buffers (kernel.cuh
-// decode_bulk_kernel): measured on the H200 (run 66, BENCHMARKS.md "Decode"), 7-19% faster than the
+// decode_bulk_kernel): measured on the H200 (run 66, BENCHMARKS-history.md "Decode"), 7-19% faster than the
 // one-CTA-per-item kernels at N·H = 384-1536 (H = 32 and 96, T = 1 and 4), slower at N·H <= 96 and
 // from 2048 (where the persistent kernel runs), mixed at 128-256.
 constexpr int64_t kBulkMinHeads = 384;

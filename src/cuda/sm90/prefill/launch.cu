@@ -102,7 +102,7 @@ int choose_warps(int64_t work, const internal::PrefillLaunch& launch) {
 // and head; the rule cuts where the slots hold 2 segments per sequence on average or more, in every
 // mode. (Before transition skipping, two segments per sequence lost ~2% in the fast mode, whose
 // chunks are cheaper, and the fast mode asked for 3; with skipping its serial walk is the slower one:
-// T=32768 H=32 2.62 against 1.42 ms segmented, BENCHMARKS.md "Few heads per GPU".)
+// T=32768 H=32 2.62 against 1.42 ms segmented, BENCHMARKS-history.md "Few heads per GPU".)
 //
 // With checkpoints, the checkpoints inside a segment come from its partial transitions (the rule,
 // ckpt_in_segments), so any segment length serves. internal::PrefillLaunch::checkpoints_in_segments
@@ -114,7 +114,7 @@ bool ckpt_in_segments(const internal::PrefillLaunch& launch) { return launch.che
 
 // CTAs of the segmented K2 an SM holds, one warpgroup each (internal::PrefillLaunch::seg_ctas_per_sm):
 // 2 (up to 242 registers, three stages) or 3 (168 registers, two stages). The rule takes 3 from
-// H = 16 up: measured (BENCHMARKS.md, three CTAs an SM) 3.6-4.3% faster with long memory and 4-5%
+// H = 16 up: measured (BENCHMARKS-history.md, three CTAs an SM) 3.6-4.3% faster with long memory and 4-5%
 // on random gates at H = 16 and 32, but 2.6-6% slower with long memory at H = 12, where its eight
 // segments (against six) add more transition work than they shorten the walk.
 int seg_ctas_per_sm(const internal::PrefillLaunch& launch, int64_t H) {
@@ -170,7 +170,7 @@ int64_t choose_segment_chunks(int64_t N, int64_t H, int64_t total_tokens,
 // pieces would need more slots than there are, or segments longer than the exact path's (measured:
 // 5-6% slower with long memory at H = 12), and the rule takes pieces of chunks * 2H / slots chunks,
 // rounded up to a multiple of 32 within [32, 64], or the whole segment where that is shorter (then
-// only the segment starts may skip). Measured (BENCHMARKS.md, layouts sweep, two CTAs an SM): equal
+// only the segment starts may skip). Measured (BENCHMARKS-history.md, layouts sweep, two CTAs an SM): equal
 // pieces 3-7% faster than those at H = 16 and 32 on random gates, within 2% with long memory. With
 // the chunk bound of each chunk's own transition (skip_bound) a warm-up takes a chunk or two on
 // random gates, so shorter pieces pay (run 62, H = 12, against pieces of up to 128 and no skipping in
@@ -202,7 +202,7 @@ int64_t choose_run_chunks(int64_t total_tokens, int64_t H, int64_t seg_chunks, b
 // skip_bound; prepare_chunk.cuh chunk_log_bound). It costs K1 ~3% of its instructions and pays where
 // warm-ups are a large part of a piece: the rule takes it for pieces of up to 64 chunks (the H = 12
 // branch above, and forced lengths alike), not for the equal pieces of hundreds of chunks at H = 16 and
-// 32, where it measured 0.5-1.8% slower in both gate regimes (runs 62-63, BENCHMARKS.md).
+// 32, where it measured 0.5-1.8% slower in both gate regimes (runs 62-63, BENCHMARKS-history.md).
 bool bounds_transitions(int64_t run_chunks, const internal::PrefillLaunch& launch) {
   if (launch.skip_bound != 0) return launch.skip_bound > 0;
   return run_chunks <= 64;
