@@ -82,9 +82,15 @@ fi
 # Each binary under a time limit (a kernel that hangs must cost minutes, not the session); the
 # candidates still unrun on a GPU (GPU_ALONE, gtest filters separated by ':') after the rest, each
 # filter alone under a shorter one.
+# GPU_TESTS: a subset of the binaries by name (e.g. "test_prefill_gpu test_decode_gpu"), where a short
+# call must validate one change; default every one.
 GPU_ALONE=${GPU_ALONE:-'*FusedPieces*:*LowRank*'}
+gpu_test_binaries() {
+  if [ -n "${GPU_TESTS:-}" ]; then for n in $GPU_TESTS; do echo "build-gpu/tests/cpp/$n"; done
+  else compgen -G "build-gpu/tests/cpp/test_*gpu"; fi
+}
 gpu_binaries() {
-  for t in build-gpu/tests/cpp/test_*gpu; do
+  for t in $(gpu_test_binaries); do
     [ -x "$t" ] && { timeout 900 "$t" --gtest_brief=1 --gtest_filter="-$GPU_ALONE" 2>&1 | tee -a "$OUT/ctest.log" |
                        grep -E "measure|FAILED|PASSED|SKIPPED" | sed -n 1,60p
                      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
@@ -92,7 +98,7 @@ gpu_binaries() {
   local alone f
   IFS=: read -ra alone <<< "$GPU_ALONE"
   for f in "${alone[@]}"; do
-    for t in build-gpu/tests/cpp/test_*gpu; do
+    for t in $(gpu_test_binaries); do
       [ -x "$t" ] && { timeout 180 "$t" --gtest_brief=1 --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" |
                          grep -E "measure|FAILED|PASSED|SKIPPED|tests ran" | sed -n 1,30p
                        [ "${PIPESTATUS[0]}" -eq 0 ] || { status=1; echo "$t ($f): failed or timed out"; }; }
@@ -187,6 +193,27 @@ if want chain; then  # the fused kernel in chained pieces (a candidate): piece c
     --fused-chain ${CHAIN_PIECES:-2 3 4 6 8 11} --no-peers --no-serial --no-balanced --no-fast --no-accuracy --reps 10 2>&1 |
     tee "$OUT/bench_chain.log" | tail -40 || status=1
 fi
+if want profile; then
+  step profile
+  python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
+  if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
+    # PROFILE_NCU_CASES: bench_prefill cases as TABLE:INDEX (default MANY:1, T=8192 H=96), fp32
+    # state, the first call's kernels matching PROFILE_NCU_KERNELS (default K1 and K2, the segmented
+    # and three-CTA ones included; e.g. "segment_chain_kernel|segment_combine_kernel") with gates of
+    # PROFILE_NCU_REGIME (random or long, bench_prefill's regimes; default random).
+    for c in ${PROFILE_NCU_CASES:-MANY:1}; do
+      ncu --clock-control none -k regex:"${PROFILE_NCU_KERNELS:-prepare_kernel|recur_kernel|recur_seg3_kernel}" -c 3 \
+        --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
+        --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
+        --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
+        python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
+import bench_prefill as b
+_, H, lens, st = getattr(b, '${c%%:*}')[${c##*:}]
+fn = b.run_flashkda(b.make_inputs(H, lens, st, regime='${PROFILE_NCU_REGIME:-random}'), st)[0]; fn(); torch.cuda.synchronize()" \
+        >> "$OUT/profile.log" 2>&1 || echo "ncu case $c failed (see profile.log)"
+    done
+  fi
+fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
@@ -219,27 +246,6 @@ if want sanitize; then
   done
 fi
 
-if want profile; then
-  step profile
-  python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
-  if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
-    # PROFILE_NCU_CASES: bench_prefill cases as TABLE:INDEX (default MANY:1, T=8192 H=96), fp32
-    # state, the first call's kernels matching PROFILE_NCU_KERNELS (default K1 and K2, the segmented
-    # and three-CTA ones included; e.g. "segment_chain_kernel|segment_combine_kernel") with gates of
-    # PROFILE_NCU_REGIME (random or long, bench_prefill's regimes; default random).
-    for c in ${PROFILE_NCU_CASES:-MANY:1}; do
-      ncu --clock-control none -k regex:"${PROFILE_NCU_KERNELS:-prepare_kernel|recur_kernel|recur_seg3_kernel}" -c 3 \
-        --section SpeedOfLight --section Occupancy --section SchedulerStats --section WarpStateStats \
-        --section InstructionStats --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis \
-        --section LaunchStats --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio" \
-        python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
-import bench_prefill as b
-_, H, lens, st = getattr(b, '${c%%:*}')[${c##*:}]
-fn = b.run_flashkda(b.make_inputs(H, lens, st, regime='${PROFILE_NCU_REGIME:-random}'), st)[0]; fn(); torch.cuda.synchronize()" \
-        >> "$OUT/profile.log" 2>&1 || echo "ncu case $c failed (see profile.log)"
-    done
-  fi
-fi
 if want v2; then  # prefill v2's standalone chunk-32 producer: its checks and time, then ncu's counts
   step v2
   for t in test_produce32_gpu test_prefill32_gpu; do
