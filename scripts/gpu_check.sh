@@ -217,8 +217,8 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # the segment chain rebuilt (97d7999: two operand buffers, the next step copied ahead; not yet
-  # run): its small cases with checkpoints and skipping
+  # nothing new since run 140; the segments' small cases with checkpoints and skipping (the chain's
+  # two operand buffers and copy ahead, the combine's ring) stay here as the sanitizers' smoke test
   pending_tests=(test_prefill_gpu '*SegmentsSmallForSanitizers*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
