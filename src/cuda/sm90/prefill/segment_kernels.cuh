@@ -553,7 +553,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
 
 // Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: by
 // cp.async into each warp's ring, its first two k-steps before X_s's loads and then two ahead of the
-// product; o_zero: asked of L2 before X_s's loads, loaded half a chunk at a time after the product).
+// product; o_zero: half a chunk at a time).
 // kLowRank: as the chain's.
 template <bool kLowRank>
 __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
@@ -584,14 +584,6 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   if (has_chunk) {
 #pragma unroll
     for (int ks = 0; ks < kCombineStages - 1; ++ks) copy_w<kKSteps>(sm.w[warp], o, lane, ks);
-    // o_zero's 64 lines (16 tokens x 512 bytes) into L2 meanwhile: its loads after the product were
-    // the kernel's exposed round trip from DRAM (run 141's stall samples), and a prefetch holds no
-    // register across the product.
-#pragma unroll
-    for (int i = 0; i < kChunk * kHeadDim * 4 / 128 / 32; ++i) {
-      const int c = lane + 32 * i;
-      prefetch_l2(o + (c / 4) * kSegRows + 32 * (c % 4));
-    }
   }
 
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
