@@ -12,8 +12,9 @@
 //          checkpoint_every and there are none) also X_s^T A_c^T + B_c^T for each checkpoint c
 //          inside segment s > 0, from the partial transitions K2 stored (segment 0's: K2).
 // combine  grid (max_segs * tiles * H), block kCombineThreads. For the tokens of segments s > 0:
-//          out_t = o_zero_t + X_s^T w_t, the K = 128 product on the tensor cores with split-bf16
-//          operands (hi * hi + hi * lo + lo * hi, about fp32 accuracy), rounded once to bf16.
+//          out_t = o_zero_t + X_s^T w_t (o_zero and w from K2's packed fp16, seg_out.cuh), the K = 128
+//          product on the tensor cores with split-bf16 operands (hi * hi + hi * lo + lo * hi, about
+//          fp32 accuracy), rounded once to bf16.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,6 +25,7 @@
 #include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
+#include "cuda/sm90/prefill/seg_out.cuh"
 
 namespace flashkda::cuda::sm90::prefill {
 
@@ -39,7 +41,7 @@ constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
 constexpr int kCombineStages = 3;   // a warp's ring of w's k-steps (cp.async): two in flight while one multiplies
-constexpr int kCombineWStride = 24;  // floats per token row of a k-step's w (16 used): conflict-free float2 reads
+constexpr int kCombineWStride = 24;  // fp16 per token row of a k-step's w (16 used): conflict-free pair reads, 16-byte rows
 
 // One step's operands: A^T (low rank: T^T, rows 0-63) and the CTA's rows of B^T.
 struct ChainStep {
@@ -110,26 +112,23 @@ constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T:
 struct CombineSmem {
   __nv_bfloat16 x_hi[kHeadDim][kCombineRowStride];  // X_s^T [v][k], split
   __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
-  float w[kCombineChunks][kCombineStages][kChunk][kCombineWStride];  // each warp's ring: [stage][token][k]
+  __half w[kCombineChunks][kCombineStages][kChunk][kCombineWStride];  // each warp's ring: [stage][token][k], packed
 };
 struct CombineLowRankSmem : CombineSmem {
   __nv_bfloat16 y_hi[kHeadDim][kCombineLowRankStride];  // Y_s^T [v][i], split (low-rank transitions)
   __nv_bfloat16 y_lo[kHeadDim][kCombineLowRankStride];
 };
 
-// A warp's copy of k-step ks of w (kSteps of them; the fp32 w columns of o, from column kHeadDim,
-// stride kSegRows: 16 tokens x 16 floats, 64 copies of 16 bytes, two a lane) into its ring, as one
-// cp.async group, empty past the last k-step, so that wait_group<kCombineStages - 1> in
+// A warp's copy of k-step ks of w (kSteps of them; the packed w columns of the chunk's seg_out block
+// `blk`, from column kHeadDim: 16 tokens x 16 fp16, 32 copies of 16 bytes, one a lane) into its
+// ring, as one cp.async group, empty past the last k-step, so that wait_group<kCombineStages - 1> in
 // combine_product always means "k-step ks has landed". The caller issues k-steps 0 .. kCombineStages - 2.
 template <int kSteps>
-__device__ __forceinline__ void copy_w(float (*ring)[kChunk][kCombineWStride], const float* o, int lane, int ks) {
+__device__ __forceinline__ void copy_w(__half (*ring)[kChunk][kCombineWStride], const uint8_t* blk, int lane, int ks) {
+  static_assert(kMmaK == kSegGroupCols, "a k-step of w is one exponent group");
   if (ks < kSteps) {
-#pragma unroll
-    for (int i = 0; i < kChunk * 4 / 32; ++i) {
-      const int c = lane + 32 * i, t = c / 4, q = c % 4;
-      cp_async_16(&ring[ks % kCombineStages][t][4 * q],
-                  reinterpret_cast<const float4*>(o + t * kSegRows + kHeadDim + kMmaK * ks) + q);
-    }
+    const int t = lane / 2, q = lane % 2;
+    cp_async_16(&ring[ks % kCombineStages][t][8 * q], blk + 2 * (t * kSegRows + kHeadDim + kMmaK * ks + 8 * q));
   }
   cp_async_commit();
 }
@@ -137,23 +136,27 @@ __device__ __forceinline__ void copy_w(float (*ring)[kChunk][kCombineWStride], c
 // acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (x: split bf16 [v][k] rows of
 // kStride), with split-bf16 operands (hi * hi + hi * lo + lo * hi). w's k-steps come through the
 // warp's ring (copy_w), two ahead of the one multiplied; __syncwarp makes each lane's copies the warp's.
+// w_exp: the exponents of w's groups (k-steps 0-3, 4-7) of tokens g and g + 8 (seg_out.cuh).
 template <int kSteps, int kStride>
-__device__ __forceinline__ void combine_product(float (&acc)[16][4], const float* o,
-                                                float (*ring)[kChunk][kCombineWStride],
+__device__ __forceinline__ void combine_product(float (&acc)[16][4], const uint8_t* blk,
+                                                __half (*ring)[kChunk][kCombineWStride], const uint2 (&w_exp)[2],
                                                 const __nv_bfloat16 (*x_hi)[kStride],
                                                 const __nv_bfloat16 (*x_lo)[kStride], int lane) {
   const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
-    copy_w<kSteps>(ring, o, lane, ks + kCombineStages - 1);  // into the stage k-step ks - 1 read (__syncwarp below)
+    copy_w<kSteps>(ring, blk, lane, ks + kCombineStages - 1);  // into the stage k-step ks - 1 read (__syncwarp below)
     cp_async_wait_group<kCombineStages - 1>();
     __syncwarp();  // every lane's copies of k-step ks
     // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
-    const float (*w)[kCombineWStride] = ring[ks % kCombineStages];
+    const __half (*w)[kCombineWStride] = ring[ks % kCombineStages];
+    const int e[2] = {seg_exp_byte(ks < 4 ? w_exp[0].x : w_exp[0].y, ks % 4),
+                      seg_exp_byte(ks < 4 ? w_exp[1].x : w_exp[1].y, ks % 4)};
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float2 wr = *reinterpret_cast<const float2*>(&w[g + 8 * (r & 1)][2 * t4 + 8 * (r >> 1)]);
+      const uint32_t pair = *reinterpret_cast<const uint32_t*>(&w[g + 8 * (r & 1)][2 * t4 + 8 * (r >> 1)]);
+      const float2 wr = seg_unpack2(pair, e[r & 1]);
       split_bf16x2(wr.x, wr.y, a_hi[r], a_lo[r]);
     }
     __syncwarp();  // every lane has read k-step ks before the next iteration refills its stage
@@ -578,12 +581,17 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const int g = lane >> 2, t4 = lane & 3;
   const int64_t slot = sc.chunk_begin + j0 + warp;  // this warp's chunk, if it has one
   const bool has_chunk = slot < sc.chunk_end;
-  const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
-  // w's first k-steps, in flight while X_s comes (every warp's product has two k-steps or more)
+  const uint8_t* blk = p.seg_out + (slot * p.H + h) * int64_t(kSegOutBytes);  // [t][o_zero 128 | w 128], packed
+  // w's first k-steps, in flight while X_s comes (every warp's product has two k-steps or more), and
+  // the exponents of w's groups for tokens g and g + 8
   static_assert(kLowRankRows / kMmaK >= kCombineStages - 1, "the prologue's k-steps are every product's");
+  uint2 w_exp[2] = {};
   if (has_chunk) {
 #pragma unroll
-    for (int ks = 0; ks < kCombineStages - 1; ++ks) copy_w<kKSteps>(sm.w[warp], o, lane, ks);
+    for (int ks = 0; ks < kCombineStages - 1; ++ks) copy_w<kKSteps>(sm.w[warp], blk, lane, ks);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      w_exp[i] = *reinterpret_cast<const uint2*>(blk + kSegOutExpOffset + (g + 8 * i) * kSegGroups + kHeadDim / kSegGroupCols);
   }
 
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
@@ -608,17 +616,20 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
   if (lowrank && j0 + warp > 0) {
     const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
-    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, sm.w[warp], lr.y_hi, lr.y_lo, lane);
+    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, blk, sm.w[warp], w_exp, lr.y_hi, lr.y_lo, lane);
   } else {
-    combine_product<kKSteps, kCombineRowStride>(acc, o, sm.w[warp], sm.x_hi, sm.x_lo, lane);
+    combine_product<kKSteps, kCombineRowStride>(acc, blk, sm.w[warp], w_exp, sm.x_hi, sm.x_lo, lane);
   }
   // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = g + 8 * half;
+    const uint2 z_exp = *reinterpret_cast<const uint2*>(blk + kSegOutExpOffset + t * kSegGroups);  // o_zero's groups
     float2 z[16];
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt) z[nt] = *reinterpret_cast<const float2*>(o + t * kSegRows + 8 * nt + 2 * t4);
+    for (int nt = 0; nt < 16; ++nt)  // column 8 nt + 2 t4: group nt / 2
+      z[nt] = seg_unpack2(*reinterpret_cast<const uint32_t*>(blk + 2 * (t * kSegRows + 8 * nt + 2 * t4)),
+                          seg_exp_byte(nt < 8 ? z_exp.x : z_exp.y, (nt / 2) % 4));
     if (t >= rows) continue;
     __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + ((row0 + t) * p.H + h) * kHeadDim;
 #pragma unroll
