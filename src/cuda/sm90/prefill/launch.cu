@@ -216,7 +216,7 @@ struct Layout {
 };
 
 // The workspace of one call: header, K1 records and, with segments, the per-segment matrices
-// (X_s, B_s^T, A_s^T), the fp32 outputs of the chunks of segments s > 0, with checkpoints inside
+// (X_s, B_s^T, A_s^T), the packed outputs of the chunks of segments s > 0 (seg_out.cuh), with checkpoints inside
 // segments the partial transitions (B_c^T, A_c^T) of each checkpoint, and with transition skipping
 // (pieces of run_chunks) the chunk bounds and each segment's runs; last, with a state pool of
 // pool_size slots, one bit per slot for K0's check that no live slot is named twice.

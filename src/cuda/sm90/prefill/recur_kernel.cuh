@@ -453,8 +453,8 @@ __device__ inline int plan_lowrank(const Params& p, int64_t first, int64_t chunk
 // CTA; blockIdx.y 0-1 are the value rows, 2-3 the transition rows (A^T) of a segment, and with
 // transition skipping 4 + 2 (i - 1) + half the value rows of piece i >= 1 (config.h "Transition
 // skipping"). Segment 0 runs from the initial state and writes its outputs; segments s > 0 run from
-// zero (transition rows: the identity, with zero values) and write fp32 o_zero and w for the
-// combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
+// zero (transition rows: the identity, with zero values) and write o_zero and w (packed fp16,
+// seg_out.cuh) for the combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
 // The kernels below are this body under their launch bounds and stage counts.
