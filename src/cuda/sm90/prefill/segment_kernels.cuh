@@ -2,7 +2,7 @@
 //
 // chain    grid (N * H, kHeadDim / kChainRows), block kChainThreads. Per sequence and head, in
 //          segment order: X_{s+1}^T = X_s^T A_s^T + B_s^T (rows of X^T are independent, so each
-//          CTA owns kChainRows of them, each of its 16 warps 8 columns), the product on the tensor
+//          CTA owns kChainRows of them, each of its 8 warps two n8 tiles of columns), the product on the tensor
 //          cores with split tf32 operands (hi * hi + hi * lo + lo * hi, about fp32 accuracy)
 //          accumulated in fp32 onto B_s^T; A_{s+1}^T and B_{s+1}^T come into the other of two
 //          shared-memory buffers while step s computes;
@@ -30,8 +30,10 @@
 namespace flashkda::cuda::sm90::prefill {
 
 constexpr int kChainRows = 16;     // rows of X^T a CTA: one m16 tile
-constexpr int kChainThreads = 512;  // 16 warps, 8 columns each (one n8 tile)
-constexpr int kChainElems = 4;      // a thread's elements of the CTA's [16][128]: one C fragment
+constexpr int kChainTiles = 2;      // n8 tiles a warp: columns 8 (warp + kChainWarps j), j < kChainTiles
+constexpr int kChainWarps = kHeadDim / 8 / kChainTiles;  // 8
+constexpr int kChainThreads = 32 * kChainWarps;
+constexpr int kChainElems = 4 * kChainTiles;  // a thread's elements of the CTA's [16][128]: a C fragment a tile
 constexpr int kChainAStride = kHeadDim + 8;  // floats per row of A^T in shared memory: conflict-free B fragments
 constexpr int kChainXStride = kHeadDim + 4;  // floats per row of X^T (and of B^T): conflict-free A fragments
 constexpr int kChainYStride = kLowRankRows + 4;
@@ -72,11 +74,18 @@ __device__ __forceinline__ void chain_kstep(float (&d)[4], const uint32_t (&x_hi
   mma_tf32(d, x_hi, b_hi0, b_hi1);
 }
 
-// acc += x a for one warp's 8 columns of the CTA's rows: x [16][kK] (rows of X^T or Y^T), a [kK][128]
+// First column of tile j of a warp (its n8 tiles lie kChainWarps tiles apart), and the tile's C fragment
+// among a thread's kChainElems elements.
+__device__ __forceinline__ int chain_tile_col(int warp, int j) { return 8 * (warp + kChainWarps * j); }
+__device__ __forceinline__ float (&chain_tile(float (&acc)[kChainElems], int j))[4] {
+  return *reinterpret_cast<float(*)[4]>(&acc[4 * j]);
+}
+
+// acc += x a for one warp's tiles of the CTA's rows: x [16][kK] (rows of X^T or Y^T), a [kK][128]
 // (rows of A^T or T^T), on the tensor cores with split tf32 operands, the small products first.
-// acc: the C fragment of the warp's n-tile (columns 8 warp ..).
+// acc: the C fragments of the warp's n-tiles (chain_tile).
 template <int kK, int kXStride>
-__device__ __forceinline__ void chain_product(float (&acc)[4], const float (*x)[kXStride],
+__device__ __forceinline__ void chain_product(float (&acc)[kChainElems], const float (*x)[kXStride],
                                               const float (*a)[kChainAStride], int warp, int g, int t) {
 #pragma unroll 4
   for (int ks = 0; ks < kK / 8; ++ks) {
@@ -85,26 +94,33 @@ __device__ __forceinline__ void chain_product(float (&acc)[4], const float (*x)[
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) split_tf32(xa[r], a_hi[r], a_lo[r]);
-    chain_kstep(acc, a_hi, a_lo, a, k, 8 * warp + g);
+#pragma unroll
+    for (int j = 0; j < kChainTiles; ++j) chain_kstep(chain_tile(acc, j), a_hi, a_lo, a, k, chain_tile_col(warp, j) + g);
   }
 }
 
-// chain_product over X^T split once into its A fragments (ChainSmem::x_hi, x_lo; set_x), with two
-// accumulators (even and odd k-steps, added at the end) so that a warp's MMAs form two dependent
-// chains of 24, not one of 48.
-__device__ __forceinline__ void chain_product_split(float (&acc)[4], const uint4 (*x_hi)[32], const uint4 (*x_lo)[32],
-                                                    const float (*a)[kChainAStride], int warp, int g, int t) {
-  float odd[4] = {0.f, 0.f, 0.f, 0.f};
-  const int n = 8 * warp + g, lane = 4 * g + t;
+// chain_product over X^T split once into its A fragments (ChainSmem::x_hi, x_lo; set_x), read once a
+// k-step for all of the warp's tiles, with two accumulators a tile (even and odd k-steps, added at the
+// end) so that a warp's MMAs form 2 kChainTiles dependent chains of 24.
+__device__ __forceinline__ void chain_product_split(float (&acc)[kChainElems], const uint4 (*x_hi)[32],
+                                                    const uint4 (*x_lo)[32], const float (*a)[kChainAStride],
+                                                    int warp, int g, int t) {
+  float odd[kChainElems] = {};
+  const int lane = 4 * g + t;
 #pragma unroll 4
   for (int ks = 0; ks < kHeadDim / 8; ++ks) {
     const uint4 h = x_hi[ks][lane], l = x_lo[ks][lane];
     const uint32_t a_hi[4] = {h.x, h.y, h.z, h.w};
     const uint32_t a_lo[4] = {l.x, l.y, l.z, l.w};
-    chain_kstep((ks % 2 == 0) ? acc : odd, a_hi, a_lo, a, 8 * ks + t, n);
+#pragma unroll
+    for (int j = 0; j < kChainTiles; ++j) {
+      const int k = 8 * ks + t, n = chain_tile_col(warp, j) + g;
+      if (ks % 2 == 0) chain_kstep(chain_tile(acc, j), a_hi, a_lo, a, k, n);
+      else chain_kstep(chain_tile(odd, j), a_hi, a_lo, a, k, n);
+    }
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) acc[i] += odd[i];
+  for (int i = 0; i < kChainElems; ++i) acc[i] += odd[i];
 }
 
 constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T: 144 bytes, conflict-free
@@ -219,7 +235,7 @@ __device__ __forceinline__ void sequence_segments(const Params& p, int64_t n, in
 // kLowRank: the kernel that low-rank transitions take (internal::PrefillLaunch::lowrank_transitions, a
 // candidate), so that the rule's keeps its code.
 template <bool kLowRank>
-__global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   using Smem = std::conditional_t<kLowRank, ChainLowRankSmem, ChainSmem>;
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
@@ -242,11 +258,11 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
 
   const int tid = threadIdx.x;
   const int v0 = blockIdx.y * kChainRows;  // this CTA's rows of X^T
-  // This thread's elements e of the CTA's rows: those of its warp's C fragment (mma.cuh): row g
-  // (e < 2) or g + 8, column 8 warp + 2 t + e % 2 (g = lane / 4, t = lane % 4).
+  // This thread's elements e of the CTA's rows: those of its warp's C fragments (mma.cuh), tile e / 4:
+  // row g (e % 4 < 2) or g + 8, column chain_tile_col(warp, e / 4) + 2 t + e % 2 (g = lane / 4, t = lane % 4).
   const int warp = tid / 32, frag_g = (tid % 32) / 4, frag_t = tid % 4;
-  auto erow = [&](int e) { return frag_g + 8 * (e / 2); };
-  auto ecol = [&](int e) { return 8 * warp + 2 * frag_t + e % 2; };
+  auto erow = [&](int e) { return frag_g + 8 * ((e % 4) / 2); };
+  auto ecol = [&](int e) { return chain_tile_col(warp, e / 4) + 2 * frag_t + e % 2; };
   constexpr int kQuads = kHeadDim * kHeadDim / 4;
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
@@ -440,7 +456,7 @@ __global__ void __launch_bounds__(kChainThreads) segment_chain_kernel(const __gr
     for (int e = 0; e < kChainElems; ++e) x1[e] = sm.x[erow(e)][ecol(e)];
     store_checkpoint(checkpoint_at(seg_tokens), x1);
   }
-  float acc[kChainElems];  // element e: acc[e], the C fragment
+  float acc[kChainElems];  // element e: acc[e], the C fragments (erow, ecol)
   // acc = this thread's elements of b, a [V][K] B^T matrix in global memory (this CTA's rows)
   auto load_b = [&](const float* b) {
     b += int64_t(v0) * kHeadDim;
