@@ -43,7 +43,7 @@ __device__ __forceinline__ float2 seg_unpack2(uint32_t pair, int e) {
   return make_float2(v.x * s, v.y * s);
 }
 
-// Byte b of a word of packed exponents, sign-extended.
-__device__ __forceinline__ int seg_exp_byte(uint32_t word, int b) { return int(int8_t(word >> (8 * b))); }
+// Exponent i (0-7) of eight consecutive ones loaded as a uint2 (a token's groups of o_zero or of w).
+__device__ __forceinline__ int seg_exp(uint2 e8, int i) { return int(int8_t((i < 4 ? e8.x : e8.y) >> (8 * (i % 4)))); }
 
 }  // namespace flashkda::cuda::sm90::prefill

@@ -37,8 +37,7 @@ constexpr int kChainElems = 4 * kChainTiles;  // a thread's elements of the CTA'
 constexpr int kChainAStride = kHeadDim + 8;  // floats per row of A^T in shared memory: conflict-free B fragments
 constexpr int kChainXStride = kHeadDim + 4;  // floats per row of X^T (and of B^T): conflict-free A fragments
 constexpr int kChainYStride = kLowRankRows + 4;
-constexpr int kChainPreload = 32;  // segments whose plans the chain loads up front
-static_assert(kChainPreload * kPlanWords <= kChainThreads, "one plan word a thread");
+constexpr int kChainPreload = kChainThreads / kPlanWords;  // segments whose plans the chain loads up front, a word a thread
 constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
@@ -166,8 +165,7 @@ __device__ __forceinline__ void combine_product(float (&acc)[16][4], const uint8
     __syncwarp();  // every lane's copies of k-step ks
     // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
     const __half (*w)[kCombineWStride] = ring[ks % kCombineStages];
-    const int e[2] = {seg_exp_byte(ks < 4 ? w_exp[0].x : w_exp[0].y, ks % 4),
-                      seg_exp_byte(ks < 4 ? w_exp[1].x : w_exp[1].y, ks % 4)};
+    const int e[2] = {seg_exp(w_exp[0], ks), seg_exp(w_exp[1], ks)};
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
@@ -645,7 +643,7 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)  // column 8 nt + 2 t4: group nt / 2
       z[nt] = seg_unpack2(*reinterpret_cast<const uint32_t*>(blk + 2 * (t * kSegRows + 8 * nt + 2 * t4)),
-                          seg_exp_byte(nt < 8 ? z_exp.x : z_exp.y, (nt / 2) % 4));
+                          seg_exp(z_exp, nt / 2));
     if (t >= rows) continue;
     __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + ((row0 + t) * p.H + h) * kHeadDim;
 #pragma unroll
