@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "cuda/common/async_copy.cuh"
+#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
@@ -51,6 +52,7 @@ struct ChainStep {
 };
 struct ChainSmem {
   ChainStep step[2];  // the current step's and the next one's, in flight
+  uint64_t landed[2];  // step[b]'s bulk copies have landed (one arrival and the copies' bytes a phase)
   float x[kChainRows][kChainXStride];
   // The same X_s^T split once for the products (tf32 hi and lo bits) in the A fragments' order: k-step
   // ks, lane 4 g + t holds a0..a3 = (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) of the step's 16 x 8.
@@ -261,7 +263,6 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   const int warp = tid / 32, frag_g = (tid % 32) / 4, frag_t = tid % 4;
   auto erow = [&](int e) { return frag_g + 8 * ((e % 4) / 2); };
   auto ecol = [&](int e) { return chain_tile_col(warp, e / 4) + 2 * frag_t + e % 2; };
-  constexpr int kQuads = kHeadDim * kHeadDim / 4;
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
   // Chunks of segment s.
@@ -297,7 +298,12 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       prefetch_l2(b + (tid - kLines) * 32);
     }
   };
-  __syncthreads();  // the preloaded plans
+  if (tid == 0) {
+    mbarrier_init(&sm.landed[0], 1);
+    mbarrier_init(&sm.landed[1], 1);
+    fence_mbarrier_init();
+  }
+  __syncthreads();  // the preloaded plans, the barriers
   prefetch_step(2);
 
   // Transition skipping: the first chunk of segment s (from its start) after which the recurrence's
@@ -415,15 +421,24 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     reinterpret_cast<uint32_t*>(&sm.x_lo[ks][lane])[reg] = lo;
   };
   bool lowrank = false;
-  // A step's operands into buffer `buf` as one cp.async group: a's rows (the first 64 with a
-  // low-rank transition) and this CTA's rows of b.
+  // A step's operands into buffer `buf` by warp 0's bulk copies, a row each (the rows are padded in
+  // shared memory), landing on sm.landed[buf]: a's rows (the first 64 with a low-rank transition) and
+  // this CTA's rows of b. wait_step(buf) is every thread's wait for them; `phases` holds each
+  // buffer's parity to wait on (every thread waits on every copy, so the threads agree on it).
+  uint32_t phases = 0;
   auto copy_step = [&](int buf, const float* a, const float* b) {
-    for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
-      cp_async_16(&sm.step[buf].a[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(a) + i);
-    const float4* b_rows = reinterpret_cast<const float4*>(b + int64_t(v0) * kHeadDim);
-    for (int i = tid; i < kChainRows * kHeadDim / 4; i += kChainThreads)
-      cp_async_16(&sm.step[buf].b[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], b_rows + i);
-    cp_async_commit();
+    if (warp != 0) return;
+    constexpr uint32_t kRowBytes = kHeadDim * sizeof(float);
+    const int a_rows = lowrank ? kHeadDim / 2 : kHeadDim;
+    if (tid == 0) mbarrier_arrive_expect_tx(&sm.landed[buf], (a_rows + kChainRows) * kRowBytes);
+    __syncwarp();
+    for (int r = tid; r < a_rows; r += 32) bulk_copy(sm.step[buf].a[r], a + r * kHeadDim, kRowBytes, &sm.landed[buf]);
+    if (tid < kChainRows)
+      bulk_copy(sm.step[buf].b[tid], b + int64_t(v0 + tid) * kHeadDim, kRowBytes, &sm.landed[buf]);
+  };
+  auto wait_step = [&](int buf) {
+    mbarrier_wait(&sm.landed[buf], (phases >> buf) & 1u);
+    phases ^= 1u << buf;
   };
   // The transition of step s's own product (A_s^T), or null where it has none or it is not copied
   // ahead: its transition skipped, the chain stopping before it, low-rank transitions (their G
@@ -466,6 +481,7 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   // ahead are in their buffer; others come now, into the buffer not holding them. next_a, next_b:
   // the next step's own operands (copied_ahead), copied into the buffer this product does not read.
   auto affine = [&](const float* a, const float* b, const float* next_a, const float* next_b) {
+    if constexpr (kLowRank) fence_proxy_async_shared();  // coordinates' G scratch in buffer 0, before copies into it
     __syncthreads();  // the previous product's reads of sm.x and of both buffers are done
     int cur;
     if (a == ahead) {
@@ -476,14 +492,11 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       copy_step(cur, a, b);
     }
     if (next_a != nullptr) {
-      if (ahead != nullptr) cp_async_wait_all();  // a copy ahead that no step took (not reached)
+      if (ahead != nullptr) wait_step(ahead_buf);  // a copy ahead that no step took (not reached)
       ahead = next_a, ahead_buf = cur ^ 1;
       copy_step(ahead_buf, next_a, next_b);
-      cp_async_wait_group<1>();  // every group but the one just issued
-    } else {
-      cp_async_wait_all();
     }
-    __syncthreads();
+    wait_step(cur);
     const ChainStep& st = sm.step[cur];
 #pragma unroll
     for (int e = 0; e < kChainElems; ++e) acc[e] = st.b[erow(e)][ecol(e)];
@@ -565,7 +578,7 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     const int64_t ckpt = checkpoint_at(last ? sc.eos - sc.bos : (s + 1) * seg_tokens);
     if (ckpt >= 0) store_checkpoint(ckpt, acc);
   }
-  cp_async_wait_all();  // nothing in flight into shared memory when the CTA exits (every copy ahead is taken)
+  if (ahead != nullptr) wait_step(ahead_buf);  // nothing in flight into shared memory when the CTA exits (not reached)
 }
 
 // Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: by
