@@ -265,6 +265,15 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   auto ecol = [&](int e) { return chain_tile_col(warp, e / 4) + 2 * frag_t + e % 2; };
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
+  // X_1's rows of this CTA (segment 0's end state), asked for first: every load in flight while the
+  // plans come (set_x's shared-memory stores between them would otherwise keep them one at a time).
+  constexpr int kX1Elems = kChainRows * kHeadDim / kChainThreads;
+  float x1[kX1Elems];
+  if (count > 1) {
+    const float* src = p.seg_x + segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim;
+#pragma unroll
+    for (int i = 0; i < kX1Elems; ++i) x1[i] = src[tid + i * kChainThreads];
+  }
   // Chunks of segment s.
   auto seg_len = [&](int64_t s) { return min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks); };
 
@@ -452,8 +461,8 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   const float* ahead = copied_ahead(1);  // the step copied ahead (its A^T; null: none) and its buffer
   int ahead_buf = 0;
   if (ahead != nullptr) copy_step(ahead_buf, ahead, p.seg_b + segment_matrix(p, first + 1, h));
-  for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
-    set_x(i / kHeadDim, i % kHeadDim, p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i]);
+#pragma unroll
+  for (int i = 0; i < kX1Elems; ++i) set_x((tid + i * kChainThreads) / kHeadDim, (tid + i * kChainThreads) % kHeadDim, x1[i]);
   if (runs && find_taint(0)) {  // X_1's tainted rows NaN here and for the combine of segment 1
     taint_checkpoints(0, 0, false);
     for (int e = 0; e < kChainElems; ++e)
