@@ -278,14 +278,27 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   auto seg_len = [&](int64_t s) { return min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks); };
 
   // Transition skipping: the first kChainPreload segments' exact-run lengths and plan words, loaded
-  // once here (one round trip) instead of at every step; later segments read them where used.
+  // once here (one round trip) instead of at every step, and whether any run starts inside each
+  // (s_inside: the exact run shorter than the segment or a plan bit set); later segments read them
+  // where used.
+  static_assert(kChainThreads == kChainPreload * kPlanWords && 32 % kPlanWords == 0, "a plan word a thread");
   __shared__ int32_t s_exact[kChainPreload];
   __shared__ uint32_t s_plan[kChainPreload][kPlanWords];
+  __shared__ bool s_inside[kChainPreload];
   const int64_t preloaded = runs ? min(count, int64_t(kChainPreload)) : 0;
-  if (tid < preloaded * kPlanWords) {
-    const int64_t gs = (first + tid / kPlanWords) * p.H + h;
-    s_plan[tid / kPlanWords][tid % kPlanWords] = p.seg_plan[gs * kPlanWords + tid % kPlanWords];
-    if (tid % kPlanWords == 0) s_exact[tid / kPlanWords] = p.seg_exact[gs];
+  {
+    uint32_t word = 0;
+    int32_t exact = 0;
+    if (tid < preloaded * kPlanWords) {
+      const int64_t gs = (first + tid / kPlanWords) * p.H + h;
+      word = p.seg_plan[gs * kPlanWords + tid % kPlanWords];
+      s_plan[tid / kPlanWords][tid % kPlanWords] = word;
+      if (tid % kPlanWords == 0) exact = s_exact[tid / kPlanWords] = p.seg_exact[gs];
+    }
+#pragma unroll
+    for (int o = 1; o < kPlanWords; o *= 2) word |= __shfl_xor_sync(0xffffffffu, word, o);
+    if (tid < preloaded * kPlanWords && tid % kPlanWords == 0)
+      s_inside[tid / kPlanWords] = word != 0 || exact < seg_len(tid / kPlanWords);
   }
   auto exact_of = [&](int64_t s) -> int64_t { return s < preloaded ? s_exact[s] : p.seg_exact[(first + s) * p.H + h]; };
   auto plan_word = [&](int64_t s, int w) -> uint32_t {
@@ -323,9 +336,11 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   __shared__ int64_t s_taint[kChainRows];
   __shared__ bool s_any_taint;
   auto find_taint = [&](int64_t s) {
-    {  // nothing to find where the segment is one exact run (every thread reads the same words)
-      const int64_t len = seg_len(s);
-      uint32_t runs_inside = exact_of(s) < len;
+    // nothing to find where the segment is one exact run (every thread reads the same words)
+    if (s < preloaded) {
+      if (!s_inside[s]) return false;
+    } else {
+      uint32_t runs_inside = exact_of(s) < seg_len(s);
 #pragma unroll
       for (int w = 0; w < kPlanWords; ++w) runs_inside |= plan_word(s, w);
       if (runs_inside == 0) return false;
