@@ -516,7 +516,10 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       copy_step(cur, a, b);
     }
     if (next_a != nullptr) {
-      if (ahead != nullptr) wait_step(ahead_buf);  // a copy ahead that no step took (not reached)
+      if (ahead != nullptr) {  // a copy ahead that no step took (not reached)
+        wait_step(ahead_buf);
+        __syncthreads();  // every thread past that phase before the copy below starts the next
+      }
       ahead = next_a, ahead_buf = cur ^ 1;
       copy_step(ahead_buf, next_a, next_b);
     }
