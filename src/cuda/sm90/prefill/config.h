@@ -145,23 +145,12 @@ inline int64_t max_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
 // them, for each token t, the output from a zero start (o_zero_t) and w_t = scale A_t^T q_t, so
 // that o_t = o_zero_t + X_s^T w_t once the true start state X_s is known. Three kernels:
 //   K2 (segmented)  every segment at once; segment 0 from the initial state (outputs final);
-//                   segments s > 0 write o_zero and w (fp16 under a power-of-two exponent a token
-//                   and 16 columns: seg_out below), B_s and A_s^T
+//                   segments s > 0 write o_zero and w (fp32), B_s and A_s^T
 //   chain           X_1 = end of segment 0, X_{s+1} = X_s^T A_s^T + B_s^T (fp32), the final state
 //   combine         o_t = o_zero_t + X_s^T w_t for the tokens of segments s > 0, rounded once to bf16
 constexpr int kSegRows = 2 * kHeadDim;               // rows of the augmented S^T: V value rows, K transition rows
 constexpr int kSegStateFloats = kHeadDim * kHeadDim;  // one 128 x 128 fp32 matrix per (segment, head)
-// seg_out per (chunk, head): the 16 tokens' o_zero | w (256 columns) in fp16, each token's group of 16
-// columns (the columns one K2 warp stores) scaled by 2^-e so that its largest finite magnitude lies in
-// [2^14, 2^15), then e (int8) per token and group: value = fp16 * 2^e. Half of fp32's bytes for the
-// combine to read (docs/DESIGN.md "The combine's bytes"); fp16's 11 bits round 2^3 finer than the
-// output's bf16 (relative to the group's largest value): +1-3% on the output's error in
-// scripts/sim_seg_out.py's cases.
-constexpr int kSegGroupCols = 16;                     // columns under one exponent
-constexpr int kSegGroups = kSegRows / kSegGroupCols;  // 16 exponents a token
-constexpr int kSegOutExpOffset = kChunk * kSegRows * 2;                    // bytes: the exponents after the fp16 values
-constexpr int kSegOutBytes = kSegOutExpOffset + kChunk * kSegGroups;      // 8 448 a (chunk, head)
-static_assert(kSegOutBytes % 16 == 0, "each (chunk, head) block 16-byte aligned");
+constexpr int kSegOutFloats = kChunk * kSegRows;      // per (chunk, head): [16 tokens][o_zero 128 | w 128]
 constexpr int kSegMinChunks = 16;                     // shortest segment the launcher picks (256 tokens)
 // Transition skipping (docs/DESIGN.md "Segments", runs): each segment is cut again into pieces of
 // run_chunks chunks. A piece boundary is skippable when the bounds of the chunks before it fall to
@@ -344,7 +333,7 @@ struct Params {
   float* seg_x;               // [max_segs][H][V][K] start state X_s of each segment (s >= 1)
   float* seg_b;               // [max_segs][H][V][K] B_s^T: the state after segment s from zero
   float* seg_a;               // [max_segs][H][K][K] A_s^T (row r = A_s e_r): the segment's transition
-  uint8_t* seg_out;           // [chunk_slots][H] blocks of kSegOutBytes: o_zero | w of the chunks of segments s >= 1
+  float* seg_out;             // [chunk_slots][H][16][256] o_zero | w of the chunks of segments s >= 1
   // Transition skipping (internal::PrefillLaunch::skip_transitions; null otherwise, the runs above
   // kSkipLogBound): K1 writes each chunk's log-bound on the norm of its state transition,
   // sum_t max_c a_{t,c} + log max(1, |1 - b_t |k_t|^2|), or with bound_transitions the smaller of that

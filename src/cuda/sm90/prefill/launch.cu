@@ -216,7 +216,7 @@ struct Layout {
 };
 
 // The workspace of one call: header, K1 records and, with segments, the per-segment matrices
-// (X_s, B_s^T, A_s^T), the packed outputs of the chunks of segments s > 0 (seg_out.cuh), with checkpoints inside
+// (X_s, B_s^T, A_s^T), the fp32 outputs of the chunks of segments s > 0, with checkpoints inside
 // segments the partial transitions (B_c^T, A_c^T) of each checkpoint, and with transition skipping
 // (pieces of run_chunks) the chunk bounds and each segment's runs; last, with a state pool of
 // pool_size slots, one bit per slot for K0's check that no live slot is named twice.
@@ -229,7 +229,7 @@ Layout workspace_layout(int64_t N, int64_t H, int64_t total_tokens, int64_t seg_
   if (seg_chunks > 0) {
     const size_t matrices = size_t(max_segments(slots, N, seg_chunks)) * size_t(H) * kSegStateFloats * 4;
     l.seg_states = 3 * align_up(matrices);
-    l.seg_out = align_up(size_t(slots) * size_t(H) * kSegOutBytes);
+    l.seg_out = align_up(size_t(slots) * size_t(H) * kSegOutFloats * 4);
     l.seg_ckpt = 2 * align_up(size_t(ckpt_partials) * size_t(H) * kSegStateFloats * 4);
     if (run_chunks > 0) {  // chunk bounds, then per segment its exact run, its plan and its runs' taint records
       const size_t segs = size_t(max_segments(slots, N, seg_chunks)) * size_t(H);
@@ -553,7 +553,7 @@ Params chunk16_params(const PrefillParams& p, const internal::PrefillLaunch& lau
   Carver regions{ws + l.header};  // the header: kernel_params
   kp.records = regions.take(l.records);
   float* states = regions.take<float>(l.seg_states);
-  uint8_t* seg_out = regions.take(l.seg_out);
+  float* seg_out = regions.take<float>(l.seg_out);
   float* ckpt_partials = regions.take<float>(l.seg_ckpt);
   float* chunk_bound = regions.take<float>(l.chunk_bound);
   int32_t* seg_exact = regions.take<int32_t>(l.seg_exact);
@@ -797,7 +797,7 @@ void segment_transition(const PrefillParams& p, float* transition, float* zero_s
   const Layout l = workspace_layout(N, p.H, kp.total_tokens, kp.seg_chunks);
   Carver regions{ws + l.header};  // records, then seg_out: no segment matrices (seg_a, seg_b are the caller's)
   kp.records = regions.take(l.records);
-  kp.seg_out = regions.take(l.seg_out);
+  kp.seg_out = regions.take<float>(l.seg_out);
   kp.seg_a = transition, kp.seg_b = zero_start;
   with_split(kp, p.precision, 0, [&](auto split) {
     launch_prepare<decltype(split)>(kp, stream);

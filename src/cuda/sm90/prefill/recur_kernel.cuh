@@ -30,14 +30,13 @@
 #include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
-#include "cuda/sm90/prefill/seg_out.cuh"
 
 namespace flashkda::cuda::sm90::prefill {
 
 // Each stage holds one chunk record of the mode's layout (config.h RecordLayout) and v. The
-// segmented kernel (kSeg) also stages the fp32 outputs (o_zero, w) of segments s > 0 before it packs
-// them into seg_out. kStagesT stages: three (80 KB at the precise record), or two (55 KB a CTA) for
-// the segmented K2 at three CTAs an SM (recur_seg3_kernel).
+// segmented kernel (kSeg) also stages fp32 outputs (o_zero, w) of segments s > 0. kStagesT stages:
+// three (80 KB at the precise record), or two (55 KB a CTA) for the segmented K2 at three CTAs an
+// SM (recur_seg3_kernel).
 // kBulk (the rule for one-warpgroup CTAs; internal::PrefillLaunch::record_copy): per stage, `full`
 // completes when the stage's record has landed.
 template <int kStages>
@@ -453,8 +452,8 @@ __device__ inline int plan_lowrank(const Params& p, int64_t first, int64_t chunk
 // CTA; blockIdx.y 0-1 are the value rows, 2-3 the transition rows (A^T) of a segment, and with
 // transition skipping 4 + 2 (i - 1) + half the value rows of piece i >= 1 (config.h "Transition
 // skipping"). Segment 0 runs from the initial state and writes its outputs; segments s > 0 run from
-// zero (transition rows: the identity, with zero values) and write o_zero and w (packed fp16,
-// seg_out.cuh) for the combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
+// zero (transition rows: the identity, with zero values) and write fp32 o_zero and w for the
+// combine kernel, and B_s^T and A_s^T. A skipping run starts from zero at its warm-up and writes
 // final outputs; a run that ends inside its segment writes, instead of a state, which of its rows
 // are not finite (Params::seg_taint).
 // The kernels below are this body under their launch bounds and stage counts.
@@ -645,8 +644,8 @@ __device__ __forceinline__ void recur_body(const Params& p) {
   int stage = 0;         // chunk j's stage
   uint32_t phase = 0;    // parity of its full barrier's phase
   // Output destinations of chunk j, advanced a chunk per iteration.
-  uint8_t* seg_dst = kSeg ? p.seg_out + (sc.chunk_begin * p.H + h) * int64_t(kSegOutBytes) : nullptr;  // the block
-  const int64_t seg_step = int64_t(p.H) * kSegOutBytes;
+  float* seg_dst = kSeg ? p.seg_out + (sc.chunk_begin * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16 : nullptr;
+  const int64_t seg_step = int64_t(p.H) * kSegOutFloats;
   const int o_t = lane >> 1, o_part = lane & 1;
   __nv_bfloat16* out_dst = static_cast<__nv_bfloat16*>(p.out) + ((sc.bos + o_t) * p.H + h) * kHeadDim + v_base +
                            warp * 16 + o_part * 8;
@@ -836,24 +835,21 @@ __device__ __forceinline__ void recur_body(const Params& p) {
     if (j < warm) {
       // A skipped segment's warm-up: the state only.
     } else if (kSeg && !first_segment && warm == 0) {
-      // Segments s > 0: O^T of all 16 tokens (o_zero on value rows, w on transition rows), staged
-      // in fp32 as [t][16 rows] in this warp's tile, then packed into seg_out (seg_out.cuh): the
-      // warp's 16 columns of token t are one group, lanes 4 (t % 8) .. + 3 four columns each.
+      // Segments s > 0: O^T of all 16 tokens in fp32 (o_zero on value rows, w on transition
+      // rows), staged as [t][16 rows] in this warp's tile, then 16-byte stores into seg_out.
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e)
           sm.out32[kSeg ? warp : 0][nt * 8 + 2 * t4 + (e & 1)][g + 8 * (e >> 1)] = r_O[nt][e] * rs.inv[e >> 1];
       __syncwarp();
-      uint8_t* const blk = kEarlyHead ? seg_dst : p.seg_out + ((sc.chunk_begin + j) * p.H + h) * int64_t(kSegOutBytes);
-      const int col0 = row_base + warp * kSegGroupCols;
+      float* dst = kEarlyHead ? seg_dst
+                              : p.seg_out + ((sc.chunk_begin + j) * p.H + h) * int64_t(kSegOutFloats) + row_base + warp * 16;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         const int unit = lane + 32 * i, t = unit >> 2, part = unit & 3;
-        const float4 x = *reinterpret_cast<const float4*>(&sm.out32[kSeg ? warp : 0][t][4 * part]);
-        const int e = seg_group_exponent(x);
-        *reinterpret_cast<uint2*>(blk + 2 * (t * kSegRows + col0 + 4 * part)) = seg_pack4(x, e);
-        if (part == 0) blk[kSegOutExpOffset + t * kSegGroups + col0 / kSegGroupCols] = uint8_t(int8_t(e));
+        *reinterpret_cast<float4*>(dst + t * kSegRows + 4 * part) =
+            *reinterpret_cast<const float4*>(&sm.out32[kSeg ? warp : 0][t][4 * part]);
       }
     } else {
       // Output: stage O^T as [t][16 v] in this warp's tile, then one 16-byte store per lane.

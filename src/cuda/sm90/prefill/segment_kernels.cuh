@@ -12,9 +12,8 @@
 //          checkpoint_every and there are none) also X_s^T A_c^T + B_c^T for each checkpoint c
 //          inside segment s > 0, from the partial transitions K2 stored (segment 0's: K2).
 // combine  grid (max_segs * tiles * H), block kCombineThreads. For the tokens of segments s > 0:
-//          out_t = o_zero_t + X_s^T w_t (o_zero and w from K2's packed fp16, seg_out.cuh), the K = 128
-//          product on the tensor cores with split-bf16 operands (hi * hi + hi * lo + lo * hi, about
-//          fp32 accuracy), rounded once to bf16.
+//          out_t = o_zero_t + X_s^T w_t, the K = 128 product on the tensor cores with split-bf16
+//          operands (hi * hi + hi * lo + lo * hi, about fp32 accuracy), rounded once to bf16.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -22,11 +21,9 @@
 #include <type_traits>
 
 #include "cuda/common/async_copy.cuh"
-#include "cuda/common/bulk_copy.cuh"
 #include "cuda/common/early_launch.cuh"
 #include "cuda/common/mma.cuh"
 #include "cuda/sm90/prefill/chunk_map.cuh"
-#include "cuda/sm90/prefill/seg_out.cuh"
 
 namespace flashkda::cuda::sm90::prefill {
 
@@ -43,7 +40,7 @@ constexpr int kCombineChunks = 8;  // chunks per combine CTA, one warp each
 constexpr int kCombineThreads = 32 * kCombineChunks;
 constexpr int kCombineRowStride = kHeadDim + 8;  // bf16 per row of X^T in shared memory: 272 bytes, conflict-free
 constexpr int kCombineStages = 3;   // a warp's ring of w's k-steps (cp.async): two in flight while one multiplies
-constexpr int kCombineWStride = 24;  // fp16 per token row of a k-step's w (16 used): conflict-free pair reads, 16-byte rows
+constexpr int kCombineWStride = 24;  // floats per token row of a k-step's w (16 used): conflict-free float2 reads
 
 // One step's operands: A^T (low rank: T^T, rows 0-63) and the CTA's rows of B^T.
 struct ChainStep {
@@ -52,7 +49,6 @@ struct ChainStep {
 };
 struct ChainSmem {
   ChainStep step[2];  // the current step's and the next one's, in flight
-  uint64_t landed[2];  // step[b]'s bulk copies have landed (one arrival and the copies' bytes a phase)
   float x[kChainRows][kChainXStride];
   // The same X_s^T split once for the products (tf32 hi and lo bits) in the A fragments' order: k-step
   // ks, lane 4 g + t holds a0..a3 = (g, t), (g + 8, t), (g, t + 4), (g + 8, t + 4) of the step's 16 x 8.
@@ -129,23 +125,26 @@ constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T:
 struct CombineSmem {
   __nv_bfloat16 x_hi[kHeadDim][kCombineRowStride];  // X_s^T [v][k], split
   __nv_bfloat16 x_lo[kHeadDim][kCombineRowStride];
-  __half w[kCombineChunks][kCombineStages][kChunk][kCombineWStride];  // each warp's ring: [stage][token][k], packed
+  float w[kCombineChunks][kCombineStages][kChunk][kCombineWStride];  // each warp's ring: [stage][token][k]
 };
 struct CombineLowRankSmem : CombineSmem {
   __nv_bfloat16 y_hi[kHeadDim][kCombineLowRankStride];  // Y_s^T [v][i], split (low-rank transitions)
   __nv_bfloat16 y_lo[kHeadDim][kCombineLowRankStride];
 };
 
-// A warp's copy of k-step ks of w (kSteps of them; the packed w columns of the chunk's seg_out block
-// `blk`, from column kHeadDim: 16 tokens x 16 fp16, 32 copies of 16 bytes, one a lane) into its
-// ring, as one cp.async group, empty past the last k-step, so that wait_group<kCombineStages - 1> in
+// A warp's copy of k-step ks of w (kSteps of them; the fp32 w columns of o, from column kHeadDim,
+// stride kSegRows: 16 tokens x 16 floats, 64 copies of 16 bytes, two a lane) into its ring, as one
+// cp.async group, empty past the last k-step, so that wait_group<kCombineStages - 1> in
 // combine_product always means "k-step ks has landed". The caller issues k-steps 0 .. kCombineStages - 2.
 template <int kSteps>
-__device__ __forceinline__ void copy_w(__half (*ring)[kChunk][kCombineWStride], const uint8_t* blk, int lane, int ks) {
-  static_assert(kMmaK == kSegGroupCols, "a k-step of w is one exponent group");
+__device__ __forceinline__ void copy_w(float (*ring)[kChunk][kCombineWStride], const float* o, int lane, int ks) {
   if (ks < kSteps) {
-    const int t = lane / 2, q = lane % 2;
-    cp_async_16(&ring[ks % kCombineStages][t][8 * q], blk + 2 * (t * kSegRows + kHeadDim + kMmaK * ks + 8 * q));
+#pragma unroll
+    for (int i = 0; i < kChunk * 4 / 32; ++i) {
+      const int c = lane + 32 * i, t = c / 4, q = c % 4;
+      cp_async_16(&ring[ks % kCombineStages][t][4 * q],
+                  reinterpret_cast<const float4*>(o + t * kSegRows + kHeadDim + kMmaK * ks) + q);
+    }
   }
   cp_async_commit();
 }
@@ -153,26 +152,23 @@ __device__ __forceinline__ void copy_w(__half (*ring)[kChunk][kCombineWStride], 
 // acc += w^T x over kSteps k-steps of 16 for one warp's 16 tokens (x: split bf16 [v][k] rows of
 // kStride), with split-bf16 operands (hi * hi + hi * lo + lo * hi). w's k-steps come through the
 // warp's ring (copy_w), two ahead of the one multiplied; __syncwarp makes each lane's copies the warp's.
-// w_exp: the exponents of w's groups (k-steps 0-3, 4-7) of tokens g and g + 8 (seg_out.cuh).
 template <int kSteps, int kStride>
-__device__ __forceinline__ void combine_product(float (&acc)[16][4], const uint8_t* blk,
-                                                __half (*ring)[kChunk][kCombineWStride], const uint2 (&w_exp)[2],
+__device__ __forceinline__ void combine_product(float (&acc)[16][4], const float* o,
+                                                float (*ring)[kChunk][kCombineWStride],
                                                 const __nv_bfloat16 (*x_hi)[kStride],
                                                 const __nv_bfloat16 (*x_lo)[kStride], int lane) {
   const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int ks = 0; ks < kSteps; ++ks) {
-    copy_w<kSteps>(ring, blk, lane, ks + kCombineStages - 1);  // into the stage k-step ks - 1 read (__syncwarp below)
+    copy_w<kSteps>(ring, o, lane, ks + kCombineStages - 1);  // into the stage k-step ks - 1 read (__syncwarp below)
     cp_async_wait_group<kCombineStages - 1>();
     __syncwarp();  // every lane's copies of k-step ks
     // A = w [16 t][16 k] of k-step ks: a0 (g, 2t4..), a1 (g+8, 2t4..), a2 (g, 2t4+8..), a3 (g+8, 2t4+8..).
-    const __half (*w)[kCombineWStride] = ring[ks % kCombineStages];
-    const int e[2] = {seg_exp(w_exp[0], ks), seg_exp(w_exp[1], ks)};
+    const float (*w)[kCombineWStride] = ring[ks % kCombineStages];
     uint32_t a_hi[4], a_lo[4];
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const uint32_t pair = *reinterpret_cast<const uint32_t*>(&w[g + 8 * (r & 1)][2 * t4 + 8 * (r >> 1)]);
-      const float2 wr = seg_unpack2(pair, e[r & 1]);
+      const float2 wr = *reinterpret_cast<const float2*>(&w[g + 8 * (r & 1)][2 * t4 + 8 * (r >> 1)]);
       split_bf16x2(wr.x, wr.y, a_hi[r], a_lo[r]);
     }
     __syncwarp();  // every lane has read k-step ks before the next iteration refills its stage
@@ -263,42 +259,21 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   const int warp = tid / 32, frag_g = (tid % 32) / 4, frag_t = tid % 4;
   auto erow = [&](int e) { return frag_g + 8 * ((e % 4) / 2); };
   auto ecol = [&](int e) { return chain_tile_col(warp, e / 4) + 2 * frag_t + e % 2; };
+  constexpr int kQuads = kHeadDim * kHeadDim / 4;
   const int64_t state_base = state_offset(p, slot, h);
   const int64_t seg_tokens = p.seg_chunks * kChunk;
-  // X_1's rows of this CTA (segment 0's end state), asked for first: every load in flight while the
-  // plans come (set_x's shared-memory stores between them would otherwise keep them one at a time).
-  constexpr int kX1Elems = kChainRows * kHeadDim / kChainThreads;
-  float x1[kX1Elems];
-  if (count > 1) {
-    const float* src = p.seg_x + segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim;
-#pragma unroll
-    for (int i = 0; i < kX1Elems; ++i) x1[i] = src[tid + i * kChainThreads];
-  }
   // Chunks of segment s.
   auto seg_len = [&](int64_t s) { return min(sc.chunk_end - sc.chunk_begin - s * p.seg_chunks, p.seg_chunks); };
 
   // Transition skipping: the first kChainPreload segments' exact-run lengths and plan words, loaded
-  // once here (one round trip) instead of at every step, and whether any run starts inside each
-  // (s_inside: the exact run shorter than the segment or a plan bit set); later segments read them
-  // where used.
-  static_assert(kChainThreads == kChainPreload * kPlanWords && 32 % kPlanWords == 0, "a plan word a thread");
+  // once here (one round trip) instead of at every step; later segments read them where used.
   __shared__ int32_t s_exact[kChainPreload];
   __shared__ uint32_t s_plan[kChainPreload][kPlanWords];
-  __shared__ bool s_inside[kChainPreload];
   const int64_t preloaded = runs ? min(count, int64_t(kChainPreload)) : 0;
-  {
-    uint32_t word = 0;
-    int32_t exact = 0;
-    if (tid < preloaded * kPlanWords) {
-      const int64_t gs = (first + tid / kPlanWords) * p.H + h;
-      word = p.seg_plan[gs * kPlanWords + tid % kPlanWords];
-      s_plan[tid / kPlanWords][tid % kPlanWords] = word;
-      if (tid % kPlanWords == 0) exact = s_exact[tid / kPlanWords] = p.seg_exact[gs];
-    }
-#pragma unroll
-    for (int o = 1; o < kPlanWords; o *= 2) word |= __shfl_xor_sync(0xffffffffu, word, o);
-    if (tid < preloaded * kPlanWords && tid % kPlanWords == 0)
-      s_inside[tid / kPlanWords] = word != 0 || exact < seg_len(tid / kPlanWords);
+  if (tid < preloaded * kPlanWords) {
+    const int64_t gs = (first + tid / kPlanWords) * p.H + h;
+    s_plan[tid / kPlanWords][tid % kPlanWords] = p.seg_plan[gs * kPlanWords + tid % kPlanWords];
+    if (tid % kPlanWords == 0) s_exact[tid / kPlanWords] = p.seg_exact[gs];
   }
   auto exact_of = [&](int64_t s) -> int64_t { return s < preloaded ? s_exact[s] : p.seg_exact[(first + s) * p.H + h]; };
   auto plan_word = [&](int64_t s, int w) -> uint32_t {
@@ -320,12 +295,7 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       prefetch_l2(b + (tid - kLines) * 32);
     }
   };
-  if (tid == 0) {
-    mbarrier_init(&sm.landed[0], 1);
-    mbarrier_init(&sm.landed[1], 1);
-    fence_mbarrier_init();
-  }
-  __syncthreads();  // the preloaded plans, the barriers
+  __syncthreads();  // the preloaded plans
   prefetch_step(2);
 
   // Transition skipping: the first chunk of segment s (from its start) after which the recurrence's
@@ -336,11 +306,9 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   __shared__ int64_t s_taint[kChainRows];
   __shared__ bool s_any_taint;
   auto find_taint = [&](int64_t s) {
-    // nothing to find where the segment is one exact run (every thread reads the same words)
-    if (s < preloaded) {
-      if (!s_inside[s]) return false;
-    } else {
-      uint32_t runs_inside = exact_of(s) < seg_len(s);
+    {  // nothing to find where the segment is one exact run (every thread reads the same words)
+      const int64_t len = seg_len(s);
+      uint32_t runs_inside = exact_of(s) < len;
 #pragma unroll
       for (int w = 0; w < kPlanWords; ++w) runs_inside |= plan_word(s, w);
       if (runs_inside == 0) return false;
@@ -445,24 +413,15 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     reinterpret_cast<uint32_t*>(&sm.x_lo[ks][lane])[reg] = lo;
   };
   bool lowrank = false;
-  // A step's operands into buffer `buf` by warp 0's bulk copies, a row each (the rows are padded in
-  // shared memory), landing on sm.landed[buf]: a's rows (the first 64 with a low-rank transition) and
-  // this CTA's rows of b. wait_step(buf) is every thread's wait for them; `phases` holds each
-  // buffer's parity to wait on (every thread waits on every copy, so the threads agree on it).
-  uint32_t phases = 0;
+  // A step's operands into buffer `buf` as one cp.async group: a's rows (the first 64 with a
+  // low-rank transition) and this CTA's rows of b.
   auto copy_step = [&](int buf, const float* a, const float* b) {
-    if (warp != 0) return;
-    constexpr uint32_t kRowBytes = kHeadDim * sizeof(float);
-    const int a_rows = lowrank ? kHeadDim / 2 : kHeadDim;
-    if (tid == 0) mbarrier_arrive_expect_tx(&sm.landed[buf], (a_rows + kChainRows) * kRowBytes);
-    __syncwarp();
-    for (int r = tid; r < a_rows; r += 32) bulk_copy(sm.step[buf].a[r], a + r * kHeadDim, kRowBytes, &sm.landed[buf]);
-    if (tid < kChainRows)
-      bulk_copy(sm.step[buf].b[tid], b + int64_t(v0 + tid) * kHeadDim, kRowBytes, &sm.landed[buf]);
-  };
-  auto wait_step = [&](int buf) {
-    mbarrier_wait(&sm.landed[buf], (phases >> buf) & 1u);
-    phases ^= 1u << buf;
+    for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
+      cp_async_16(&sm.step[buf].a[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(a) + i);
+    const float4* b_rows = reinterpret_cast<const float4*>(b + int64_t(v0) * kHeadDim);
+    for (int i = tid; i < kChainRows * kHeadDim / 4; i += kChainThreads)
+      cp_async_16(&sm.step[buf].b[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], b_rows + i);
+    cp_async_commit();
   };
   // The transition of step s's own product (A_s^T), or null where it has none or it is not copied
   // ahead: its transition skipped, the chain stopping before it, low-rank transitions (their G
@@ -476,8 +435,8 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   const float* ahead = copied_ahead(1);  // the step copied ahead (its A^T; null: none) and its buffer
   int ahead_buf = 0;
   if (ahead != nullptr) copy_step(ahead_buf, ahead, p.seg_b + segment_matrix(p, first + 1, h));
-#pragma unroll
-  for (int i = 0; i < kX1Elems; ++i) set_x((tid + i * kChainThreads) / kHeadDim, (tid + i * kChainThreads) % kHeadDim, x1[i]);
+  for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
+    set_x(i / kHeadDim, i % kHeadDim, p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i]);
   if (runs && find_taint(0)) {  // X_1's tainted rows NaN here and for the combine of segment 1
     taint_checkpoints(0, 0, false);
     for (int e = 0; e < kChainElems; ++e)
@@ -505,7 +464,6 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   // ahead are in their buffer; others come now, into the buffer not holding them. next_a, next_b:
   // the next step's own operands (copied_ahead), copied into the buffer this product does not read.
   auto affine = [&](const float* a, const float* b, const float* next_a, const float* next_b) {
-    if constexpr (kLowRank) fence_proxy_async_shared();  // coordinates' G scratch in buffer 0, before copies into it
     __syncthreads();  // the previous product's reads of sm.x and of both buffers are done
     int cur;
     if (a == ahead) {
@@ -516,14 +474,14 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       copy_step(cur, a, b);
     }
     if (next_a != nullptr) {
-      if (ahead != nullptr) {  // a copy ahead that no step took (not reached)
-        wait_step(ahead_buf);
-        __syncthreads();  // every thread past that phase before the copy below starts the next
-      }
+      if (ahead != nullptr) cp_async_wait_all();  // a copy ahead that no step took (not reached)
       ahead = next_a, ahead_buf = cur ^ 1;
       copy_step(ahead_buf, next_a, next_b);
+      cp_async_wait_group<1>();  // every group but the one just issued
+    } else {
+      cp_async_wait_all();
     }
-    wait_step(cur);
+    __syncthreads();
     const ChainStep& st = sm.step[cur];
 #pragma unroll
     for (int e = 0; e < kChainElems; ++e) acc[e] = st.b[erow(e)][ecol(e)];
@@ -605,7 +563,7 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     const int64_t ckpt = checkpoint_at(last ? sc.eos - sc.bos : (s + 1) * seg_tokens);
     if (ckpt >= 0) store_checkpoint(ckpt, acc);
   }
-  if (ahead != nullptr) wait_step(ahead_buf);  // nothing in flight into shared memory when the CTA exits (not reached)
+  cp_async_wait_all();  // nothing in flight into shared memory when the CTA exits (every copy ahead is taken)
 }
 
 // Every global load of a phase is issued before its first use (X_s: 16 float4 per thread; w: by
@@ -635,17 +593,12 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
   const int g = lane >> 2, t4 = lane & 3;
   const int64_t slot = sc.chunk_begin + j0 + warp;  // this warp's chunk, if it has one
   const bool has_chunk = slot < sc.chunk_end;
-  const uint8_t* blk = p.seg_out + (slot * p.H + h) * int64_t(kSegOutBytes);  // [t][o_zero 128 | w 128], packed
-  // w's first k-steps, in flight while X_s comes (every warp's product has two k-steps or more), and
-  // the exponents of w's groups for tokens g and g + 8
+  const float* o = p.seg_out + (slot * p.H + h) * int64_t(kSegOutFloats);  // [t][o_zero 128 | w 128]
+  // w's first k-steps, in flight while X_s comes (every warp's product has two k-steps or more)
   static_assert(kLowRankRows / kMmaK >= kCombineStages - 1, "the prologue's k-steps are every product's");
-  uint2 w_exp[2] = {};
   if (has_chunk) {
 #pragma unroll
-    for (int ks = 0; ks < kCombineStages - 1; ++ks) copy_w<kKSteps>(sm.w[warp], blk, lane, ks);
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      w_exp[i] = *reinterpret_cast<const uint2*>(blk + kSegOutExpOffset + (g + 8 * i) * kSegGroups + kHeadDim / kSegGroupCols);
+    for (int ks = 0; ks < kCombineStages - 1; ++ks) copy_w<kKSteps>(sm.w[warp], o, lane, ks);
   }
 
   // X_s^T as split bf16, [v][k] (B operand of the token x value product: B[k][v] = X^T[v][k]); with a
@@ -670,20 +623,17 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
     for (int e = 0; e < 4; ++e) acc[nt][e] = 0.f;
   if (lowrank && j0 + warp > 0) {
     const CombineLowRankSmem& lr = *reinterpret_cast<const CombineLowRankSmem*>(smem_raw);
-    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, blk, sm.w[warp], w_exp, lr.y_hi, lr.y_lo, lane);
+    combine_product<kLowRankRows / kMmaK, kCombineLowRankStride>(acc, o, sm.w[warp], lr.y_hi, lr.y_lo, lane);
   } else {
-    combine_product<kKSteps, kCombineRowStride>(acc, blk, sm.w[warp], w_exp, sm.x_hi, sm.x_lo, lane);
+    combine_product<kKSteps, kCombineRowStride>(acc, o, sm.w[warp], sm.x_hi, sm.x_lo, lane);
   }
   // acc[nt][e]: token g + 8 * (e >> 1), value 8 * nt + 2 * t4 + (e & 1).
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int t = g + 8 * half;
-    const uint2 z_exp = *reinterpret_cast<const uint2*>(blk + kSegOutExpOffset + t * kSegGroups);  // o_zero's groups
     float2 z[16];
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt)  // column 8 nt + 2 t4: group nt / 2
-      z[nt] = seg_unpack2(*reinterpret_cast<const uint32_t*>(blk + 2 * (t * kSegRows + 8 * nt + 2 * t4)),
-                          seg_exp(z_exp, nt / 2));
+    for (int nt = 0; nt < 16; ++nt) z[nt] = *reinterpret_cast<const float2*>(o + t * kSegRows + 8 * nt + 2 * t4);
     if (t >= rows) continue;
     __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(p.out) + ((row0 + t) * p.H + h) * kHeadDim;
 #pragma unroll
