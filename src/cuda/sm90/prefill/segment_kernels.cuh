@@ -109,12 +109,9 @@ __device__ __forceinline__ void chain_product_split(float (&acc)[kChainElems], c
     const uint4 h = x_hi[ks][lane], l = x_lo[ks][lane];
     const uint32_t a_hi[4] = {h.x, h.y, h.z, h.w};
     const uint32_t a_lo[4] = {l.x, l.y, l.z, l.w};
+    float (&d)[kChainElems] = ks % 2 == 0 ? acc : odd;
 #pragma unroll
-    for (int j = 0; j < kChainTiles; ++j) {
-      const int k = 8 * ks + t, n = chain_tile_col(warp, j) + g;
-      if (ks % 2 == 0) chain_kstep(chain_tile(acc, j), a_hi, a_lo, a, k, n);
-      else chain_kstep(chain_tile(odd, j), a_hi, a_lo, a, k, n);
-    }
+    for (int j = 0; j < kChainTiles; ++j) chain_kstep(chain_tile(d, j), a_hi, a_lo, a, 8 * ks + t, chain_tile_col(warp, j) + g);
   }
 #pragma unroll
   for (int i = 0; i < kChainElems; ++i) acc[i] += odd[i];
