@@ -19,7 +19,8 @@
 #   candidate: bench_prefill.py --fused-pieces on the few-head table and H = 96, $PIECES_ARGS); chain = the same
 #   chained (--fused-chain, one sequence at many heads, $CHAIN_CASES, $CHAIN_PIECES); decode-profile = ncu of the
 #   persistent decode kernel on a bf16 pool beside a device copy of the same bytes; fused-profile = ncu of the
-#   unsplit fused chunk-32 kernel at T = 8192 H = 96 with per-instruction source counters; profile = per-kernel times (profile_prefill.py with $PROFILE_ARGS)
+#   unsplit fused chunk-32 kernel at T = 8192 H = 96 with per-instruction source counters; profile = per-kernel times
+#   (profile_prefill.py with $PROFILE_ARGS, several runs separated by commas, e.g. "--pieces,--lowrank")
 #   and ncu of K1/K2 (PROFILE_NCU=0 skips it, PROFILE_NCU_CASES picks the cases); ab =
 #   scripts/gpu_ab.sh, candidate patches in .ab/ built, tested and profiled beside this tree.
 #   Each benchmark step fits one 10-minute device call on its own.)
@@ -195,7 +196,12 @@ if want chain; then  # the fused kernel in chained pieces (a candidate): piece c
 fi
 if want profile; then
   step profile
-  python3 benchmarks/profile_prefill.py ${PROFILE_ARGS:-} 2>&1 | tee "$OUT/profile.log" | grep -v Warn | tail -30
+  IFS=, read -r -a profile_runs <<< "${PROFILE_ARGS:-}"
+  [ ${#profile_runs[@]} -gt 0 ] || profile_runs=("")
+  for args in "${profile_runs[@]}"; do
+    # shellcheck disable=SC2086  # one run's arguments, split on spaces
+    python3 benchmarks/profile_prefill.py $args 2>&1 | tee -a "$OUT/profile.log" | grep -v Warn | tail -30
+  done
   if command -v ncu > /dev/null && [ "${PROFILE_NCU:-1}" != 0 ]; then  # PROFILE_NCU=0 skips it
     # PROFILE_NCU_CASES: bench_prefill cases as TABLE:INDEX (default MANY:1, T=8192 H=96), fp32
     # state, the first call's kernels matching PROFILE_NCU_KERNELS (default K1 and K2, the segmented
