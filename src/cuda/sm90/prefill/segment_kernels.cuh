@@ -55,8 +55,13 @@ struct ChainSmem {
   uint4 x_hi[kHeadDim / 8][32];
   uint4 x_lo[kHeadDim / 8][32];
 };
+constexpr int kChainYPartStride = kChunk + 4;  // floats per row of a partial of Y's G columns
 struct ChainLowRankSmem : ChainSmem {
   float y[kChainRows][kChainYStride];  // Y_s^T = X_s^T G^T, this CTA's rows (low-rank transitions)
+  // G's chunk rows [16][K] of a step, in the buffer of its step's operands (copied with them)
+  float g[2][kChunk][kChainXStride];
+  // Y's G columns, X_s^T G^T's [16][16], as four partial sums over quarters of K (lowrank_y_partial)
+  float y_part[4][kChainRows][kChainYPartStride];
 };
 
 // d += x a over one k-step of 8 (rows k and k + 4 of a, the thread's B fragment at column n; x: its A
@@ -115,6 +120,35 @@ __device__ __forceinline__ void chain_product_split(float (&acc)[kChainElems], c
   }
 #pragma unroll
   for (int i = 0; i < kChainElems; ++i) acc[i] += odd[i];
+}
+
+// Low-rank transitions: warp w's partial of X^T G^T ([16][16], G's chunk rows g [16][K]): its n8 tile
+// w % 2 over the quarter w / 2 of K (four k-steps), on the tensor cores with X^T's split A fragments
+// and G's elements split here (chain_kstep's products), into part[w / 2] (C fragment order: rows g and
+// g + 8, columns 2 t, 2 t + 1 of the tile). g's rows are kChainXStride floats apart: a B fragment's
+// lanes read rows 8 j + g at word 8 ks + t, conflict-free.
+__device__ __forceinline__ void lowrank_y_partial(const uint4 (*x_hi)[32], const uint4 (*x_lo)[32],
+                                                  const float (*gr)[kChainXStride],
+                                                  float (*part)[kChainRows][kChainYPartStride], int warp, int g, int t) {
+  const int tile = warp % 2, quarter = warp / 2, lane = 4 * g + t, n = 8 * tile + g;
+  constexpr int kSteps = kHeadDim / 8 / 4;
+  float d[4] = {};
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+    const int ks = kSteps * quarter + i, k = 8 * ks + t;
+    const uint4 h = x_hi[ks][lane], l = x_lo[ks][lane];
+    const uint32_t a_hi[4] = {h.x, h.y, h.z, h.w};
+    const uint32_t a_lo[4] = {l.x, l.y, l.z, l.w};
+    uint32_t b_hi0, b_lo0, b_hi1, b_lo1;
+    split_tf32(gr[n][k], b_hi0, b_lo0);
+    split_tf32(gr[n][k + 4], b_hi1, b_lo1);
+    mma_tf32(d, a_lo, b_hi0, b_hi1);
+    mma_tf32(d, a_hi, b_lo0, b_lo1);
+    mma_tf32(d, a_hi, b_hi0, b_hi1);
+  }
+  float (*q)[kChainYPartStride] = part[quarter];
+  *reinterpret_cast<float2*>(&q[g][8 * tile + 2 * t]) = make_float2(d[0], d[1]);
+  *reinterpret_cast<float2*>(&q[g + 8][8 * tile + 2 * t]) = make_float2(d[2], d[3]);
 }
 
 constexpr int kCombineLowRankStride = kLowRankRows + 8;  // bf16 per row of Y^T: 144 bytes, conflict-free
@@ -410,28 +444,47 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     reinterpret_cast<uint32_t*>(&sm.x_lo[ks][lane])[reg] = lo;
   };
   bool lowrank = false;
-  // A step's operands into buffer `buf` as one cp.async group: a's rows (the first 64 with a
-  // low-rank transition) and this CTA's rows of b.
-  auto copy_step = [&](int buf, const float* a, const float* b) {
-    for (int i = tid; i < (lowrank ? kQuads / 2 : kQuads); i += kChainThreads)
+  // Whether step s's transition is low rank (K2 writes the plan only where the segment has an exact run).
+  auto lowrank_at = [&](int64_t s) {
+    return kLowRank && s < count && (runs ? exact_of(s) : seg_len(s)) > 0 &&
+           p.seg_lowrank[(first + s) * p.H + h].rank > 0;
+  };
+  // G's chunk rows (low-rank transitions) into buffer `buf`, in the caller's cp.async group.
+  auto copy_g = [&](int buf, const float* g) {
+    if constexpr (kLowRank)
+      for (int i = tid; i < kChunk * kHeadDim / 4; i += kChainThreads)
+        cp_async_16(&sm.g[buf][i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(g) + i);
+  };
+  // A step's operands into buffer `buf` as one cp.async group: a's rows (the first 64 where half: a
+  // low-rank transition's T^T), this CTA's rows of b, and G's chunk rows where g is given (a low-rank
+  // step copied ahead, whose coordinates then find them there).
+  auto copy_step = [&](int buf, const float* a, const float* b, bool half, const float* g) {
+    for (int i = tid; i < (half ? kQuads / 2 : kQuads); i += kChainThreads)
       cp_async_16(&sm.step[buf].a[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], reinterpret_cast<const float4*>(a) + i);
     const float4* b_rows = reinterpret_cast<const float4*>(b + int64_t(v0) * kHeadDim);
     for (int i = tid; i < kChainRows * kHeadDim / 4; i += kChainThreads)
       cp_async_16(&sm.step[buf].b[i / (kHeadDim / 4)][4 * (i % (kHeadDim / 4))], b_rows + i);
+    if (g != nullptr) copy_g(buf, g);
     cp_async_commit();
   };
-  // The transition of step s's own product (A_s^T), or null where it has none or it is not copied
-  // ahead: its transition skipped, the chain stopping before it, low-rank transitions (their G
-  // scratch shares the buffers).
+  // Step s's operands copied ahead into buffer `buf` (a: its transition, copied_ahead(s)).
+  auto copy_ahead = [&](int buf, int64_t s, const float* a) {
+    const bool half = lowrank_at(s);
+    const int64_t gs = (first + s) * p.H + h;
+    copy_step(buf, a, p.seg_b + segment_matrix(p, first + s, h), half,
+              half ? p.seg_g + gs * kLowRankGFloats : nullptr);
+  };
+  // The transition of step s's own product (A_s^T, or T_s^T where low rank), or null where it has
+  // none or it is not copied ahead: its transition skipped, the chain stopping before it.
   auto copied_ahead = [&](int64_t s) -> const float* {
-    if (kLowRank || s >= count) return nullptr;
+    if (s >= count) return nullptr;
     if (s + 1 == count && p.final_state == nullptr && !final_checkpoint) return nullptr;
     if (runs && exact_of(s) < seg_len(s)) return nullptr;
     return p.seg_a + segment_matrix(p, first + s, h);
   };
   const float* ahead = copied_ahead(1);  // the step copied ahead (its A^T; null: none) and its buffer
   int ahead_buf = 0;
-  if (ahead != nullptr) copy_step(ahead_buf, ahead, p.seg_b + segment_matrix(p, first + 1, h));
+  if (ahead != nullptr) copy_ahead(ahead_buf, 1, ahead);
   for (int i = tid; i < kChainRows * kHeadDim; i += kChainThreads)
     set_x(i / kHeadDim, i % kHeadDim, p.seg_x[segment_matrix(p, first + 1, h) + int64_t(v0) * kHeadDim + i]);
   if (runs && find_taint(0)) {  // X_1's tainted rows NaN here and for the combine of segment 1
@@ -458,9 +511,10 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   };
   // acc = this thread's elements of X_s^T a^T + b^T (a, b: [K][K] A^T and [V][K] B^T matrices), or
   // with a low-rank transition (lowrank) Y_s^T a^T + b^T over a's first 64 rows (T^T). Operands copied
-  // ahead are in their buffer; others come now, into the buffer not holding them. next_a, next_b:
-  // the next step's own operands (copied_ahead), copied into the buffer this product does not read.
-  auto affine = [&](const float* a, const float* b, const float* next_a, const float* next_b) {
+  // ahead are in their buffer; others come now, into the buffer not holding them. next_a: the next
+  // step's (next_s) own transition (copied_ahead), whose operands are copied into the buffer this
+  // product does not read.
+  auto affine = [&](const float* a, const float* b, const float* next_a, int64_t next_s) {
     __syncthreads();  // the previous product's reads of sm.x and of both buffers are done
     int cur;
     if (a == ahead) {
@@ -468,12 +522,12 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       ahead = nullptr;
     } else {
       cur = ahead != nullptr ? ahead_buf ^ 1 : 0;  // a step copied ahead keeps its buffer
-      copy_step(cur, a, b);
+      copy_step(cur, a, b, lowrank, nullptr);
     }
     if (next_a != nullptr) {
       if (ahead != nullptr) cp_async_wait_all();  // a copy ahead that no step took (not reached)
       ahead = next_a, ahead_buf = cur ^ 1;
-      copy_step(ahead_buf, next_a, next_b);
+      copy_ahead(ahead_buf, next_s, next_a);
       cp_async_wait_group<1>();  // every group but the one just issued
     } else {
       cp_async_wait_all();
@@ -489,26 +543,32 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       }
     chain_product_split(acc, sm.x_hi, sm.x_lo, st.a, warp, frag_g, frag_t);
   };
-  // Low-rank transitions: Y_s^T = X_s^T G^T for this CTA's rows (the kept channels' columns of X_s^T,
-  // then its products with G's chunk rows, zero past the rank) into sm.y and the workspace for the
-  // combine. Buffer 0 holds G's chunk rows meanwhile, transposed ([k][16]: a warp's lanes read adjacent words).
-  auto coordinates = [&](int64_t gs) {
+  // Low-rank transitions: Y_s^T = X_s^T G^T for step s, this CTA's rows (the kept channels' columns of
+  // X_s^T, then its products with G's chunk rows on the tensor cores, zero past the rank) into sm.y and
+  // the workspace for the combine. G came with the step's operands where they were copied ahead, else
+  // it comes now into the buffer that no copy ahead holds.
+  auto coordinates = [&](int64_t s) {
     if constexpr (kLowRank) {
+      const int64_t gs = (first + s) * p.H + h;
       const LowRankInfo& info = p.seg_lowrank[gs];
       const int rank = info.rank, kept = rank - kChunk;
-      float* gt = &sm.step[0].a[0][0];  // no step is copied ahead with low-rank transitions
-      __syncthreads();  // the previous product's reads of buffer 0 are done; sm.x holds X_s
-      for (int e = tid; e < kLowRankGFloats; e += kChainThreads)
-        gt[(e % kHeadDim) * kChunk + e / kHeadDim] = p.seg_g[gs * kLowRankGFloats + e];
-      __syncthreads();
+      const bool with_step = ahead != nullptr && ahead == p.seg_a + segment_matrix(p, first + s, h);
+      const int buf = with_step ? ahead_buf : ahead != nullptr ? ahead_buf ^ 1 : 0;
+      if (!with_step) {  // nothing reads sm.g between a step's coordinates and the next one's
+        copy_g(buf, p.seg_g + gs * kLowRankGFloats);
+        cp_async_commit();
+      }
+      cp_async_wait_all();
+      __syncthreads();  // G, and X_s's split fragments (set_x at the previous step's end), for every warp
+      lowrank_y_partial(sm.x_hi, sm.x_lo, sm.g[buf], sm.y_part, warp, frag_g, frag_t);
+      __syncthreads();  // the partials (the previous product's reads of sm.y ended before set_x)
       for (int e = tid; e < kChainRows * kLowRankRows; e += kChainThreads) {
-        const int r = e / kLowRankRows, i = e % kLowRankRows;
+        const int r = e / kLowRankRows, i = e % kLowRankRows, c = i - kept;
         float y = 0.f;
-        if (i < kept) {
+        if (i < kept)
           y = sm.x[r][info.j[i]];
-        } else if (i < rank) {
-          for (int k = 0; k < kHeadDim; ++k) y = fmaf(sm.x[r][k], gt[k * kChunk + i - kept], y);
-        }
+        else if (i < rank)
+          y = ((sm.y_part[0][r][c] + sm.y_part[1][r][c]) + sm.y_part[2][r][c]) + sm.y_part[3][r][c];
         sm.y[r][i] = y;
         p.seg_y[gs * kLowRankYFloats + int64_t(v0 + r) * kLowRankRows + i] = y;
       }
@@ -522,15 +582,14 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     const int64_t exact = runs ? exact_of(s) : len;  // chunks of the exact run
     prefetch_step(s + 2);
     const bool any_taint = runs && find_taint(s);  // before X_s is replaced
-    // Low rank (K2 writes the plan only where the segment has an exact run)
-    lowrank = kLowRank && exact > 0 && p.seg_lowrank[(first + s) * p.H + h].rank > 0;
-    if (lowrank) coordinates((first + s) * p.H + h);
+    lowrank = lowrank_at(s);
+    if (lowrank) coordinates(s);
     if (p.seg_ckpt_b != nullptr && E > 0) {  // checkpoints inside the exact run: X_s^T A_c^T + B_c^T
       const int64_t begin = s * seg_tokens, end = last ? sc.eos - sc.bos : (s + 1) * seg_tokens;
       for (int64_t t = (begin / E + 1) * E; t < end && (t - begin) / kChunk <= exact; t += E) {
         const int64_t ck = checkpoint_at(t);
         if (ck < 0 || ck >= p.num_checkpoints) continue;
-        affine(p.seg_ckpt_a + segment_matrix(p, ck, h), p.seg_ckpt_b + segment_matrix(p, ck, h), nullptr, nullptr);
+        affine(p.seg_ckpt_a + segment_matrix(p, ck, h), p.seg_ckpt_b + segment_matrix(p, ck, h), nullptr, 0);
         store_checkpoint(ck, acc);
       }
       if (any_taint) taint_checkpoints(s, exact, false);  // the skipping runs' (K2)
@@ -541,8 +600,7 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
       load_b(p.seg_b + segment_matrix(p, first + s, h));
     } else {
       const float* next_a = copied_ahead(s + 1);
-      affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h), next_a,
-             next_a != nullptr ? p.seg_b + segment_matrix(p, first + s + 1, h) : nullptr);
+      affine(p.seg_a + segment_matrix(p, first + s, h), p.seg_b + segment_matrix(p, first + s, h), next_a, s + 1);
     }
     if (any_taint)
 #pragma unroll
