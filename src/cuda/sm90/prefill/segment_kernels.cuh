@@ -62,6 +62,7 @@ struct ChainLowRankSmem : ChainSmem {
   float g[2][kChunk][kChainXStride];
   // Y's G columns, X_s^T G^T's [16][16], as four partial sums over quarters of K (lowrank_y_partial)
   float y_part[4][kChainRows][kChainYPartStride];
+  LowRankInfo info[kChainPreload];  // the first segments' plans, loaded with the transition-skipping plans
 };
 
 // d += x a over one k-step of 8 (rows k and k + 4 of a, the thread's B fragment at column n; x: its A
@@ -306,6 +307,12 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     s_plan[tid / kPlanWords][tid % kPlanWords] = p.seg_plan[gs * kPlanWords + tid % kPlanWords];
     if (tid % kPlanWords == 0) s_exact[tid / kPlanWords] = p.seg_exact[gs];
   }
+  if constexpr (kLowRank) {  // and their low-rank plans, 16 bytes a thread
+    constexpr int kWords = sizeof(LowRankInfo) / 16;
+    if (tid < preloaded * kWords)
+      reinterpret_cast<uint4*>(sm.info)[tid] =
+          reinterpret_cast<const uint4*>(p.seg_lowrank + (first + tid / kWords) * p.H + h)[tid % kWords];
+  }
   auto exact_of = [&](int64_t s) -> int64_t { return s < preloaded ? s_exact[s] : p.seg_exact[(first + s) * p.H + h]; };
   auto plan_word = [&](int64_t s, int w) -> uint32_t {
     return s < preloaded ? s_plan[s][w] : p.seg_plan[((first + s) * p.H + h) * kPlanWords + w];
@@ -444,10 +451,15 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
     reinterpret_cast<uint32_t*>(&sm.x_lo[ks][lane])[reg] = lo;
   };
   bool lowrank = false;
-  // Whether step s's transition is low rank (K2 writes the plan only where the segment has an exact run).
+  // Segment s's low-rank plan (low-rank transitions), and whether step s's transition is low rank (K2
+  // writes the plan only where the segment has an exact run).
+  auto lowrank_info = [&](int64_t s) -> const LowRankInfo& {
+    if constexpr (kLowRank)
+      if (s < preloaded) return sm.info[s];
+    return p.seg_lowrank[(first + s) * p.H + h];
+  };
   auto lowrank_at = [&](int64_t s) {
-    return kLowRank && s < count && (runs ? exact_of(s) : seg_len(s)) > 0 &&
-           p.seg_lowrank[(first + s) * p.H + h].rank > 0;
+    return kLowRank && s < count && (runs ? exact_of(s) : seg_len(s)) > 0 && lowrank_info(s).rank > 0;
   };
   // G's chunk rows (low-rank transitions) into buffer `buf`, in the caller's cp.async group.
   auto copy_g = [&](int buf, const float* g) {
@@ -550,7 +562,7 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
   auto coordinates = [&](int64_t s) {
     if constexpr (kLowRank) {
       const int64_t gs = (first + s) * p.H + h;
-      const LowRankInfo& info = p.seg_lowrank[gs];
+      const LowRankInfo& info = lowrank_info(s);
       const int rank = info.rank, kept = rank - kChunk;
       const bool with_step = ahead != nullptr && ahead == p.seg_a + segment_matrix(p, first + s, h);
       const int buf = with_step ? ahead_buf : ahead != nullptr ? ahead_buf ^ 1 : 0;
