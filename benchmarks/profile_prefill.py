@@ -193,17 +193,19 @@ def pieces_profile():
 
 
 def lowrank_profile():
-    """Low-rank segment transitions (internal lowrank_transitions = 1, a candidate) against the rule's
-    exact transitions at H = 12, both gate regimes: each kernel's time, the gaps and the call's span
-    (us), with each launch's own segment count and with both forced to the same segment length (the
-    low-rank rule cuts more segments: its transition rows are fewer)."""
+    """Low-rank segment transitions (internal lowrank_transitions = 1, a candidate, the pieces off; 2:
+    the pieces' rule kept, low-rank transitions after a stop) against the rule's exact transitions at
+    H = 12, both gate regimes: each kernel's time, the gaps and the call's span (us), with each launch's
+    own segment count and with both forced to the same segment length (the low-rank rule cuts more
+    segments: its transition rows are fewer)."""
     print("| case | gates | launch | kernels (us each, gaps in brackets) | span us |")
     print("|---|---|---|---|---|")
     for T in (8192, 131072):
         for regime in ("random", "long"):
             x = make_inputs(12, [T], True, regime)
             forced = (T // 16 + 5) // 6, (T // 16 + 7) // 8  # 6 and 8 segments
-            rows = [("rule", {}), ("lowrank", dict(lowrank_transitions=1))]
+            rows = [("rule", {}), ("lowrank", dict(lowrank_transitions=1)),
+                    ("lowrank after the pieces", dict(lowrank_transitions=2))]
             for L in forced:
                 rows += [(f"rule L={L}", dict(segment_chunks=L)),
                          (f"lowrank L={L}", dict(lowrank_transitions=1, segment_chunks=L))]

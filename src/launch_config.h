@@ -90,7 +90,9 @@ struct PrefillLaunch {
                                 // run carries its transition as T G (docs/DESIGN.md "Long memory: the transition
                                 // is low rank"): the channels whose decay over its first chunk stays above 2^-30
                                 // and that chunk's 16 columns, one row block of 64 instead of two, where they fit
-                                // (48 channels or fewer); 0 = rule (the K transition rows)
+                                // (48 channels or fewer), the few-head pieces off; 2 = the same where the
+                                // chunk-16 kernels run, the pieces' rule kept (after a stop); 0 = rule (the K
+                                // transition rows)
 };
 
 struct DecodeLaunch {

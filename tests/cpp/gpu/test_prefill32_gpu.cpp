@@ -904,6 +904,46 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
     }
 }
 
+// Low-rank transitions after the pieces (internal lowrank_transitions = 2, a candidate): the pieces'
+// rule kept, and where they stop (long memory in one channel of head 0) the chunk-16 kernels after
+// them take the low-rank transitions: the bits of the low-rank call without pieces (lowrank 1), not
+// the exact transitions', within the reference's bounds; with random gates the pieces' bits.
+TEST_F(Prefill32Gpu, LowRankTransitionsAfterThePieces) {
+  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+  for (const bool long_memory : {false, true}) {
+    KdaOptions o;
+    o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = 53;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (long_memory) in.dt_bias[5] = -30.f;
+    SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
+    internal::PrefillLaunch after, alone;
+    after.lowrank_transitions = 2, alone.lowrank_transitions = 1;
+    DeviceProblem d_rule(in), d_after(in, after), d_alone(in, alone);
+    const std::vector<unsigned char> rule = run_bits(in, d_rule);
+    const std::vector<unsigned char> lowrank = run_bits(in, d_after);
+    EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+    EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
+    EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
+    EXPECT_EQ(pieces_flags(d_after)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
+    if (!long_memory) {
+      EXPECT_TRUE(lowrank == rule) << "random gates: not the pieces' bits";
+      continue;
+    }
+    EXPECT_FALSE(lowrank == rule) << "long memory: the exact transitions' bits (no low-rank segment)";
+    const test::Reference ref = test::run_reference(in);
+    (void)run_bits(in, d_after);
+    const double e_out = test::rel_rms(in.out.values(), ref.out);
+    const double e_state = test::rel_rms(in.final_state.values(), ref.final_state);
+    test::report("low-rank transitions after the pieces out", e_out);
+    test::report("low-rank transitions after the pieces state", e_state);
+    EXPECT_LE(e_out, 2e-3);
+    EXPECT_LE(e_state, 5e-4);
+    EXPECT_TRUE(run_bits(in, d_alone) == lowrank) << "not the bits of the low-rank call without pieces";
+    EXPECT_TRUE(graph_replay_bits(in, d_after) == lowrank) << "a graph replay's bits differ from the eager call's";
+  }
+}
+
 // A pool call against the plain call from the gathered states (plain: run_bits' outputs then final
 // states): each live sequence's output rows bit for bit, and its slot in the pool after the call
 // (pool_after) its final state.

@@ -348,12 +348,13 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
                           f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21] = l;
 }
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
-// skipping, V splits, operands, record stream, early launch): the few-head pieces' rule then leaves the
-// call to them, so that what the variant names is what runs.
+// skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
+// pieces' rule then leaves the call to them, so that what the variant names is what runs (low-rank
+// transitions 2 keep the pieces' rule: the chunk-16 kernels after a stop take them).
 bool forces_chunk16(const internal::PrefillLaunch& l) {
   return l.v_splits != 0 || l.segment_chunks != 0 || l.f16_operands != 0 || l.checkpoints_in_segments != 0 ||
          l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||
-         l.record_copy != 0 || l.early_launch != 0 || l.skip_bound != 0 || l.lowrank_transitions != 0;
+         l.record_copy != 0 || l.early_launch != 0 || l.skip_bound != 0 || l.lowrank_transitions == 1;
 }
 // The fused kernel in pieces: internal::PrefillLaunch::fused_pieces where it is set (a count, chained
 // with fused_chain 1; -1: never), else by rule (fused_v2 0) for B equal sequences without cu_seqlens,
