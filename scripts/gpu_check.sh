@@ -223,9 +223,9 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # 977e4ad (not yet run as a whole): 8584595's chain (eight warps of two tiles) beside the fp32
-  # o_zero and w again, in the segments' small cases with checkpoints and skipping
-  pending_tests=(test_prefill_gpu '*SegmentsSmallForSanitizers*')  # pairs: binary, gtest filter
+  # a42c7e4 and adc1d56 (not yet run): the low-rank candidate after the pieces, its chain's copy
+  # ahead, tensor-core coordinates and preloaded plans (T = 2048 H = 4, one long-memory channel)
+  pending_tests=(test_prefill32_gpu '*LowRankTransitionsAfterThePieces*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p
