@@ -904,6 +904,30 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
     }
 }
 
+// Early launch after the pieces (internal early_launch = 16, a candidate): the kernels after the
+// few-head pieces launched early give the rule's bits, whether the pieces ran the call (random gates)
+// or stopped it (one long-memory channel: the chunk-16 kernels run it), eagerly and from a CUDA graph.
+TEST_F(Prefill32Gpu, EarlyLaunchAfterThePiecesGivesTheSameBits) {
+  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+  for (const bool long_memory : {false, true}) {
+    KdaOptions o;
+    o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = 59;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    if (long_memory) in.dt_bias[5] = -30.f;
+    SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
+    internal::PrefillLaunch early;
+    early.early_launch = 16;
+    DeviceProblem d_rule(in), d_early(in, early);
+    const std::vector<unsigned char> rule = run_bits(in, d_rule);
+    const std::vector<unsigned char> bits = run_bits(in, d_early);
+    EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
+    EXPECT_EQ(pieces_flags(d_early)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
+    EXPECT_TRUE(bits == rule) << "not the rule's bits";
+    EXPECT_TRUE(graph_replay_bits(in, d_early) == rule) << "a graph replay's bits differ from the rule's";
+  }
+}
+
 // Low-rank transitions after the pieces (internal lowrank_transitions = 2, a candidate): the pieces'
 // rule kept, and where they stop (long memory in one channel of head 0) the chunk-16 kernels after
 // them take the low-rank transitions: the bits of the low-rank call without pieces (lowrank 1), not
