@@ -845,20 +845,26 @@ TEST_F(Prefill32Gpu, FusedPiecesSkipOrFallBack) {
 // The last pieces write the final state themselves (pieces_final_in_place) where it is its own
 // buffer (a stopped call's kernels write it again: FusedPiecesSkipOrFallBack's NaN in the last
 // piece), through the workspace where it is the initial state's (the same bits).
+// B sequences of 2048 tokens at H = 4, which the few-head pieces take (A_log 0, fp32 states), with one
+// long-memory channel in head 0 (dt_bias -30) where asked: the pieces' pre-check then stops them.
+KdaInputs few_head_inputs(bool long_memory, uint64_t seed, int64_t B = 1) {
+  KdaOptions o;
+  o.B = B, o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = seed;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  KdaInputs in(o);
+  if (long_memory) in.dt_bias[5] = -30.f;
+  return in;
+}
+
 TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   for (const int64_t B : {int64_t(1), int64_t(2)})
     for (const bool long_memory : {false, true}) {
-      constexpr int64_t T = 2048, H = 4;
-      const int64_t pieces = prefill::fused_few_head_pieces(H, B, T / 32, sms);
+      KdaInputs in = few_head_inputs(long_memory, 47, B);
+      const int64_t pieces = prefill::fused_few_head_pieces(in.opt.H, B, in.opt.T / 32, sms);
       ASSERT_GT(pieces, 1) << "the rule cuts no pieces at H = 4 on " << sms << " SMs";
-      KdaOptions o;
-      o.B = B, o.T = T, o.H = H, o.A_log_max = 0.0, o.seed = 47;
-      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-      KdaInputs in(o);
-      if (long_memory) in.dt_bias[5] = -30.f;  // one channel of head 0
       SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : "") + ", " + std::to_string(pieces) + " pieces");
       internal::PrefillLaunch forced, off;
       forced.fused_pieces = pieces, off.fused_pieces = -1;
@@ -910,11 +916,7 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
 TEST_F(Prefill32Gpu, EarlyLaunchAfterThePiecesGivesTheSameBits) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   for (const bool long_memory : {false, true}) {
-    KdaOptions o;
-    o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = 59;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    if (long_memory) in.dt_bias[5] = -30.f;
+    KdaInputs in = few_head_inputs(long_memory, 59);
     SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
     internal::PrefillLaunch early;
     early.early_launch = 16;
@@ -935,11 +937,7 @@ TEST_F(Prefill32Gpu, EarlyLaunchAfterThePiecesGivesTheSameBits) {
 TEST_F(Prefill32Gpu, LowRankTransitionsAfterThePieces) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   for (const bool long_memory : {false, true}) {
-    KdaOptions o;
-    o.T = 2048, o.H = 4, o.A_log_max = 0.0, o.seed = 53;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    if (long_memory) in.dt_bias[5] = -30.f;
+    KdaInputs in = few_head_inputs(long_memory, 53);
     SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
     internal::PrefillLaunch after, alone;
     after.lowrank_transitions = 2, alone.lowrank_transitions = 1;
