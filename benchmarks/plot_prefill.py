@@ -1,7 +1,7 @@
 """Plot prefill time against sequence length from bench_prefill.py tables (markdown, one or more
 files; a later file's figure replaces an earlier one's for the same case, regime and column).
 
-    python benchmarks/plot_prefill.py run1.md run2.md --out docs/prefill_few_heads.png
+    python benchmarks/plot_prefill.py run1.md run2.md --out docs/prefill_few_heads.png [--gpu H100]
     python benchmarks/plot_prefill.py bench_fused.log --fused-batch --out docs/prefill_fused_rule.png
 
 One panel per gate regime: one sequence at H = 12 (the tensor-parallel serving shape), time
@@ -48,7 +48,7 @@ def read_tables(paths):
     return data
 
 
-def plot_fused_batch(paths, out):
+def plot_fused_batch(paths, out, gpu):
     """fused / chunk-16 and default / chunk-16 against N H, one line per batch shape."""
     shapes = defaultdict(list)  # shape -> [(ctas, fused ratio, default ratio)]
     for path in paths:
@@ -77,7 +77,7 @@ def plot_fused_batch(paths, out):
         ax.set_title(f"{title} / chunk-16 kernels", fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0].set_ylabel("time ratio (CUDA-graph medians, H200; < 1: faster)")
+    axes[0].set_ylabel(f"time ratio (CUDA-graph medians, {gpu}; < 1: faster)")
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
@@ -90,9 +90,10 @@ def main():
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--columns", default="", help="comma-separated columns to draw (default: all)")
     ap.add_argument("--fused-batch", action="store_true", help="the --fused-batch-sweep table instead (see above)")
+    ap.add_argument("--gpu", default="H200", help="the card the tables were measured on, for the axis label")
     args = ap.parse_args()
     if args.fused_batch:
-        return plot_fused_batch(args.tables, args.out)
+        return plot_fused_batch(args.tables, args.out, args.gpu)
     data = read_tables(args.tables)
     regimes = ("random", "long")
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=True)
@@ -118,7 +119,7 @@ def main():
         ax.set_title(f"H = {args.heads}, " + ("long-memory gates (8 channels per head near zero decay)" if regime == "long"
                                              else "random gates"), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0].set_ylabel("ms (CUDA-graph median, H200)")
+    axes[0].set_ylabel(f"ms (CUDA-graph median, {args.gpu})")
     for ax in axes:
         ax.legend(fontsize=8)
     fig.tight_layout()
