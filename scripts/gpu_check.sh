@@ -223,10 +223,9 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # a42c7e4 and adc1d56 (not yet run): the low-rank candidate after the pieces, its chain's copy
-  # ahead, tensor-core coordinates and preloaded plans; and the early launch after the pieces (both at
-  # T = 2048 H = 4, random gates and one long-memory channel)
-  pending_tests=(test_prefill32_gpu '*LowRankTransitionsAfterThePieces*:*EarlyLaunchAfterThePieces*')  # pairs: binary, gtest filter
+  # the pieces launched early after their flags' zeroing kernel or K0 (internal early_launch = 32;
+  # T = 2048 H = 4, random gates and one long-memory channel, B = 1 and 2, eager and graph replays)
+  pending_tests=(test_prefill32_gpu '*EarlyPiecesGiveTheSameBits*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}
     timeout 120 "$t" --gtest_filter="$f" 2>&1 | tee -a "$OUT/ctest.log" | grep -E "measure|Failure|FAILED|PASSED" | sed -n 1,60p

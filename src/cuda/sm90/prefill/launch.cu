@@ -26,8 +26,7 @@ void launch_k0(const Params& p, cudaStream_t stream) {
 template <class Split>
 void launch_prepare(const Params& p, cudaStream_t stream) {
   // The call's first kernel launches in stream order (what precedes it is the caller's); K1 after
-  // K0 or after the few-head pieces early only where PrefillLaunch::early_launch says (a candidate,
-  // early_launch.cuh).
+  // K0 early only where PrefillLaunch::early_launch says (a candidate, early_launch.cuh).
   const bool k0 = (p.cu_seqlens != nullptr || p.state_indices != nullptr) && !p.k0_ran;
   if (k0) launch_k0(p, stream);
   int64_t blocks = p.chunk_slots * p.H;
@@ -46,8 +45,8 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   constexpr int smem = sizeof(PrepareSmem);
   auto kernel = strided ? prepare_kernel<Split, true> : prepare_kernel<Split, false>;
   FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, smem));
-  launch_early((k0 || p.pieces_flag != nullptr) && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)),
-               dim3(kPrepThreads), size_t(smem), stream, p);
+  launch_early(k0 && (p.early_launch & kEarlyK1), kernel, dim3(unsigned(blocks)), dim3(kPrepThreads), size_t(smem),
+               stream, p);
 }
 
 void launch_segment_chain(const Params& p, cudaStream_t stream) {
@@ -351,7 +350,8 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
 // pieces' rule then leaves the call to them, so that what the variant names is what runs (low-rank
-// transitions 2 and early launch after the pieces keep the pieces' rule).
+// transitions 2 keep the pieces' rule: the chunk-16 kernels after a stop take them; so does the
+// pieces' own early launch, kEarlyPieces).
 bool forces_chunk16(const internal::PrefillLaunch& l) {
   return l.v_splits != 0 || l.segment_chunks != 0 || l.f16_operands != 0 || l.checkpoints_in_segments != 0 ||
          l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||
@@ -716,8 +716,11 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does
     // (and they launch K0 again: without the pieces the fused kernel may take the call).
+    // Early (a candidate, PrefillLaunch::early_launch's kEarlyPieces): the pieces launch while the
+    // kernel that zeroes their flags runs (K0, or a one-CTA kernel in the memset's place).
+    const bool early = launch.early_launch > 0 && (launch.early_launch & kEarlyPieces) != 0;
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
-                                               pieces_ckpt_start, stream, chain_states, k0_first) == cudaSuccess) {
+                                               pieces_ckpt_start, stream, chain_states, k0_first, early) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag
@@ -758,13 +761,6 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const int64_t N = detail::num_sequences(p);
     Params kp = ahead.k0_ran ? ahead : chunk16_params(p, launch, workspace, pieces_flag);
     kp.prep_next = prep_next;
-    // Early launch after the pieces (a candidate): each kernel after them launches while the one
-    // before it drains; K1 lets K2 start early only where the pieces ran the call (prepare_kernel),
-    // so that where they stopped K2's CTAs do not land among K1's (DESIGN.md "Early launch"). Not in
-    // a conditional node's body, whose first kernel has no predecessor to overlap.
-    if (pieces_flag != nullptr && launch.early_launch > 0 && (launch.early_launch & kEarlyAfterPieces) &&
-        launch.pieces_graph_if <= 0)
-      kp.early_launch |= kEarlyAll;
     // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
     // kernel launched after them, while they do nothing.
     const bool persistent = launch.fused_persistent > 0;

@@ -240,12 +240,9 @@ __device__ __forceinline__ void prepare_from_counter(const Params& p, uint8_t* s
 template <class Split, bool kStrided>
 __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) prepare_kernel(const __grid_constant__ Params p) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  wait_for_prerequisites();  // K0 or the few-head pieces (launched early after them)
-  // K2 may launch now, except after pieces that stopped the call: there K1 has the chunks to prepare,
-  // and K2's CTAs would share its SMs (early launch after the pieces, a candidate; DESIGN.md).
-  const bool ran = pieces_ran(p);
-  if (p.pieces_flag == nullptr || ran) allow_dependents();
-  if (ran) return;
+  wait_for_prerequisites();  // K0 (launched early after it)
+  allow_dependents();
+  if (pieces_ran(p)) return;
   if constexpr (kStrided) {
     if (call_fused(p)) return;
     if (p.prep_next != nullptr) return prepare_from_counter<Split>(p, smem_raw);
