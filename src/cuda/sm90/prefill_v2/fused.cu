@@ -800,9 +800,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   const int tid = threadIdx.x, wg = tid / kThreads;
-  // Launched early (FusedArgs::early_launch, pieces only): the flags' zeroing kernel or K0 first. Without
-  // the launch attribute this returns at once.
-  if constexpr (kPieces) wait_for_prerequisites();
+  // Launched early (FusedArgs::early_launch, pieces only): the flags' zeroing kernel or K0 first (uniform).
+  if (kPieces && a.early_launch) wait_for_prerequisites();
   int h = blockIdx.x;  // kPieces: the piece's head (with pieces_chain its ticket's), from seq below
   // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
   // state (the TMA maps keep the call's rows: their coordinates add bos); else the call's own. The
