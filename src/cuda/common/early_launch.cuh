@@ -19,17 +19,23 @@ __device__ __forceinline__ void wait_for_prerequisites() { asm volatile("griddep
 __device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 
 // kernel<<<grid, block, smem, stream>>>(args...), launched early (programmatic stream
-// serialisation) when `early`.
+// serialisation) when `early`; returns the launch's error.
 template <class... Expected, class... Actual>
-void launch_early(bool early, void (*kernel)(Expected...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                  Actual&&... args) {
+cudaError_t try_launch_early(bool early, void (*kernel)(Expected...), dim3 grid, dim3 block, size_t smem,
+                             cudaStream_t stream, Actual&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid, config.blockDim = block, config.dynamicSmemBytes = smem, config.stream = stream;
   cudaLaunchAttribute attribute{};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute.val.programmaticStreamSerializationAllowed = 1;
   config.attrs = &attribute, config.numAttrs = early ? 1 : 0;
-  FLASHKDA_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Actual>(args)...));
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Actual>(args)...);
+}
+// The same, raising the launch's error.
+template <class... Expected, class... Actual>
+void launch_early(bool early, void (*kernel)(Expected...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                  Actual&&... args) {
+  FLASHKDA_CUDA_CHECK(try_launch_early(early, kernel, grid, block, smem, stream, std::forward<Actual>(args)...));
 }
 
 }  // namespace flashkda::cuda

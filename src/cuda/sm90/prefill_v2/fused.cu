@@ -990,16 +990,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))
                                 : dim3(static_cast<unsigned>(args.consume.H),
                                        static_cast<unsigned>(kSeqs ? args.num_seqs * (kPieces ? args.pieces : 1) : 1));
-  if (kPieces && args.early_launch) {  // programmatic stream serialisation: the kernel waits (above)
-    cudaLaunchConfig_t config{};
-    config.gridDim = grid, config.blockDim = dim3(kFusedThreads), config.dynamicSmemBytes = kSmem;
-    config.stream = stream;
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute.val.programmaticStreamSerializationAllowed = 1;
-    config.attrs = &attribute, config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, kernel, params);
-  }
+  if (kPieces && args.early_launch)  // the kernel waits for its predecessor at its top (fused_kernel)
+    return try_launch_early(true, kernel, grid, dim3(kFusedThreads), size_t(kSmem), stream, params);
   kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
