@@ -942,11 +942,22 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
         CapturedCall call(in, d_early);
         set_flags();
         EXPECT_TRUE(call.replay(1) == rule) << "a graph replay's bits differ from the rule's";
+        set_flags();
         EXPECT_TRUE(call.replay(2) == rule) << "two graph replays' bits differ from the rule's";
       }
       if (B == 1) {  // by device cu_seqlens [0, T]: K0 zeroes the flags, the pieces launch early after it
-        forward_call(d_early, by_device_cu_seqlens(d_early), early);
+        const PrefillParams p = by_device_cu_seqlens(d_early);
+        DeviceBuffer ws(internal::workspace_size(p, early));
+        unsigned char* const flags = static_cast<unsigned char*>(ws.ptr) + internal::workspace_size(p, plain);
+        ASSERT_EQ(cudaMemset(flags, 1, 2 * sizeof(int)), cudaSuccess);
+        d_early.poison();
+        internal::forward(p, early, ws.ptr, ws.bytes);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        d_early.download();
         EXPECT_TRUE(out_and_state_bits(in) == rule) << "one sequence by cu_seqlens: not the rule's bits";
+        int flag = -1;
+        ASSERT_EQ(cudaMemcpy(&flag, flags, sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
+        EXPECT_EQ(flag, long_memory ? 2 : 0) << "by cu_seqlens: the pieces' flag (2: the gates' pre-check)";
       }
     }
 }
