@@ -220,12 +220,16 @@ void moderate_decay(KdaInputs& in) {
   for (auto& x : in.A_log) x = 0.f;
 }
 
+// pieces_flags_at: where the pieces' flag stands in the workspace of p's call with `launch` (after
+// the chunk-16 kernels' part, which the pieces do not change).
+size_t pieces_flags_at(const PrefillParams& p, internal::PrefillLaunch launch) {
+  launch.fused_pieces = -1;
+  return internal::workspace_size(p, launch);
+}
 // pieces_flags: that flag and, for chained pieces, the tickets taken after it (every CTA of the
 // pieces' grid takes one as it starts: N pieces H where the pieces' kernel ran).
 std::array<int, 2> pieces_flags(DeviceProblem& d) {
-  internal::PrefillLaunch plain = d.launch;
-  plain.fused_pieces = -1;
-  const size_t at = internal::workspace_size(d.params(), plain);
+  const size_t at = pieces_flags_at(d.params(), d.launch);
   std::array<int, 2> flags{-1, -1};
   EXPECT_EQ(cudaMemcpy(flags.data(), static_cast<const unsigned char*>(d.workspace->ptr) + at,
                        (d.launch.fused_chain > 0 ? 2 : 1) * sizeof(int), cudaMemcpyDeviceToHost),
@@ -925,9 +929,7 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
       KdaInputs in = few_head_inputs(long_memory, 59, B);
       SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
       DeviceProblem d_rule(in), d_early(in, early);
-      internal::PrefillLaunch plain = early;
-      plain.fused_pieces = -1;
-      const size_t flags_at = internal::workspace_size(d_early.params(), plain);
+      const size_t flags_at = pieces_flags_at(d_early.params(), early);
       const auto set_flags = [&] {  // the stop flag and K1's counter after it, non-zero
         ASSERT_EQ(cudaMemset(static_cast<unsigned char*>(d_early.workspace->ptr) + flags_at, 1, 2 * sizeof(int)),
                   cudaSuccess);
@@ -948,7 +950,7 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
       if (B == 1) {  // by device cu_seqlens [0, T]: K0 zeroes the flags, the pieces launch early after it
         const PrefillParams p = by_device_cu_seqlens(d_early);
         DeviceBuffer ws(internal::workspace_size(p, early));
-        unsigned char* const flags = static_cast<unsigned char*>(ws.ptr) + internal::workspace_size(p, plain);
+        unsigned char* const flags = static_cast<unsigned char*>(ws.ptr) + pieces_flags_at(p, early);
         ASSERT_EQ(cudaMemset(flags, 1, 2 * sizeof(int)), cudaSuccess);
         d_early.poison();
         internal::forward(p, early, ws.ptr, ws.bytes);

@@ -1199,12 +1199,13 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   f.early_launch = early;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
-  if (flags_zeroed) {
-  } else if (early) {
-    pieces_zero_kernel<<<1, 256, 0, stream>>>(flag, flag_ints);
-    err = cudaGetLastError();
-  } else {
-    err = cudaMemsetAsync(flag, 0, size_t(flag_ints) * sizeof(int), stream);
+  if (!flags_zeroed) {
+    if (early) {
+      pieces_zero_kernel<<<1, 256, 0, stream>>>(flag, flag_ints);
+      err = cudaGetLastError();
+    } else {
+      err = cudaMemsetAsync(flag, 0, size_t(flag_ints) * sizeof(int), stream);
+    }
   }
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
