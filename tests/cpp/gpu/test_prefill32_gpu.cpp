@@ -56,9 +56,9 @@ struct V2Call {
   // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse;
+    bool staged, producer_regs, consumer_inverse, gate_ahead;
   };
-  static constexpr int kModes = 9;
+  static constexpr int kModes = 10;
   static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false},
                                               {"fused32 ", false, false, false},
                                               {"fused32 staged ", true, false, false},
@@ -67,7 +67,8 @@ struct V2Call {
                                               {"fused32 inverting consumers, setmaxnreg ", false, true, true},
                                               {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true},
                                               {"fused32 staged, setmaxnreg ", true, true, false},
-                                              {"fused32 staged, inverting consumers ", true, false, true}};
+                                              {"fused32 staged, inverting consumers ", true, false, true},
+                                              {"fused32 rule's flags, gate ahead ", true, true, true, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -76,6 +77,7 @@ struct V2Call {
       f.produce = pa, f.consume = ca, f.stage_inputs = m.staged;
       f.producer_regs = m.producer_regs;
       f.consumer_inverse = m.consumer_inverse;
+      f.gate_ahead = m.gate_ahead;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -1906,14 +1908,17 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
   // Where the fused kernel's cycles go in eight variants (inputs loaded or staged by TMA, setmaxnreg
   // or not, the consumers inverting or not).
-  for (int variant = 0; variant < 8; ++variant) {
-    const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
+  // The rule's flags (variant 7) again with the gate a chunk ahead (FusedArgs::gate_ahead, a candidate).
+  for (int variant = 0; variant < 9; ++variant) {
+    const bool staged = variant & 1 || variant == 8, regs = variant & 2 || variant == 8,
+               cinv = variant & 4 || variant == 8;
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca, clocked.stage_inputs = staged;
     clocked.producer_regs = regs;
     clocked.consumer_inverse = cinv;
+    clocked.gate_ahead = variant == 8;
     print_phase_clocks(clocked, std::string(staged ? " (staged inputs)" : "") + (regs ? " (setmaxnreg 184 / 160)" : "") +
-                                    (cinv ? " (inverting consumers)" : ""));
+                                    (cinv ? " (inverting consumers)" : "") + (variant == 8 ? " (gate ahead)" : ""));
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::printf("[ measure  ] prefill32 T=8192 H=96: fused %.3f ms, fused with staged inputs %.3f ms, the fused "

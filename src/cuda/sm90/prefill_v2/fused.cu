@@ -335,14 +335,18 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
 // run 136 where the tests alone, memcheck and racecheck passed (its report was not kept; an aligned
 // barrier reached from different instructions is the likely cause, as items_sync's in run 103).
 __device__ __forceinline__ uint64_t* verdict_barrier(uint64_t* full) { return full + 2 * kStages + 1; }
+// FusedArgs::gate_ahead: the staged gate rows' barrier (their issuing thread and the bytes).
+__device__ __forceinline__ uint64_t* gate_rows_barrier(uint64_t* full) { return full + 2 * kStages + 2; }
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
 // arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the
-// bytes) and the pieces' pre-check verdict's (consumer thread 0: verdict_barrier).
+// bytes), the pieces' pre-check verdict's (consumer thread 0: verdict_barrier) and the staged gate
+// rows' (gate_rows_barrier).
 __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
   uint64_t* const empty = full + kStages;
   for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
   mbarrier_init(empty + kStages, 1);
   mbarrier_init(verdict_barrier(full), 1);
+  mbarrier_init(gate_rows_barrier(full), 1);
   fence_mbarrier_init();
 }
 
@@ -355,7 +359,13 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
 // rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
 // gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
+// kGateAhead (FusedArgs::gate_ahead; staged inputs and inverting consumers): the gate's rows come
+// by their own copy (issue_gate_rows, gate_rows_barrier), one chunk ahead of q's and k's: chunk 0's
+// log-decays are computed before the loop, chunk c + 1's while chunk c's L/Mqk product is in flight
+// (into the tile `a` that chunk c's factors no longer read), and once every producer thread has read
+// them (a barrier of the warpgroup) chunk c + 2's rows are copied into the buffer's gate part.
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
+          bool kGateAhead = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
@@ -377,9 +387,24 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   ProducerSync::sync();
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
+  static_assert(!kGateAhead || (kStaged && kConsumerInv), "the gate a chunk ahead reads staged rows");
+  uint64_t* const gate_full = gate_rows_barrier(full);
   if constexpr (kStaged) {
-    if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
+    if (tid == 32 && num_chunks > 0) {
+      issue_chunk_rows<kF32Gate, !kGateAhead>(params.maps, h, 0, staged, staged_full, bos);
+      if constexpr (kGateAhead) issue_gate_rows<kF32Gate>(params.maps, h, 0, staged, gate_full, bos);
+    }
   }
+  // kGateAhead: the log-decays of the chunk the loop builds next. Chunk c's gate copy completes the
+  // barrier's phase (base + c) & 1 (one copy a chunk, in order).
+  ThreadTile a_next;
+  const auto rows_of = [&](int64_t c) { return pa.T - c * kChunk < kChunk ? int(pa.T - c * kChunk) : kChunk; };
+  const auto gate_ahead = [&](int64_t c) {  // chunk c's log-decays into a_next, then chunk c + 1's rows copied
+    mbarrier_wait(gate_full, uint32_t(base + c) & 1);
+    gate_from_staged<kGate, kF32Gate>(pa, h, rows_of(c), tid, staged, sm_gate, a_next);
+    ProducerSync::sync();  // every thread's reads of the gate rows before the copy overwrites them
+    if (tid == 32 && c + 1 < staged_chunks) issue_gate_rows<kF32Gate>(params.maps, h, c + 1, staged, gate_full, bos);
+  };
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
   // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
@@ -390,6 +415,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
   }
+  if (kGateAhead && num_chunks > 0) gate_ahead(0);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
     const int stage = int(gc % kStages);
@@ -404,8 +430,10 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
-        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop)
+        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop); kGateAhead, chunk
+        // c + 1's gate rows (issued once chunk c's were read)
         if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
+        if (kGateAhead && c + 1 < staged_chunks) mbarrier_wait(gate_full, uint32_t(gc + 1) & 1);
         mbarrier_arrive(&full[stage]);
         break;
       }
@@ -427,12 +455,23 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
     const auto refill = [&] {
       if (kStaged && tid == 32 && c + 1 < staged_chunks)
-        issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
+        issue_chunk_rows<kF32Gate, !kGateAhead>(params.maps, h, c + 1, staged, staged_full, bos);
+      if (kGateAhead && c + 1 < staged_chunks) gate_ahead(c + 1);  // uniform
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
-                                                                        scratch, staged, beta_bits, sm_gate, true, l_beta,
-                                                                        mark, refill);
+    if constexpr (kGateAhead) {
+      float* const sm_beta = l_beta + kLBetaOffBeta;  // produce_chunk's with the consumers inverting
+      load_beta_staged(pa, rows_of(c), tid, beta_bits, sm_beta);
+      mark(1);
+      ThreadTile a_cur = a_next, unused;
+      mark(9);
+      produce_chunk_gated<ProducerSync, false, true>(pa, c, tid, ring + stage * L::kStageSpan, scratch, staged, unused,
+                                                     unused, a_cur, sm_beta, l_beta, mark, refill);
+    } else {
+      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
+                                                                          scratch, staged, beta_bits, sm_gate, true,
+                                                                          l_beta, mark, refill);
+    }
     mbarrier_arrive(&full[stage]);
     mark(8);
   }
@@ -792,7 +831,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false>
+          bool kSeqs = false, bool kPieces = false, bool kGateAhead = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -859,8 +898,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
-                                                                          clock_sums, last_clock, &seq);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kGateAhead>(params, ring, pa, h, bos,
+                                                                                      num_chunks, 0, clock_sums,
+                                                                                      last_clock, &seq);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
@@ -963,7 +1003,8 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
+          bool kGateAhead = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -976,7 +1017,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
     else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kGateAhead>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = allow_dynamic_smem(kernel, kSmem);
@@ -1006,6 +1047,11 @@ template <bool... kFlags>
 cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   constexpr int kDone = sizeof...(kFlags);
   if constexpr (kDone == 4) {
+    constexpr bool kFlagValues[4] = {kFlags...};  // stage_inputs, phase clocks, producer_regs, consumer_inverse
+    if constexpr (kFlagValues[0] && kFlagValues[2] && kFlagValues[3]) {  // the rule's flags: the gate ahead too
+      if (args.gate_ahead)
+        return launch<GateForm::kLowerBound, false, kFlags..., false, false, false, true>(args, stream);
+    }
     return launch<GateForm::kLowerBound, false, kFlags...>(args, stream);
   } else {
     const bool flag = kDone == 0 ? args.stage_inputs
@@ -1019,6 +1065,7 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
+  if (args.gate_ahead) return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, true>(args, stream);
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
@@ -1066,6 +1113,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (args.run_if_flag != nullptr && (args.pieces > 0 || args.next_item != nullptr || args.on_verdict))
     return cudaErrorInvalidValue;  // the pieces' fallback is a plain launch of the rule's kernel
+  if (args.gate_ahead && (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
+                          !args.consumer_inverse || args.next_item != nullptr))
+    return cudaErrorInvalidValue;  // the rule's flags only, no persistent grid
   // The several-sequence kernels (and the pieces): the rule's flags only, K0's verdict with
   // cu_seqlens or a pool, B equal lengths without cu_seqlens.
   const bool sequences_valid =

@@ -136,6 +136,12 @@ struct FusedArgs {
   // waits for before its first global memory access (the pieces only: their flags' zeroing kernel or
   // K0; fused_pieces_prefill's `early`, a candidate).
   bool early_launch = false;
+  // A candidate (the rule's flags: lower-bound bf16 gates, staged inputs, setmaxnreg, inverting
+  // consumers; no persistent grid): the producer gates chunk c + 1 (its raw gate rows copied apart
+  // from q and k, a chunk earlier) while chunk c's L/Mqk product is in flight, where the gate's ~1 000
+  // cycles of exponentials and reciprocals (MUFU-bound) sat alone on its chain. The same arithmetic:
+  // the same bits.
+  bool gate_ahead = false;
 };
 constexpr int kPhaseClocks = 16;
 

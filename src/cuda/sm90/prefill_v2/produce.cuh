@@ -194,15 +194,25 @@ struct ChunkRowMaps {
 // zero_staged_tail sets such q and k rows to zero in the buffer before the norms read them.
 // Generic reads of buf must be ordered before this call (a barrier), which fences them against
 // the copies' async-proxy writes.
-template <bool kF32Gate>
+// kWithGate false: q and k only (the gate's rows come by issue_gate_rows, on a barrier of their own).
+template <bool kF32Gate, bool kWithGate = true>
 __device__ __forceinline__ void issue_chunk_rows(const ChunkRowMaps& maps, int h, int64_t chunk, uint8_t* buf,
                                                  uint64_t* bar, int64_t token0 = 0) {
   fence_proxy_async_shared();
-  mbarrier_arrive_expect_tx(bar, 2 * kTileBytes + kChunk * kHeadDim * (kF32Gate ? 4 : 2));
+  mbarrier_arrive_expect_tx(bar, 2 * kTileBytes + (kWithGate ? kChunk * kHeadDim * (kF32Gate ? 4 : 2) : 0));
   const int row0 = int(token0 + chunk * kChunk);
   tensor_copy_3d(buf + kStagedQ, &maps.q, 0, h, row0, bar);
   tensor_copy_3d(buf + kStagedK, &maps.k, 0, h, row0, bar);
-  tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
+  if constexpr (kWithGate) tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
+}
+// The gate's rows of chunk `chunk` alone into buf's gate part, completing on bar (FusedArgs::gate_ahead:
+// the producer gates a chunk ahead, so the gate's rows are read a chunk before q's and k's).
+template <bool kF32Gate>
+__device__ __forceinline__ void issue_gate_rows(const ChunkRowMaps& maps, int h, int64_t chunk, uint8_t* buf,
+                                                uint64_t* bar, int64_t token0 = 0) {
+  fence_proxy_async_shared();
+  mbarrier_arrive_expect_tx(bar, kChunk * kHeadDim * (kF32Gate ? 4 : 2));
+  tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, int(token0 + chunk * kChunk), bar);
 }
 
 __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
@@ -214,8 +224,7 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
 // (from its bits, beta_bits). q and k stay in the buffer: qk_row_scales_staged and build_factors_staged read
 // them where they are used, so the producer holds one tile of registers instead of three.
 template <bool kF32Gate>
-__device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf,
-                                                 uint32_t beta_bits, ThreadTile& a, float* sm_beta) {
+__device__ __forceinline__ void load_raw_gate_staged(int tid, const uint8_t* buf, ThreadTile& a) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
   for (int r = 0; r < kTileRows; ++r) {
@@ -226,10 +235,19 @@ __device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows,
       unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedG, t, c0)), a.x[r]);
     }
   }
+}
+__device__ __forceinline__ void load_beta_staged(const ProduceArgs& p, int rows, int tid, uint32_t beta_bits,
+                                                 float* sm_beta) {
   if (tid < kChunk) {
     const float beta_raw = beta_from_bits(p, beta_bits);
     sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
   }
+}
+template <bool kF32Gate>
+__device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf,
+                                                 uint32_t beta_bits, ThreadTile& a, float* sm_beta) {
+  load_raw_gate_staged<kF32Gate>(tid, buf, a);
+  load_beta_staged(p, rows, tid, beta_bits, sm_beta);
 }
 
 // The head's gate constants, read by gate_chunk from global memory or, in a kernel that walks many
@@ -312,6 +330,16 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
         for (int e = 0; e < 8; ++e) a.x[r][e] = 0.f;
       }
   }
+}
+
+// FusedArgs::gate_ahead: the log-decays of a chunk whose raw gate rows are in the staged buffer
+// (rows: its tokens), as load_gate_staged and gate_chunk give them, computed a chunk before their
+// use (the fused producer's L/Mqk product is in flight meanwhile).
+template <GateForm kGate, bool kF32Gate>
+__device__ __forceinline__ void gate_from_staged(const ProduceArgs& p, int h, int rows, int tid, const uint8_t* buf,
+                                                 const float* sm_gate, ThreadTile& a) {
+  load_raw_gate_staged<kF32Gate>(tid, buf, a);
+  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
 }
 
 // The row scales of q and k: sq[r] = scale / |q_r| and sq[r + 4] = 1 / |k_r| for this thread's
@@ -794,24 +822,17 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // ends after their stores (fenced for the async proxy, no barrier).
 constexpr int kLBetaOffBeta = kChunk * ProduceScratch::kLStride;
 constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
-template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
-          class AfterFactors = NoAfter>
-__device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
-                                              uint8_t* scratch, uint8_t* staged = nullptr,
-                                              uint32_t beta_bits = 0, const float* sm_gate = nullptr,
-                                              bool beta_ahead = false, float* l_beta = nullptr,
-                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
-  float* const sm_beta =
-      kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
+// produce_chunk after its load and gate: a holds the chunk's log-decays (gate_chunk's), sm_beta its
+// beta (kInvert: the scratch's, else l_beta's); q and k its rows where not staged. FusedArgs::gate_ahead
+// calls it with a gated a chunk before (its after_factors gates the next chunk while the L/Mqk
+// products are in flight).
+template <class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks, class AfterFactors = NoAfter>
+__device__ __forceinline__ void produce_chunk_gated(const ProduceArgs& p, int64_t chunk, int tid, uint8_t* rec,
+                                                    uint8_t* scratch, uint8_t* staged, ThreadTile& q, ThreadTile& k,
+                                                    ThreadTile& a, float* sm_beta, float* l_beta, const Marks& mark,
+                                                    const AfterFactors& after_factors) {
   const int64_t row0 = chunk * kChunk;
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
-
-  ThreadTile q, k, a;  // q, k unused where staged
-  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
-  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
-  mark(1);
-  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
-  mark(9);
   float sq[8];
   if constexpr (kStaged) {
     if (rows < kChunk) zero_staged_tail(tid, rows, staged);  // uniform: a sequence's last chunk at most
@@ -845,6 +866,28 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   invert<Sync>(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec, mark);
   fence_proxy_async_shared();
   mark(7);
+}
+
+template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
+          class AfterFactors = NoAfter>
+__device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
+                                              uint8_t* scratch, uint8_t* staged = nullptr,
+                                              uint32_t beta_bits = 0, const float* sm_gate = nullptr,
+                                              bool beta_ahead = false, float* l_beta = nullptr,
+                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
+  float* const sm_beta =
+      kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
+  const int64_t row0 = chunk * kChunk;
+  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
+
+  ThreadTile q, k, a;  // q, k unused where staged
+  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
+  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
+  mark(1);
+  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
+  mark(9);
+  produce_chunk_gated<Sync, kInvert, kStaged>(p, chunk, tid, rec, scratch, staged, q, k, a, sm_beta, l_beta, mark,
+                                              after_factors);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
