@@ -341,12 +341,13 @@ __device__ __forceinline__ uint64_t* gate_rows_barrier(uint64_t* full) { return 
 // arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the
 // bytes), the pieces' pre-check verdict's (consumer thread 0: verdict_barrier) and the staged gate
 // rows' (gate_rows_barrier).
+template <bool kGateRows = false>
 __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
   uint64_t* const empty = full + kStages;
   for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
   mbarrier_init(empty + kStages, 1);
   mbarrier_init(verdict_barrier(full), 1);
-  mbarrier_init(gate_rows_barrier(full), 1);
+  if constexpr (kGateRows) mbarrier_init(gate_rows_barrier(full), 1);  // only where used: the other kernels keep their SASS
   fence_mbarrier_init();
 }
 
@@ -459,19 +460,9 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       if (kGateAhead && c + 1 < staged_chunks) gate_ahead(c + 1);  // uniform
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-    if constexpr (kGateAhead) {
-      float* const sm_beta = l_beta + kLBetaOffBeta;  // produce_chunk's with the consumers inverting
-      load_beta_staged(pa, rows_of(c), tid, beta_bits, sm_beta);
-      mark(1);
-      ThreadTile a_cur = a_next, unused;
-      mark(9);
-      produce_chunk_gated<ProducerSync, false, true>(pa, c, tid, ring + stage * L::kStageSpan, scratch, staged, unused,
-                                                     unused, a_cur, sm_beta, l_beta, mark, refill);
-    } else {
-      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
-                                                                          scratch, staged, beta_bits, sm_gate, true,
-                                                                          l_beta, mark, refill);
-    }
+    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged, PhaseMarks, decltype(refill), kGateAhead>(
+        pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_bits, sm_gate, true, l_beta, mark, refill,
+        &a_next);
     mbarrier_arrive(&full[stage]);
     mark(8);
   }
@@ -890,7 +881,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   }
   const int64_t bos = kSeqs ? seq.bos : 0;
   const int64_t num_chunks = ((kSeqs ? seq_produce.T : a.consume.T) + kChunk - 1) / kChunk;
-  if (tid == 0) init_ring_barriers(full);
+  if (tid == 0) init_ring_barriers<kGateAhead>(full);
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
   if (kClock && tid < kPhaseClocks) clock_sums[tid] = 0;
   __syncthreads();

@@ -817,22 +817,39 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // from global memory.
 // beta_bits: the chunk's raw beta's bits (load_beta_bits) where staged or beta_ahead, else loaded here.
 // sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
+// kGateGiven (FusedArgs::gate_ahead; staged): the chunk's log-decays come from *gated, gated by the
+// caller a chunk ahead (gate_from_staged), and only beta is read here.
 // kInvert false: the record's inv_b is left to its consumers; L (fp32, [32][kLStride]) and beta
 // ([32]) go to l_beta instead of the scratch (L, then beta at kLBetaOffBeta floats), and the call
 // ends after their stores (fenced for the async proxy, no barrier).
 constexpr int kLBetaOffBeta = kChunk * ProduceScratch::kLStride;
 constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
-// produce_chunk after its load and gate: a holds the chunk's log-decays (gate_chunk's), sm_beta its
-// beta (kInvert: the scratch's, else l_beta's); q and k its rows where not staged. FusedArgs::gate_ahead
-// calls it with a gated a chunk before (its after_factors gates the next chunk while the L/Mqk
-// products are in flight).
-template <class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks, class AfterFactors = NoAfter>
-__device__ __forceinline__ void produce_chunk_gated(const ProduceArgs& p, int64_t chunk, int tid, uint8_t* rec,
-                                                    uint8_t* scratch, uint8_t* staged, ThreadTile& q, ThreadTile& k,
-                                                    ThreadTile& a, float* sm_beta, float* l_beta, const Marks& mark,
-                                                    const AfterFactors& after_factors) {
+template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
+          class AfterFactors = NoAfter, bool kGateGiven = false>
+__device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
+                                              uint8_t* scratch, uint8_t* staged = nullptr,
+                                              uint32_t beta_bits = 0, const float* sm_gate = nullptr,
+                                              bool beta_ahead = false, float* l_beta = nullptr,
+                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{},
+                                              const ThreadTile* gated = nullptr) {
+  float* const sm_beta =
+      kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
   const int64_t row0 = chunk * kChunk;
   const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
+
+  ThreadTile q, k, a;  // q, k unused where staged
+  if constexpr (kGateGiven) {  // the chunk's log-decays from the caller (FusedArgs::gate_ahead), beta staged here
+    static_assert(kStaged, "the gate ahead reads staged rows");
+    load_beta_staged(p, rows, tid, beta_bits, sm_beta);
+    a = *gated;
+  } else if constexpr (kStaged) {
+    load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
+  } else {
+    load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
+  }
+  mark(1);
+  if constexpr (!kGateGiven) gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
+  mark(9);
   float sq[8];
   if constexpr (kStaged) {
     if (rows < kChunk) zero_staged_tail(tid, rows, staged);  // uniform: a sequence's last chunk at most
@@ -866,28 +883,6 @@ __device__ __forceinline__ void produce_chunk_gated(const ProduceArgs& p, int64_
   invert<Sync>(tid, sm_L, sm_beta, reinterpret_cast<float*>(scratch + ProduceScratch::kOffX22), rec, mark);
   fence_proxy_async_shared();
   mark(7);
-}
-
-template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
-          class AfterFactors = NoAfter>
-__device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
-                                              uint8_t* scratch, uint8_t* staged = nullptr,
-                                              uint32_t beta_bits = 0, const float* sm_gate = nullptr,
-                                              bool beta_ahead = false, float* l_beta = nullptr,
-                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
-  float* const sm_beta =
-      kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
-  const int64_t row0 = chunk * kChunk;
-  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
-
-  ThreadTile q, k, a;  // q, k unused where staged
-  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
-  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
-  mark(1);
-  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
-  mark(9);
-  produce_chunk_gated<Sync, kInvert, kStaged>(p, chunk, tid, rec, scratch, staged, q, k, a, sm_beta, l_beta, mark,
-                                              after_factors);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill_v2
