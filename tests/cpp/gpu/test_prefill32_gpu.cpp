@@ -966,6 +966,42 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
     }
 }
 
+// The producer's gate a chunk ahead (internal fused_gate_ahead = 1, a candidate: prefill_v2
+// FusedArgs::gate_ahead) through the library's launcher: the rule's bits in its few-head pieces (random
+// gates: they run the call; one long-memory channel: the pre-check stops them and the kernels after
+// them run it), one sequence and a batch of two, eagerly and from a CUDA graph, one sequence by device
+// cu_seqlens (K0 first), and the unsplit fused kernel where the pieces are off (fused_v2 = 1).
+TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
+  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+  internal::PrefillLaunch ahead;
+  ahead.fused_gate_ahead = 1;
+  for (const int64_t B : {int64_t(1), int64_t(2)})
+    for (const bool long_memory : {false, true}) {
+      KdaInputs in = few_head_inputs(long_memory, 61, B);
+      SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
+      DeviceProblem d_rule(in), d_ahead(in, ahead);
+      const std::vector<unsigned char> rule = run_bits(in, d_rule);
+      EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "not the rule's bits";
+      EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
+      EXPECT_EQ(pieces_flags(d_ahead)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
+      {
+        CapturedCall call(in, d_ahead);
+        EXPECT_TRUE(call.replay(2) == rule) << "graph replays' bits differ from the rule's";
+      }
+      if (B == 1) {
+        EXPECT_TRUE(bits_by_cu_seqlens(in, d_rule) == rule);  // the rule's own, by cu_seqlens
+        forward_call(d_ahead, by_device_cu_seqlens(d_ahead), ahead);
+        EXPECT_TRUE(out_and_state_bits(in) == rule) << "one sequence by cu_seqlens: not the rule's bits";
+        internal::PrefillLaunch whole = ahead, whole_rule;  // the unsplit fused kernel
+        whole.fused_pieces = whole_rule.fused_pieces = -1;
+        whole.fused_v2 = whole_rule.fused_v2 = 1;
+        DeviceProblem d_whole_rule(in, whole_rule), d_whole(in, whole);
+        const std::vector<unsigned char> unsplit = run_bits(in, d_whole_rule);
+        EXPECT_TRUE(run_bits(in, d_whole) == unsplit) << "the unsplit fused kernel: not its bits without the option";
+      }
+    }
+}
+
 // Low-rank transitions after the pieces (internal lowrank_transitions = 2, a candidate): the pieces'
 // rule kept, and where they stop (long memory in one channel of head 0) the chunk-16 kernels after
 // them take the low-rank transitions: the bits of the low-rank call without pieces (lowrank 1), not

@@ -1197,8 +1197,10 @@ FusedArgs rule_args(const PrefillParams& p, const int* error_flag) {
 }  // namespace
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order) {
+                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order,
+                          bool gate_ahead) {
   FusedArgs f = rule_args(p, error_flag);
+  f.gate_ahead = gate_ahead;
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
@@ -1226,7 +1228,7 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, bool early) {
+                                 float* chain_states, bool flags_zeroed, bool early, bool gate_ahead) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1238,6 +1240,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
   }
   f.early_launch = early;
+  f.gate_ahead = gate_ahead;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {
