@@ -970,7 +970,10 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
 // FusedArgs::gate_ahead) through the library's launcher: the rule's bits in its few-head pieces (random
 // gates: they run the call; one long-memory channel: the pre-check stops them and the kernels after
 // them run it), one sequence and a batch of two, eagerly and from a CUDA graph, one sequence by device
-// cu_seqlens (K0 first), and the unsplit fused kernel where the pieces are off (fused_v2 = 1).
+// cu_seqlens (K0 first); the unsplit fused kernel where the pieces are off (fused_v2 = 1: one sequence,
+// two, and device cu_seqlens of odd lengths); forced pieces that a warm-up's bound stops mid-call. The
+// bits are the same by design, so these catch a wrong chunk's gate or rows, not whether the option ran
+// (TimeAtServingShape's phase clocks show that: its gate phase near zero).
 TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
   if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
   internal::PrefillLaunch ahead;
@@ -992,14 +995,40 @@ TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
         EXPECT_TRUE(bits_by_cu_seqlens(in, d_rule) == rule);  // the rule's own, by cu_seqlens
         forward_call(d_ahead, by_device_cu_seqlens(d_ahead), ahead);
         EXPECT_TRUE(out_and_state_bits(in) == rule) << "one sequence by cu_seqlens: not the rule's bits";
-        internal::PrefillLaunch whole = ahead, whole_rule;  // the unsplit fused kernel
-        whole.fused_pieces = whole_rule.fused_pieces = -1;
-        whole.fused_v2 = whole_rule.fused_v2 = 1;
-        DeviceProblem d_whole_rule(in, whole_rule), d_whole(in, whole);
-        const std::vector<unsigned char> unsplit = run_bits(in, d_whole_rule);
-        EXPECT_TRUE(run_bits(in, d_whole) == unsplit) << "the unsplit fused kernel: not its bits without the option";
       }
+      internal::PrefillLaunch whole = ahead, whole_rule;  // the unsplit fused kernel (B = 2: a CTA a sequence and head)
+      whole.fused_pieces = whole_rule.fused_pieces = -1;
+      whole.fused_v2 = whole_rule.fused_v2 = 1;
+      DeviceProblem d_whole_rule(in, whole_rule), d_whole(in, whole);
+      const std::vector<unsigned char> unsplit = run_bits(in, d_whole_rule);
+      EXPECT_TRUE(run_bits(in, d_whole) == unsplit) << "the unsplit fused kernel: not its bits without the option";
     }
+  {  // four pieces that a warm-up's bound stops while they run (flag 1: moderate decay on every channel,
+     // as expect_a_piece_stops), T = 1000: a last partial chunk
+    KdaOptions o;
+    o.T = 1000, o.H = 2, o.seed = 67, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    moderate_decay(in);
+    internal::PrefillLaunch four, four_ahead = ahead;
+    four.fused_pieces = four_ahead.fused_pieces = 4;
+    DeviceProblem d_four(in, four), d_ahead(in, four_ahead);
+    const std::vector<unsigned char> rule = run_bits(in, d_four);
+    EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "moderate decay: not the bits without the option";
+    EXPECT_EQ(pieces_flags(d_ahead)[0], 1) << "moderate decay: the pieces' flag (1: a warm-up's bound)";
+  }
+  {  // device cu_seqlens of odd lengths through the fused kernel (K0 first; a CTA a sequence and head): a
+     // sequence's last chunk reads the next one's rows in its TMA box
+    internal::PrefillLaunch always, always_ahead = ahead;
+    always.fused_v2 = always_ahead.fused_v2 = 1;
+    KdaOptions o;
+    o.seqlens = {100, 0, 301, 33, 64}, o.H = 3, o.seed = 71;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d_rule(in, always), d_ahead(in, always_ahead);
+    const std::vector<unsigned char> rule = run_bits(in, d_rule);
+    EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "varlen: not the fused kernel's bits without the option";
+  }
 }
 
 // Low-rank transitions after the pieces (internal lowrank_transitions = 2, a candidate): the pieces'
