@@ -10,6 +10,8 @@
 // full barrier. FusedArgs::stage_inputs: the same thread copies chunk c + 1's q, k, g rows into one
 // shared buffer (issue_chunk_rows) once chunk c's factors have read it for the last time; the
 // producer reads q and k from there where it uses them instead of holding them in registers.
+// FusedArgs::gate_ahead (a candidate): the gate's rows by a copy of their own a chunk earlier, and
+// chunk c + 1's log-decays computed while chunk c's L/Mqk product is in flight (produce_item).
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "backend.h"
