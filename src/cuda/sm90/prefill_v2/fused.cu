@@ -349,7 +349,7 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
   for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
   mbarrier_init(empty + kStages, 1);
   mbarrier_init(verdict_barrier(full), 1);
-  if constexpr (kGateRows) mbarrier_init(gate_rows_barrier(full), 1);  // only where used: the other kernels keep their SASS
+  if constexpr (kGateRows) mbarrier_init(gate_rows_barrier(full), 1);  // only where used
   fence_mbarrier_init();
 }
 
@@ -1058,7 +1058,8 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
-  if (args.gate_ahead) return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, true>(args, stream);
+  if (args.gate_ahead)
+    return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, true>(args, stream);
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
