@@ -401,10 +401,9 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // kGateAhead: the log-decays of the chunk the loop builds next. Chunk c's gate copy completes the
   // barrier's phase (base + c) & 1 (one copy a chunk, in order).
   ThreadTile a_next;
-  const auto rows_of = [&](int64_t c) { return pa.T - c * kChunk < kChunk ? int(pa.T - c * kChunk) : kChunk; };
   const auto gate_ahead = [&](int64_t c) {  // chunk c's log-decays into a_next, then chunk c + 1's rows copied
     mbarrier_wait(gate_full, uint32_t(base + c) & 1);
-    gate_from_staged<kGate, kF32Gate>(pa, h, rows_of(c), tid, staged, sm_gate, a_next);
+    gate_from_staged<kGate, kF32Gate>(pa, h, chunk_rows(pa.T, c), tid, staged, sm_gate, a_next);
     ProducerSync::sync();  // every thread's reads of the gate rows before the copy overwrites them
     if (tid == 32 && c + 1 < staged_chunks) issue_gate_rows<kF32Gate>(params.maps, h, c + 1, staged, gate_full, bos);
   };
@@ -761,7 +760,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     }
     // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
     const uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // a 32 x 128 SW128 tile (staged_v)
-    const int rows = p.T - c * kChunk < kChunk ? int(p.T - c * kChunk) : kChunk;
+    const int rows = chunk_rows(p.T, c);
     __nv_bfloat16* const slot0 = &staged_v(vs, 2 * t4, v_row);  // slot i at + sw128_slot_offset(i)
     const auto slot = [&](int i) -> __nv_bfloat16& {
       return *reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(slot0) + sw128_slot_offset(i));

@@ -18,6 +18,11 @@ constexpr int kChunk = 32;     // tokens per chunk
 constexpr int kHeadDim = 128;  // K = V
 constexpr int kThreads = 128;  // the producer: one warpgroup
 
+// The tokens of chunk c of a sequence of T (kChunk, fewer in its last).
+__host__ __device__ constexpr int chunk_rows(int64_t T, int64_t c) {
+  return T - c * kChunk < kChunk ? int(T - c * kChunk) : kChunk;
+}
+
 // Byte offset of byte b of a row (b < 256 in a tile of 128 bf16 or fp16 channels, < 512 of 128
 // fp32 ones) in a rows x 128 SW128 tile: blocks of 128 bytes a row, each block `rows` rows; the
 // row's 16-byte granule g (0..7 inside the block) of row r at granule position g ^ (r % 8).

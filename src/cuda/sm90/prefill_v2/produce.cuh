@@ -835,7 +835,7 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   float* const sm_beta =
       kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
   const int64_t row0 = chunk * kChunk;
-  const int rows = p.T - row0 < kChunk ? int(p.T - row0) : kChunk;
+  const int rows = chunk_rows(p.T, chunk);
 
   ThreadTile q, k, a;  // q, k unused where staged
   if constexpr (kGateGiven) {  // the chunk's log-decays from the caller (FusedArgs::gate_ahead), beta staged here
