@@ -509,12 +509,14 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
 // leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
 // persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
 // split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
-cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
-                             bool check_only) {
+// gate_ahead: internal::PrefillLaunch::fused_gate_ahead (a candidate; not with the persistent grid).
+cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, bool gate_ahead,
+                             cudaStream_t stream, bool check_only) {
   const int64_t items = detail::num_sequences(p) * p.H;
   return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
-                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order);
+                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order,
+                                          gate_ahead && !persistent);
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
@@ -527,11 +529,11 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 // H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower than without the launch; at
 // H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110: 256 x 64, which K0 gives
 // the fused kernel at every H measured, 0.84-0.86x forced).
-bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent) {
+bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent, bool gate_ahead) {
   const int64_t N = detail::num_sequences(p);
   return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
          (persistent || p.B * p.T >= kp.fused_min_tokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
-         fused_on_verdict(p, kp, persistent, nullptr, true) == cudaSuccess;
+         fused_on_verdict(p, kp, persistent, gate_ahead, nullptr, true) == cudaSuccess;
 }
 
 // One segment per sequence, as long as the longest possible sequence.
@@ -766,7 +768,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
     // kernel launched after them, while they do nothing.
     const bool persistent = launch.fused_persistent > 0;
-    const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
+    const bool gate_ahead = launch.fused_gate_ahead > 0;
+    const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent, gate_ahead);
     if (fused_after) {
       kp.fused_sms = sm_count();
       if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
@@ -776,7 +779,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const int seg_ctas = seg_ctas_per_sm(launch, p.H);
     with_split(kp, p.precision, launch.f16_operands,
                [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, s); });
-    if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, s, false));
+    if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, gate_ahead, s, false));
   };
   if (pieces_flag != nullptr && launch.pieces_graph_if > 0 && launch_if_stopped(stream, pieces_flag, run)) return;
   run(stream);
