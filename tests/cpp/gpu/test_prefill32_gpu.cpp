@@ -971,7 +971,8 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
 // gates: they run the call; one long-memory channel: the pre-check stops them and the kernels after
 // them run it), one sequence and a batch of two, eagerly and from a CUDA graph, one sequence by device
 // cu_seqlens (K0 first); the unsplit fused kernel where the pieces are off (fused_v2 = 1: one sequence,
-// two, and device cu_seqlens of odd lengths); forced pieces that a warm-up's bound stops mid-call. The
+// two, and device cu_seqlens of odd lengths) and where K0 picks it under the rule; forced pieces that a
+// warm-up's bound stops mid-call. The
 // bits are the same by design, so these catch a wrong chunk's gate or rows, not whether the option ran
 // (TimeAtServingShape's phase clocks show that: its gate phase near zero).
 TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
@@ -1028,6 +1029,17 @@ TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
     DeviceProblem d_rule(in, always), d_ahead(in, always_ahead);
     const std::vector<unsigned char> rule = run_bits(in, d_rule);
     EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "varlen: not the fused kernel's bits without the option";
+  }
+  {  // the same lengths at H = 24 under the rule: K0 gives the call to the fused kernel launched after the
+     // chunk-16 kernels (3 N H >= 2 SMs, a mean of 64 tokens or more)
+    KdaOptions o;
+    o.seqlens = {100, 0, 301, 33, 64}, o.H = 24, o.seed = 73;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    KdaInputs in(o);
+    SCOPED_TRACE(in.describe());
+    DeviceProblem d_rule(in), d_ahead(in, ahead);
+    const std::vector<unsigned char> rule = run_bits(in, d_rule);
+    EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "K0's fused verdict: not the rule's bits";
   }
 }
 
