@@ -71,9 +71,12 @@ if want build; then
   # beside python/flashkda instead of compiling every kernel a second time through pip (minutes).
   py_ext=OFF
   python3 -c "import nanobind" 2> /dev/null && py_ext=ON
+  # BUILD_TARGETS (e.g. "test_prefill32_gpu"): only those targets, without the Python extension: the
+  # short call that still fits when little device time is left (pair it with GPU_TESTS and GTEST_FILTER).
+  [ -n "${BUILD_TARGETS:-}" ] && py_ext=OFF
   cmake -S . -B build-gpu -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DFLASHKDA_BUILD_PYTHON=$py_ext \
     -DCUTLASS_DIR="$CUTLASS" >> "$OUT/build.log" 2>&1 &&
-    cmake --build build-gpu -j "$JOBS" >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; step done status=1 build failed; exit 1; }
+    cmake --build build-gpu -j "$JOBS" ${BUILD_TARGETS:+--target $BUILD_TARGETS} >> "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; step done status=1 build failed; exit 1; }
   grep -E "warning|spill" "$OUT/build.log" | grep -v "^$" | head -20
 fi
 
@@ -84,7 +87,7 @@ fi
 # candidates still unrun on a GPU (GPU_ALONE, gtest filters separated by ':') after the rest, each
 # filter alone under a shorter one.
 # GPU_TESTS: a subset of the binaries by name (e.g. "test_prefill_gpu test_decode_gpu"), where a short
-# call must validate one change; default every one.
+# call must validate one change; default every one. GTEST_FILTER: their tests (default all but GPU_ALONE).
 GPU_ALONE=${GPU_ALONE:-'*FusedPieces*:*LowRank*'}
 gpu_test_binaries() {
   if [ -n "${GPU_TESTS:-}" ]; then for n in $GPU_TESTS; do echo "build-gpu/tests/cpp/$n"; done
@@ -92,7 +95,7 @@ gpu_test_binaries() {
 }
 gpu_binaries() {
   for t in $(gpu_test_binaries); do
-    [ -x "$t" ] && { timeout 900 "$t" --gtest_brief=1 --gtest_filter="-$GPU_ALONE" 2>&1 | tee -a "$OUT/ctest.log" |
+    [ -x "$t" ] && { timeout 900 "$t" --gtest_brief=1 --gtest_filter="${GTEST_FILTER:--$GPU_ALONE}" 2>&1 | tee -a "$OUT/ctest.log" |
                        grep -E "measure|FAILED|PASSED|SKIPPED" | sed -n 1,60p
                      [ "${PIPESTATUS[0]}" -eq 0 ] || status=1; }
   done
