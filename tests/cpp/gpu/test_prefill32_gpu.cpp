@@ -1906,15 +1906,67 @@ TEST_F(Prefill32Gpu, FusedVeryLongSequence131072) {
 // Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) for the call
 // `f` describes (its produce and consume arguments and flags; FusedArgs::phase_clocks set here): one
 // line of the producer's phases (its thread 0), then the consumers' (their thread 0).
+// The chunk timeline (FusedArgs::chunk_trace) of the traced heads' steady chunks (4 .. n - 3): each
+// side's wait and work a chunk (mean and spread), the hand-overs (a stage full to the consumers'
+// wake-up, a stage released by both warpgroups to the producer's), the warpgroups' skew, the period,
+// and how often both sides waited on the same chunk: the two sides of a two-stage ring cannot both
+// wait unless their chunks' times vary.
+void print_chunk_trace(const std::vector<long long>& tr, int64_t chunks, int heads, const std::string& label) {
+  const int64_t n = std::min<int64_t>(chunks, kTraceChunks);
+  if (n < 12) return;
+  const auto at = [&](int h, int64_t c, int p) { return double(tr[(size_t(h) * kTraceChunks + c) * kTracePoints + p]); };
+  struct Stat {
+    double sum = 0, sq = 0, n = 0;
+    void add(double x) { sum += x, sq += x * x, ++n; }
+    double mean() const { return sum / n; }
+    double sd() const { return std::sqrt(std::max(0.0, sq / n - mean() * mean())); }
+  };
+  Stat pw, pwork, cw, cwork, cwork1, skew, to_cons, to_prod, period;
+  int both = 0, steady = 0;
+  for (int h = 0; h < heads; ++h) {
+    for (int64_t c = 4; c < n - 2; ++c) {
+      const double release = std::max(at(h, c - 2, 5), at(h, c - 2, 7));  // stage of chunk c freed
+      pw.add(at(h, c, 1) - at(h, c, 0)), pwork.add(at(h, c, 2) - at(h, c, 1));
+      cw.add(at(h, c, 4) - at(h, c, 3)), cwork.add(at(h, c, 5) - at(h, c, 4)), cwork1.add(at(h, c, 7) - at(h, c, 6));
+      skew.add(at(h, c, 7) - at(h, c, 5));
+      if (at(h, c, 1) - at(h, c, 0) > 100) to_prod.add(at(h, c, 1) - release);
+      if (at(h, c, 4) - at(h, c, 3) > 100) to_cons.add(at(h, c, 4) - at(h, c, 2));
+      both += at(h, c, 1) - at(h, c, 0) > 300 && at(h, c, 4) - at(h, c, 3) > 300;
+      ++steady;
+    }
+    period.add((at(h, n - 3, 2) - at(h, 4, 2)) / double(n - 7));
+  }
+  std::printf("[ measure  ] chunk timeline%s (cycles, %d heads x chunks 4..%lld, mean/sd): period %.0f; producer "
+              "empty wait %.0f/%.0f, work %.0f/%.0f; consumers full wait %.0f/%.0f, work %.0f/%.0f (warpgroup 1 "
+              "%.0f/%.0f, its release %.0f/%.0f after warpgroup 0's); hand-over to the consumers %.0f (%g chunks), "
+              "to the producer %.0f (%g chunks); both sides waited > 300 on %d of %d chunks\n",
+              label.c_str(), heads, static_cast<long long>(n - 3), period.mean(), pw.mean(), pw.sd(), pwork.mean(),
+              pwork.sd(), cw.mean(), cw.sd(), cwork.mean(), cwork.sd(), cwork1.mean(), cwork1.sd(), skew.mean(),
+              skew.sd(), to_cons.n ? to_cons.mean() : 0.0, to_cons.n, to_prod.n ? to_prod.mean() : 0.0, to_prod.n,
+              both, steady);
+  std::printf("[ measure  ] chunk timeline%s, head 0, chunks 4..19 (producer wait+work | consumers wait+work):",
+              label.c_str());
+  for (int64_t c = 4; c < std::min<int64_t>(20, n - 2); ++c)
+    std::printf(" %.0f+%.0f|%.0f+%.0f", at(0, c, 1) - at(0, c, 0), at(0, c, 2) - at(0, c, 1), at(0, c, 4) - at(0, c, 3),
+                at(0, c, 5) - at(0, c, 4));
+  std::printf("\n");
+}
+
 void print_phase_clocks(FusedArgs f, const std::string& label) {
   const int H = f.consume.H;
   long long* clocks = nullptr;
+  long long* trace = nullptr;
+  const size_t trace_len = size_t(kTraceHeads) * kTraceChunks * kTracePoints;
   ASSERT_EQ(cudaMalloc(&clocks, sizeof(long long) * kPhaseClocks * H), cudaSuccess);
-  f.phase_clocks = clocks;
+  ASSERT_EQ(cudaMalloc(&trace, sizeof(long long) * trace_len), cudaSuccess);
+  ASSERT_EQ(cudaMemset(trace, 0, sizeof(long long) * trace_len), cudaSuccess);
+  f.phase_clocks = clocks, f.chunk_trace = trace;
   ASSERT_EQ(fused_chunks(f, nullptr), cudaSuccess);
-  std::vector<long long> sums(size_t(kPhaseClocks) * H);
+  std::vector<long long> sums(size_t(kPhaseClocks) * H), tr(trace_len);
   ASSERT_EQ(cudaMemcpy(sums.data(), clocks, sizeof(long long) * sums.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  cudaFree(clocks);
+  ASSERT_EQ(cudaMemcpy(tr.data(), trace, sizeof(long long) * trace_len, cudaMemcpyDeviceToHost), cudaSuccess);
+  cudaFree(clocks), cudaFree(trace);
+  print_chunk_trace(tr, (f.consume.T + kChunk - 1) / kChunk, std::min(H, kTraceHeads), label);
   const char* names[kPhaseClocks] = {"empty wait", "load", "normalise", "scan", "factors", "L/Mqk wgmma",
                                      "L/Mqk stores", "inverse products and stores", "arrive+loop", "gate", "full wait",
                                      "recurrence", "out stores+release", "inverse", "inverse substitution", "chunks"};

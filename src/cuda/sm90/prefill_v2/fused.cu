@@ -60,6 +60,12 @@ struct SmemLayout {
   static_assert(kBytes <= 227 * 1024);
 };
 
+// FusedArgs::chunk_trace: clock64() as chunk c of head h reaches `point` (timing only).
+__device__ __forceinline__ void trace_point(const FusedArgs& a, int h, int64_t c, int point) {
+  if (a.chunk_trace != nullptr && h < kTraceHeads && c < kTraceChunks)
+    a.chunk_trace[(int64_t(h) * kTraceChunks + c) * kTracePoints + point] = clock64();
+}
+
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
 struct PhaseMarks {
   long long* sums;  // shared memory; null: off
@@ -423,8 +429,10 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     const int stage = int(gc % kStages);
     const uint32_t beta_bits = beta_next;
     if (c + 1 < staged_chunks) beta_next = load_beta_bits(pa, h, c + 1, tid);
+    if (kClock && tid == 0) trace_point(a, h, c, 0);
     if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
     mark(0);
+    if (kClock && tid == 0) trace_point(a, h, c, 1);
     if constexpr (kPieces) {
       // The stop as the consumers released this stage (uniform: as the release the wait acquired left
       // it); at the first chunk, their gates' pre-check's (uniform: one value, written once by
@@ -466,6 +474,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
         &a_next);
     mbarrier_arrive(&full[stage]);
     mark(8);
+    if (kClock && tid == 0) trace_point(a, h, c, 2);
   }
   if (kClock && tid == 0) {
     for (int i = 0; i < 10; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
@@ -725,7 +734,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     if (kPieces && ctid == 0) flag_next = *static_cast<volatile int*>(a.pieces_flag);
     const bool failed = flag != 0;
     if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
+    const bool tracer = kClock && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
+    if (tracer && cwg == 0) trace_point(a, h, c, 3);
     mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
+    if (tracer) trace_point(a, h, c, cwg ? 6 : 4);
     if constexpr (kPieces) {
       if (draining) {  // release what the producer fills until the chunk at which it stopped
         if (stopped_at_load(stop) <= c) break;
@@ -793,6 +805,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // overwrites them: fenced by each writing thread, then released by its arrival.
     fence_proxy_async_shared();
     release(stage);
+    if (tracer) trace_point(a, h, c, cwg ? 7 : 5);
     if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
       if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
       next_ckpt += ckpt_period, ++ck;

@@ -142,8 +142,16 @@ struct FusedArgs {
   // cycles of exponentials and reciprocals (MUFU-bound) sat alone on its chain. The same arithmetic:
   // the same bits.
   bool gate_ahead = false;
+  // Timing only, with phase_clocks: a timeline of the first kTraceHeads heads' first kTraceChunks
+  // chunks, [kTraceHeads][kTraceChunks][kTracePoints] clock64() values of the head's SM (null: none).
+  // Points: 0 the producer at its chunk's top (before the empty-stage wait), 1 after that wait, 2 after
+  // its arrival on the full barrier (its thread 0); 3 consumer warpgroup 0 before its full-stage wait,
+  // 4 after it, 5 after its release of the stage (its thread 0); 6, 7 warpgroup 1's 4 and 5. Where a
+  // point is not reached (a warm-up chunk's release) its entry is left as it was.
+  long long* chunk_trace = nullptr;
 };
 constexpr int kPhaseClocks = 16;
+constexpr int kTraceHeads = 4, kTraceChunks = 512, kTracePoints = 8;
 
 // Launches the fused kernel on `stream`; returns the launch's error.
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
