@@ -1907,48 +1907,56 @@ TEST_F(Prefill32Gpu, FusedVeryLongSequence131072) {
 // `f` describes (its produce and consume arguments and flags; FusedArgs::phase_clocks set here): one
 // line of the producer's phases (its thread 0), then the consumers' (their thread 0).
 // The chunk timeline (FusedArgs::chunk_trace) of the traced heads' steady chunks (4 .. n - 3): each
-// side's wait and work a chunk (mean and spread), the hand-overs (a stage full to the consumers'
-// wake-up, a stage released by both warpgroups to the producer's), the warpgroups' skew, the period,
-// and how often both sides waited on the same chunk: the two sides of a two-stage ring cannot both
-// wait unless their chunks' times vary.
+// side's wait and work a chunk (mean and spread; the producer's work to its last warp's arrival, the
+// consumers' to their last warp's release), how far the other warps trail the timed thread's warp, the
+// hand-overs (the producer's last arrival to the consumers' wake-up, the consumers' last release of
+// the stage to the producer's), the period, and how often both sides waited on the same chunk: in a
+// two-stage ring with steady chunk times only one side waits.
 void print_chunk_trace(const std::vector<long long>& tr, int64_t chunks, int heads, const std::string& label) {
   const int64_t n = std::min<int64_t>(chunks, kTraceChunks);
   if (n < 12) return;
   const auto at = [&](int h, int64_t c, int p) { return double(tr[(size_t(h) * kTraceChunks + c) * kTracePoints + p]); };
+  const auto span = [&](int h, int64_t c, int first, int count, bool latest) {
+    double x = at(h, c, first);
+    for (int i = 1; i < count; ++i) x = latest ? std::max(x, at(h, c, first + i)) : std::min(x, at(h, c, first + i));
+    return x;
+  };
   struct Stat {
     double sum = 0, sq = 0, n = 0;
     void add(double x) { sum += x, sq += x * x, ++n; }
-    double mean() const { return sum / n; }
-    double sd() const { return std::sqrt(std::max(0.0, sq / n - mean() * mean())); }
+    double mean() const { return n ? sum / n : 0.0; }
+    double sd() const { return std::sqrt(std::max(0.0, n ? sq / n - mean() * mean() : 0.0)); }
   };
-  Stat pw, pwork, cw, cwork, cwork1, skew, to_cons, to_prod, period;
+  Stat pw, pwork, ptrail, cw, cwork, ctrail, cskew, to_cons, to_prod, period;
   int both = 0, steady = 0;
   for (int h = 0; h < heads; ++h) {
     for (int64_t c = 4; c < n - 2; ++c) {
-      const double release = std::max(at(h, c - 2, 5), at(h, c - 2, 7));  // stage of chunk c freed
-      pw.add(at(h, c, 1) - at(h, c, 0)), pwork.add(at(h, c, 2) - at(h, c, 1));
-      cw.add(at(h, c, 4) - at(h, c, 3)), cwork.add(at(h, c, 5) - at(h, c, 4)), cwork1.add(at(h, c, 7) - at(h, c, 6));
-      skew.add(at(h, c, 7) - at(h, c, 5));
-      if (at(h, c, 1) - at(h, c, 0) > 100) to_prod.add(at(h, c, 1) - release);
-      if (at(h, c, 4) - at(h, c, 3) > 100) to_cons.add(at(h, c, 4) - at(h, c, 2));
-      both += at(h, c, 1) - at(h, c, 0) > 300 && at(h, c, 4) - at(h, c, 3) > 300;
+      const double p_done = span(h, c, 2, 4, true), c_done = span(h, c, 9, 8, true);
+      const double freed = span(h, c - 2, 9, 8, true);  // the stage chunk c fills, as the consumers left it
+      const double p_wait = at(h, c, 1) - at(h, c, 0), c_wait = at(h, c, 7) - at(h, c, 6);
+      pw.add(p_wait), pwork.add(p_done - at(h, c, 1)), ptrail.add(p_done - at(h, c, 2));
+      cw.add(c_wait), cwork.add(c_done - at(h, c, 7)), ctrail.add(c_done - at(h, c, 9));
+      cskew.add(at(h, c, 8) - at(h, c, 7));
+      if (p_wait > 100) to_prod.add(at(h, c, 1) - freed);
+      if (c_wait > 100) to_cons.add(at(h, c, 7) - p_done);
+      both += p_wait > 300 && c_wait > 300;
       ++steady;
     }
-    period.add((at(h, n - 3, 2) - at(h, 4, 2)) / double(n - 7));
+    period.add((span(h, n - 3, 2, 4, true) - span(h, 4, 2, 4, true)) / double(n - 7));
   }
   std::printf("[ measure  ] chunk timeline%s (cycles, %d heads x chunks 4..%lld, mean/sd): period %.0f; producer "
-              "empty wait %.0f/%.0f, work %.0f/%.0f; consumers full wait %.0f/%.0f, work %.0f/%.0f (warpgroup 1 "
-              "%.0f/%.0f, its release %.0f/%.0f after warpgroup 0's); hand-over to the consumers %.0f (%g chunks), "
-              "to the producer %.0f (%g chunks); both sides waited > 300 on %d of %d chunks\n",
+              "empty wait %.0f/%.0f, work %.0f/%.0f, its last warp %.0f/%.0f after warp 0; consumers full wait "
+              "%.0f/%.0f, work %.0f/%.0f, their last warp's release %.0f/%.0f after warp 0's, warpgroup 1 woken "
+              "%.0f/%.0f after warpgroup 0; hand-over to the consumers %.0f (%g chunks), to the producer %.0f (%g "
+              "chunks); both sides waited > 300 on %d of %d chunks\n",
               label.c_str(), heads, static_cast<long long>(n - 3), period.mean(), pw.mean(), pw.sd(), pwork.mean(),
-              pwork.sd(), cw.mean(), cw.sd(), cwork.mean(), cwork.sd(), cwork1.mean(), cwork1.sd(), skew.mean(),
-              skew.sd(), to_cons.n ? to_cons.mean() : 0.0, to_cons.n, to_prod.n ? to_prod.mean() : 0.0, to_prod.n,
-              both, steady);
-  std::printf("[ measure  ] chunk timeline%s, head 0, chunks 4..19 (producer wait+work | consumers wait+work):",
+              pwork.sd(), ptrail.mean(), ptrail.sd(), cw.mean(), cw.sd(), cwork.mean(), cwork.sd(), ctrail.mean(),
+              ctrail.sd(), cskew.mean(), cskew.sd(), to_cons.mean(), to_cons.n, to_prod.mean(), to_prod.n, both, steady);
+  std::printf("[ measure  ] chunk timeline%s, head 0, chunks 4..15 (producer wait+work | consumers wait+work):",
               label.c_str());
-  for (int64_t c = 4; c < std::min<int64_t>(20, n - 2); ++c)
-    std::printf(" %.0f+%.0f|%.0f+%.0f", at(0, c, 1) - at(0, c, 0), at(0, c, 2) - at(0, c, 1), at(0, c, 4) - at(0, c, 3),
-                at(0, c, 5) - at(0, c, 4));
+  for (int64_t c = 4; c < std::min<int64_t>(16, n - 2); ++c)
+    std::printf(" %.0f+%.0f|%.0f+%.0f", at(0, c, 1) - at(0, c, 0), span(0, c, 2, 4, true) - at(0, c, 1),
+                at(0, c, 7) - at(0, c, 6), span(0, c, 9, 8, true) - at(0, c, 7));
   std::printf("\n");
 }
 

@@ -380,6 +380,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
                                              long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   using ProducerSync = WarpgroupSync<1>;
+  constexpr bool kTrace = kClock && kStaged && kConsumerInv;  // FusedArgs::chunk_trace (the rule's flags' clocks)
   const FusedArgs& a = params.a;
   uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
@@ -429,10 +430,10 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     const int stage = int(gc % kStages);
     const uint32_t beta_bits = beta_next;
     if (c + 1 < staged_chunks) beta_next = load_beta_bits(pa, h, c + 1, tid);
-    if (kClock && tid == 0) trace_point(a, h, c, 0);
+    if (kTrace && tid == 0) trace_point(a, h, c, 0);
     if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
     mark(0);
-    if (kClock && tid == 0) trace_point(a, h, c, 1);
+    if (kTrace && tid == 0) trace_point(a, h, c, 1);
     if constexpr (kPieces) {
       // The stop as the consumers released this stage (uniform: as the release the wait acquired left
       // it); at the first chunk, their gates' pre-check's (uniform: one value, written once by
@@ -474,7 +475,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
         &a_next);
     mbarrier_arrive(&full[stage]);
     mark(8);
-    if (kClock && tid == 0) trace_point(a, h, c, 2);
+    if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
   }
   if (kClock && tid == 0) {
     for (int i = 0; i < 10; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
@@ -681,6 +682,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
+  constexpr bool kTrace = kClock && kStaged && kConsumerInv;  // FusedArgs::chunk_trace (the rule's flags' clocks)
   const FusedArgs& a = params.a;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   uint64_t* const empty = full + kStages;
@@ -734,10 +736,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     if (kPieces && ctid == 0) flag_next = *static_cast<volatile int*>(a.pieces_flag);
     const bool failed = flag != 0;
     if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
-    const bool tracer = kClock && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
-    if (tracer && cwg == 0) trace_point(a, h, c, 3);
+    const bool tracer = kTrace && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
+    if (tracer && cwg == 0) trace_point(a, h, c, 6);
     mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
-    if (tracer) trace_point(a, h, c, cwg ? 6 : 4);
+    if (tracer) trace_point(a, h, c, 7 + cwg);
     if constexpr (kPieces) {
       if (draining) {  // release what the producer fills until the chunk at which it stopped
         if (stopped_at_load(stop) <= c) break;
@@ -805,7 +807,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     // overwrites them: fenced by each writing thread, then released by its arrival.
     fence_proxy_async_shared();
     release(stage);
-    if (tracer) trace_point(a, h, c, cwg ? 7 : 5);
+    if (kTrace && lane == 0) trace_point(a, h, c, 9 + (ctid >> 5));  // each consumer warp's release
     if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
       if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
       next_ckpt += ckpt_period, ++ck;

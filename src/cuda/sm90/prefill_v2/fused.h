@@ -142,16 +142,18 @@ struct FusedArgs {
   // cycles of exponentials and reciprocals (MUFU-bound) sat alone on its chain. The same arithmetic:
   // the same bits.
   bool gate_ahead = false;
-  // Timing only, with phase_clocks: a timeline of the first kTraceHeads heads' first kTraceChunks
+  // Timing only, with phase_clocks and staged inputs and inverting consumers (the rule's flags; other
+  // variants leave it untouched): a timeline of the first kTraceHeads heads' first kTraceChunks
   // chunks, [kTraceHeads][kTraceChunks][kTracePoints] clock64() values of the head's SM (null: none).
-  // Points: 0 the producer at its chunk's top (before the empty-stage wait), 1 after that wait, 2 after
-  // its arrival on the full barrier (its thread 0); 3 consumer warpgroup 0 before its full-stage wait,
-  // 4 after it, 5 after its release of the stage (its thread 0); 6, 7 warpgroup 1's 4 and 5. Where a
-  // point is not reached (a warm-up chunk's release) its entry is left as it was.
+  // Points: 0 the producer at its chunk's top (before the empty-stage wait), 1 after that wait (its
+  // thread 0), 2-5 each producer warp's arrival on the full barrier (lane 0); 6 consumer warpgroup 0
+  // before its full-stage wait, 7 and 8 each warpgroup after it (thread 0), 9-16 each consumer warp's
+  // release of the stage (lane 0). Where a point is not reached (a warm-up chunk's release) its entry
+  // is left as it was.
   long long* chunk_trace = nullptr;
 };
 constexpr int kPhaseClocks = 16;
-constexpr int kTraceHeads = 4, kTraceChunks = 512, kTracePoints = 8;
+constexpr int kTraceHeads = 4, kTraceChunks = 512, kTracePoints = 17;
 
 // Launches the fused kernel on `stream`; returns the launch's error.
 cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
