@@ -56,9 +56,9 @@ struct V2Call {
   // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse, gate_ahead;
+    bool staged, producer_regs, consumer_inverse, gate_ahead, late_empty;
   };
-  static constexpr int kModes = 10;
+  static constexpr int kModes = 11;
   static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false},
                                               {"fused32 ", false, false, false},
                                               {"fused32 staged ", true, false, false},
@@ -68,7 +68,8 @@ struct V2Call {
                                               {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true},
                                               {"fused32 staged, setmaxnreg ", true, true, false},
                                               {"fused32 staged, inverting consumers ", true, false, true},
-                                              {"fused32 rule's flags, gate ahead ", true, true, true, true}};
+                                              {"fused32 rule's flags, gate ahead ", true, true, true, true},
+                                              {"fused32 rule's flags, gate ahead, late wait ", true, true, true, true, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -77,7 +78,7 @@ struct V2Call {
       f.produce = pa, f.consume = ca, f.stage_inputs = m.staged;
       f.producer_regs = m.producer_regs;
       f.consumer_inverse = m.consumer_inverse;
-      f.gate_ahead = m.gate_ahead;
+      f.gate_ahead = m.gate_ahead, f.late_empty = m.late_empty;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -967,7 +968,7 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
 }
 
 // The producer's gate a chunk ahead (internal fused_gate_ahead = 1, a candidate: prefill_v2
-// FusedArgs::gate_ahead) through the library's launcher: the rule's bits in its few-head pieces (random
+// FusedArgs::gate_ahead; 2 with the late wait for a stage, FusedArgs::late_empty) through the library's launcher: the rule's bits in its few-head pieces (random
 // gates: they run the call; one long-memory channel: the pre-check stops them and the kernels after
 // them run it), one sequence and a batch of two, eagerly and from a CUDA graph, one sequence by device
 // cu_seqlens (K0 first); the unsplit fused kernel where the pieces are off (fused_v2 = 1: one sequence,
@@ -975,10 +976,11 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
 // warm-up's bound stops mid-call. The
 // bits are the same by design, so these catch a wrong chunk's gate or rows, not whether the option ran
 // (TimeAtServingShape's phase clocks show that: its gate phase near zero).
-TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
-  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+// option: internal fused_gate_ahead (2: the late wait for a stage too, FusedArgs::late_empty).
+void gate_ahead_gives_the_same_bits(int option) {
+  SCOPED_TRACE("fused_gate_ahead = " + std::to_string(option));
   internal::PrefillLaunch ahead;
-  ahead.fused_gate_ahead = 1;
+  ahead.fused_gate_ahead = option;
   for (const int64_t B : {int64_t(1), int64_t(2)})
     for (const bool long_memory : {false, true}) {
       KdaInputs in = few_head_inputs(long_memory, 61, B);
@@ -1041,6 +1043,10 @@ TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
     const std::vector<unsigned char> rule = run_bits(in, d_rule);
     EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "K0's fused verdict: not the rule's bits";
   }
+}
+TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
+  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
+  for (const int option : {1, 2}) gate_ahead_gives_the_same_bits(option);
 }
 
 // Low-rank transitions after the pieces (internal lowrank_transitions = 2, a candidate): the pieces'
@@ -2045,17 +2051,19 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
   // Where the fused kernel's cycles go in eight variants (inputs loaded or staged by TMA, setmaxnreg
   // or not, the consumers inverting or not).
-  // The rule's flags (variant 7) again with the gate a chunk ahead (FusedArgs::gate_ahead, a candidate).
-  for (int variant = 0; variant < 9; ++variant) {
-    const bool staged = variant & 1 || variant == 8, regs = variant & 2 || variant == 8,
-               cinv = variant & 4 || variant == 8;
+  // The rule's flags (variant 7) again with the gate a chunk ahead (FusedArgs::gate_ahead, a candidate),
+  // and (9) with the late wait for a stage too (FusedArgs::late_empty, a candidate).
+  for (int variant = 0; variant < 10; ++variant) {
+    const bool rule = variant >= 7, staged = variant & 1 || rule, regs = variant & 2 || rule,
+               cinv = variant & 4 || rule;
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca, clocked.stage_inputs = staged;
     clocked.producer_regs = regs;
     clocked.consumer_inverse = cinv;
-    clocked.gate_ahead = variant == 8;
+    clocked.gate_ahead = variant >= 8, clocked.late_empty = variant == 9;
     print_phase_clocks(clocked, std::string(staged ? " (staged inputs)" : "") + (regs ? " (setmaxnreg 184 / 160)" : "") +
-                                    (cinv ? " (inverting consumers)" : "") + (variant == 8 ? " (gate ahead)" : ""));
+                                    (cinv ? " (inverting consumers)" : "") + (variant >= 8 ? " (gate ahead)" : "") +
+                                    (variant == 9 ? " (late wait)" : ""));
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::printf("[ measure  ] prefill32 T=8192 H=96: fused %.3f ms, fused with staged inputs %.3f ms, the fused "

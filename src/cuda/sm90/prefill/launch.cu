@@ -509,14 +509,14 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
 // leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
 // persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
 // split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
-// gate_ahead: internal::PrefillLaunch::fused_gate_ahead (a candidate; not with the persistent grid).
-cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, bool gate_ahead,
+// gate_ahead: internal::PrefillLaunch::fused_gate_ahead (candidates; not with the persistent grid).
+cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, int gate_ahead,
                              cudaStream_t stream, bool check_only) {
   const int64_t items = detail::num_sequences(p) * p.H;
   return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
                                           persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order,
-                                          gate_ahead && !persistent);
+                                          persistent ? 0 : gate_ahead);
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
@@ -529,7 +529,7 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 // H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower than without the launch; at
 // H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110: 256 x 64, which K0 gives
 // the fused kernel at every H measured, 0.84-0.86x forced).
-bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent, bool gate_ahead) {
+bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent, int gate_ahead) {
   const int64_t N = detail::num_sequences(p);
   return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
          (persistent || p.B * p.T >= kp.fused_min_tokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
@@ -723,7 +723,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const bool early = launch.early_launch > 0 && (launch.early_launch & kEarlyPieces) != 0;
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
                                                pieces_ckpt_start, stream, chain_states, k0_first, early,
-                                               launch.fused_gate_ahead > 0) == cudaSuccess) {
+                                               launch.fused_gate_ahead) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag
@@ -756,7 +756,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       }
       const cudaError_t err =
           sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, s, false, false, nullptr, 0, order,
-                                          launch.fused_gate_ahead > 0);
+                                          launch.fused_gate_ahead);
       if (err == cudaSuccess) return;
       // Under the rule, a fused kernel that cannot start here (its register split or the driver's
       // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
@@ -768,7 +768,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
     // kernel launched after them, while they do nothing.
     const bool persistent = launch.fused_persistent > 0;
-    const bool gate_ahead = launch.fused_gate_ahead > 0;
+    const int gate_ahead = launch.fused_gate_ahead;
     const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent, gate_ahead);
     if (fused_after) {
       kp.fused_sms = sm_count();

@@ -373,8 +373,11 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // log-decays are computed before the loop, chunk c + 1's while chunk c's L/Mqk product is in flight
 // (into the tile `a` that chunk c's factors no longer read), and once every producer thread has read
 // them (a barrier of the warpgroup) chunk c + 2's rows are copied into the buffer's gate part.
+// kLateEmpty (FusedArgs::late_empty; with kGateAhead): the wait for chunk c's stage (and the stop read
+// and v's copy after it) comes after chunk c's row scales and scan, right before the first write into
+// the stage (produce_chunk's kLateStage), so that those phases overlap the consumers' chunk c - 2.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
-          bool kGateAhead = false>
+          bool kGateAhead = false, bool kLateEmpty = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
@@ -398,6 +401,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
   static_assert(!kGateAhead || (kStaged && kConsumerInv), "the gate a chunk ahead reads staged rows");
+  static_assert(!kLateEmpty || kGateAhead, "the late wait for a stage: with the gate ahead");
   uint64_t* const gate_full = gate_rows_barrier(full);
   if constexpr (kStaged) {
     if (tid == 32 && num_chunks > 0) {
@@ -430,38 +434,49 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     const int stage = int(gc % kStages);
     const uint32_t beta_bits = beta_next;
     if (c + 1 < staged_chunks) beta_next = load_beta_bits(pa, h, c + 1, tid);
-    if (kTrace && tid == 0) trace_point(a, h, c, 0);
-    if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
-    mark(0);
-    if (kTrace && tid == 0) trace_point(a, h, c, 1);
-    if constexpr (kPieces) {
+    // The piece's stop at chunk c, read once its stage is free (kPieces; true: the producer leaves, its
+    // arrival made), and chunk c's v rows copied into the stage.
+    const auto stopped_at_chunk = [&]() -> bool {
       // The stop as the consumers released this stage (uniform: as the release the wait acquired left
       // it); at the first chunk, their gates' pre-check's (uniform: one value, written once by
       // consumer thread 0 before its arrival on verdict_barrier).
       const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
-        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop); kGateAhead, chunk
-        // c + 1's gate rows (issued once chunk c's were read)
-        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
+        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop; kLateEmpty: waited for
+        // already); kGateAhead, chunk c + 1's gate rows (issued once chunk c's were read)
+        if (kStaged && !kLateEmpty) mbarrier_wait(staged_full, uint32_t(gc) & 1);
         if (kGateAhead && c + 1 < staged_chunks) mbarrier_wait(gate_full, uint32_t(gc + 1) & 1);
         mbarrier_arrive(&full[stage]);
-        break;
       }
-    }
-    if (a.time_consumers_only && gc >= kStages) {
-      mbarrier_arrive(&full[stage]);
-      continue;
-    }
-    if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
-      // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
-      // accesses of this stage's v were generic-proxy loads and stores (loads only with their early
-      // release), ordered before here by the empty barrier; the copies write through the async proxy.
-      fence_proxy_async_shared();
-      mbarrier_expect_tx(&full[stage], kVBytes);
-      uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
-      tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
-      tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
+      return stopped;
+    };
+    const auto copy_v = [&] {
+      if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
+        // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
+        // accesses of this stage's v were generic-proxy loads and stores (loads only with their early
+        // release), ordered before here by the empty barrier; the copies write through the async proxy.
+        fence_proxy_async_shared();
+        mbarrier_expect_tx(&full[stage], kVBytes);
+        uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
+        tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
+        tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
+      }
+    };
+    const auto wait_for_stage = [&] {
+      if (kTrace && tid == 0) trace_point(a, h, c, 0);
+      if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
+      mark(0);
+      if (kTrace && tid == 0) trace_point(a, h, c, 1);
+    };
+    if constexpr (!kLateEmpty) {
+      wait_for_stage();
+      if (kPieces && stopped_at_chunk()) break;
+      if (a.time_consumers_only && gc >= kStages) {
+        mbarrier_arrive(&full[stage]);
+        continue;
+      }
+      copy_v();
     }
     if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
     const auto refill = [&] {
@@ -470,9 +485,19 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       if (kGateAhead && c + 1 < staged_chunks) gate_ahead(c + 1);  // uniform
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged, PhaseMarks, decltype(refill), kGateAhead>(
-        pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_bits, sm_gate, true, l_beta, mark, refill,
-        &a_next);
+    // kLateEmpty: the stage waited for (and the stop read, v copied) after chunk c's scan, right before
+    // produce_chunk's first write into the stage (never with time_consumers_only).
+    bool stopped = false;
+    const auto take_late = [&] {
+      wait_for_stage();
+      stopped = kPieces && stopped_at_chunk();
+      if (!stopped) copy_v();
+      return !stopped;
+    };
+    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged, PhaseMarks, decltype(refill), kGateAhead,
+                  kLateEmpty, decltype(take_late)>(pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged,
+                                                   beta_bits, sm_gate, true, l_beta, mark, refill, &a_next, take_late);
+    if (kLateEmpty && stopped) break;  // uniform: a stopped piece (stopped_at_chunk made its arrival)
     mbarrier_arrive(&full[stage]);
     mark(8);
     if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
@@ -838,7 +863,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false, bool kGateAhead = false>
+          bool kSeqs = false, bool kPieces = false, bool kGateAhead = false, bool kLateEmpty = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -905,9 +930,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kGateAhead>(params, ring, pa, h, bos,
-                                                                                      num_chunks, 0, clock_sums,
-                                                                                      last_clock, &seq);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kGateAhead, kLateEmpty>(
+        params, ring, pa, h, bos, num_chunks, 0, clock_sums, last_clock, &seq);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
@@ -1011,7 +1035,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
           bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
-          bool kGateAhead = false>
+          bool kGateAhead = false, bool kLateEmpty = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -1024,7 +1048,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
     else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kGateAhead>;
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kGateAhead,
+                          kLateEmpty>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = allow_dynamic_smem(kernel, kSmem);
@@ -1056,6 +1081,8 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   if constexpr (kDone == 4) {
     constexpr bool kFlagValues[4] = {kFlags...};  // stage_inputs, phase clocks, producer_regs, consumer_inverse
     if constexpr (kFlagValues[0] && kFlagValues[2] && kFlagValues[3]) {  // the rule's flags: the gate ahead too
+      if (args.late_empty)
+        return launch<GateForm::kLowerBound, false, kFlags..., false, false, false, true, true>(args, stream);
       if (args.gate_ahead)
         return launch<GateForm::kLowerBound, false, kFlags..., false, false, false, true>(args, stream);
     }
@@ -1072,6 +1099,8 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
+  if (args.late_empty)
+    return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, true, true>(args, stream);
   if (args.gate_ahead)
     return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, true>(args, stream);
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
@@ -1124,6 +1153,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
   if (args.gate_ahead && (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
                           !args.consumer_inverse || args.next_item != nullptr))
     return cudaErrorInvalidValue;  // the rule's flags only, no persistent grid
+  if (args.late_empty && (!args.gate_ahead || args.time_consumers_only)) return cudaErrorInvalidValue;
   // The several-sequence kernels (and the pieces): the rule's flags only, K0's verdict with
   // cu_seqlens or a pool, B equal lengths without cu_seqlens.
   const bool sequences_valid =
@@ -1215,9 +1245,9 @@ FusedArgs rule_args(const PrefillParams& p, const int* error_flag) {
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order,
-                          bool gate_ahead) {
+                          int gate_ahead) {
   FusedArgs f = rule_args(p, error_flag);
-  f.gate_ahead = gate_ahead;
+  f.gate_ahead = gate_ahead > 0, f.late_empty = gate_ahead > 1;
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
@@ -1245,7 +1275,7 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, bool early, bool gate_ahead) {
+                                 float* chain_states, bool flags_zeroed, bool early, int gate_ahead) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1257,7 +1287,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
   }
   f.early_launch = early;
-  f.gate_ahead = gate_ahead;
+  f.gate_ahead = gate_ahead > 0, f.late_empty = gate_ahead > 1;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {

@@ -90,6 +90,10 @@ struct NoMarks {
 struct NoAfter {
   __device__ __forceinline__ void operator()() const {}
 };
+// produce_chunk's before_stage by default: go on (only kLateStage calls it).
+struct NoBefore {
+  __device__ __forceinline__ bool operator()() const { return true; }
+};
 
 // kTileRows tokens of 8 channels a thread (warp w, lane l: tokens 8w + 4(l / 16) + r, channels
 // 8(l % 16) + e).
@@ -822,16 +826,22 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // kInvert false: the record's inv_b is left to its consumers; L (fp32, [32][kLStride]) and beta
 // ([32]) go to l_beta instead of the scratch (L, then beta at kLBetaOffBeta floats), and the call
 // ends after their stores (fenced for the async proxy, no barrier).
+// kLateStage (FusedArgs::late_empty; with kGateGiven and kInvert false): rec and l_beta (a ring
+// stage) are written only after before_stage() (uniform) has returned true, once the scan is done,
+// so that the caller may wait for the stage to be free there; false: the chunk is abandoned before
+// any write into the stage (a stopped piece).
 constexpr int kLBetaOffBeta = kChunk * ProduceScratch::kLStride;
 constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
 template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
-          class AfterFactors = NoAfter, bool kGateGiven = false>
+          class AfterFactors = NoAfter, bool kGateGiven = false, bool kLateStage = false, class BeforeStage = NoBefore>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                               uint8_t* scratch, uint8_t* staged = nullptr,
                                               uint32_t beta_bits = 0, const float* sm_gate = nullptr,
                                               bool beta_ahead = false, float* l_beta = nullptr,
                                               const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{},
-                                              const ThreadTile* gated = nullptr) {
+                                              const ThreadTile* gated = nullptr,
+                                              const BeforeStage& before_stage = BeforeStage{}) {
+  static_assert(!kLateStage || (kGateGiven && !kInvert), "the late stage: the gate ahead, the consumers' inverse");
   float* const sm_beta =
       kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
   const int64_t row0 = chunk * kChunk;
@@ -840,7 +850,7 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   ThreadTile q, k, a;  // q, k unused where staged
   if constexpr (kGateGiven) {  // the chunk's log-decays from the caller (FusedArgs::gate_ahead), beta staged here
     static_assert(kStaged, "the gate ahead reads staged rows");
-    load_beta_staged(p, rows, tid, beta_bits, sm_beta);
+    if constexpr (!kLateStage) load_beta_staged(p, rows, tid, beta_bits, sm_beta);
     a = *gated;
   } else if constexpr (kStaged) {
     load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
@@ -861,6 +871,10 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   const bool wide =
       scan_log_decay<Sync>(tid, a, offset, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
   mark(3);
+  if constexpr (kLateStage) {
+    if (!before_stage()) return;
+    load_beta_staged(p, rows, tid, beta_bits, sm_beta);  // read after the factors' barrier
+  }
   store_gamma_flags(tid, gamma, wide, rec);
   if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, offset, gamma, rec, scratch);
   else build_factors(tid, q, k, a, offset, gamma, rec, scratch);
