@@ -175,7 +175,8 @@ def pieces_profile():
     (after the pieces) or one chunk a CTA (without them): what the pieces cost there. "pieces early"
     (internal early_launch = 32, a candidate): their flags zeroed by a one-CTA kernel in the memset's
     place, the pieces launched early after it. "gate ahead" (internal fused_gate_ahead = 1, a candidate):
-    the pieces' producer gates chunk c + 1 while chunk c's L/Mqk product is in flight."""
+    the pieces' producer gates chunk c + 1 while chunk c's L/Mqk product is in flight; "late wait"
+    (fused_gate_ahead = 2): that, and it waits for a chunk's stage only after the chunk's scan."""
     early = "--early" in sys.argv[1:]  # the chunk-16 kernels after the pieces launched early (a candidate)
     print("| case | gates | launch | kernels (us each, gaps in brackets) | span us | CUDA-graph ms |")
     print("|---|---|---|---|---|---|")
@@ -183,7 +184,7 @@ def pieces_profile():
         for regime in ("random", "long"):
             x = make_inputs(H, [T], True, regime)
             launches = [("default", {}), ("no pieces", dict(fused_pieces=-1)), ("pieces early", dict(early_launch=32)),
-                        ("gate ahead", dict(fused_gate_ahead=1))]
+                        ("gate ahead", dict(fused_gate_ahead=1)), ("late wait", dict(fused_gate_ahead=2))]
             if early:  # an early launch turns the rule's pieces off: force the count the rule takes on 132 SMs
                 P = min(132 // H, T // 32 // 4)
                 launches += [(f"{P} pieces", dict(fused_pieces=P)),
