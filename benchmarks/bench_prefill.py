@@ -489,10 +489,6 @@ def implementations(args):
     if args.graph_if:  # a candidate: in a graph, the kernels after the pieces in a conditional node the pieces'
         # flag opens (internal pieces_graph_if 1), where the rule launches them as an eager call does
         impls.append(("flashkda graph if", lambda x, s: run_flashkda(x, s, launch=dict(pieces_graph_if=1))))
-    if args.gate_ahead:  # a candidate: the fused producer gates chunk c + 1 while chunk c's L/Mqk product runs
-        impls.append(("flashkda gate ahead", lambda x, s: run_flashkda(x, s, launch=dict(fused_gate_ahead=1))))
-        # and with the late wait for a stage (internal fused_gate_ahead 2, a candidate)
-        impls.append(("flashkda late wait", lambda x, s: run_flashkda(x, s, launch=dict(fused_gate_ahead=2))))
     if args.lowrank:  # low-rank segment transitions (a candidate; DESIGN.md "Long memory: the transition is low rank")
         impls.append(("flashkda low-rank transitions",
                       lambda x, s: run_flashkda(x, s, launch=dict(lowrank_transitions=1))))
@@ -608,10 +604,6 @@ def main():
     ap.add_argument("--graph-if", action="store_true",
                     help="also the default call with the kernels after the pieces in a conditional graph node that the "
                          "pieces' flag opens (internal pieces_graph_if 1, a candidate)")
-    ap.add_argument("--gate-ahead", action="store_true",
-                    help="also the default call with the fused kernel's producer gating a chunk ahead (internal "
-                         "fused_gate_ahead 1, a candidate; the same bits), and that with the late wait for a "
-                         "stage (fused_gate_ahead 2)")
     ap.add_argument("--lowrank", action="store_true",
                     help="also the default call with low-rank segment transitions (internal lowrank_transitions = 1, "
                          "a candidate: the chunk-16 segments where the rule runs them at two CTAs an SM)")

@@ -88,11 +88,6 @@ struct PrefillLaunch {
                             // conditional node that the pieces' flag opens (a replay whose pieces ran the call
                             // launches none of them; such a graph cannot be cloned, embedded as a child graph
                             // or have the node updated); 0 = rule (launched as in an eager call)
-  int fused_gate_ahead = 0;  // GPU, a candidate, where the fused kernel runs one sequence, several or pieces (not
-                             // the persistent grid): 1 = its producer gates chunk c + 1 while chunk c's L/Mqk
-                             // product is in flight (prefill_v2 FusedArgs::gate_ahead; the same bits);
-                             // 2 = that, and it waits for a chunk's stage only after the chunk's row
-                             // scales and scan (FusedArgs::late_empty; the same bits); 0 = rule (off)
   int lowrank_transitions = 0;  // GPU, a candidate, with segments and transition skipping: 1 = a segment's exact
                                 // run carries its transition as T G (docs/DESIGN.md "Long memory: the transition
                                 // is low rank"): the channels whose decay over its first chunk stays above 2^-30

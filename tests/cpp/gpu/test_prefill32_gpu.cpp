@@ -56,9 +56,9 @@ struct V2Call {
   // inputs staged by TMA; from 3 the candidates (lower-bound bf16 gates only, candidates()).
   struct Mode {
     const char* name;
-    bool staged, producer_regs, consumer_inverse, gate_ahead, late_empty;
+    bool staged, producer_regs, consumer_inverse;
   };
-  static constexpr int kModes = 11;
+  static constexpr int kModes = 9;
   static constexpr Mode kModeTable[kModes] = {{"prefill32 ", false, false, false},
                                               {"fused32 ", false, false, false},
                                               {"fused32 staged ", true, false, false},
@@ -67,9 +67,7 @@ struct V2Call {
                                               {"fused32 inverting consumers, setmaxnreg ", false, true, true},
                                               {"fused32 staged, inverting consumers, setmaxnreg ", true, true, true},
                                               {"fused32 staged, setmaxnreg ", true, true, false},
-                                              {"fused32 staged, inverting consumers ", true, false, true},
-                                              {"fused32 rule's flags, gate ahead ", true, true, true, true},
-                                              {"fused32 rule's flags, gate ahead, late wait ", true, true, true, true, true}};
+                                              {"fused32 staged, inverting consumers ", true, false, true}};
   bool candidates() const { return pa.gate == GateForm::kLowerBound && pa.g_type == ElemType::kBF16; }
   void run(int mode, cudaStream_t stream = nullptr) {
     if (mode > 0) {
@@ -78,7 +76,6 @@ struct V2Call {
       f.produce = pa, f.consume = ca, f.stage_inputs = m.staged;
       f.producer_regs = m.producer_regs;
       f.consumer_inverse = m.consumer_inverse;
-      f.gate_ahead = m.gate_ahead, f.late_empty = m.late_empty;
       ASSERT_EQ(fused_chunks(f, stream), cudaSuccess);
     } else {
       ASSERT_EQ(produce_chunks(pa, stream), cudaSuccess);
@@ -965,88 +962,6 @@ TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
         EXPECT_EQ(flag, long_memory ? 2 : 0) << "by cu_seqlens: the pieces' flag (2: the gates' pre-check)";
       }
     }
-}
-
-// The producer's gate a chunk ahead (internal fused_gate_ahead = 1, a candidate: prefill_v2
-// FusedArgs::gate_ahead; 2 with the late wait for a stage, FusedArgs::late_empty) through the library's launcher: the rule's bits in its few-head pieces (random
-// gates: they run the call; one long-memory channel: the pre-check stops them and the kernels after
-// them run it), one sequence and a batch of two, eagerly and from a CUDA graph, one sequence by device
-// cu_seqlens (K0 first); the unsplit fused kernel where the pieces are off (fused_v2 = 1: one sequence,
-// two, and device cu_seqlens of odd lengths) and where K0 picks it under the rule; forced pieces that a
-// warm-up's bound stops mid-call. The
-// bits are the same by design, so these catch a wrong chunk's gate or rows, not whether the option ran
-// (TimeAtServingShape's phase clocks show that: its gate phase near zero).
-// option: internal fused_gate_ahead (2: the late wait for a stage too, FusedArgs::late_empty).
-void gate_ahead_gives_the_same_bits(int option) {
-  SCOPED_TRACE("fused_gate_ahead = " + std::to_string(option));
-  internal::PrefillLaunch ahead;
-  ahead.fused_gate_ahead = option;
-  for (const int64_t B : {int64_t(1), int64_t(2)})
-    for (const bool long_memory : {false, true}) {
-      KdaInputs in = few_head_inputs(long_memory, 61, B);
-      SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
-      DeviceProblem d_rule(in), d_ahead(in, ahead);
-      const std::vector<unsigned char> rule = run_bits(in, d_rule);
-      EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "not the rule's bits";
-      EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
-      EXPECT_EQ(pieces_flags(d_ahead)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
-      {
-        CapturedCall call(in, d_ahead);
-        EXPECT_TRUE(call.replay(2) == rule) << "graph replays' bits differ from the rule's";
-      }
-      if (B == 1) {
-        EXPECT_TRUE(bits_by_cu_seqlens(in, d_rule) == rule);  // the rule's own, by cu_seqlens
-        forward_call(d_ahead, by_device_cu_seqlens(d_ahead), ahead);
-        EXPECT_TRUE(out_and_state_bits(in) == rule) << "one sequence by cu_seqlens: not the rule's bits";
-      }
-      internal::PrefillLaunch whole = ahead, whole_rule;  // the unsplit fused kernel (B = 2: a CTA a sequence and head)
-      whole.fused_pieces = whole_rule.fused_pieces = -1;
-      whole.fused_v2 = whole_rule.fused_v2 = 1;
-      DeviceProblem d_whole_rule(in, whole_rule), d_whole(in, whole);
-      const std::vector<unsigned char> unsplit = run_bits(in, d_whole_rule);
-      EXPECT_TRUE(run_bits(in, d_whole) == unsplit) << "the unsplit fused kernel: not its bits without the option";
-    }
-  {  // four pieces that a warm-up's bound stops while they run (flag 1: moderate decay on every channel,
-     // as expect_a_piece_stops), T = 1000: a last partial chunk
-    KdaOptions o;
-    o.T = 1000, o.H = 2, o.seed = 67, o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    moderate_decay(in);
-    internal::PrefillLaunch four, four_ahead = ahead;
-    four.fused_pieces = four_ahead.fused_pieces = 4;
-    DeviceProblem d_four(in, four), d_ahead(in, four_ahead);
-    const std::vector<unsigned char> rule = run_bits(in, d_four);
-    EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "moderate decay: not the bits without the option";
-    EXPECT_EQ(pieces_flags(d_ahead)[0], 1) << "moderate decay: the pieces' flag (1: a warm-up's bound)";
-  }
-  {  // device cu_seqlens of odd lengths through the fused kernel (K0 first; a CTA a sequence and head): a
-     // sequence's last chunk reads the next one's rows in its TMA box
-    internal::PrefillLaunch always, always_ahead = ahead;
-    always.fused_v2 = always_ahead.fused_v2 = 1;
-    KdaOptions o;
-    o.seqlens = {100, 0, 301, 33, 64}, o.H = 3, o.seed = 71;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    SCOPED_TRACE(in.describe());
-    DeviceProblem d_rule(in, always), d_ahead(in, always_ahead);
-    const std::vector<unsigned char> rule = run_bits(in, d_rule);
-    EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "varlen: not the fused kernel's bits without the option";
-  }
-  {  // the same lengths at H = 24 under the rule: K0 gives the call to the fused kernel launched after the
-     // chunk-16 kernels (3 N H >= 2 SMs, a mean of 64 tokens or more)
-    KdaOptions o;
-    o.seqlens = {100, 0, 301, 33, 64}, o.H = 24, o.seed = 73;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    KdaInputs in(o);
-    SCOPED_TRACE(in.describe());
-    DeviceProblem d_rule(in), d_ahead(in, ahead);
-    const std::vector<unsigned char> rule = run_bits(in, d_rule);
-    EXPECT_TRUE(run_bits(in, d_ahead) == rule) << "K0's fused verdict: not the rule's bits";
-  }
-}
-TEST_F(Prefill32Gpu, GateAheadGivesTheSameBits) {
-  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
-  for (const int option : {1, 2}) gate_ahead_gives_the_same_bits(option);
 }
 
 // Low-rank transitions after the pieces (internal lowrank_transitions = 2, a candidate): the pieces'
@@ -2051,19 +1966,14 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
   // Where the fused kernel's cycles go in eight variants (inputs loaded or staged by TMA, setmaxnreg
   // or not, the consumers inverting or not).
-  // The rule's flags (variant 7) again with the gate a chunk ahead (FusedArgs::gate_ahead, a candidate),
-  // and (9) with the late wait for a stage too (FusedArgs::late_empty, a candidate).
-  for (int variant = 0; variant < 10; ++variant) {
-    const bool rule = variant >= 7, staged = variant & 1 || rule, regs = variant & 2 || rule,
-               cinv = variant & 4 || rule;
+  for (int variant = 0; variant < 8; ++variant) {
+    const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca, clocked.stage_inputs = staged;
     clocked.producer_regs = regs;
     clocked.consumer_inverse = cinv;
-    clocked.gate_ahead = variant >= 8, clocked.late_empty = variant == 9;
     print_phase_clocks(clocked, std::string(staged ? " (staged inputs)" : "") + (regs ? " (setmaxnreg 184 / 160)" : "") +
-                                    (cinv ? " (inverting consumers)" : "") + (variant >= 8 ? " (gate ahead)" : "") +
-                                    (variant == 9 ? " (late wait)" : ""));
+                                    (cinv ? " (inverting consumers)" : ""));
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::printf("[ measure  ] prefill32 T=8192 H=96: fused %.3f ms, fused with staged inputs %.3f ms, the fused "

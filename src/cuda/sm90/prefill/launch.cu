@@ -340,12 +340,12 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// PrefillLaunch's 22 fields, counted by a structured binding: a field added there stops the build here
+// PrefillLaunch's 21 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
-// (the fused kernel's, fused_gate_ahead, the CPU's and pieces_graph_if); then the binding gains a name.
+// (the fused kernel's, the CPU's and pieces_graph_if); then the binding gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
   [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
-                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22] = l;
+                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21] = l;
 }
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
@@ -509,14 +509,12 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
 // leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
 // persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
 // split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
-// gate_ahead: internal::PrefillLaunch::fused_gate_ahead (candidates; not with the persistent grid).
-cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, int gate_ahead,
-                             cudaStream_t stream, bool check_only) {
+cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
+                             bool check_only) {
   const int64_t items = detail::num_sequences(p) * p.H;
   return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
                                           persistent ? kp.fused_next : nullptr,
-                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order,
-                                          persistent ? 0 : gate_ahead);
+                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order);
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
@@ -529,11 +527,11 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool pers
 // H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower than without the launch; at
 // H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110: 256 x 64, which K0 gives
 // the fused kernel at every H measured, 0.84-0.86x forced).
-bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent, int gate_ahead) {
+bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent) {
   const int64_t N = detail::num_sequences(p);
   return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
          (persistent || p.B * p.T >= kp.fused_min_tokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
-         fused_on_verdict(p, kp, persistent, gate_ahead, nullptr, true) == cudaSuccess;
+         fused_on_verdict(p, kp, persistent, nullptr, true) == cudaSuccess;
 }
 
 // One segment per sequence, as long as the longest possible sequence.
@@ -722,8 +720,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // kernel that zeroes their flags runs (K0, or a one-CTA kernel in the memset's place).
     const bool early = launch.early_launch > 0 && (launch.early_launch & kEarlyPieces) != 0;
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
-                                               pieces_ckpt_start, stream, chain_states, k0_first, early,
-                                               launch.fused_gate_ahead) == cudaSuccess) {
+                                               pieces_ckpt_start, stream, chain_states, k0_first, early) == cudaSuccess) {
       FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag
@@ -755,8 +752,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
         if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
       }
       const cudaError_t err =
-          sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, s, false, false, nullptr, 0, order,
-                                          launch.fused_gate_ahead);
+          sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, s, false, false, nullptr, 0, order);
       if (err == cudaSuccess) return;
       // Under the rule, a fused kernel that cannot start here (its register split or the driver's
       // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
@@ -768,8 +764,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
     // kernel launched after them, while they do nothing.
     const bool persistent = launch.fused_persistent > 0;
-    const int gate_ahead = launch.fused_gate_ahead;
-    const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent, gate_ahead);
+    const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
     if (fused_after) {
       kp.fused_sms = sm_count();
       if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
@@ -779,7 +774,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const int seg_ctas = seg_ctas_per_sm(launch, p.H);
     with_split(kp, p.precision, launch.f16_operands,
                [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, s); });
-    if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, gate_ahead, s, false));
+    if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, s, false));
   };
   if (pieces_flag != nullptr && launch.pieces_graph_if > 0 && launch_if_stopped(stream, pieces_flag, run)) return;
   run(stream);

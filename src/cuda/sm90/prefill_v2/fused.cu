@@ -10,8 +10,6 @@
 // full barrier. FusedArgs::stage_inputs: the same thread copies chunk c + 1's q, k, g rows into one
 // shared buffer (issue_chunk_rows) once chunk c's factors have read it for the last time; the
 // producer reads q and k from there where it uses them instead of holding them in registers.
-// FusedArgs::gate_ahead (a candidate): the gate's rows by a copy of their own a chunk earlier, and
-// chunk c + 1's log-decays computed while chunk c's L/Mqk product is in flight (produce_item).
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "backend.h"
@@ -343,19 +341,14 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
 // run 136 where the tests alone, memcheck and racecheck passed (its report was not kept; an aligned
 // barrier reached from different instructions is the likely cause, as items_sync's in run 103).
 __device__ __forceinline__ uint64_t* verdict_barrier(uint64_t* full) { return full + 2 * kStages + 1; }
-// FusedArgs::gate_ahead: the staged gate rows' barrier (their issuing thread and the bytes).
-__device__ __forceinline__ uint64_t* gate_rows_barrier(uint64_t* full) { return full + 2 * kStages + 2; }
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
 // arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the
-// bytes), the pieces' pre-check verdict's (consumer thread 0: verdict_barrier) and the staged gate
-// rows' (gate_rows_barrier).
-template <bool kGateRows = false>
+// bytes) and the pieces' pre-check verdict's (consumer thread 0: verdict_barrier).
 __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
   uint64_t* const empty = full + kStages;
   for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
   mbarrier_init(empty + kStages, 1);
   mbarrier_init(verdict_barrier(full), 1);
-  if constexpr (kGateRows) mbarrier_init(gate_rows_barrier(full), 1);  // only where used
   fence_mbarrier_init();
 }
 
@@ -368,16 +361,7 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
 // rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
 // gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
-// kGateAhead (FusedArgs::gate_ahead; staged inputs and inverting consumers): the gate's rows come
-// by their own copy (issue_gate_rows, gate_rows_barrier), one chunk ahead of q's and k's: chunk 0's
-// log-decays are computed before the loop, chunk c + 1's while chunk c's L/Mqk product is in flight
-// (into the tile `a` that chunk c's factors no longer read), and once every producer thread has read
-// them (a barrier of the warpgroup) chunk c + 2's rows are copied into the buffer's gate part.
-// kLateEmpty (FusedArgs::late_empty; with kGateAhead): the wait for chunk c's stage (and the stop read
-// and v's copy after it) comes after chunk c's row scales and scan, right before the first write into
-// the stage (produce_chunk's kLateStage), so that those phases overlap the consumers' chunk c - 2.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
-          bool kGateAhead = false, bool kLateEmpty = false>
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
@@ -400,24 +384,9 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   ProducerSync::sync();
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
-  static_assert(!kGateAhead || (kStaged && kConsumerInv), "the gate a chunk ahead reads staged rows");
-  static_assert(!kLateEmpty || kGateAhead, "the late wait for a stage: with the gate ahead");
-  uint64_t* const gate_full = gate_rows_barrier(full);
   if constexpr (kStaged) {
-    if (tid == 32 && num_chunks > 0) {
-      issue_chunk_rows<kF32Gate, !kGateAhead>(params.maps, h, 0, staged, staged_full, bos);
-      if constexpr (kGateAhead) issue_gate_rows<kF32Gate>(params.maps, h, 0, staged, gate_full, bos);
-    }
+    if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
   }
-  // kGateAhead: the log-decays of the chunk the loop builds next. Chunk c's gate copy completes the
-  // barrier's phase (base + c) & 1 (one copy a chunk, in order).
-  ThreadTile a_next;
-  const auto gate_ahead = [&](int64_t c) {  // chunk c's log-decays into a_next, then chunk c + 1's rows copied
-    mbarrier_wait(gate_full, uint32_t(base + c) & 1);
-    gate_from_staged<kGate, kF32Gate>(pa, h, chunk_rows(pa.T, c), tid, staged, sm_gate, a_next);
-    ProducerSync::sync();  // every thread's reads of the gate rows before the copy overwrites them
-    if (tid == 32 && c + 1 < staged_chunks) issue_gate_rows<kF32Gate>(params.maps, h, c + 1, staged, gate_full, bos);
-  };
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
   // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
@@ -428,76 +397,51 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
   }
-  if (kGateAhead && num_chunks > 0) gate_ahead(0);
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
     const int stage = int(gc % kStages);
     const uint32_t beta_bits = beta_next;
     if (c + 1 < staged_chunks) beta_next = load_beta_bits(pa, h, c + 1, tid);
-    // The piece's stop at chunk c, read once its stage is free (kPieces; true: the producer leaves, its
-    // arrival made), and chunk c's v rows copied into the stage.
-    const auto stopped_at_chunk = [&]() -> bool {
+    if (kTrace && tid == 0) trace_point(a, h, c, 0);
+    if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
+    mark(0);
+    if (kTrace && tid == 0) trace_point(a, h, c, 1);
+    if constexpr (kPieces) {
       // The stop as the consumers released this stage (uniform: as the release the wait acquired left
       // it); at the first chunk, their gates' pre-check's (uniform: one value, written once by
       // consumer thread 0 before its arrival on verdict_barrier).
       const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
-        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop; kLateEmpty: waited for
-        // already); kGateAhead, chunk c + 1's gate rows (issued once chunk c's were read)
-        if (kStaged && !kLateEmpty) mbarrier_wait(staged_full, uint32_t(gc) & 1);
-        if (kGateAhead && c + 1 < staged_chunks) mbarrier_wait(gate_full, uint32_t(gc + 1) & 1);
+        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop)
+        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
         mbarrier_arrive(&full[stage]);
+        break;
       }
-      return stopped;
-    };
-    const auto copy_v = [&] {
-      if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
-        // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
-        // accesses of this stage's v were generic-proxy loads and stores (loads only with their early
-        // release), ordered before here by the empty barrier; the copies write through the async proxy.
-        fence_proxy_async_shared();
-        mbarrier_expect_tx(&full[stage], kVBytes);
-        uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
-        tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
-        tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
-      }
-    };
-    const auto wait_for_stage = [&] {
-      if (kTrace && tid == 0) trace_point(a, h, c, 0);
-      if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
-      mark(0);
-      if (kTrace && tid == 0) trace_point(a, h, c, 1);
-    };
-    if constexpr (!kLateEmpty) {
-      wait_for_stage();
-      if (kPieces && stopped_at_chunk()) break;
-      if (a.time_consumers_only && gc >= kStages) {
-        mbarrier_arrive(&full[stage]);
-        continue;
-      }
-      copy_v();
+    }
+    if (a.time_consumers_only && gc >= kStages) {
+      mbarrier_arrive(&full[stage]);
+      continue;
+    }
+    if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
+      // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
+      // accesses of this stage's v were generic-proxy loads and stores (loads only with their early
+      // release), ordered before here by the empty barrier; the copies write through the async proxy.
+      fence_proxy_async_shared();
+      mbarrier_expect_tx(&full[stage], kVBytes);
+      uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
+      tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
+      tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
     }
     if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
     const auto refill = [&] {
       if (kStaged && tid == 32 && c + 1 < staged_chunks)
-        issue_chunk_rows<kF32Gate, !kGateAhead>(params.maps, h, c + 1, staged, staged_full, bos);
-      if (kGateAhead && c + 1 < staged_chunks) gate_ahead(c + 1);  // uniform
+        issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-    // kLateEmpty: the stage waited for (and the stop read, v copied) after chunk c's scan, right before
-    // produce_chunk's first write into the stage (never with time_consumers_only).
-    bool stopped = false;
-    const auto take_late = [&] {
-      wait_for_stage();
-      stopped = kPieces && stopped_at_chunk();
-      if (!stopped) copy_v();
-      return !stopped;
-    };
-    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged, PhaseMarks, decltype(refill), kGateAhead,
-                  kLateEmpty, decltype(take_late)>(pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged,
-                                                   beta_bits, sm_gate, true, l_beta, mark, refill, &a_next, take_late);
-    if (kLateEmpty && stopped) break;  // uniform: a stopped piece (stopped_at_chunk made its arrival)
+    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
+                                                                        scratch, staged, beta_bits, sm_gate, true, l_beta,
+                                                                        mark, refill);
     mbarrier_arrive(&full[stage]);
     mark(8);
     if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
@@ -863,7 +807,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false, bool kGateAhead = false, bool kLateEmpty = false>
+          bool kSeqs = false, bool kPieces = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -922,7 +866,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   }
   const int64_t bos = kSeqs ? seq.bos : 0;
   const int64_t num_chunks = ((kSeqs ? seq_produce.T : a.consume.T) + kChunk - 1) / kChunk;
-  if (tid == 0) init_ring_barriers<kGateAhead>(full);
+  if (tid == 0) init_ring_barriers(full);
   long long* const clock_sums = reinterpret_cast<long long*>(ring + L::kOffClocks);
   if (kClock && tid < kPhaseClocks) clock_sums[tid] = 0;
   __syncthreads();
@@ -930,8 +874,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kGateAhead, kLateEmpty>(
-        params, ring, pa, h, bos, num_chunks, 0, clock_sums, last_clock, &seq);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
+                                                                          clock_sums, last_clock, &seq);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
@@ -1034,8 +978,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
-          bool kGateAhead = false, bool kLateEmpty = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -1048,8 +991,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
     else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kGateAhead,
-                          kLateEmpty>;
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = allow_dynamic_smem(kernel, kSmem);
@@ -1079,13 +1021,6 @@ template <bool... kFlags>
 cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   constexpr int kDone = sizeof...(kFlags);
   if constexpr (kDone == 4) {
-    constexpr bool kFlagValues[4] = {kFlags...};  // stage_inputs, phase clocks, producer_regs, consumer_inverse
-    if constexpr (kFlagValues[0] && kFlagValues[2] && kFlagValues[3]) {  // the rule's flags: the gate ahead too
-      if (args.late_empty)
-        return launch<GateForm::kLowerBound, false, kFlags..., false, false, false, true, true>(args, stream);
-      if (args.gate_ahead)
-        return launch<GateForm::kLowerBound, false, kFlags..., false, false, false, true>(args, stream);
-    }
     return launch<GateForm::kLowerBound, false, kFlags...>(args, stream);
   } else {
     const bool flag = kDone == 0 ? args.stage_inputs
@@ -1099,10 +1034,6 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
-  if (args.late_empty)
-    return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, true, true>(args, stream);
-  if (args.gate_ahead)
-    return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, true>(args, stream);
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
@@ -1150,10 +1081,6 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (args.run_if_flag != nullptr && (args.pieces > 0 || args.next_item != nullptr || args.on_verdict))
     return cudaErrorInvalidValue;  // the pieces' fallback is a plain launch of the rule's kernel
-  if (args.gate_ahead && (pa.gate != GateForm::kLowerBound || f32 || !args.stage_inputs || !args.producer_regs ||
-                          !args.consumer_inverse || args.next_item != nullptr))
-    return cudaErrorInvalidValue;  // the rule's flags only, no persistent grid
-  if (args.late_empty && (!args.gate_ahead || args.time_consumers_only)) return cudaErrorInvalidValue;
   // The several-sequence kernels (and the pieces): the rule's flags only, K0's verdict with
   // cu_seqlens or a pool, B equal lengths without cu_seqlens.
   const bool sequences_valid =
@@ -1244,10 +1171,8 @@ FusedArgs rule_args(const PrefillParams& p, const int* error_flag) {
 }  // namespace
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order,
-                          int gate_ahead) {
+                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order) {
   FusedArgs f = rule_args(p, error_flag);
-  f.gate_ahead = gate_ahead > 0, f.late_empty = gate_ahead > 1;
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
@@ -1275,7 +1200,7 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, bool early, int gate_ahead) {
+                                 float* chain_states, bool flags_zeroed, bool early) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1287,7 +1212,6 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
   }
   f.early_launch = early;
-  f.gate_ahead = gate_ahead > 0, f.late_empty = gate_ahead > 1;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {

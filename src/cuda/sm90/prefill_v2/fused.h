@@ -136,17 +136,6 @@ struct FusedArgs {
   // waits for before its first global memory access (the pieces only: their flags' zeroing kernel or
   // K0; fused_pieces_prefill's `early`, a candidate).
   bool early_launch = false;
-  // A candidate (the rule's flags: lower-bound bf16 gates, staged inputs, setmaxnreg, inverting
-  // consumers; no persistent grid): the producer gates chunk c + 1 (its raw gate rows copied apart
-  // from q and k, a chunk earlier) while chunk c's L/Mqk product is in flight, where the gate's ~1 000
-  // cycles of exponentials and reciprocals (MUFU-bound) sat alone on its chain. The same arithmetic:
-  // the same bits.
-  bool gate_ahead = false;
-  // A candidate, with gate_ahead (not with time_consumers_only): the producer waits for chunk c's stage
-  // to be free only after chunk c's row scales and log-decay scan, right before its first write into
-  // the stage, so that those phases overlap the consumers' chunk c - 2 (a two-stage ring otherwise
-  // makes the producer's whole chunk wait for it). The same arithmetic: the same bits.
-  bool late_empty = false;
   // Timing only, with phase_clocks and staged inputs and inverting consumers (the rule's flags; other
   // variants leave it untouched): a timeline of the first kTraceHeads heads' first kTraceChunks
   // chunks, [kTraceHeads][kTraceChunks][kTracePoints] clock64() values of the head's SM (null: none).
@@ -172,10 +161,10 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
 // required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas and order
-// as FusedArgs says; gate_ahead (candidates): 1 FusedArgs::gate_ahead, 2 with late_empty too.
+// as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                           bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
-                          int64_t item_ctas = 0, const int32_t* order = nullptr, int gate_ahead = 0);
+                          int64_t item_ctas = 0, const int32_t* order = nullptr);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
@@ -199,11 +188,9 @@ bool pieces_final_in_place(const PrefillParams& p);
 // flags_zeroed: K0, launched ahead, zeroed the flags' block (prefill Params::pieces_zero), so no memset.
 // early (a candidate, internal early_launch's kEarlyPieces): the flags zeroed by a one-CTA kernel
 // instead of a memset (unless flags_zeroed), and the pieces launched early after it (or after K0).
-// gate_ahead (candidates): 1 FusedArgs::gate_ahead, 2 with late_empty too.
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr, bool flags_zeroed = false, bool early = false,
-                                 int gate_ahead = 0);
+                                 float* chain_states = nullptr, bool flags_zeroed = false, bool early = false);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the

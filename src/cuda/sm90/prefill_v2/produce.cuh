@@ -90,10 +90,6 @@ struct NoMarks {
 struct NoAfter {
   __device__ __forceinline__ void operator()() const {}
 };
-// produce_chunk's before_stage by default: go on (only kLateStage calls it).
-struct NoBefore {
-  __device__ __forceinline__ bool operator()() const { return true; }
-};
 
 // kTileRows tokens of 8 channels a thread (warp w, lane l: tokens 8w + 4(l / 16) + r, channels
 // 8(l % 16) + e).
@@ -198,25 +194,15 @@ struct ChunkRowMaps {
 // zero_staged_tail sets such q and k rows to zero in the buffer before the norms read them.
 // Generic reads of buf must be ordered before this call (a barrier), which fences them against
 // the copies' async-proxy writes.
-// kWithGate false: q and k only (the gate's rows come by issue_gate_rows, on a barrier of their own).
-template <bool kF32Gate, bool kWithGate = true>
+template <bool kF32Gate>
 __device__ __forceinline__ void issue_chunk_rows(const ChunkRowMaps& maps, int h, int64_t chunk, uint8_t* buf,
                                                  uint64_t* bar, int64_t token0 = 0) {
   fence_proxy_async_shared();
-  mbarrier_arrive_expect_tx(bar, 2 * kTileBytes + (kWithGate ? kChunk * kHeadDim * (kF32Gate ? 4 : 2) : 0));
+  mbarrier_arrive_expect_tx(bar, 2 * kTileBytes + kChunk * kHeadDim * (kF32Gate ? 4 : 2));
   const int row0 = int(token0 + chunk * kChunk);
   tensor_copy_3d(buf + kStagedQ, &maps.q, 0, h, row0, bar);
   tensor_copy_3d(buf + kStagedK, &maps.k, 0, h, row0, bar);
-  if constexpr (kWithGate) tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
-}
-// The gate's rows of chunk `chunk` alone into buf's gate part, completing on bar (FusedArgs::gate_ahead:
-// the producer gates a chunk ahead, so the gate's rows are read a chunk before q's and k's).
-template <bool kF32Gate>
-__device__ __forceinline__ void issue_gate_rows(const ChunkRowMaps& maps, int h, int64_t chunk, uint8_t* buf,
-                                                uint64_t* bar, int64_t token0 = 0) {
-  fence_proxy_async_shared();
-  mbarrier_arrive_expect_tx(bar, kChunk * kHeadDim * (kF32Gate ? 4 : 2));
-  tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, int(token0 + chunk * kChunk), bar);
+  tensor_copy_3d(buf + kStagedG, &maps.g, 0, h, row0, bar);
 }
 
 __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
@@ -228,7 +214,8 @@ __device__ __forceinline__ void unpack_bf16x8(uint4 v, float (&x)[8]) {
 // (from its bits, beta_bits). q and k stay in the buffer: qk_row_scales_staged and build_factors_staged read
 // them where they are used, so the producer holds one tile of registers instead of three.
 template <bool kF32Gate>
-__device__ __forceinline__ void load_raw_gate_staged(int tid, const uint8_t* buf, ThreadTile& a) {
+__device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf,
+                                                 uint32_t beta_bits, ThreadTile& a, float* sm_beta) {
   const int warp = tid >> 5, lane = tid & 31, c0 = tile_channel(lane);
 #pragma unroll
   for (int r = 0; r < kTileRows; ++r) {
@@ -239,19 +226,10 @@ __device__ __forceinline__ void load_raw_gate_staged(int tid, const uint8_t* buf
       unpack_bf16x8(*reinterpret_cast<const uint4*>(buf + staged_offset(kStagedG, t, c0)), a.x[r]);
     }
   }
-}
-__device__ __forceinline__ void load_beta_staged(const ProduceArgs& p, int rows, int tid, uint32_t beta_bits,
-                                                 float* sm_beta) {
   if (tid < kChunk) {
     const float beta_raw = beta_from_bits(p, beta_bits);
     sm_beta[tid] = tid >= rows ? 0.f : p.beta_is_logit ? sigmoidf_(beta_raw) : beta_raw;
   }
-}
-template <bool kF32Gate>
-__device__ __forceinline__ void load_gate_staged(const ProduceArgs& p, int rows, int tid, const uint8_t* buf,
-                                                 uint32_t beta_bits, ThreadTile& a, float* sm_beta) {
-  load_raw_gate_staged<kF32Gate>(tid, buf, a);
-  load_beta_staged(p, rows, tid, beta_bits, sm_beta);
 }
 
 // The head's gate constants, read by gate_chunk from global memory or, in a kernel that walks many
@@ -334,16 +312,6 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
         for (int e = 0; e < 8; ++e) a.x[r][e] = 0.f;
       }
   }
-}
-
-// FusedArgs::gate_ahead: the log-decays of a chunk whose raw gate rows are in the staged buffer
-// (rows: its tokens), as load_gate_staged and gate_chunk give them, computed a chunk before their
-// use (the fused producer's L/Mqk product is in flight meanwhile).
-template <GateForm kGate, bool kF32Gate>
-__device__ __forceinline__ void gate_from_staged(const ProduceArgs& p, int h, int rows, int tid, const uint8_t* buf,
-                                                 const float* sm_gate, ThreadTile& a) {
-  load_raw_gate_staged<kF32Gate>(tid, buf, a);
-  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
 }
 
 // The row scales of q and k: sq[r] = scale / |q_r| and sq[r + 4] = 1 / |k_r| for this thread's
@@ -821,44 +789,28 @@ __device__ __forceinline__ void invert(int tid, const float* sm_L, const float* 
 // from global memory.
 // beta_bits: the chunk's raw beta's bits (load_beta_bits) where staged or beta_ahead, else loaded here.
 // sm_gate: the head's gate constants in shared memory (load_gate_consts), or null: read here.
-// kGateGiven (FusedArgs::gate_ahead; staged): the chunk's log-decays come from *gated, gated by the
-// caller a chunk ahead (gate_from_staged), and only beta is read here.
 // kInvert false: the record's inv_b is left to its consumers; L (fp32, [32][kLStride]) and beta
 // ([32]) go to l_beta instead of the scratch (L, then beta at kLBetaOffBeta floats), and the call
 // ends after their stores (fenced for the async proxy, no barrier).
-// kLateStage (FusedArgs::late_empty; with kGateGiven and kInvert false): rec and l_beta (a ring
-// stage) are written only after before_stage() (uniform) has returned true, once the scan is done,
-// so that the caller may wait for the stage to be free there; false: the chunk is abandoned before
-// any write into the stage (a stopped piece).
 constexpr int kLBetaOffBeta = kChunk * ProduceScratch::kLStride;
 constexpr int kLBetaBytes = (kLBetaOffBeta + kChunk) * 4;
 template <GateForm kGate, bool kF32Gate, class Sync, bool kInvert = true, bool kStaged = false, class Marks = NoMarks,
-          class AfterFactors = NoAfter, bool kGateGiven = false, bool kLateStage = false, class BeforeStage = NoBefore>
+          class AfterFactors = NoAfter>
 __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64_t chunk, int tid, uint8_t* rec,
                                               uint8_t* scratch, uint8_t* staged = nullptr,
                                               uint32_t beta_bits = 0, const float* sm_gate = nullptr,
                                               bool beta_ahead = false, float* l_beta = nullptr,
-                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{},
-                                              const ThreadTile* gated = nullptr,
-                                              const BeforeStage& before_stage = BeforeStage{}) {
-  static_assert(!kLateStage || (kGateGiven && !kInvert), "the late stage: the gate ahead, the consumers' inverse");
+                                              const Marks& mark = Marks{}, const AfterFactors& after_factors = AfterFactors{}) {
   float* const sm_beta =
       kInvert ? reinterpret_cast<float*>(scratch + ProduceScratch::kOffBeta) : l_beta + kLBetaOffBeta;
   const int64_t row0 = chunk * kChunk;
   const int rows = chunk_rows(p.T, chunk);
 
   ThreadTile q, k, a;  // q, k unused where staged
-  if constexpr (kGateGiven) {  // the chunk's log-decays from the caller (FusedArgs::gate_ahead), beta staged here
-    static_assert(kStaged, "the gate ahead reads staged rows");
-    if constexpr (!kLateStage) load_beta_staged(p, rows, tid, beta_bits, sm_beta);
-    a = *gated;
-  } else if constexpr (kStaged) {
-    load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
-  } else {
-    load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
-  }
+  if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
+  else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
   mark(1);
-  if constexpr (!kGateGiven) gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
+  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
   mark(9);
   float sq[8];
   if constexpr (kStaged) {
@@ -871,10 +823,6 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   const bool wide =
       scan_log_decay<Sync>(tid, a, offset, gamma, reinterpret_cast<float*>(scratch + ProduceScratch::kOffTotals));
   mark(3);
-  if constexpr (kLateStage) {
-    if (!before_stage()) return;
-    load_beta_staged(p, rows, tid, beta_bits, sm_beta);  // read after the factors' barrier
-  }
   store_gamma_flags(tid, gamma, wide, rec);
   if constexpr (kStaged) build_factors_staged(tid, staged, sq, a, offset, gamma, rec, scratch);
   else build_factors(tid, q, k, a, offset, gamma, rec, scratch);
