@@ -1824,9 +1824,6 @@ TEST_F(Prefill32Gpu, FusedVeryLongSequence131072) {
 // T=8192, H=96, one sequence, fp32 final state: fused, and producer + recurrence, against today's default
 // prefill (internal::forward), same inputs, medians of 20 after a warm-up; first every v2 path's
 // outputs compared bit for bit.
-// Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) for the call
-// `f` describes (its produce and consume arguments and flags; FusedArgs::phase_clocks set here): one
-// line of the producer's phases (its thread 0), then the consumers' (their thread 0).
 // The chunk timeline (FusedArgs::chunk_trace) of the traced heads' steady chunks (4 .. n - 3): each
 // side's wait and work a chunk (mean and spread; the producer's work to its last warp's arrival, the
 // consumers' to their last warp's release), how far the other warps trail the timed thread's warp, the
@@ -1835,11 +1832,12 @@ TEST_F(Prefill32Gpu, FusedVeryLongSequence131072) {
 // two-stage ring with steady chunk times only one side waits.
 void print_chunk_trace(const std::vector<long long>& tr, int64_t chunks, int heads, const std::string& label) {
   const int64_t n = std::min<int64_t>(chunks, kTraceChunks);
-  if (n < 12) return;
+  // Too few chunks, or a variant the kernel does not trace (the buffer left zero).
+  if (n < 12 || std::all_of(tr.begin(), tr.end(), [](long long x) { return x == 0; })) return;
   const auto at = [&](int h, int64_t c, int p) { return double(tr[(size_t(h) * kTraceChunks + c) * kTracePoints + p]); };
-  const auto span = [&](int h, int64_t c, int first, int count, bool latest) {
+  const auto latest = [&](int h, int64_t c, int first, int count) {  // the last of points first .. first + count - 1
     double x = at(h, c, first);
-    for (int i = 1; i < count; ++i) x = latest ? std::max(x, at(h, c, first + i)) : std::min(x, at(h, c, first + i));
+    for (int i = 1; i < count; ++i) x = std::max(x, at(h, c, first + i));
     return x;
   };
   struct Stat {
@@ -1852,8 +1850,8 @@ void print_chunk_trace(const std::vector<long long>& tr, int64_t chunks, int hea
   int both = 0, steady = 0;
   for (int h = 0; h < heads; ++h) {
     for (int64_t c = 4; c < n - 2; ++c) {
-      const double p_done = span(h, c, 2, 4, true), c_done = span(h, c, 9, 8, true);
-      const double freed = span(h, c - 2, 9, 8, true);  // the stage chunk c fills, as the consumers left it
+      const double p_done = latest(h, c, 2, 4), c_done = latest(h, c, 9, 8);
+      const double freed = latest(h, c - 2, 9, 8);  // the stage chunk c fills, as the consumers left it
       const double p_wait = at(h, c, 1) - at(h, c, 0), c_wait = at(h, c, 7) - at(h, c, 6);
       pw.add(p_wait), pwork.add(p_done - at(h, c, 1)), ptrail.add(p_done - at(h, c, 2));
       cw.add(c_wait), cwork.add(c_done - at(h, c, 7)), ctrail.add(c_done - at(h, c, 9));
@@ -1863,7 +1861,7 @@ void print_chunk_trace(const std::vector<long long>& tr, int64_t chunks, int hea
       both += p_wait > 300 && c_wait > 300;
       ++steady;
     }
-    period.add((span(h, n - 3, 2, 4, true) - span(h, 4, 2, 4, true)) / double(n - 7));
+    period.add((latest(h, n - 3, 2, 4) - latest(h, 4, 2, 4)) / double(n - 7));
   }
   std::printf("[ measure  ] chunk timeline%s (cycles, %d heads x chunks 4..%lld, mean/sd): period %.0f; producer "
               "empty wait %.0f/%.0f, work %.0f/%.0f, its last warp %.0f/%.0f after warp 0; consumers full wait "
@@ -1876,11 +1874,15 @@ void print_chunk_trace(const std::vector<long long>& tr, int64_t chunks, int hea
   std::printf("[ measure  ] chunk timeline%s, head 0, chunks 4..15 (producer wait+work | consumers wait+work):",
               label.c_str());
   for (int64_t c = 4; c < std::min<int64_t>(16, n - 2); ++c)
-    std::printf(" %.0f+%.0f|%.0f+%.0f", at(0, c, 1) - at(0, c, 0), span(0, c, 2, 4, true) - at(0, c, 1),
-                at(0, c, 7) - at(0, c, 6), span(0, c, 9, 8, true) - at(0, c, 7));
+    std::printf(" %.0f+%.0f|%.0f+%.0f", at(0, c, 1) - at(0, c, 0), latest(0, c, 2, 4) - at(0, c, 1),
+                at(0, c, 7) - at(0, c, 6), latest(0, c, 9, 8) - at(0, c, 7));
   std::printf("\n");
 }
 
+// Where the fused kernel's cycles go (clock64 sums per chunk, averaged over the heads) for the call
+// `f` describes (its produce and consume arguments and flags; FusedArgs::phase_clocks and chunk_trace
+// set here): the chunk timeline where the kernel wrote one (the rule's flags' variants), then one line
+// of the producer's phases (its thread 0) and the consumers' (their thread 0).
 void print_phase_clocks(FusedArgs f, const std::string& label) {
   const int H = f.consume.H;
   long long* clocks = nullptr;
