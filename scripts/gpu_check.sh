@@ -331,6 +331,14 @@ fn = b.run_flashkda(b.make_inputs(H, lens, st), st, launch=dict(fused_v2=1, fuse
 fn(); torch.cuda.synchronize()" > "$OUT/profile_fused$P.log" 2>&1 || echo "ncu (fused) failed (profile_fused$P.log)"
       ncu -i /tmp/ncu_fused$P.ncu-rep --print-details all >> "$OUT/profile_fused$P.log" 2>&1
       ncu_source_csv /tmp/ncu_fused$P.ncu-rep fused_source$P.csv
+      # the samples by source function (sass_census.py on this build's object, the profiled kernel by name)
+      kernel=$(ncu -i /tmp/ncu_fused$P.ncu-rep --page details --print-kernel-base mangled 2>/dev/null |
+        grep -o '_ZN[A-Za-z0-9_]*fused_kernel[A-Za-z0-9_]*' | head -1)
+      obj=$(find build-gpu -name fused.cu.o | head -1)
+      { head -c 3000 "$OUT/fused_source$P.csv"; echo; echo "kernel $kernel, object $obj"
+        python3 scripts/sass_census.py "$obj" "$kernel" --samples "$OUT/fused_source$P.csv" --most 70 2>&1; } \
+        > "$OUT/fused_census$P.md" || echo "census failed (fused_census$P.md)"
+      cp "$obj" "$OUT/fused.cu.o" 2>/dev/null
       grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \
         "$OUT/profile_fused$P.log" | sed -n 1,24p
     done
