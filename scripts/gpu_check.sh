@@ -138,7 +138,7 @@ sanitize() {  # name, tool, command...
   if [ $rc -eq 0 ]; then echo "$name $tool: clean"; else echo "$name $tool: FAILED"; status=1; tail -20 "$tmp"; fi
 }
 
-if want python || want bench || want profile || want decode || want fused || want pieces || want chain || want decode-profile || want fused-profile; then
+if want python || want bench || want profile || want decode || want fused || want pieces || want chain || want decode-profile; then
   step python-build
   # Only an extension this call's build step made (py_ext: an older one in build-gpu may predate the tree)
   ext=$([ "${py_ext:-OFF}" = ON ] && compgen -G "build-gpu/python/_C*.so" | head -1)
@@ -315,33 +315,31 @@ b = torch.empty_like(a); torch.mul(a, 2, out=b); torch.cuda.synchronize()" > /tm
     done
   fi
 fi
-if want fused-profile; then  # issue 11: where the fused chunk-32 kernel's cycles go, by instruction (ncu of the
-  # unsplit fused kernel at T = 8192, H = 96, one sequence, fp32 state, random gates; the per-instruction
-  # source counters in fused_source.csv, the summary in profile_fused.log)
+if want fused-profile; then  # issues 11 / 12: where the fused chunk-32 kernel's cycles go, by instruction (ncu of
+  # the unsplit fused kernel with the rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting
+  # consumers) in test_prefill32_gpu's timing case: T = 8192, H = 96, one sequence, fp32 state, random gates; its
+  # first launch, the bit check's). The per-instruction source counters in fused_source.csv, attributed to the
+  # producer's and consumers' phases by sass_census.py in fused_census.md, ncu's summary in profile_fused.log,
+  # the build's object in fused.cu.o (for reading the samples again elsewhere). Needs only test_prefill32_gpu.
   step fused-profile
   if command -v ncu > /dev/null; then
-    for P in ''; do
-      ncu --clock-control none -k regex:"fused" -c 1 --section SpeedOfLight --section Occupancy --section SchedulerStats \
-        --section WarpStateStats --section InstructionStats --section SourceCounters --section LaunchStats \
-        --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg --print-details all --import-source yes -f -o /tmp/ncu_fused$P \
-        python3 -c "import sys; sys.path.insert(0, 'benchmarks'); import torch
-import bench_prefill as b
-_, H, lens, st = b.MANY[1]
-fn = b.run_flashkda(b.make_inputs(H, lens, st), st, launch=dict(fused_v2=1, fused_chain=-1))[0]
-fn(); torch.cuda.synchronize()" > "$OUT/profile_fused$P.log" 2>&1 || echo "ncu (fused) failed (profile_fused$P.log)"
-      ncu -i /tmp/ncu_fused$P.ncu-rep --print-details all >> "$OUT/profile_fused$P.log" 2>&1
-      ncu_source_csv /tmp/ncu_fused$P.ncu-rep fused_source$P.csv
-      # the samples by source function (sass_census.py on this build's object, the profiled kernel by name)
-      kernel=$(ncu -i /tmp/ncu_fused$P.ncu-rep --page details --print-kernel-base mangled 2>/dev/null |
-        grep -o '_ZN[A-Za-z0-9_]*fused_kernel[A-Za-z0-9_]*' | head -1)
-      obj=$(find build-gpu -name fused.cu.o | head -1)
-      { head -c 3000 "$OUT/fused_source$P.csv"; echo; echo "kernel $kernel, object $obj"
-        python3 scripts/sass_census.py "$obj" "$kernel" --samples "$OUT/fused_source$P.csv" --most 70 2>&1; } \
-        > "$OUT/fused_census$P.md" || echo "census failed (fused_census$P.md)"
-      cp "$obj" "$OUT/fused.cu.o" 2>/dev/null
-      grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \
-        "$OUT/profile_fused$P.log" | sed -n 1,24p
-    done
+    rule=fused_kernelILNS_8GateFormE0ELb0ELb1ELb0ELb1ELb1ELb0ELb0EE  # <lower bound, bf16 gate, staged, no clocks, regsplit, cinv>
+    ncu --clock-control none --kernel-name-base mangled -k regex:"$rule" -c 1 --section SpeedOfLight --section Occupancy \
+      --section SchedulerStats --section WarpStateStats --section InstructionStats --section SourceCounters \
+      --section MemoryWorkloadAnalysis_Tables --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg --import-source yes \
+      -f -o /tmp/ncu_fused build-gpu/tests/cpp/test_prefill32_gpu --gtest_filter='*TimeAtServingShape' \
+      > "$OUT/profile_fused.log" 2>&1 || echo "ncu (fused) failed (profile_fused.log)"
+    ncu -i /tmp/ncu_fused.ncu-rep --print-details all >> "$OUT/profile_fused.log" 2>&1
+    ncu_source_csv /tmp/ncu_fused.ncu-rep fused_source.csv
+    kernel=$(ncu -i /tmp/ncu_fused.ncu-rep --page details --print-kernel-base mangled 2>/dev/null |
+      grep -o '_ZN[A-Za-z0-9_]*fused_kernel[A-Za-z0-9_]*' | head -1)
+    obj=$(find build-gpu -name fused.cu.o | head -1)
+    { head -c 3000 "$OUT/fused_source.csv"; echo; echo "kernel $kernel, object $obj"
+      python3 scripts/sass_census.py "$obj" "$kernel" --samples "$OUT/fused_source.csv" --most 70 2>&1; } \
+      > "$OUT/fused_census.md" || echo "census failed (fused_census.md)"
+    cp "$obj" "$OUT/fused.cu.o" 2>/dev/null
+    grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \
+      "$OUT/profile_fused.log" | sed -n 1,24p
   fi
 fi
 if want ab; then
