@@ -1963,19 +1963,34 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   for (int mode = 3; mode < V2Call::kModes; ++mode)
     std::printf(" %s%.3f%s", V2Call::kModeTable[mode].name, median_ms([&] { v2.run(mode); }),
                 mode + 1 < V2Call::kModes ? ";" : "\n");
+  {  // the rule's flags with the gate and the row scales interleaved (the default) and as two phases apart,
+     // timed in turn (three rounds) after the bit check
+    V2Call apart(d);
+    apart.pa.gate_then_norms = true;
+    d.poison();
+    apart.run(6);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    d.download();
+    EXPECT_TRUE(in.out.bytes == bits[0]) << "the gate and row scales apart: the output differs from the two kernels'";
+    std::printf("[ measure  ] prefill32 T=8192 H=96 rule's flags, gate and row scales interleaved / apart (ms):");
+    for (int round = 0; round < 3; ++round)
+      std::printf(" %.3f / %.3f%s", median_ms([&] { v2.run(6); }), median_ms([&] { apart.run(6); }), round < 2 ? ";" : "\n");
+  }
   const double t_consumers = median_ms([&] { ASSERT_EQ(fused_chunks(consumers_only, nullptr), cudaSuccess); });
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
   // Where the fused kernel's cycles go in eight variants (inputs loaded or staged by TMA, setmaxnreg
   // or not, the consumers inverting or not).
-  for (int variant = 0; variant < 8; ++variant) {
-    const bool staged = variant & 1, regs = variant & 2, cinv = variant & 4;
+  for (int variant = 0; variant < 9; ++variant) {  // 8: the rule's flags, the gate and row scales apart
+    const bool staged = variant & 1 || variant == 8, regs = variant & 2 || variant == 8, cinv = variant & 4 || variant == 8;
     FusedArgs clocked;
     clocked.produce = v2.pa, clocked.consume = v2.ca, clocked.stage_inputs = staged;
+    clocked.produce.gate_then_norms = variant == 8;
     clocked.producer_regs = regs;
     clocked.consumer_inverse = cinv;
     print_phase_clocks(clocked, std::string(staged ? " (staged inputs)" : "") + (regs ? " (setmaxnreg 184 / 160)" : "") +
-                                    (cinv ? " (inverting consumers)" : ""));
+                                    (cinv ? " (inverting consumers)" : "") +
+                                    (variant == 8 ? " (gate and row scales apart)" : ""));
   }
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::printf("[ measure  ] prefill32 T=8192 H=96: fused %.3f ms, fused with staged inputs %.3f ms, the fused "

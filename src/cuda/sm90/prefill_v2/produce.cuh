@@ -255,7 +255,9 @@ __device__ __forceinline__ void load_gate_consts(const ProduceArgs& p, int h, in
   }
 }
 
-template <GateForm kGate>
+// kFull: the caller knows the chunk is full (rows == kChunk), so no tail branch ends the gate's block
+// (gate_and_row_scales).
+template <GateForm kGate, bool kFull = false>
 __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows, int tid, ThreadTile& a,
                                            const float* sm_gate) {
   const int warp = tid >> 5, lane = tid & 31;
@@ -304,7 +306,7 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
         else a.x[r][e] = x * kLog2e;
       }
   }
-  if (rows < kChunk) {  // uniform: the last chunk of a sequence whose length is not a multiple of 32
+  if (!kFull && rows < kChunk) {  // uniform: the last chunk of a sequence whose length is not a multiple of 32
 #pragma unroll
     for (int r = 0; r < kTileRows; ++r)
       if (tile_token(warp, lane, r) >= rows) {
@@ -319,9 +321,11 @@ __device__ __forceinline__ void gate_chunk(const ProduceArgs& p, int h, int rows
 // squares of this thread's part of the rows; the sums over the 16 lanes of the half-warp by
 // reduce-scatter: each lane ends with one row's sum, takes its rsqrt, and the eight scales come
 // back by shuffles.
+// kFullL2: the caller knows l2norm_qk is set and the chunk is full (gate_and_row_scales): no branch.
+template <bool kFullL2 = false>
 __device__ __forceinline__ void qk_row_scales(const ProduceArgs& p, int tid, int rows, const float (&s)[8], float (&sq)[8]) {
   const int lane = tid & 31;
-  if (p.l2norm_qk) {
+  if (kFullL2 || p.l2norm_qk) {
     const bool b3 = lane & 8, b2 = lane & 4, b1 = lane & 2;
     float s4[4], s2[2];
 #pragma unroll
@@ -339,7 +343,7 @@ __device__ __forceinline__ void qk_row_scales(const ProduceArgs& p, int tid, int
 #pragma unroll
     for (int r = 0; r < 4; ++r) sq[r] = p.scale, sq[r + 4] = 1.f;
   }
-  if (rows < kChunk) {  // uniform, as in gate_chunk
+  if (!kFullL2 && rows < kChunk) {  // uniform, as in gate_chunk
 #pragma unroll
     for (int r = 0; r < 4; ++r)
       if (tile_token(tid >> 5, lane, r) >= rows) sq[r] = sq[r + 4] = 0.f;
@@ -380,15 +384,30 @@ __device__ __forceinline__ void for_staged_rows(const uint8_t* buf, int tid, Fn&
 
 // The staged form (inputs in shared memory, read where they are used): this thread's row scales
 // from the buffer's q and k rows, the same sums in the same order as normalise_qk's.
+template <bool kFullL2 = false>
 __device__ __forceinline__ void qk_row_scales_staged(const ProduceArgs& p, int tid, int rows, const uint8_t* buf,
                                                      float (&sq)[8]) {
   float s[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  if (p.l2norm_qk)
+  if (kFullL2 || p.l2norm_qk)
     for_staged_rows(buf, tid, [&](int r, int, const float (&q)[8], const float (&k)[8]) {
 #pragma unroll
       for (int e = 0; e < 8; ++e) s[r] = fmaf(q[e], q[e], s[r]), s[r + 4] = fmaf(k[e], k[e], s[r + 4]);
     });
-  qk_row_scales(p, tid, rows, s, sq);
+  qk_row_scales<kFullL2>(p, tid, rows, s, sq);
+}
+
+// The staged form's gate and row scales of a full chunk with l2norm_qk (every chunk of the fused
+// kernel's calls but a sequence's last partial one): the same instructions as gate_chunk followed by
+// qk_row_scales_staged, but in one branch-free block, so that ptxas can interleave the row scales'
+// loads, sums, shuffle reductions and rsqrt (a latency-bound chain: ~900 cycles a chunk as its own
+// phase, runs 148-151) with the gate's 64 exponentials and reciprocals a thread (MUFU-bound, ~900).
+// In the general form the tail branches and the l2norm_qk test between the two keep them apart. The
+// same values in the same order: the same bits.
+template <GateForm kGate>
+__device__ __forceinline__ void gate_and_row_scales(const ProduceArgs& p, int h, int tid, ThreadTile& a,
+                                                    const float* sm_gate, const uint8_t* buf, float (&sq)[8]) {
+  qk_row_scales_staged<true>(p, tid, kChunk, buf, sq);
+  gate_chunk<kGate, true>(p, h, kChunk, tid, a, sm_gate);
 }
 
 // The end of the log-decay scan: gamma <- G_31 of this thread's channels (`last`, the last group's
@@ -810,14 +829,19 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   if constexpr (kStaged) load_gate_staged<kF32Gate>(p, rows, tid, staged, beta_bits, a, sm_beta);
   else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
   mark(1);
-  gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
-  mark(9);
   float sq[8];
-  if constexpr (kStaged) {
-    if (rows < kChunk) zero_staged_tail(tid, rows, staged);  // uniform: a sequence's last chunk at most
-    qk_row_scales_staged(p, tid, rows, staged, sq);
+  if (kStaged && rows == kChunk && p.l2norm_qk && !p.gate_then_norms) {  // uniform: every chunk of a fused call but a sequence's last
+    gate_and_row_scales<kGate>(p, h, tid, a, sm_gate, staged, sq);
+    mark(9);  // the two phases in one: the gate's clocks count both, the row scales' none
+  } else {
+    gate_chunk<kGate>(p, h, rows, tid, a, sm_gate);
+    mark(9);
+    if constexpr (kStaged) {
+      if (rows < kChunk) zero_staged_tail(tid, rows, staged);  // uniform: a sequence's last chunk at most
+      qk_row_scales_staged(p, tid, rows, staged, sq);
+    }
+    else normalise_qk(p, tid, rows, q, k);
   }
-  else normalise_qk(p, tid, rows, q, k);
   mark(2);
   float offset[8], gamma[8];  // a: G less offset (scan_log_decay)
   const bool wide =

@@ -34,6 +34,9 @@ struct ProduceArgs {
   // false: build every record in shared memory but copy none out (the producer's time without the
   // record traffic, which a fused kernel does not have); out is then not written.
   bool write_records = true;
+  // Timing only (test_prefill32_gpu's A/B): the staged producer's gate and row scales as two phases
+  // apart, the form before gate_and_row_scales (produce.cuh); the same bits either way.
+  bool gate_then_norms = false;
 };
 
 // Launches the producer on `stream`; returns the launch's error.
