@@ -320,20 +320,21 @@ if want fused-profile; then  # issues 11 / 12: where the fused chunk-32 kernel's
   # consumers) in test_prefill32_gpu's timing case: T = 8192, H = 96, one sequence, fp32 state, random gates; its
   # first launch, the bit check's). The per-instruction source counters in fused_source.csv, attributed to the
   # producer's and consumers' phases by sass_census.py in fused_census.md, ncu's summary in profile_fused.log,
-  # the build's object in fused.cu.o (for reading the samples again elsewhere). Needs only test_prefill32_gpu.
+  # the build's object in fused.cu.o (for reading the samples again elsewhere). Needs only test_prefill32_gpu
+  # (FUSED_BIN and FUSED_OBJ name a binary and its fused.cu.o built elsewhere: scripts/gpu_prebuilt.sh).
   step fused-profile
   if command -v ncu > /dev/null; then
     rule=fused_kernelILNS_8GateFormE0ELb0ELb1ELb0ELb1ELb1ELb0ELb0EE  # <lower bound, bf16 gate, staged, no clocks, regsplit, cinv>
     ncu --clock-control none --kernel-name-base mangled -k regex:"$rule" -c 1 --section SpeedOfLight --section Occupancy \
       --section SchedulerStats --section WarpStateStats --section InstructionStats --section SourceCounters \
       --section MemoryWorkloadAnalysis_Tables --metrics smsp__inst_executed.sum,sm__cycles_elapsed.avg --import-source yes \
-      -f -o /tmp/ncu_fused build-gpu/tests/cpp/test_prefill32_gpu --gtest_filter='*TimeAtServingShape' \
+      -f -o /tmp/ncu_fused "${FUSED_BIN:-build-gpu/tests/cpp/test_prefill32_gpu}" --gtest_filter='*TimeAtServingShape' \
       > "$OUT/profile_fused.log" 2>&1 || echo "ncu (fused) failed (profile_fused.log)"
     ncu -i /tmp/ncu_fused.ncu-rep --print-details all >> "$OUT/profile_fused.log" 2>&1
     ncu_source_csv /tmp/ncu_fused.ncu-rep fused_source.csv
     kernel=$(ncu -i /tmp/ncu_fused.ncu-rep --page details --print-kernel-base mangled 2>/dev/null |
       grep -o '_ZN[A-Za-z0-9_]*fused_kernel[A-Za-z0-9_]*' | head -1)
-    obj=$(find build-gpu -name fused.cu.o | head -1)
+    obj=${FUSED_OBJ:-$(find build-gpu -name fused.cu.o | head -1)}
     { head -c 3000 "$OUT/fused_source.csv"; echo; echo "kernel $kernel, object $obj"
       python3 scripts/sass_census.py "$obj" "$kernel" --samples "$OUT/fused_source.csv" --most 70 2>&1; } \
       > "$OUT/fused_census.md" || echo "census failed (fused_census.md)"

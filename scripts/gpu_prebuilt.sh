@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# Device calls without a build step, for when little device time is left (a build of one GPU test
+# binary takes ~100 s of it): the binaries are built on this machine (nvcc 13.0, as the device's) and
+# carried to the device.
+#
+#   scripts/gpu_prebuilt.sh prepare [TARGET ...]   here: builds the GPU test binaries named (default
+#       test_prefill32_gpu) in build-gpu-local/ and copies them, with the fused kernel's object
+#       (fused.cu.o, for gpu_check.sh fused-profile's attribution), into .prebuilt/ (ignored: name
+#       .prebuilt and .deps in the device call's carry; ~26 MB a test binary).
+#   scripts/gpu_prebuilt.sh run [TARGET:FILTER ...]  on the device: each binary with its gtest filter
+#       (default test_prefill32_gpu:*TimeAtServingShape*), its log under $OUT; a binary that does not
+#       load there (other system libraries) is built there first. FUSED_PROFILE=1 then runs
+#       gpu_check.sh's fused-profile step on the carried test_prefill32_gpu and object.
+#
+# The binaries must come from the tree that travels with the call: `prepare` records the commit and
+# whether the tree was clean, and `run` prints both, so a stale binary shows in the log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}
+CUTLASS=${CUTLASS_DIR:-$PWD/.deps/cutlass/cutlass_library/source/include}
+mode=${1:-}
+shift || true
+build() {  # dir targets...
+  local dir=$1
+  shift
+  cmake -S . -B "$dir" -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DFLASHKDA_BUILD_PYTHON=OFF \
+    -DCUTLASS_DIR="$CUTLASS" > /dev/null && cmake --build "$dir" -j "$(nproc)" --target "$@"
+}
+case "$mode" in
+  prepare)
+    targets=("$@")
+    [ ${#targets[@]} -eq 0 ] && targets=(test_prefill32_gpu)
+    build build-gpu-local "${targets[@]}" | grep -E "error|warning" || true
+    rm -rf .prebuilt && mkdir -p .prebuilt
+    for t in "${targets[@]}"; do cp "build-gpu-local/tests/cpp/$t" .prebuilt/ || exit 1; done
+    cp "$(find build-gpu-local -name fused.cu.o | head -1)" .prebuilt/
+    echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" > .prebuilt/commit
+    ls -la .prebuilt
+    ;;
+  run)
+    mkdir -p "$OUT"
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+    echo "prebuilt from $(cat .prebuilt/commit 2>/dev/null || echo '?'); this tree $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    runs=("$@")
+    [ ${#runs[@]} -eq 0 ] && runs=("test_prefill32_gpu:*TimeAtServingShape*")
+    status=0
+    for r in "${runs[@]}"; do
+      t=${r%%:*} filter=${r#*:}
+      [ "$filter" = "$r" ] && filter='*'
+      bin=.prebuilt/$t
+      if ! "$bin" --gtest_list_tests > /dev/null 2> "$OUT/$t.load.err"; then
+        echo "$bin does not run here ($(head -1 "$OUT/$t.load.err")): building it"
+        build build-gpu "$t" > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+        cp "build-gpu/tests/cpp/$t" "$bin" && cp "$(find build-gpu -name fused.cu.o | head -1)" .prebuilt/
+      fi
+      timeout 600 "$bin" --gtest_brief=1 --gtest_filter="$filter" > "$OUT/$t.log" 2>&1 || status=1
+      grep -E "measure|FAILED|PASSED" "$OUT/$t.log" | cut -c1-800
+    done
+    if [ "${FUSED_PROFILE:-0}" = 1 ]; then
+      FUSED_BIN=.prebuilt/test_prefill32_gpu FUSED_OBJ=.prebuilt/fused.cu.o OUT="$OUT" bash scripts/gpu_check.sh fused-profile
+    fi
+    exit $status
+    ;;
+  *) sed -n 2,18p "$0"; exit 2 ;;
+esac
