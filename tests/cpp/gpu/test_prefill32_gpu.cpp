@@ -1980,7 +1980,7 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
   const double t_produce = median_ms([&] { ASSERT_EQ(produce_chunks(v2.pa, nullptr), cudaSuccess); });
   const double t_consume = median_ms([&] { ASSERT_EQ(consume_chunks(v2.ca, nullptr), cudaSuccess); });
   // Where the fused kernel's cycles go in eight variants (inputs loaded or staged by TMA, setmaxnreg
-  // or not, the consumers inverting or not).
+  // or not, the consumers inverting or not), and the rule's flags with the gate and row scales apart.
   for (int variant = 0; variant < 9; ++variant) {  // 8: the rule's flags, the gate and row scales apart
     const bool staged = variant & 1 || variant == 8, regs = variant & 2 || variant == 8, cinv = variant & 4 || variant == 8;
     FusedArgs clocked;
