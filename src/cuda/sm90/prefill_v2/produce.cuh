@@ -830,7 +830,8 @@ __device__ __forceinline__ void produce_chunk(const ProduceArgs& p, int h, int64
   else load_chunk<kF32Gate>(p, h, row0, rows, tid, q, k, a, sm_beta, beta_ahead, beta_bits);
   mark(1);
   float sq[8];
-  if (kStaged && rows == kChunk && p.l2norm_qk && !p.gate_then_norms) {  // uniform: every chunk of a fused call but a sequence's last
+  // Uniform. Every fused call has l2norm_qk, so this is all its chunks but a sequence's last.
+  if (kStaged && rows == kChunk && p.l2norm_qk && !p.gate_then_norms) {
     gate_and_row_scales<kGate>(p, h, tid, a, sm_gate, staged, sq);
     mark(9);  // the two phases in one: the gate's clocks count both, the row scales' none
   } else {
