@@ -336,7 +336,7 @@ if want fused-profile; then  # issues 11 / 12: where the fused chunk-32 kernel's
       grep -o '_ZN[A-Za-z0-9_]*fused_kernel[A-Za-z0-9_]*' | head -1)
     obj=${FUSED_OBJ:-$(find build-gpu -name fused.cu.o | head -1)}
     { head -c 3000 "$OUT/fused_source.csv"; echo; echo "kernel $kernel, object $obj"
-      python3 scripts/sass_census.py "$obj" "$kernel" --samples "$OUT/fused_source.csv" --most 70 2>&1; } \
+      PATH=$PATH:/usr/local/cuda/bin python3 scripts/sass_census.py "$obj" "$kernel" --samples "$OUT/fused_source.csv" --most 70 2>&1; } \
       > "$OUT/fused_census.md" || echo "census failed (fused_census.md)"
     cp "$obj" "$OUT/fused.cu.o" 2>/dev/null
     grep -E "Duration|inst_executed.sum |Registers Per|Achieved Occupancy|Issue Slots|Stall (Long|Barrier|Wait|Short|MIO|LG|GMMA)" \
