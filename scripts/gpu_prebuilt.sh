@@ -12,6 +12,13 @@
 #       load there (other system libraries) is built there first. FUSED_PROFILE=1 then runs
 #       gpu_check.sh's fused-profile step on the carried test_prefill32_gpu and object.
 #
+#   scripts/gpu_prebuilt.sh keep NAME               here: after `prepare`, keeps its test_prefill32_gpu
+#       and fused.cu.o as build NAME (.prebuilt/ab/NAME.tar.xz, ~6 MB; prepare clears the others
+#       unless AB_KEEP=1), for an A/B of two or more builds of the same kernels on one machine.
+#   scripts/gpu_prebuilt.sh ab [ROUNDS] [FILTER]       on the device: each kept build's timing case
+#       (default *TimeAtServingShape*), the builds in turn, ROUNDS times (default 2): timings of
+#       different builds compare only within one call, on one warm machine. Logs: $OUT/ab_NAME_ROUND.log.
+#
 # The binaries must come from the tree that travels with the call: `prepare` records the commit and
 # whether the tree was clean, and `run` prints both, so a stale binary shows in the log.
 set -uo pipefail
@@ -27,11 +34,36 @@ case "$mode" in
     cmake -S . -B build-gpu-local -G Ninja -DFLASHKDA_CUDA=ON -DFLASHKDA_BUILD_TESTS=ON -DFLASHKDA_BUILD_PYTHON=OFF \
       -DCUTLASS_DIR="$CUTLASS" > /dev/null && cmake --build build-gpu-local -j "$(nproc)" --target "${targets[@]}" |
       grep -E "error|warning" || true
-    rm -rf .prebuilt && mkdir -p .prebuilt
+    if [ "${AB_KEEP:-0}" = 1 ]; then find .prebuilt -maxdepth 1 -type f -delete 2>/dev/null; else rm -rf .prebuilt; fi
+    mkdir -p .prebuilt
     for t in "${targets[@]}"; do cp "build-gpu-local/tests/cpp/$t" .prebuilt/ || exit 1; done
     cp "$(find build-gpu-local -name fused.cu.o | head -1)" .prebuilt/
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" > .prebuilt/commit
     ls -la .prebuilt
+    ;;
+  keep)
+    name=${1:?keep NAME}
+    mkdir -p .prebuilt/ab && cp .prebuilt/commit ".prebuilt/ab/$name.commit"
+    tar -C .prebuilt -cf - test_prefill32_gpu fused.cu.o | xz -T0 -6 > ".prebuilt/ab/$name.tar.xz" && ls -la .prebuilt/ab
+    ;;
+  ab)
+    mkdir -p "$OUT"
+    rounds=${1:-2} filter=${2:-*TimeAtServingShape*}
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
+    names=()
+    for f in .prebuilt/ab/*.tar.xz; do
+      n=$(basename "$f" .tar.xz) && names+=("$n") && mkdir -p "/tmp/ab/$n" && xz -dc "$f" | tar -C "/tmp/ab/$n" -xf - || exit 1
+      echo "build $n: $(cat ".prebuilt/ab/$n.commit" 2>/dev/null)"
+    done
+    status=0
+    for ((i = 1; i <= rounds; ++i)); do
+      for n in "${names[@]}"; do
+        timeout 300 "/tmp/ab/$n/test_prefill32_gpu" --gtest_brief=1 --gtest_filter="$filter" > "$OUT/ab_${n}_$i.log" 2>&1 || status=1
+        echo "== $n round $i"
+        grep -E "rule's flags|candidates|FAILED" "$OUT/ab_${n}_$i.log" | cut -c1-400
+      done
+    done
+    exit $status
     ;;
   run)
     mkdir -p "$OUT"
@@ -58,5 +90,5 @@ case "$mode" in
     fi
     exit $status
     ;;
-  *) sed -n 2,18p "$0"; exit 2 ;;
+  *) sed -n 2,25p "$0"; exit 2 ;;
 esac
