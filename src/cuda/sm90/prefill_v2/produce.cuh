@@ -513,14 +513,21 @@ __device__ __forceinline__ void store_split(uint8_t* hi_tile, uint8_t* lo_tile, 
 // NaN 0x7fffffff into 0x80000fff, read as -0 (and a word from 0x7ffff000 up, the same; a negative
 // NaN from 0xfffff000 up wraps to +0): every operand here is a product whose NaN k_decayed, q_decayed
 // or k_restored carry too (the same product times e^mid, finite in a chunk that is not flagged wide),
-// so a NaN input still reaches the output. inf stays inf (0x7f801000 reads as 0x7f800000). The
-// stores are 2-way bank-conflicted: lanes l and l + 4 write the same granule position of two
-// 32-channel blocks (a multiple of 128 bytes apart).
+// so a NaN input still reaches the output. inf stays inf (0x7f801000 reads as 0x7f800000).
+// Column order: a thread's eight channels c..c+7 are one k-group of 8 of the product, two granules.
+// In a 32-channel block's row the lanes of a quarter-warp (one token) would write granules 0, 2, 4, 6
+// of two blocks at once (lanes l and l + 4: the same granule positions, 128·rows bytes apart), a
+// 2-way bank conflict on each of a row's six STS.128. The lanes of odd blocks write their two
+// granules in swapped places instead (channels c..c+3 in the columns of c+4..c+7 and back), so that a
+// quarter-warp covers all eight positions. Only the producer's L / Mqk product reads these tiles, and
+// A (op_k, op_q) and B (op_d) are permuted alike, so the product sums the same channel pairs; only
+// their order inside a k-group of 8 moves.
 __device__ __forceinline__ uint32_t tf32_rna_word(float x) { return __float_as_uint(x) + 0x1000u; }
 __device__ __forceinline__ void store_tf32(uint8_t* tile, int rows, int r, int c, const float (&x)[8]) {
+  const int swap = (c >> 5) & 1;  // an odd 32-channel block
 #pragma unroll
   for (int h = 0; h < 2; ++h)
-    *reinterpret_cast<uint4*>(tile + sw128_offset_f32(rows, r, c + 4 * h)) =
+    *reinterpret_cast<uint4*>(tile + sw128_offset_f32(rows, r, c + 4 * (h ^ swap))) =
         make_uint4(tf32_rna_word(x[4 * h]), tf32_rna_word(x[4 * h + 1]), tf32_rna_word(x[4 * h + 2]),
                    tf32_rna_word(x[4 * h + 3]));
 }
