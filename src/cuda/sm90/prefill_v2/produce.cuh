@@ -594,7 +594,7 @@ __device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf
   }
 }
 
-constexpr int kFactorRowsAhead = 2;
+constexpr int kFactorRowsAhead = 1;
 // The staged form: q and k read from the buffer row by row and scaled (sq: qk_row_scales_staged)
 // as normalise_qk would have scaled them (rows past the end: zero_staged_tail's zeros).
 // sq: the q rows' scales, then the k rows'.
