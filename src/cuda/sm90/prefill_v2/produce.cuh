@@ -62,7 +62,6 @@ struct ProduceMath {
 // named barrier inside a CTA shared with the recurrence (fused.cu).
 struct CtaSync {
   __device__ __forceinline__ static void sync() { __syncthreads(); }
-  __device__ __forceinline__ static bool sync_or(bool x) { return __syncthreads_or(x); }
 };
 // Named barrier kId of kCount threads that also returns, to each of them, whether x was true in any.
 template <int kId, int kCount>
@@ -78,7 +77,6 @@ __device__ __forceinline__ bool named_barrier_or(bool x) {
 template <int kId>
 struct WarpgroupSync {  // the 128 threads of one warpgroup, named barrier kId (0 is __syncthreads')
   __device__ __forceinline__ static void sync() { asm volatile("bar.sync %0, 128;" ::"n"(kId) : "memory"); }
-  __device__ __forceinline__ static bool sync_or(bool x) { return named_barrier_or<kId, 128>(x); }
 };
 
 // Timing only: produce_chunk calls mark(i) after its step i (fused.cu's phase clocks); by default
@@ -424,9 +422,13 @@ __device__ __forceinline__ void gate_and_row_scales(const ProduceArgs& p, int h,
 }
 
 // The end of the log-decay scan: gamma <- G_31 of this thread's channels (`last`, the last group's
-// prefix), and whether some channel of the chunk spreads beyond the factorised form (all threads of
-// Sync agree; a NaN gate takes the flag too).
-template <class Sync>
+// prefix), and whether some channel of the chunk spreads beyond the factorised form (a NaN gate takes
+// the flag too). Every warp holds every channel's G_31, the same sums of the same totals in the same
+// order (lanes l and l + 16 the same eight channels), so one warp's vote is the chunk's: all 128
+// threads agree without the warpgroup barrier-or that cost a barrier a chunk (run 152: ~500 of the
+// producer's ~28 000 stall samples on it, and the barrier split the scan's tail from the factors in
+// the schedule). After the scan the warps next meet at the factors' barrier, which also keeps a fast
+// warp's next chunk from overwriting the totals that a slow one still reads.
 __device__ __forceinline__ bool scan_gamma(const float (&last)[8], float (&gamma)[8]) {
   bool wide = false;
 #pragma unroll
@@ -434,7 +436,7 @@ __device__ __forceinline__ bool scan_gamma(const float (&last)[8], float (&gamma
     gamma[e] = last[e];
     wide |= !(gamma[e] >= -kMaxSpreadLog2);
   }
-  return Sync::sync_or(wide);
+  return __any_sync(0xffffffffu, wide);
 }
 
 // The inclusive prefix sums G down each channel, in two parts: a <- the sums over this thread's
@@ -442,7 +444,8 @@ __device__ __forceinline__ bool scan_gamma(const float (&last)[8], float (&gamma
 // half-warps and warps before: G = a + offset), which build_factors folds into its one subtraction
 // of mid (FactorScales) instead of 32 additions a thread here; gamma <- G_31 of this thread's
 // channels. Returns whether some channel of the chunk spreads beyond the factorised form (all
-// threads agree). sm_totals: [4 warps][128] scratch. Ends with a barrier of the 128 threads.
+// threads agree). sm_totals: [4 warps][128] scratch, read after the scan's one barrier; the caller's
+// next barrier must come before the next scan's writes there (produce_chunk: the factors').
 template <class Sync>
 __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&offset)[8], float (&gamma)[8],
                                                float* sm_totals) {
@@ -479,7 +482,7 @@ __device__ __forceinline__ bool scan_log_decay(int tid, ThreadTile& a, float (&o
     const float before = warp == 0 ? 0.f : warp == 1 ? prefix[0][e] : warp == 2 ? prefix[1][e] : prefix[2][e];
     offset[e] = below[e] + before;
   }
-  return scan_gamma<Sync>(prefix[3], gamma);
+  return scan_gamma(prefix[3], gamma);
 }
 
 // Element (r, 8c'..8c'+7) of a rows x 128 SW128 tile: one 16-byte store.
