@@ -51,9 +51,9 @@ struct SmemLayout {
   static constexpr int kOffBarriers = kOffInv + (kConsumerInv ? kInvSpan : 0);
   static constexpr int kOffClocks = kOffBarriers + 64;  // FusedArgs::phase_clocks' sums (kPhaseClocks long longs)
   static constexpr int kOffSeqArgs = kOffClocks + kPhaseClocks * 8;  // FusedArgs::num_seqs: the CTA's sequence
-  static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (one buffer)
-  // + full[2], empty[2], staged_full, the pieces' verdict's (64 bytes: 8 barriers); + the 1024-byte alignment
-  static constexpr int kBytes = (kStaged ? kOffStaged + kStagedBytes : kOffClocks + kPhaseClocks * 8) + 1024;
+  static constexpr int kOffStaged = kOffBarriers + 1024;  // the producer's staged inputs (kStagedBufs buffers)
+  // + full[2], empty[2], staged_full[2], the pieces' verdict's (64 bytes: 8 barriers); + the 1024-byte alignment
+  static constexpr int kBytes = (kStaged ? kOffStaged + kStagedRegionBytes : kOffClocks + kPhaseClocks * 8) + 1024;
   static_assert(2 * kSmallBytes + ProduceScratch::kInvScratchBytes <= kInvSpan);
   static_assert(kBytes <= 227 * 1024);
 };
@@ -340,14 +340,15 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
 // (bar.red, which the two roles reach from their own code) synccheck failed both pieces tests in
 // run 136 where the tests alone, memcheck and racecheck passed (its report was not kept; an aligned
 // barrier reached from different instructions is the likely cause, as items_sync's in run 103).
-__device__ __forceinline__ uint64_t* verdict_barrier(uint64_t* full) { return full + 2 * kStages + 1; }
+constexpr int kMaxStagedBufs = 2;
+__device__ __forceinline__ uint64_t* verdict_barrier(uint64_t* full) { return full + 2 * kStages + kMaxStagedBufs; }
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
-// arrivals), empty[2] (the consumers' 256), then the staged inputs' (its issuing thread and the
-// bytes) and the pieces' pre-check verdict's (consumer thread 0: verdict_barrier).
+// arrivals), empty[2] (the consumers' 256), then the staged inputs' buffers' (its issuing thread and
+// the bytes) and the pieces' pre-check verdict's (consumer thread 0: verdict_barrier).
 __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
   uint64_t* const empty = full + kStages;
   for (int s = 0; s < kStages; ++s) mbarrier_init(&full[s], kThreads), mbarrier_init(&empty[s], 2 * kThreads);
-  mbarrier_init(empty + kStages, 1);
+  for (int b = 0; b < kMaxStagedBufs; ++b) mbarrier_init(empty + kStages + b, 1);
   mbarrier_init(verdict_barrier(full), 1);
   fence_mbarrier_init();
 }
@@ -372,11 +373,20 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   uint8_t* const scratch = ring + L::kOffScratch;
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   uint64_t* const empty = full + kStages;
-  uint64_t* const staged_full = empty + kStages;
+  uint64_t* const staged_full = empty + kStages;  // [kStagedBufs]
+  constexpr int kBufs = kStagedBufs<kF32Gate>;
+  static_assert(kBufs <= kMaxStagedBufs && kBufs * kStagedBufBytes<kF32Gate> <= kStagedRegionBytes);
   const int tid = threadIdx.x;
   const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
-  uint8_t* const staged = ring + L::kOffStaged;
-  // Chunk c + 1's rows are copied once chunk c's factors have read the buffer for the last time
+  // Chunk gc of the CTA's (base + c): buffer gc % kBufs, completing on staged_full[gc % kBufs] for
+  // the (gc / kBufs)-th time.
+  const auto staged_buf = [&](int64_t gc) { return ring + L::kOffStaged + int(gc % kBufs) * kStagedBufBytes<kF32Gate>; };
+  const auto staged_bar = [&](int64_t gc) { return staged_full + int(gc % kBufs); };
+  const auto staged_wait = [&](int64_t gc) { mbarrier_wait(staged_bar(gc), uint32_t(gc / kBufs) & 1); };
+  const auto issue_rows = [&](int64_t c) {  // chunk c of the item (thread 32)
+    issue_chunk_rows<kF32Gate>(params.maps, h, c, staged_buf(base + c), staged_bar(base + c), bos);
+  };
+  // Chunk c + kBufs's rows are copied once chunk c's factors have read its buffer for the last time
   // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
@@ -385,7 +395,9 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
   if constexpr (kStaged) {
-    if (tid == 32 && num_chunks > 0) issue_chunk_rows<kF32Gate>(params.maps, h, 0, staged, staged_full, bos);
+    // The buffers' last reads (the previous item's chunks) came before its factors' barriers.
+    if (tid == 32)
+      for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
   }
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
@@ -413,8 +425,10 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
-        // chunk c's rows (issued with chunk c - 1; chunk 0's before the loop)
-        if (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
+        // the rows in flight: chunks c .. c + kBufs - 1 (issued with chunk c - kBufs .. c - 1, or
+        // before the loop)
+        if constexpr (kStaged)
+          for (int64_t i = c; i < c + kBufs && i < staged_chunks; ++i) staged_wait(base + i);
         mbarrier_arrive(&full[stage]);
         break;
       }
@@ -433,10 +447,10 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
       tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
     }
-    if constexpr (kStaged) mbarrier_wait(staged_full, uint32_t(gc) & 1);
+    uint8_t* const staged = kStaged ? staged_buf(gc) : nullptr;
+    if constexpr (kStaged) staged_wait(gc);
     const auto refill = [&] {
-      if (kStaged && tid == 32 && c + 1 < staged_chunks)
-        issue_chunk_rows<kF32Gate>(params.maps, h, c + 1, staged, staged_full, bos);
+      if (kStaged && tid == 32 && c + kBufs < staged_chunks) issue_rows(c + kBufs);
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
     produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,

@@ -162,15 +162,25 @@ __device__ __forceinline__ void load_chunk(const ProduceArgs& p, int h, int64_t 
   }
 }
 
-// ---- Inputs staged in shared memory a chunk ahead (the fused kernel's producer) ----
-// Chunk c + 1's q, k and raw gate rows, copied by the TMA unit (a tensor copy each, issued by one
+// ---- Inputs staged in shared memory ahead of their chunk (the fused kernel's producer) ----
+// A later chunk's q, k and raw gate rows, copied by the TMA unit (a tensor copy each, issued by one
 // thread, completing on an mbarrier) while chunk c is computed, so that no global-memory latency
 // sits in the producer's chain and no thread holds an address for it. A buffer holds [32][128]
 // bf16 q, then k, then the gate ([32][128] bf16 or fp32), rows in token order; rows past the
 // chunk's end are zeros or another sequence's (below). (Run 80: one bulk copy a row, issued by a
 // warp's lanes, cost the producer ~3 400 cycles a chunk in issue.)
+// kStagedBufs: two buffers with bf16 gates (24 KB each; chunk c + 2's rows copied into chunk c's
+// buffer once its factors have read it), one with fp32 gates (32 KB; chunk c + 1's, as before).
+// With one buffer the copy had ~2 000 cycles from its issue (after the factors) to the next chunk's
+// top, too few: run 152's ncu samples put ~2 200 of the producer's ~28 000 on the wait for it
+// (~7% of its time, the "load" phase's ~600 cycles a chunk).
 constexpr int kStagedQ = 0, kStagedK = kTileBytes, kStagedG = 2 * kTileBytes;
 constexpr int kStagedBytes = 2 * kTileBytes + kChunk * kHeadDim * 4;  // 32 KB a buffer (fp32 gates)
+template <bool kF32Gate>
+constexpr int kStagedBufs = kF32Gate ? 1 : 2;
+template <bool kF32Gate>
+constexpr int kStagedBufBytes = kF32Gate ? kStagedBytes : 2 * kTileBytes + kChunk * kHeadDim * 2;
+constexpr int kStagedRegionBytes = 2 * kStagedBufBytes<false> > kStagedBytes ? 2 * kStagedBufBytes<false> : kStagedBytes;
 // Byte offset in a staged buffer of the 16-byte granule of token t's 8 bf16 channels from c0 in
 // part kStagedQ, kStagedK or (bf16 gates) kStagedG: what a producer thread reads of its rows, and
 // all that it writes there (zero_staged_tail).
