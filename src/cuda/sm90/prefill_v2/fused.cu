@@ -7,9 +7,10 @@
 // Each stage also holds the chunk's v rows, which one thread of the producer's warp 1 copies in by
 // TMA (two tensor copies of the chunk's 32 rows, 64 channels each, into a swizzled tile: staged_v;
 // the maps of q, k, g and v are built per call) as the stage is rebuilt, completing on the same
-// full barrier. FusedArgs::stage_inputs: the same thread copies chunk c + 1's q, k, g rows into one
-// shared buffer (issue_chunk_rows) once chunk c's factors have read it for the last time; the
-// producer reads q and k from there where it uses them instead of holding them in registers.
+// full barrier. FusedArgs::stage_inputs: the same thread copies chunk c + 2's q, k, g rows into
+// chunk c's buffer of two (bf16 gates; fp32 gates: chunk c + 1's into one buffer) by TMA
+// (issue_chunk_rows) once chunk c's factors have read it for the last time; the producer reads q
+// and k from there where it uses them instead of holding them in registers.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include "backend.h"
@@ -387,7 +388,10 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     issue_chunk_rows<kF32Gate>(params.maps, h, c, staged_buf(base + c), staged_bar(base + c), bos);
   };
   // Chunk c + kBufs's rows are copied once chunk c's factors have read its buffer for the last time
-  // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
+  // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1. The barriers'
+  // parities assume that every chunk of every earlier item of the CTA (base) was copied and waited
+  // for: true where a CTA has several items (the persistent grid), which has neither
+  // time_consumers_only nor the pieces' stops (fused_chunks refuses both there).
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
   load_gate_consts<kGate>(pa, h, tid, sm_gate);
