@@ -607,6 +607,7 @@ __device__ __forceinline__ void zero_staged_tail(int tid, int rows, uint8_t* buf
   }
 }
 
+// The factors read a row ahead (run 155, H100: 0.4% faster than two rows, DESIGN.md).
 constexpr int kFactorRowsAhead = 1;
 // The staged form: q and k read from the buffer row by row and scaled (sq: qk_row_scales_staged)
 // as normalise_qk would have scaled them (rows past the end: zero_staged_tail's zeros).
