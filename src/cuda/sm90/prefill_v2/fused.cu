@@ -197,10 +197,6 @@ struct SeqArgs {
   // after the warm-up (set by their thread 0, read by all after a barrier): wait for the piece before.
   int64_t item;
   int64_t chunk0;  // FusedArgs::pieces: the sequence's chunk at the piece's first (its warm-up's)
-  // FusedArgs::pieces: the piece's index in its sequence, the sequence's tokens, and with pieces_chain
-  // the index under which the piece publishes its end state: its own, or that of the last piece it
-  // runs through (chained_run_through), whose successor reads it.
-  int64_t piece, seq_len, publish_item;
   int publish;
   volatile int chain;
   // FusedArgs::pieces: the piece's warm-up chunks (0: the first piece), and its stop: abort (set by
@@ -302,10 +298,8 @@ __device__ __forceinline__ void write_sequence_args(const FusedArgs& a, int64_t 
 // from warmup = min(FusedArgs::warmup, p L) chunks earlier, from zero (the first piece from the
 // sequence's initial state); the last piece's final state into FusedArgs::pieces_final. A piece past
 // the sequence's chunks, and a padding sequence's pieces after its first, are padding of no rows.
-// through (> p, pieces_chain): the piece runs on to the end of piece `through` (chained_run_through).
-__device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, SeqArgs& seq, int64_t through = -1) {
+__device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, SeqArgs& seq) {
   const int64_t n = y / a.pieces, piece = y % a.pieces;
-  seq.piece = piece, seq.seq_len = 0, seq.publish_item = seq.item;
   write_sequence_args(a, n, seq);
   // a CTA that starts after another piece stopped the call leaves at once (read once, here: uniform)
   seq.abort = *static_cast<volatile int*>(a.pieces_flag) != 0;
@@ -321,14 +315,7 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
   // layout.h piece_span: a piece past the sequence's chunks is padding of no rows (the CTA leaves at
   // once); an empty sequence's first piece an item of no chunks, whose final state is its initial one
   const int64_t len = seq.produce.T;
-  seq.seq_len = len;
-  PieceSpan span = piece_span(len, a.pieces, a.warmup, piece);
-  if (through > piece) {  // FusedArgs::pieces_chain: on through the pieces after it (chained_run_through)
-    const PieceSpan to = piece_span(len, a.pieces, a.warmup, through);
-    span.end = to.end, span.last = to.last;
-    span.T = (span.end * kChunk < len ? span.end * kChunk : len) - span.shift;
-    seq.publish_item = seq.item + (through - piece) * a.consume.H;
-  }
+  const PieceSpan span = piece_span(len, a.pieces, a.warmup, piece);
   ProduceArgs& sp = seq.produce;
   ConsumeArgs& sc = seq.consume;
   advance_rows(a, sp, sc, span.shift);
@@ -491,24 +478,6 @@ constexpr float kPieceLog2Bound = -30.f;
 // The flag's value where the gates' pre-check stopped the pieces (a piece's own bound: 1).
 constexpr int kPiecesPrechecked = 2;
 
-// The gates' log-decay of channel c of head h over the chunk of 32 tokens from row t0 of pa's rows
-// (lower-bound bf16 gates), log2 units, as the producer's scan sums it: the chunk's 32 gates loaded
-// at once (rows from T on read row T - 1 and are not summed; t0 < T), then summed in token order, one
-// round trip to memory a chunk. bc: the channel's dt_bias times k.c.
-__device__ __forceinline__ float chunk_log2_decay(const ProduceArgs& pa, int h, int c, const LowerBoundConsts& k,
-                                                  float bc, int64_t t0, int64_t T) {
-  const int64_t last = T - 1 - t0;
-  const __nv_bfloat16* const gj = static_cast<const __nv_bfloat16*>(pa.g) + (t0 * pa.H + h) * kHeadDim + c;
-  float x[kChunk];
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t) x[t] = __bfloat162float(gj[(t < last ? int64_t(t) : last) * pa.H * kHeadDim]);
-  float gamma = 0.f;
-#pragma unroll
-  for (int t = 0; t < kChunk; ++t)
-    if (t0 + t < T) gamma += ProduceMath::quot(k.lb2, 1.f + ex2(fmaf(x[t], k.c, bc)));
-  return gamma;
-}
-
 // FusedArgs::pieces without pieces_chain, the gates' pre-check: a piece stops the call where its
 // warm-up chunks' bounds multiply to more than 2^kPieceLog2Bound, and each chunk's bound
 // (chunk_log2_bound) is at least max_c e^{Gamma_c}, its channels' decay over the chunk. So where a
@@ -533,11 +502,22 @@ __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int 
   const int64_t first = cwg == 0 ? 0 : seq.next_warmup_at;
   const LowerBoundConsts k = lower_bound_consts(pa, h);
   const float bc = pa.dt_bias != nullptr ? pa.dt_bias[int64_t(h) * kHeadDim + c] * k.c : 0.f;
+  const __nv_bfloat16* const g = static_cast<const __nv_bfloat16*>(pa.g);
   float total = 0.f;  // the sum over the warm-up's chunks of log2 max_c e^{Gamma_c}
   bool nan = false;
   for (int i = 0; i < iters; ++i) {  // uniform over both warpgroups (their barriers)
     if (i < count) {
-      const float gamma = chunk_log2_decay(pa, h, c, k, bc, (first + i) * kChunk, pa.T);
+      // The chunk's 32 gates of this channel loaded at once (rows past the piece's end read its last
+      // row and are not summed), then summed in token order: one round trip to memory a chunk.
+      const int64_t t0 = (first + i) * kChunk, last = pa.T - 1 - t0;  // t0 < T: a warm-up chunk has rows
+      const __nv_bfloat16* const gj = g + (t0 * pa.H + h) * kHeadDim + c;
+      float x[kChunk];
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t) x[t] = __bfloat162float(gj[(t < last ? int64_t(t) : last) * pa.H * kHeadDim]);
+      float gamma = 0.f;  // this channel's log-decay over the chunk, log2 units (as the producer's scan)
+#pragma unroll
+      for (int t = 0; t < kChunk; ++t)
+        if (t0 + t < pa.T) gamma += ProduceMath::quot(k.lb2, 1.f + ex2(fmaf(x[t], k.c, bc)));
       nan |= gamma != gamma;
       float m = gamma;
       for (int d = 16; d >= 1; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
@@ -551,72 +531,6 @@ __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int 
     consumers_sync();
   }
   return consumers_sync_or(count > 0 && (nan || total > kPieceLog2Bound + 0.5f));
-}
-
-// FusedArgs::pieces_chain, every thread of the CTA as its piece starts (before the roles split;
-// scratch: 16 floats): the last piece this CTA runs through, or -1 where it runs none. A chained
-// piece whose warm-up the gates alone show cannot bound its transition (precheck_warmups' test, which
-// passes only where the warm-up's own bound would) would wait at its first chunk for the piece before
-// it to end and go on from its end state: a serial walk with a hand-over between the two, each piece
-// paying its pipeline's fill and its state's store and load, and at H = 96 over three waves of CTAs
-// (run 161, an H100: T=8192 H=96 long memory 1.039 ms in chained pieces against 0.967 unsplit). So
-// the piece before runs its chunks instead: piece p's CTA leaves at once where its own warm-up cannot
-// bound, and else runs on through each following piece whose warm-up cannot bound (publishing its end
-// state under the last one's index: SeqArgs::publish_item). Where a warm-up is bounded by the gates
-// but not by its own bound, the piece still waits for the one before (chain_in). A function of the
-// gates alone, so every CTA of a call decides alike and a graph replay as the eager call. The three
-// warpgroups check three pieces at once (thread: channel), the first from p (from 1 for p = 0, which
-// always runs); lower-bound bf16 gates (what the pieces serve).
-__device__ __forceinline__ int64_t chained_run_through(const FusedArgs& a, const SeqArgs& seq, int h, float* scratch) {
-  const int tid = int(threadIdx.x), grp = tid / kThreads, c = tid & (kHeadDim - 1), warp = (tid >> 5) & 3;
-  const ProduceArgs& pa = seq.produce;  // rows from the piece's first (its warm-up's)
-  const int64_t p = seq.piece, P = a.pieces, len = seq.seq_len, rows = len - seq.chunk0 * kChunk;
-  const LowerBoundConsts k = lower_bound_consts(pa, h);
-  const float bc = pa.dt_bias != nullptr ? pa.dt_bias[int64_t(h) * kHeadDim + c] * k.c : 0.f;
-  int64_t through = p;
-  for (int64_t first = p > 0 ? p : 1; first < P; first += 3) {
-    // piece first + g's warm-up chunks (0: no such piece, or no warm-up); the arrays by constant indices only
-    const auto warmup_of = [&](int64_t j) -> int64_t {
-      if (j >= P) return 0;
-      const PieceSpan span = piece_span(len, P, a.warmup, j);
-      return span.T >= 0 ? span.warmup : 0;
-    };
-    int64_t count[3];
-    float total[3];
-#pragma unroll
-    for (int g = 0; g < 3; ++g) count[g] = warmup_of(first + g), total[g] = 0.f;
-    const int64_t mine = grp == 0 ? count[0] : grp == 1 ? count[1] : count[2];
-    const int64_t mine_at = first + grp < P ? piece_span(len, P, a.warmup, first + grp).begin - mine : 0;
-    for (int i = 0; i < a.warmup; ++i) {  // uniform (the CTA's barriers)
-      if (i < mine) {
-        const int64_t t0 = (mine_at + i - seq.chunk0) * kChunk;
-        const float gamma = chunk_log2_decay(pa, h, c, k, bc, t0, rows);
-        float m = __any_sync(0xffffffffu, gamma != gamma) ? INFINITY : gamma;  // a NaN gate: cannot bound
-        for (int d = 16; d >= 1; d >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, d));
-        if ((tid & 31) == 0) scratch[4 * grp + warp] = m;
-      }
-      __syncthreads();
-#pragma unroll
-      for (int g = 0; g < 3; ++g)
-        if (i < count[g]) {
-          const float* const w = scratch + 4 * g;
-          total[g] += fmaxf(fmaxf(w[0], w[1]), fmaxf(w[2], w[3]));
-        }
-      __syncthreads();
-    }
-#pragma unroll
-    for (int g = 0; g < 3; ++g) {
-      const bool unbounded = count[g] > 0 && total[g] > kPieceLog2Bound + 0.5f;
-      if (first + g == p) {
-        if (unbounded) return -1;  // the piece before runs this one's chunks
-      } else if (unbounded) {
-        through = first + g;
-      } else {
-        return through;
-      }
-    }
-  }
-  return through;
 }
 
 // FusedArgs::pieces: an upper bound on log2 ||A|| of the chunk's state transition
@@ -899,11 +813,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     for (int i = 0; i < 64; ++i) bad |= !isfinite(S[i]);
     if (__any_sync(0xffffffffu, bad) && lane == 0) atomicCAS(a.pieces_flag, 0, 1);
     if (stop->publish) {  // FusedArgs::pieces_chain: the end state for the next piece, then its flag
-      prefill::store_state_rows(S, a.pieces_states, ElemType::kF32, stop->publish_item * kHeadDim * kHeadDim, v_row, t4,
-                                rs.inv);
+      prefill::store_state_rows(S, a.pieces_states, ElemType::kF32, stop->item * kHeadDim * kHeadDim, v_row, t4, rs.inv);
       __threadfence();
       consumers_sync();
-      if (ctid == 0) ready_release(a.pieces_ready + stop->publish_item);
+      if (ctid == 0) ready_release(a.pieces_ready + stop->item);
     }
   }
   if (p.final_state != nullptr)
@@ -967,17 +880,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       zero_head_rows(seq_consume.out, -seq_produce.T - 1, a.consume.H, h, int(threadIdx.x), int(blockDim.x));
       zero_head_checkpoints(a, seq.first_ckpt, -seq_produce.T - 1, h, int(threadIdx.x), int(blockDim.x));
       return;
-    }
-    if constexpr (kPieces) {
-      if (a.pieces_chain) {  // uniform: the same arguments in every thread
-        static_assert(kGate == GateForm::kLowerBound && !kF32Gate, "the pieces serve lower-bound bf16 gates");
-        const int64_t through = chained_run_through(a, seq, h, reinterpret_cast<float*>(ring + L::kOffScratch));
-        if (through < 0) return;  // the piece before runs this one's chunks
-        if (through > seq.piece) {  // this piece runs on through the next ones' chunks
-          if (tid == 0) write_piece_args(a, seq.item / a.consume.H, seq, through);
-          __syncthreads();
-        }
-      }
     }
   }
   const int64_t bos = kSeqs ? seq.bos : 0;
