@@ -2002,5 +2002,64 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
               t_fused, t_staged, t_consumers, t_v2, t_produce, t_consume, t_today);
 }
 
+// The rule's call at issue 11's shape (T=8192 H=96, one sequence, fp32 states) in bench_prefill.py's
+// two gate regimes (random: raw gates of N(0, 1)'s spread, here uniform in [-1.73, 1.73], A_log and
+// dt_bias in [0, 1]; long memory: the same with channels 0-7 of every head at dt_bias -8), against
+// what it is made of: the unsplit fused kernel (internal fused_v2 = 1), the pieces' kernel with one
+// chained piece (fused_pieces = 1, fused_chain = 1: the whole sequence in one CTA a head, as the
+// unsplit kernel, through the pieces' path and its prelude) and four chained pieces (what the rule
+// takes here). CUDA-graph medians of 20 replays, as the benchmark's, so that the pieces' cost with
+// long memory (run 161: 1.039 ms against 0.967 unsplit) splits into the pieces' path and their
+// chaining. Each variant's outputs within 1e-3 of the unsplit kernel's (the chained state differs
+// by power-of-two row scales only).
+double median_graph_ms(KdaInputs& in, DeviceProblem& d) {
+  CapturedCall call(in, d);
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start), cudaEventCreate(&stop);
+  EXPECT_EQ(cudaGraphLaunch(call.exec, call.stream), cudaSuccess);
+  std::vector<float> ms(20);
+  for (auto& m : ms) {
+    cudaEventRecord(start, call.stream);
+    cudaGraphLaunch(call.exec, call.stream);
+    cudaEventRecord(stop, call.stream);
+    cudaEventSynchronize(stop);
+    cudaEventElapsedTime(&m, start, stop);
+  }
+  cudaEventDestroy(start), cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return double(ms[ms.size() / 2]);
+}
+
+TEST_F(Prefill32Gpu, TimeTheRuleAtServingShape) {
+  for (const bool long_memory : {false, true}) {
+    KdaOptions o;
+    o.T = 8192, o.H = 96, o.seed = 13;
+    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+    o.A_log_min = 0.0, o.A_log_max = 1.0, o.dt_bias_min = 0.0, o.dt_bias_max = 1.0, o.g_min = -1.73, o.g_max = 1.73;
+    KdaInputs in(o);
+    if (long_memory)
+      for (int64_t h = 0; h < o.H; ++h)
+        for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.f;
+    internal::PrefillLaunch unsplit, one_piece, four_pieces;
+    unsplit.fused_v2 = 1;
+    one_piece.fused_pieces = 1, one_piece.fused_chain = 1;
+    four_pieces.fused_pieces = 4, four_pieces.fused_chain = 1;
+    DeviceProblem d_rule(in), d_unsplit(in, unsplit), d_one(in, one_piece), d_four(in, four_pieces);
+    run_bits(in, d_unsplit);
+    const std::vector<double> reference = in.out.values();
+    const char* const names[] = {"the rule", "one piece", "four chained pieces"};
+    DeviceProblem* const calls[] = {&d_rule, &d_one, &d_four};
+    for (int i = 0; i < 3; ++i) {
+      run_bits(in, *calls[i]);
+      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0) << names[i];
+      EXPECT_LE(test::rel_rms(in.out.values(), reference), 1e-3) << names[i];
+    }
+    std::printf("[ measure  ] T=8192 H=96 one sequence, %s gates, CUDA-graph medians (ms): the rule %.3f, unsplit %.3f, "
+                "one chained piece %.3f, four chained pieces %.3f\n",
+                long_memory ? "long-memory" : "random", median_graph_ms(in, d_rule), median_graph_ms(in, d_unsplit),
+                median_graph_ms(in, d_one), median_graph_ms(in, d_four));
+  }
+}
+
 }  // namespace
 }  // namespace flashkda::cuda::sm90::prefill_v2
