@@ -2002,6 +2002,12 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
               t_fused, t_staged, t_consumers, t_v2, t_produce, t_consume, t_today);
 }
 
+// The median of 20 CUDA-graph replays of d's call (captured once), ms.
+double median_graph_ms(KdaInputs& in, DeviceProblem& d) {
+  CapturedCall call(in, d);
+  return median_event_ms([&] { EXPECT_EQ(cudaGraphLaunch(call.exec, call.stream), cudaSuccess); }, call.stream);
+}
+
 // The rule's call at issue 11's shape (T=8192 H=96, one sequence, fp32 states) in bench_prefill.py's
 // two gate regimes (random: raw gates of N(0, 1)'s spread, here uniform in [-1.73, 1.73], A_log and
 // dt_bias in [0, 1]; long memory: the same with channels 0-7 of every head at dt_bias -8), against
@@ -2012,11 +2018,6 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
 // long memory (run 161: 1.039 ms against 0.967 unsplit) splits into the pieces' path and their
 // chaining. Each variant's outputs within 1e-3 of the unsplit kernel's (the chained state differs
 // by power-of-two row scales only).
-double median_graph_ms(KdaInputs& in, DeviceProblem& d) {
-  CapturedCall call(in, d);
-  return median_event_ms([&] { EXPECT_EQ(cudaGraphLaunch(call.exec, call.stream), cudaSuccess); }, call.stream);
-}
-
 TEST_F(Prefill32Gpu, TimeTheRuleAtServingShape) {
   for (const bool long_memory : {false, true}) {
     KdaOptions o;
