@@ -180,7 +180,10 @@ template <bool kF32Gate>
 constexpr int kStagedBufs = kF32Gate ? 1 : 2;
 template <bool kF32Gate>
 constexpr int kStagedBufBytes = kF32Gate ? kStagedBytes : 2 * kTileBytes + kChunk * kHeadDim * 2;
-constexpr int kStagedRegionBytes = 2 * kStagedBufBytes<false> > kStagedBytes ? 2 * kStagedBufBytes<false> : kStagedBytes;
+// The region holding either gate form's buffers.
+constexpr int kStagedRegionBytes = kStagedBufs<false> * kStagedBufBytes<false> > kStagedBufs<true> * kStagedBufBytes<true>
+                                       ? kStagedBufs<false> * kStagedBufBytes<false>
+                                       : kStagedBufs<true> * kStagedBufBytes<true>;
 // Byte offset in a staged buffer of the 16-byte granule of token t's 8 bf16 channels from c0 in
 // part kStagedQ, kStagedK or (bf16 gates) kStagedG: what a producer thread reads of its rows, and
 // all that it writes there (zero_staged_tail).
