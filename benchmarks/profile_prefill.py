@@ -2,7 +2,7 @@
 both precision modes and with and without segments, plus the host time of one eager call.
 Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick | --host-only | --host-calls | --verdict | --pieces | --lowrank]
+    python benchmarks/profile_prefill.py [--quick | --host-only | --host-calls | --verdict | --pieces | --lowrank | --serving]
 
 --quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
 time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
@@ -12,6 +12,8 @@ each call's CUDA-graph median (--early: also with the chunk-16 kernels after the
 --host-calls: where an eager call's host time goes: the CUDA runtime and driver calls (torch.profiler's
 CPU events, per call), at few heads and at many.
 --lowrank: the low-rank segment transitions (a candidate) against the rule's, kernel by kernel.
+--serving: the serving prefill's cases (bench_prefill.py --serving) kernel by kernel: the plain call, the
+pool, the pool with checkpoints, each call's span and CUDA-graph median.
 """
 import os
 import re
@@ -24,7 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_prefill import FEW, MANY, make_inputs, run_flashkda, time_eager_ms, time_graph_ms  # noqa: E402
+from bench_prefill import (FEW, MANY, make_inputs, run_flashkda, run_flashkda_pool, time_eager_ms,  # noqa: E402
+                           time_graph_ms)
 
 CASES = [MANY[1], MANY[3], FEW[1], FEW[3], FEW[7]]  # H=96 one seq, H=96 8x1024, H=12 T=8192 / 131072, H=32 T=32768
 
@@ -143,10 +146,10 @@ def call_spans(fn, reps=10):
     return names, means, gaps, spans[len(spans) // 2]
 
 
-def span_row(x, launch):
-    """The last two cells of a spans table for flashkda's call with `launch` on x (fp32 states): each
-    kernel's mean us with the gap after it in brackets, then the call's span."""
-    names, means, gaps, span = call_spans(run_flashkda(x, True, launch=launch)[0])
+def span_row(x, launch, fn=None):
+    """The last two cells of a spans table for flashkda's call with `launch` on x (fp32 states), or for
+    fn: each kernel's mean us with the gap after it in brackets, then the call's span."""
+    names, means, gaps, span = call_spans(fn or run_flashkda(x, True, launch=launch)[0])
     parts = [f"{n.split('<')[0]} {m:.1f}" + (f" [{gaps[i]:.1f}]" if i < len(gaps) else "")
              for i, (n, m) in enumerate(zip(names, means))]
     return f"{'; '.join(parts)} | {span:.1f}"
@@ -217,7 +220,26 @@ def lowrank_profile():
             torch.cuda.empty_cache()
 
 
+def serving_profile():
+    """The serving prefill's cost (bench_prefill.py --serving's cases) kernel by kernel: the plain call
+    against the pool (device cu_seqlens, as engines call it) and the pool with checkpoints into free
+    slots: each kernel's time, the gaps, the call's span (us) and its CUDA-graph median (ms)."""
+    print("| case | call | kernels (us each, gaps in brackets) | span us | CUDA-graph ms |")
+    print("|---|---|---|---|---|")
+    for T, H, every in ((8192, 96, 4096), (8192, 12, 1024), (32768, 12, 4096)):
+        x = make_inputs(H, [T], True)
+        for label, fn in (("plain", run_flashkda(x, True)[0]), ("pool", run_flashkda_pool(x)[0]),
+                          (f"pool, checkpoints every {every}", run_flashkda_pool(x, every)[0])):
+            graph = time_graph_ms(fn, reps=20)
+            print(f"| T={T} H={H} | {label} | {span_row(x, None, fn)} | {graph:.4f} |", flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 def main():
+    if "--serving" in sys.argv[1:]:
+        serving_profile()
+        return
     if "--lowrank" in sys.argv[1:]:
         lowrank_profile()
         return
