@@ -14,6 +14,10 @@ CPU events, per call), at few heads and at many.
 --lowrank: the low-rank segment transitions (a candidate) against the rule's, kernel by kernel.
 --serving: the serving prefill's cases (bench_prefill.py --serving) kernel by kernel: the plain call, the
 pool, the pool with checkpoints, each call's span and CUDA-graph median.
+--fused-paths: T=8192 H=96 one sequence, both gate regimes, kernel by kernel: the rule, the unsplit fused
+kernel (its arguments in the kernel's parameters), the same through device cu_seqlens (its sequence's
+arguments in shared memory), the pieces' kernel with one chained piece and with four (--once: each path's
+call once, random gates, for a profiler such as ncu).
 """
 import os
 import re
@@ -236,7 +240,49 @@ def serving_profile():
         torch.cuda.empty_cache()
 
 
+def fused_paths_profile():
+    """Where the pieces' path loses to the unsplit fused kernel (run 163: one chained piece 1.048 ms
+    against 0.984 in CUDA graphs at T=8192 H=96): each fused path's kernels, their times, the gaps, the
+    call's span (us) and its CUDA-graph median (ms)."""
+    import flashkda
+    from flashkda import _internal
+    from bench_prefill import D, LOWER_BOUND
+
+    def through_cu_seqlens(x, launch):
+        out, ht = torch.empty_like(x["v"]), torch.empty_like(x["h0"])
+
+        def call():
+            with _internal.launch(**launch):
+                flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
+                             LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"])
+        return call
+
+    once = "--once" in sys.argv[1:]
+    if not once:
+        print("| gates | path | kernels (us each, gaps in brackets) | span us | CUDA-graph ms |")
+        print("|---|---|---|---|---|")
+    for regime in ("random",) if once else ("random", "long"):
+        x = make_inputs(96, [8192], True, regime)
+        paths = [("the rule", run_flashkda(x, True)[0]),
+                 ("unsplit", run_flashkda(x, True, launch=dict(fused_v2=1))[0]),
+                 ("unsplit, device cu_seqlens", through_cu_seqlens(x, dict(fused_v2=1))),
+                 ("one chained piece", run_flashkda(x, True, launch=dict(fused_pieces=1, fused_chain=1))[0]),
+                 ("four chained pieces", run_flashkda(x, True, launch=dict(fused_pieces=4, fused_chain=1))[0])]
+        for label, fn in paths:
+            if once:
+                fn()
+                torch.cuda.synchronize()
+                continue
+            graph = time_graph_ms(fn, reps=20)
+            print(f"| {regime} | {label} | {span_row(x, None, fn)} | {graph:.4f} |", flush=True)
+        del x
+        torch.cuda.empty_cache()
+
+
 def main():
+    if "--fused-paths" in sys.argv[1:]:
+        fused_paths_profile()
+        return
     if "--serving" in sys.argv[1:]:
         serving_profile()
         return
