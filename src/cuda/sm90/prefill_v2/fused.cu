@@ -716,90 +716,109 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   // chunk, held the warp for the load's latency before its wait for the stage. A stop seen a chunk
   // late costs that chunk's work, never the result (the kernels after the pieces redo the call).
   int flag_next = kPieces && ctid == 0 ? *static_cast<volatile int*>(a.pieces_flag) : 0;
-  for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t gc = base + c;
-    const int stage = int(gc % kStages);
-    const int flag = flag_next;
-    if (kPieces && ctid == 0) flag_next = *static_cast<volatile int*>(a.pieces_flag);
-    const bool failed = flag != 0;
-    if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
-    const bool tracer = kTrace && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
-    if (tracer && cwg == 0) trace_point(a, h, c, 6);
-    mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
-    if (tracer) trace_point(a, h, c, 7 + cwg);
-    if constexpr (kPieces) {
-      if (draining) {  // release what the producer fills until the chunk at which it stopped
-        if (stopped_at_load(stop) <= c) break;
-        release(stage);
-        continue;
+  // Two phases (kPieces; one otherwise), each a loop of its own after the unrolling, warm_phase a
+  // constant in each: the piece's warm-up chunks, each bounded instead of written, with the chunk
+  // after them, which takes a chained piece's state (chain_in); then the rest of the piece, whose loop
+  // holds neither (runs 164 and 166: the pieces' kernel with one piece, whose loop held both, took
+  // 1041 us at T=8192 H=96 against the unsplit kernel's 989, with 3.7% more instructions executed
+  // and more of its warps' stalls waiting for an instruction fetch).
+  int64_t c = 0;
+  bool more = true;  // false: the consumers stopped draining (the producer stopped before chunk c)
+#pragma unroll
+  for (int phase = kPieces ? 0 : 1; phase < 2; ++phase) {
+    const bool warm_phase = phase == 0;
+    const int64_t end = warm_phase && warmup + 1 < num_chunks ? warmup + 1 : num_chunks;
+    for (; more && c < end; ++c) {
+      const int64_t gc = base + c;
+      const int stage = int(gc % kStages);
+      const int flag = flag_next;
+      if (kPieces && ctid == 0) flag_next = *static_cast<volatile int*>(a.pieces_flag);
+      const bool failed = flag != 0;
+      if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
+      const bool tracer = kTrace && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
+      if (tracer && cwg == 0) trace_point(a, h, c, 6);
+      mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
+      if (tracer) trace_point(a, h, c, 7 + cwg);
+      if constexpr (kPieces) {
+        if (draining) {  // release what the producer fills until the chunk at which it stopped
+          if (stopped_at_load(stop) <= c) {
+            more = false;
+            break;
+          }
+          release(stage);
+          continue;
+        }
+        if (failed) stop->abort = 1;
       }
-      if (failed) stop->abort = 1;
-    }
-    mark(10);
-    if constexpr (kConsumerInv) {
-      // Every consumer warp is past chunk c - 1's U product (its reads of own_inv) before the
-      // tiles are rewritten: a wgmma completing in one warp is not documented to mean the whole
-      // warpgroup's operand reads are done.
-      consumers_sync();
-      if constexpr (kPieces) {  // read by all after the barrier; thread 0 writes it only before one
-        // FusedArgs::pieces_chain: the warm-up did not bound the transition; the piece before's end
-        // state, once published, replaces the warm-up's (or the call stopped meanwhile: drain)
-        if (c == warmup && warmup > 0 && stop->chain) chain_in(a, stop, ctid, v_row, t4, S, rs);
-        if (stop->abort) {
-          draining = true;
-          if (stopped_at_load(stop) <= c) break;
+      mark(10);
+      if constexpr (kConsumerInv) {
+        // Every consumer warp is past chunk c - 1's U product (its reads of own_inv) before the
+        // tiles are rewritten: a wgmma completing in one warp is not documented to mean the whole
+        // warpgroup's operand reads are done.
+        consumers_sync();
+        if constexpr (kPieces) {  // read by all after the barrier; thread 0 writes it only before one
+          // FusedArgs::pieces_chain: the warm-up did not bound the transition; the piece before's end
+          // state, once published, replaces the warm-up's (or the call stopped meanwhile: drain)
+          if (warm_phase && c == warmup && warmup > 0 && stop->chain) chain_in(a, stop, ctid, v_row, t4, S, rs);
+          if (stop->abort) {
+            draining = true;
+            if (stopped_at_load(stop) <= c) {
+              more = false;
+              break;
+            }
+            release(stage);
+            continue;
+          }
+        }
+        const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
+        invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
+                              own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
+        fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
+        consumers_sync();
+        mark(13);
+      }
+      // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
+      const uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // a 32 x 128 SW128 tile (staged_v)
+      const int rows = chunk_rows(p.T, c);
+      __nv_bfloat16* const slot0 = &staged_v(vs, 2 * t4, v_row);  // slot i at + sw128_slot_offset(i)
+      const auto slot = [&](int i) -> __nv_bfloat16& {
+        return *reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(slot0) + sw128_slot_offset(i));
+      };
+      auto v_at = [&](int i) {
+        const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
+        return t < rows ? __bfloat162float(slot(i)) : 0.f;
+      };
+      __nv_bfloat16 o[16];
+      consume_chunk(p, h, c, v_row, t4, ring + stage * L::kStageSpan,
+                    kConsumerInv ? own_inv : ring + stage * L::kStageSpan + ChunkOperands::kOffInvB, v_at, S, rs, o);
+      mark(11);
+      if constexpr (kPieces) {
+        if (warm_phase && c < warmup) {  // a warm-up chunk: its bound, no output; at the last, the verdict
+          const float b = chunk_log2_bound(ctid, ring + stage * L::kStageSpan, own_inv,
+                                           reinterpret_cast<float*>(own_inv + 2 * kSmallBytes));
+          if (ctid == 0) {
+            log2_bound += b;
+            if (c + 1 == warmup) warmup_verdict(a, stop, log2_bound);
+          }
+          fence_proxy_async_shared();
           release(stage);
           continue;
         }
       }
-      const float* const l_beta = reinterpret_cast<const float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-      invert_warpgroup<256>(ctid, l_beta, l_beta + kLBetaOffBeta, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes),
-                            own_inv, own_inv + kSmallBytes, false, [] { consumers_sync(); });
-      fence_proxy_async_shared();  // the tiles are the U product's wgmma operand
-      consumers_sync();
-      mark(13);
-    }
-    // v^T of this thread's slots from the stage (rows past the end: zero, never the stage's bytes).
-    const uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // a 32 x 128 SW128 tile (staged_v)
-    const int rows = chunk_rows(p.T, c);
-    __nv_bfloat16* const slot0 = &staged_v(vs, 2 * t4, v_row);  // slot i at + sw128_slot_offset(i)
-    const auto slot = [&](int i) -> __nv_bfloat16& {
-      return *reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<uint8_t*>(slot0) + sw128_slot_offset(i));
-    };
-    auto v_at = [&](int i) {
-      const int t = 8 * (i >> 2) + 2 * t4 + (i & 1);
-      return t < rows ? __bfloat162float(slot(i)) : 0.f;
-    };
-    __nv_bfloat16 o[16];
-    consume_chunk(p, h, c, v_row, t4, ring + stage * L::kStageSpan,
-                  kConsumerInv ? own_inv : ring + stage * L::kStageSpan + ChunkOperands::kOffInvB, v_at, S, rs, o);
-    mark(11);
-    if constexpr (kPieces) {
-      if (c < warmup) {  // a warm-up chunk: its bound, no output; at the last, the verdict
-        const float b = chunk_log2_bound(ctid, ring + stage * L::kStageSpan, own_inv,
-                                         reinterpret_cast<float*>(own_inv + 2 * kSmallBytes));
-        if (ctid == 0) {
-          log2_bound += b;
-          if (c + 1 == warmup) warmup_verdict(a, stop, log2_bound);
-        }
-        fence_proxy_async_shared();
-        release(stage);
-        continue;
-      }
-    }
 #pragma unroll
-    for (int i = 0; i < 16; ++i) slot(i) = o[i];
-    store_chunk_output(p, h, c, rows, vs, 64 * cwg + 16 * warp, lane);
-    // This thread's generic writes of the stage's v (the output slots) before the producer's TMA
-    // overwrites them: fenced by each writing thread, then released by its arrival.
-    fence_proxy_async_shared();
-    release(stage);
-    if (kTrace && lane == 0) trace_point(a, h, c, 9 + (ctid >> 5));  // each consumer warp's release
-    if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
-      if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
-      next_ckpt += ckpt_period, ++ck;
+      for (int i = 0; i < 16; ++i) slot(i) = o[i];
+      store_chunk_output(p, h, c, rows, vs, 64 * cwg + 16 * warp, lane);
+      // This thread's generic writes of the stage's v (the output slots) before the producer's TMA
+      // overwrites them: fenced by each writing thread, then released by its arrival.
+      fence_proxy_async_shared();
+      release(stage);
+      if (kTrace && lane == 0) trace_point(a, h, c, 9 + (ctid >> 5));  // each consumer warp's release
+      if (c == next_ckpt) {  // S is complete (consume_chunk waited for the update)
+        if ((c + 1) * kChunk <= p.T) store_checkpoint(a, ck, h, S, v_row, t4, rs.inv);
+        next_ckpt += ckpt_period, ++ck;
+      }
+      mark(12);
     }
-    mark(12);
   }
   if (kClock && tid == kThreads)
     for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
