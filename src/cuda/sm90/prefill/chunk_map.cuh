@@ -97,6 +97,19 @@ __device__ __forceinline__ bool call_fused(const Params& p) {
 // Whether the fused kernel's pieces ran the call (Params::pieces_flag, internal::PrefillLaunch::
 // fused_pieces): the chunk-16 kernels do nothing.
 __device__ __forceinline__ bool pieces_ran(const Params& p) { return p.pieces_flag != nullptr && *p.pieces_flag == 0; }
+// The pieces' final states to the call's (PiecesFinal): units i = first, first + stride, ... of them.
+__device__ __forceinline__ void copy_pieces_final(const PiecesFinal& f, int64_t first, int64_t stride) {
+  const auto* const from = static_cast<const float4*>(f.from);
+  auto* const to = static_cast<float4*>(f.to);
+  for (int64_t i = first; i < f.units; i += stride) {
+    if (f.slots == nullptr) {
+      to[i] = from[i];
+    } else {
+      const int64_t slot = f.slots[i / f.per];
+      if (slot >= 0 && slot < f.pool_size) to[slot * f.per + i % f.per] = from[i];
+    }
+  }
+}
 
 // ---- Serving prefill (config.h Params, docs/SPEC.md §9) ------------------------------------------
 // The state slot of sequence n: n for dense states, its pool slot with state_indices, -1 for

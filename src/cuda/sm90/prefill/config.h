@@ -281,6 +281,18 @@ enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
 // flags (K0, or a one-CTA kernel in the flags' memset's place), the pieces' rule kept.
 constexpr int kEarlyK1 = 1, kEarlyK2 = 2, kEarlyChain = 4, kEarlyCombine = 8, kEarlyAll = 15, kEarlyPieces = 32;
 
+// The few-head pieces' final states on their way to the call's (a pool's slots, or a final state over
+// the initial one): `units` 16-byte units from `from`, sequence n's `per` units to `to` (slot slots[n]
+// of a pool of pool_size, padding skipped, where slots is set), copied only where no piece stopped the
+// call (prefill_v2 fused_pieces_finish; K1 after the pieces, Params::pieces_final). from null: none.
+struct PiecesFinal {
+  const void* from = nullptr;
+  void* to = nullptr;
+  int64_t units = 0, per = 0;
+  const int32_t* slots = nullptr;
+  int64_t pool_size = 0;
+};
+
 struct Params {
   const void* q;      // [total, H, K] bf16
   const void* k;      // [total, H, K] bf16
@@ -315,6 +327,8 @@ struct Params {
                               // call (every chunk-16 kernel then returns at once: pieces_ran), else null or 1
   int* pieces_zero;           // K0 ahead of the fused kernel's pieces: their flags' block, which it zeroes first
   int64_t pieces_zero_ints;   // (in place of their memset: one launch fewer on calls with cu_seqlens or a pool)
+  PiecesFinal pieces_final;   // the pieces' final states, which K1 after them copies where they ran the call
+                              // (its CTAs return at once otherwise): the finishing kernel's launch saved
   uint32_t* prep_next;        // the few-head pieces' area (zeroed with their flag), or null: the strided K1 after
                               // them takes its (slot, head) items from this counter, in the one-a-CTA kernel's
                               // order, instead of every gridDim.x-th in turn (prepare_kernel kStrided)

@@ -30,6 +30,7 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   const bool k0 = (p.cu_seqlens != nullptr || p.state_indices != nullptr) && !p.k0_ran;
   if (k0) launch_k0(p, stream);
   int64_t blocks = p.chunk_slots * p.H;
+  if (blocks == 0 && p.pieces_final.from != nullptr) blocks = 1;  // the pieces' final states to copy
   if (blocks == 0) return;
   // Where K0 may give the call to the fused kernel, K1's CTAs may all find nothing to do: four waves
   // of them take every chunk in turn (prepare_kernel kStrided).
@@ -693,6 +694,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   const int* pieces_error_flag = nullptr;  // K0's verdict where it ran ahead of the pieces
   const int32_t* pieces_ckpt_start = nullptr;
   bool fused_if_stopped = false;  // where a piece stops the call, the fused kernel runs it
+  PiecesFinal pieces_final;        // the pieces' final states, for K1 after them to copy
   if (const PiecesArea area = fused_pieces_area(p, launch); area.pieces > 0) {
     uint8_t* const at = static_cast<uint8_t*>(workspace) + kernels_workspace_size(p, launch);
     int* const flag = reinterpret_cast<int*>(at);
@@ -721,13 +723,20 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const bool early = launch.early_launch > 0 && (launch.early_launch & kEarlyPieces) != 0;
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
                                                pieces_ckpt_start, stream, chain_states, k0_first, early) == cudaSuccess) {
-      FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
       pieces_flag = flag;
       if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag
       ahead.k0_ran = k0_first;  // the kernels after the pieces take these parameters
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
       // kernel (where it cannot start, the chunk-16 kernels below), else the chunk-16 kernels.
       fused_if_stopped = launch.fused_v2 > 0 || fused_by_rule(p, launch);
+      // The pieces' final states (a pool's slots): copied by K1, the first of the chunk-16 kernels,
+      // where those follow the pieces in every replay (run 163: the finishing kernel and its gap
+      // ~4.5 us of the pool's ~10 at T=32768 H=12); else (the fused kernel after them, or the
+      // chunk-16 kernels in a conditional node) by a kernel of its own.
+      if (!fused_if_stopped && launch.pieces_graph_if <= 0)
+        pieces_final = sm90::prefill_v2::pieces_final_copy(p, finals);
+      else
+        FLASHKDA_CUDA_CHECK(sm90::prefill_v2::fused_pieces_finish(p, flag, finals, stream));
     } else {
       (void)cudaGetLastError();
     }
@@ -761,6 +770,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const int64_t N = detail::num_sequences(p);
     Params kp = ahead.k0_ran ? ahead : chunk16_params(p, launch, workspace, pieces_flag);
     kp.prep_next = prep_next;
+    kp.pieces_final = pieces_final;
     // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
     // kernel launched after them, while they do nothing.
     const bool persistent = launch.fused_persistent > 0;

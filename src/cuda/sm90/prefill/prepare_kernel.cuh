@@ -242,7 +242,12 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) prepare_kernel(c
   extern __shared__ __align__(16) uint8_t smem_raw[];
   wait_for_prerequisites();  // K0 (launched early after it)
   allow_dependents();
-  if (pieces_ran(p)) return;
+  if (pieces_ran(p)) {  // the call is done but for the pieces' final states, where they are apart
+    // (after the pieces K1 is strided: launch_prepare)
+    if (kStrided && p.pieces_final.from != nullptr)
+      copy_pieces_final(p.pieces_final, int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int64_t(gridDim.x) * blockDim.x);
+    return;
+  }
   if constexpr (kStrided) {
     if (call_fused(p)) return;
     if (p.prep_next != nullptr) return prepare_from_counter<Split>(p, smem_raw);

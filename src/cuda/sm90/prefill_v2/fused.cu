@@ -727,8 +727,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 #pragma unroll
   for (int phase = kPieces ? 0 : 1; phase < 2; ++phase) {
     const bool warm_phase = phase == 0;
-    const int64_t end = warm_phase && warmup + 1 < num_chunks ? warmup + 1 : num_chunks;
-    for (; more && c < end; ++c) {
+    for (; more && c < num_chunks && (!warm_phase || c <= warmup); ++c) {
       const int64_t gc = base + c;
       const int stage = int(gc % kStages);
       const int flag = flag_next;
@@ -1083,19 +1082,9 @@ __global__ void pieces_zero_kernel(int* flag, int64_t count) {
 
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
 // (*flag zero; else the rule's kernels after the pieces write them).
-// With a pool (slots: state_indices), sequence n's `per` 16-byte units into slot slots[n] where it
-// is in [0, P) (padding sequences have none).
-__global__ void pieces_finish_kernel(const int* flag, const float4* from, float4* to, int64_t count,
-                                     const int32_t* slots, int64_t P, int64_t per) {
+__global__ void pieces_finish_kernel(const int* flag, const prefill::PiecesFinal f) {
   if (*flag != 0) return;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < count; i += int64_t(gridDim.x) * blockDim.x) {
-    if (slots == nullptr) {
-      to[i] = from[i];
-    } else {
-      const int64_t slot = slots[i / per];
-      if (slot >= 0 && slot < P) to[slot * per + i % per] = from[i];
-    }
-  }
+  prefill::copy_pieces_final(f, int64_t(blockIdx.x) * blockDim.x + threadIdx.x, int64_t(gridDim.x) * blockDim.x);
 }
 
 }  // namespace
@@ -1270,14 +1259,22 @@ cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const in
   return fused_chunks(f, stream);
 }
 
-cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream) {
+prefill::PiecesFinal pieces_final_copy(const PrefillParams& p, const float* final_states) {
+  prefill::PiecesFinal f;
   void* const to = p.state_pool != nullptr ? p.state_pool : p.final_state;
-  if (to == nullptr || pieces_final_in_place(p)) return cudaSuccess;  // the last pieces wrote it
+  if (to == nullptr || pieces_final_in_place(p)) return f;  // the last pieces wrote it
   const int64_t elem = p.state_pool != nullptr && p.state_pool_dtype == DType::kBF16 ? 2 : 4;
-  const int64_t per = p.H * kHeadDim * kHeadDim * elem / 16;  // 16-byte units of a sequence's state
-  pieces_finish_kernel<<<264, 256, 0, stream>>>(flag, reinterpret_cast<const float4*>(final_states),
-                                                static_cast<float4*>(to), detail::num_sequences(p) * per,
-                                                p.state_pool != nullptr ? p.state_indices : nullptr, p.pool_size, per);
+  f.from = final_states, f.to = to;
+  f.per = p.H * kHeadDim * kHeadDim * elem / 16;  // 16-byte units of a sequence's state
+  f.units = detail::num_sequences(p) * f.per;
+  if (p.state_pool != nullptr) f.slots = p.state_indices, f.pool_size = p.pool_size;
+  return f;
+}
+
+cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream) {
+  const prefill::PiecesFinal f = pieces_final_copy(p, final_states);
+  if (f.from == nullptr) return cudaSuccess;
+  pieces_finish_kernel<<<264, 256, 0, stream>>>(flag, f);
   return cudaGetLastError();
 }
 

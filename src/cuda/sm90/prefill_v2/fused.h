@@ -197,6 +197,9 @@ int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // chunk-16 K1's counter after it (prefill Params::prep_next).
 int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chained);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
+// What fused_pieces_finish copies (from null: nothing, pieces_final_in_place or no final state), for K1
+// after the pieces to copy in its place (prefill Params::pieces_final: the kernel's launch saved).
+prefill::PiecesFinal pieces_final_copy(const PrefillParams& p, const float* final_states);
 // The call through the fused kernel with the rule's flags, run only where *flag is non-zero (the
 // pieces' fallback where the rule gives the call to the fused kernel).
 cudaError_t fused_after_pieces(const PrefillParams& p, const int* flag, const int* error_flag, const int32_t* ckpt_start,
