@@ -280,24 +280,12 @@ def fused_paths_profile():
 
 
 def main():
-    if "--fused-paths" in sys.argv[1:]:
-        fused_paths_profile()
-        return
-    if "--serving" in sys.argv[1:]:
-        serving_profile()
-        return
-    if "--lowrank" in sys.argv[1:]:
-        lowrank_profile()
-        return
-    if "--verdict" in sys.argv[1:]:
-        verdict_profile()
-        return
-    if "--pieces" in sys.argv[1:]:
-        pieces_profile()
-        return
-    if "--host-calls" in sys.argv[1:]:
-        host_calls()
-        return
+    modes = {"--fused-paths": fused_paths_profile, "--serving": serving_profile, "--lowrank": lowrank_profile,
+             "--verdict": verdict_profile, "--pieces": pieces_profile, "--host-calls": host_calls}
+    for flag, profile_mode in modes.items():
+        if flag in sys.argv[1:]:
+            profile_mode()
+            return
     if "--quick" not in sys.argv[1:]:
         host_overhead()
     if "--host-only" in sys.argv[1:]:
