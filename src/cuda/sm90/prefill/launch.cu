@@ -29,8 +29,7 @@ void launch_prepare(const Params& p, cudaStream_t stream) {
   // K0 early only where PrefillLaunch::early_launch says (a candidate, early_launch.cuh).
   const bool k0 = (p.cu_seqlens != nullptr || p.state_indices != nullptr) && !p.k0_ran;
   if (k0) launch_k0(p, stream);
-  int64_t blocks = p.chunk_slots * p.H;
-  if (blocks == 0 && p.pieces_final.from != nullptr) blocks = 1;  // the pieces' final states to copy
+  int64_t blocks = p.chunk_slots * p.H;  // > 0 wherever the pieces ran (they serve B T > 0 only)
   if (blocks == 0) return;
   // Where K0 may give the call to the fused kernel, K1's CTAs may all find nothing to do: four waves
   // of them take every chunk in turn (prepare_kernel kStrided).
