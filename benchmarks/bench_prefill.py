@@ -117,13 +117,13 @@ def make_inputs(H, seqlens, with_state, regime="random", seed=0):
 
 
 # Each runner returns (call, outputs): call() runs one forward; outputs() -> (o [T, H, V], ht or None).
-def run_flashkda(x, with_state, precision="precise", launch=None):
+def run_flashkda(x, with_state, precision="precise", launch=None, device_cu_seqlens=False):
     out = torch.empty_like(x["v"])
     ht = torch.empty_like(x["h0"]) if with_state else None
     launch = launch or {}
     # One sequence goes without cu_seqlens, as a [1, T, H, K] call names it (the fused kernel's rule
-    # serves only such calls: the host cannot read device offsets).
-    cu = None if x["cu_seqlens"].numel() == 2 else x["cu_seqlens"]
+    # serves only such calls: the host cannot read device offsets), unless device_cu_seqlens.
+    cu = None if x["cu_seqlens"].numel() == 2 and not device_cu_seqlens else x["cu_seqlens"]
 
     def call():
         with _internal.launch(**launch):

@@ -2,7 +2,8 @@
 both precision modes and with and without segments, plus the host time of one eager call.
 Same inputs as bench_prefill.py.
 
-    python benchmarks/profile_prefill.py [--quick | --host-only | --host-calls | --verdict | --pieces | --lowrank | --serving]
+    python benchmarks/profile_prefill.py [--quick | --host-only | --host-calls | --verdict | --pieces | --lowrank
+                                          | --serving | --fused-paths [--once]]
 
 --quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
 time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
@@ -244,28 +245,16 @@ def fused_paths_profile():
     """Where the pieces' path loses to the unsplit fused kernel (run 163: one chained piece 1.048 ms
     against 0.984 in CUDA graphs at T=8192 H=96): each fused path's kernels, their times, the gaps, the
     call's span (us) and its CUDA-graph median (ms)."""
-    import flashkda
-    from flashkda import _internal
-    from bench_prefill import D, LOWER_BOUND
-
-    def through_cu_seqlens(x, launch):
-        out, ht = torch.empty_like(x["v"]), torch.empty_like(x["h0"])
-
-        def call():
-            with _internal.launch(**launch):
-                flashkda.fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], D ** -0.5, out, x["A_log"], x["dt_bias"],
-                             LOWER_BOUND, initial_state=x["h0"], final_state=ht, cu_seqlens=x["cu_seqlens"])
-        return call
-
     once = "--once" in sys.argv[1:]
     if not once:
         print("| gates | path | kernels (us each, gaps in brackets) | span us | CUDA-graph ms |")
         print("|---|---|---|---|---|")
     for regime in ("random",) if once else ("random", "long"):
         x = make_inputs(96, [8192], True, regime)
+        unsplit = dict(fused_v2=1)
         paths = [("the rule", run_flashkda(x, True)[0]),
-                 ("unsplit", run_flashkda(x, True, launch=dict(fused_v2=1))[0]),
-                 ("unsplit, device cu_seqlens", through_cu_seqlens(x, dict(fused_v2=1))),
+                 ("unsplit", run_flashkda(x, True, launch=unsplit)[0]),
+                 ("unsplit, device cu_seqlens", run_flashkda(x, True, launch=unsplit, device_cu_seqlens=True)[0]),
                  ("one chained piece", run_flashkda(x, True, launch=dict(fused_pieces=1, fused_chain=1))[0]),
                  ("four chained pieces", run_flashkda(x, True, launch=dict(fused_pieces=4, fused_chain=1))[0])]
         for label, fn in paths:
