@@ -3,7 +3,7 @@ both precision modes and with and without segments, plus the host time of one ea
 Same inputs as bench_prefill.py.
 
     python benchmarks/profile_prefill.py [--quick | --host-only | --host-calls | --verdict | --pieces | --lowrank
-                                          | --serving | --fused-paths [--once]]
+                                          | --serving | --fused-paths [--once] | --pieces-fit]
 
 --quick: the per-kernel table only. --host-only: the host-time table only. --verdict: where the
 time of K0's choice goes (batches through device cu_seqlens, the default call against the fused
@@ -19,6 +19,9 @@ pool, the pool with checkpoints, each call's span and CUDA-graph median.
 kernel (its arguments in the kernel's parameters), the same through device cu_seqlens (its sequence's
 arguments in shared memory), the pieces' kernel with one chained piece and with four (--once: each path's
 call once, random gates, for a profiler such as ncu).
+--pieces-fit: the few-head pieces' kernel alone against the chunks a piece walks (one sequence, H = 12,
+random gates, T = 2048 to 65536 and forced piece counts): its time, and the least-squares line
+time = fixed + periods x period through it, periods = the longest piece's chunks + its warm-up.
 """
 import os
 import re
@@ -268,8 +271,40 @@ def fused_paths_profile():
         torch.cuda.empty_cache()
 
 
+def pieces_fit_profile():
+    """How the pieces' kernel's time splits into a cost a chunk and a cost a call: the kernel's mean
+    time (torch.profiler, the largest kernel of the call) for one sequence at H = 12 with random gates,
+    by the rule's piece count and by forced ones, against the periods its longest piece walks (its
+    chunks plus one warm-up chunk, none for a sequence's first piece alone), and the line through them."""
+    H, sms = 12, torch.cuda.get_device_properties(0).multi_processor_count
+    print("| T | pieces | chunks a piece + warm-up | pieces kernel us | other kernels us | span us | CUDA-graph ms |")
+    print("|---|---|---|---|---|---|---|")
+    points = []
+    for T, forced in ((2048, None), (4096, None), (8192, None), (16384, None), (32768, None), (65536, None),
+                      (8192, 6), (8192, 3), (32768, 6), (32768, 3)):
+        chunks = (T + 31) // 32
+        P = forced or max(1, min(sms // H, chunks // 4))
+        periods = -(-chunks // P) + (1 if P > 1 else 0)
+        x = make_inputs(H, [T], True, "random")
+        fn = run_flashkda(x, True, launch=dict(fused_pieces=forced) if forced else {})[0]
+        names, means, gaps, span = call_spans(fn)
+        main_us = max(means)
+        graph = time_graph_ms(fn, reps=10)
+        print(f"| {T} | {P}{' forced' if forced else ''} | {periods} | {main_us:.1f} | {sum(means) - main_us:.1f} | "
+              f"{span:.1f} | {graph:.4f} |", flush=True)
+        points.append((periods, main_us))
+        del x
+        torch.cuda.empty_cache()
+    n = len(points)
+    mx = sum(p for p, _ in points) / n
+    my = sum(t for _, t in points) / n
+    slope = sum((p - mx) * (t - my) for p, t in points) / sum((p - mx) ** 2 for p, _ in points)
+    print(f"\nline: pieces kernel us = {my - slope * mx:.1f} + {slope:.3f} x periods; residuals: " +
+          ", ".join(f"{t - (my - slope * mx) - slope * p:+.1f}" for p, t in points))
+
+
 def main():
-    modes = {"--fused-paths": fused_paths_profile, "--serving": serving_profile, "--lowrank": lowrank_profile,
+    modes = {"--pieces-fit": pieces_fit_profile, "--fused-paths": fused_paths_profile, "--serving": serving_profile, "--lowrank": lowrank_profile,
              "--verdict": verdict_profile, "--pieces": pieces_profile, "--host-calls": host_calls}
     for flag, profile_mode in modes.items():
         if flag in sys.argv[1:]:
