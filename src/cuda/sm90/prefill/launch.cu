@@ -340,12 +340,13 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// PrefillLaunch's 21 fields, counted by a structured binding: a field added there stops the build here
+// PrefillLaunch's 22 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
-// (the fused kernel's, the CPU's and pieces_graph_if); then the binding gains a name.
+// (the fused kernel's, the CPU's, pieces_graph_if and the timing-only piece_stamps); then the binding
+// gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
   [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
-                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21] = l;
+                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22] = l;
 }
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
@@ -721,7 +722,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // kernel that zeroes their flags runs (K0, or a one-CTA kernel in the memset's place).
     const bool early = launch.early_launch > 0 && (launch.early_launch & kEarlyPieces) != 0;
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
-                                               pieces_ckpt_start, stream, chain_states, k0_first, early) == cudaSuccess) {
+                                               pieces_ckpt_start, stream, chain_states, k0_first, early,
+                                               launch.piece_stamps) == cudaSuccess) {
       pieces_flag = flag;
       if (!area.chained) prep_next = reinterpret_cast<uint32_t*>(flag + 1);  // zeroed with the flag
       ahead.k0_ran = k0_first;  // the kernels after the pieces take these parameters

@@ -65,6 +65,14 @@ __device__ __forceinline__ void trace_point(const FusedArgs& a, int h, int64_t c
     a.chunk_trace[(int64_t(h) * kTraceChunks + c) * kTracePoints + point] = clock64();
 }
 
+// FusedArgs::piece_stamps: where this CTA reaches `point`, in %globaltimer nanoseconds (timing only).
+__device__ __forceinline__ void piece_stamp(const FusedArgs& a, int point) {
+  if (a.piece_stamps == nullptr) return;
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  a.piece_stamps[(int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kPieceStamps + point] = t;
+}
+
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
 struct PhaseMarks {
   long long* sums;  // shared memory; null: off
@@ -694,6 +702,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     if (ctid < 64) invert_zero_upper(ctid, own_inv, own_inv + kSmallBytes);
     fence_proxy_async_shared();
   }
+  if (kPieces && ctid == 0) piece_stamp(a, 1);
   // Checkpoints: after chunk next_ckpt (every period chunks; -1: none), checkpoint ck, where that
   // chunk is full (a sequence's last partial piece has none).
   const int64_t ckpt_period = a.checkpoint_every / kChunk;
@@ -727,6 +736,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 #pragma unroll
   for (int phase = kPieces ? 0 : 1; phase < 2; ++phase) {
     const bool warm_phase = phase == 0;
+    if (kPieces && !warm_phase && ctid == 0) piece_stamp(a, 3);
     for (; more && c < num_chunks && (!warm_phase || c <= warmup); ++c) {
       const int64_t gc = base + c;
       const int stage = int(gc % kStages);
@@ -738,6 +748,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       if (tracer && cwg == 0) trace_point(a, h, c, 6);
       mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
       if (tracer) trace_point(a, h, c, 7 + cwg);
+      if (kPieces && warm_phase && c == 0 && ctid == 0) piece_stamp(a, 2);
       if constexpr (kPieces) {
         if (draining) {  // release what the producer fills until the chunk at which it stopped
           if (stopped_at_load(stop) <= c) {
@@ -821,6 +832,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   }
   if (kClock && tid == kThreads)
     for (int i = 10; i < 14; ++i) a.phase_clocks[int64_t(h) * kPhaseClocks + i] = clock_sums[i];
+  if (kPieces && ctid == 0) piece_stamp(a, 4);
   if (draining) return;  // FusedArgs::pieces: stopped; the rule's kernels run the call after the pieces
   if constexpr (kPieces) {
     // A non-finite state would reach every later token in the serial recurrence, but the next
@@ -840,6 +852,13 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   if (p.final_state != nullptr)
     prefill::store_state_rows(S, p.final_state, p.states_bf16 ? ElemType::kBF16 : ElemType::kF32,
                               int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
+  if (kPieces && ctid == 0 && a.piece_stamps != nullptr) {
+    piece_stamp(a, 5);
+    long long* const at = a.piece_stamps + (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kPieceStamps;
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    at[7] = num_chunks, at[8] = warmup, at[9] = sm;
+  }
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
@@ -853,6 +872,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   const int tid = threadIdx.x, wg = tid / kThreads;
   // Launched early (FusedArgs::early_launch, pieces only): the flags' zeroing kernel or K0 first (uniform).
   if (kPieces && a.early_launch) wait_for_prerequisites();
+  if (kPieces && threadIdx.x == 0) piece_stamp(a, 0);
   int h = blockIdx.x;  // kPieces: the piece's head (with pieces_chain its ticket's), from seq below
   // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
   // state (the TMA maps keep the call's rows: their coordinates add bos); else the call's own. The
@@ -912,6 +932,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
                                                                           clock_sums, last_clock, &seq);
+    if (kPieces && tid == 0) piece_stamp(a, 6);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
@@ -1226,7 +1247,7 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, bool early) {
+                                 float* chain_states, bool flags_zeroed, bool early, long long* stamps) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1238,6 +1259,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
   }
   f.early_launch = early;
+  f.piece_stamps = stamps;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {

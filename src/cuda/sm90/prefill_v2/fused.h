@@ -145,7 +145,16 @@ struct FusedArgs {
   // release of the stage (lane 0). Where a point is not reached (a warm-up chunk's release) its entry
   // is left as it was.
   long long* chunk_trace = nullptr;
+  // Timing only, with pieces: each CTA's (row y of the grid, head x: y H + x) kPieceStamps values,
+  // %globaltimer nanoseconds where the CTA reaches each point, then two counts (null: none). Points:
+  // 0 the kernel's top (thread 0); the consumers' thread 0 1 when their state and inverse tiles are
+  // set (after the gates' pre-check), 2 after their first full-stage wait, 3 as the piece's own chunks
+  // begin (after the warm-up), 4 after its last chunk, 5 after the final state's stores; 6 the
+  // producer's thread 0 after its last chunk; then 7 the chunks the CTA walks and 8 its warm-up
+  // chunks, 9 its SM (%smid). A point not reached (a stopped piece) keeps its value.
+  long long* piece_stamps = nullptr;
 };
+constexpr int kPieceStamps = 10;
 constexpr int kPhaseClocks = 16;
 constexpr int kTraceHeads = 4, kTraceChunks = 512, kTracePoints = 17;
 
@@ -190,7 +199,8 @@ bool pieces_final_in_place(const PrefillParams& p);
 // instead of a memset (unless flags_zeroed), and the pieces launched early after it (or after K0).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr, bool flags_zeroed = false, bool early = false);
+                                 float* chain_states = nullptr, bool flags_zeroed = false, bool early = false,
+                                 long long* stamps = nullptr);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
