@@ -2121,5 +2121,36 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
   }
 }
 
+// The combine after the few-head pieces from a counter (the rule, Params::combine_next) against one
+// CTA an item (internal combine_counter = -1): the same bits, and both calls' CUDA-graph medians at
+// H = 12, one sequence, bench_prefill.py's two gate regimes: random (the pieces run the call and the
+// combine only reads their flag) and long memory (channels 0-7 of every head at dt_bias -8: the
+// gates' pre-check stops the pieces and the chunk-16 kernels, the combine with them, run the call).
+TEST_F(Prefill32Gpu, TimeTheCombineAfterThePieces) {
+  for (const int64_t T : {int64_t(8192), int64_t(32768)})
+    for (const bool long_memory : {false, true}) {
+      KdaOptions o;
+      o.T = T, o.H = 12, o.seed = 31;
+      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+      o.A_log_min = 0.0, o.A_log_max = 1.0, o.dt_bias_min = 0.0, o.dt_bias_max = 1.0, o.g_min = -1.73, o.g_max = 1.73;
+      KdaInputs in(o);
+      if (long_memory)
+        for (int64_t h = 0; h < o.H; ++h)
+          for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.f;
+      internal::PrefillLaunch one_a_cta;
+      one_a_cta.combine_counter = -1;
+      DeviceProblem d_rule(in), d_one(in, one_a_cta);
+      ASSERT_TRUE(fused_pieces_serve(d_rule.params()));
+      const std::vector<unsigned char> rule = run_bits(in, d_rule);
+      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
+      EXPECT_TRUE(rule == run_bits(in, d_one)) << "T=" << T << (long_memory ? " long memory" : " random")
+                                               << ": the counter's combine changed the bits";
+      const double ms_rule = median_graph_ms(in, d_rule), ms_one = median_graph_ms(in, d_one);
+      std::printf("[ measure  ] the combine after the pieces, T=%lld H=12 %s gates, CUDA-graph medians (ms): "
+                  "from a counter %.4f, one CTA an item %.4f\n",
+                  (long long)T, long_memory ? "long-memory" : "random", ms_rule, ms_one);
+    }
+}
+
 }  // namespace
 }  // namespace flashkda::cuda::sm90::prefill_v2

@@ -637,15 +637,13 @@ __global__ void __launch_bounds__(kChainThreads, 1) segment_chain_kernel(const _
 // cp.async into each warp's ring, its first two k-steps before X_s's loads and then two ahead of the
 // product; o_zero: half a chunk at a time).
 // kLowRank: as the chain's.
+// One item b = tile * H + h (tile: a segment's kCombineChunks-chunk tile); every condition that ends
+// it early is the CTA's (uniform), but for a warp without a chunk after the CTA's barrier.
 template <bool kLowRank>
-__global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
-                                                                             int64_t tiles) {
-  extern __shared__ __align__(16) uint8_t smem_raw[];
+__device__ __forceinline__ void combine_item(const Params& p, uint8_t* smem_raw, int64_t tiles, unsigned b) {
   CombineSmem& sm = *reinterpret_cast<CombineSmem*>(smem_raw);
-  wait_for_prerequisites();  // the chain (launched early after it)
-  if (call_refused(p) || call_fused(p) || pieces_ran(p)) return;
-  const int h = int(blockIdx.x % p.H);
-  const int64_t tile = blockIdx.x / p.H;
+  const int h = int(b % p.H);
+  const int64_t tile = b / p.H;
   SegmentRef seg;
   if (!locate_segment(p, tile / tiles, seg) || seg.s == 0) return;  // segment 0 wrote its outputs
   if (state_slot(p, seg.n) < 0) return;  // padding: K2 wrote zero outputs
@@ -707,6 +705,36 @@ __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(con
     for (int nt = 0; nt < 16; ++nt)
       *reinterpret_cast<uint32_t*>(dst + 8 * nt + 2 * t4) =
           pack_bf16x2(z[nt].x + acc[nt][2 * half], z[nt].y + acc[nt][2 * half + 1]);
+  }
+}
+
+// One CTA an item (blockIdx.x), or (kCounter: after the few-head pieces, Params::combine_next) a
+// wave of CTAs taking the items from a counter, in that grid's order: thread 0 asks for the next as
+// an item starts, so that the atomic's latency passes under the item, and hands it over through
+// next[] at the barrier that ends the item (every warp done with its shared memory). A kernel of its
+// own: the loop costs ptxas 12 bytes of spills at the 128 registers of two CTAs an SM.
+template <bool kLowRank, bool kCounter = false>
+__global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
+                                                                             int64_t tiles) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  wait_for_prerequisites();  // the chain (launched early after it)
+  if (call_refused(p) || call_fused(p) || pieces_ran(p)) return;
+  if constexpr (!kCounter) {
+    combine_item<kLowRank>(p, smem_raw, tiles, blockIdx.x);
+    return;
+  }
+  __shared__ uint32_t next[2];
+  const uint32_t total = uint32_t(p.max_segs * tiles * p.H);  // < 2^31: the one-a-CTA grid's size
+  if (threadIdx.x == 0) next[0] = atomicAdd(p.combine_next, 1u);
+  __syncthreads();
+  for (int i = 0;; i ^= 1) {
+    const uint32_t b = next[i];
+    if (b >= total) return;
+    uint32_t ahead = 0;
+    if (threadIdx.x == 0) ahead = atomicAdd(p.combine_next, 1u);
+    combine_item<kLowRank>(p, smem_raw, tiles, b);
+    if (threadIdx.x == 0) next[i ^ 1] = ahead;
+    __syncthreads();  // every warp done with the item's shared memory; next[i ^ 1] written
   }
 }
 
