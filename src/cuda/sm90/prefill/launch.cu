@@ -736,7 +736,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       pieces_flag = flag;
       if (!area.chained) {  // zeroed with the flag
         prep_next = reinterpret_cast<uint32_t*>(flag + 1);
-        if (launch.combine_counter >= 0) combine_next = reinterpret_cast<uint32_t*>(flag + 2);
+        if (launch.combine_counter > 0) combine_next = reinterpret_cast<uint32_t*>(flag + 2);
       }
       ahead.k0_ran = k0_first;  // the kernels after the pieces take these parameters
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
