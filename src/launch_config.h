@@ -98,6 +98,8 @@ struct PrefillLaunch {
   int combine_counter = 0;  // GPU, a candidate, after the unchained few-head pieces: 1 = the combine a wave of
                            // CTAs taking its items from a counter (Params::combine_next); 0 = rule (one CTA
                            // an item)
+  int pieces_v_ahead = 0;  // GPU, a candidate, the few-head pieces: 1 = each piece's first v copies issued
+                           // with its staged rows, ahead of the gates' pre-check's verdict; 0 = rule (after)
   long long* piece_stamps = nullptr;  // GPU, timing only, calls the few-head pieces run: each pieces CTA's
                                       // kPieceStamps points (prefill_v2 FusedArgs::piece_stamps), device
                                       // memory of at least N pieces H kPieceStamps values; null: none

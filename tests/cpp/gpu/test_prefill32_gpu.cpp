@@ -886,6 +886,10 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
         counter.combine_counter = 1;
         DeviceProblem d_counter(in, counter);
         EXPECT_TRUE(run_bits(in, d_counter) == chunk16) << "long memory, the combine from a counter: other bits";
+        internal::PrefillLaunch v_ahead;  // the first v copies in flight where the pre-check stops the pieces
+        v_ahead.pieces_v_ahead = 1;
+        DeviceProblem d_v_ahead(in, v_ahead);
+        EXPECT_TRUE(run_bits(in, d_v_ahead) == chunk16) << "long memory, v ahead of the verdict: other bits";
       } else {
         EXPECT_FALSE(rule == chunk16) << "the pieces did not run (the chunk-16 kernels' bits)";
         EXPECT_TRUE(rule == run_bits(in, d_forced)) << "not the bits of " << pieces << " pieces forced";
@@ -2060,7 +2064,9 @@ TEST_F(Prefill32Gpu, TimeTheRuleAtServingShape) {
 // that every CTA's points come in order; prints, in microseconds from the first CTA's start: the
 // CTAs' start spread, the consumers' set-up (gates' pre-check, state), the first full stage (the
 // producer's first chunk), the warm-up with the chunk after it, the cost a chunk after that, the
-// final state's stores and the kernel's end, and the last CTA's timeline.
+// final state's stores and the kernel's end, and the last CTA's timeline; for the rule and for the
+// candidate pieces_v_ahead (each piece's first v copies ahead of the pre-check's verdict), whose bits
+// must be the rule's, with each one's CUDA-graph median.
 TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -2075,53 +2081,63 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
     const int64_t ctas = pieces * o.H;
     DeviceBuffer stamps(size_t(ctas * kPieceStamps) * sizeof(long long));
     ASSERT_NE(stamps.ptr, nullptr);
-    internal::PrefillLaunch stamped;
-    stamped.piece_stamps = static_cast<long long*>(stamps.ptr);
-    DeviceProblem d_plain(in), d_stamped(in, stamped);
+    DeviceProblem d_plain(in);
     ASSERT_TRUE(fused_pieces_serve(d_plain.params()));
     const std::vector<unsigned char> plain = run_bits(in, d_plain);
-    CapturedCall call(in, d_stamped);
-    (void)call.replay(5);  // warm
-    ASSERT_EQ(cudaMemset(stamps.ptr, 0, stamps.bytes), cudaSuccess);
-    EXPECT_TRUE(call.replay() == plain) << "T=" << T << ": the stamps changed the bits";
-    std::vector<long long> st(size_t(ctas * kPieceStamps));
-    ASSERT_EQ(cudaMemcpy(st.data(), stamps.ptr, stamps.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-    const auto at = [&](int64_t i, int point) { return st[size_t(i * kPieceStamps + point)]; };
-    long long t0 = at(0, 0), t_end = 0;
-    int64_t last = 0;
-    for (int64_t i = 0; i < ctas; ++i) {
-      for (int point = 1; point <= 5; ++point)
-        EXPECT_LE(at(i, point - 1), at(i, point)) << "T=" << T << " CTA " << i << " point " << point;
-      EXPECT_GT(at(i, 7), 0) << "T=" << T << " CTA " << i << ": no chunks";
-      t0 = std::min(t0, at(i, 0));
-      const long long end = std::max(at(i, 5), at(i, 6));
-      if (end > t_end) t_end = end, last = i;
-    }
-    double sum[6] = {}, most[6] = {}, per_chunk = 0, per_chunk_max = 0, start_max = 0;
-    for (int64_t i = 0; i < ctas; ++i) {
-      const double d[6] = {1e-3 * double(at(i, 1) - at(i, 0)), 1e-3 * double(at(i, 2) - at(i, 0)),
-                           1e-3 * double(at(i, 3) - at(i, 2)), 1e-3 * double(at(i, 4) - at(i, 3)),
-                           1e-3 * double(at(i, 5) - at(i, 4)), 1e-3 * double(at(i, 6) - at(i, 4))};
-      for (int j = 0; j < 6; ++j) sum[j] += d[j], most[j] = std::max(most[j], d[j]);
-      const int64_t own = at(i, 7) - at(i, 8) - 1;  // the chunks of the main phase
-      if (own > 0) {
-        const double pc = d[3] / double(own);
-        per_chunk += pc / double(ctas), per_chunk_max = std::max(per_chunk_max, pc);
+    for (const bool v_ahead : {false, true}) {  // the rule; the candidate pieces_v_ahead
+      const char* const variant = v_ahead ? "v ahead" : "rule";
+      internal::PrefillLaunch stamped;
+      stamped.piece_stamps = static_cast<long long*>(stamps.ptr);
+      stamped.pieces_v_ahead = v_ahead ? 1 : 0;
+      DeviceProblem d_stamped(in, stamped);
+      CapturedCall call(in, d_stamped);
+      (void)call.replay(5);  // warm
+      ASSERT_EQ(cudaMemset(stamps.ptr, 0, stamps.bytes), cudaSuccess);
+      EXPECT_TRUE(call.replay() == plain) << "T=" << T << " " << variant << ": other bits than the rule's";
+      std::vector<long long> st(size_t(ctas * kPieceStamps));
+      ASSERT_EQ(cudaMemcpy(st.data(), stamps.ptr, stamps.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      const auto at = [&](int64_t i, int point) { return st[size_t(i * kPieceStamps + point)]; };
+      long long t0 = at(0, 0), t_end = 0;
+      int64_t last = 0;
+      for (int64_t i = 0; i < ctas; ++i) {
+        for (int point = 1; point <= 5; ++point)
+          EXPECT_LE(at(i, point - 1), at(i, point)) << "T=" << T << " CTA " << i << " point " << point;
+        EXPECT_GT(at(i, 7), 0) << "T=" << T << " CTA " << i << ": no chunks";
+        t0 = std::min(t0, at(i, 0));
+        const long long end = std::max(at(i, 5), at(i, 6));
+        if (end > t_end) t_end = end, last = i;
       }
-      start_max = std::max(start_max, 1e-3 * double(at(i, 0) - t0));
+      double sum[6] = {}, most[6] = {}, per_chunk = 0, per_chunk_max = 0, start_max = 0;
+      for (int64_t i = 0; i < ctas; ++i) {
+        const double d[6] = {1e-3 * double(at(i, 1) - at(i, 0)), 1e-3 * double(at(i, 2) - at(i, 0)),
+                             1e-3 * double(at(i, 3) - at(i, 2)), 1e-3 * double(at(i, 4) - at(i, 3)),
+                             1e-3 * double(at(i, 5) - at(i, 4)), 1e-3 * double(at(i, 6) - at(i, 4))};
+        for (int j = 0; j < 6; ++j) sum[j] += d[j], most[j] = std::max(most[j], d[j]);
+        const int64_t own = at(i, 7) - at(i, 8) - 1;  // the chunks of the main phase
+        if (own > 0) {
+          const double pc = d[3] / double(own);
+          per_chunk += pc / double(ctas), per_chunk_max = std::max(per_chunk_max, pc);
+        }
+        start_max = std::max(start_max, 1e-3 * double(at(i, 0) - t0));
+      }
+      const auto mean = [&](int j) { return sum[j] / double(ctas); };
+      std::printf("[ measure  ] pieces (%s) T=%lld H=12 random gates, %lld pieces, %lld CTAs (us, mean / max): start "
+                  "spread %.2f; consumers set up %.2f / %.2f; first full stage %.2f / %.2f; warm-up and its next chunk "
+                  "%.2f / %.2f; a chunk after them %.3f / %.3f; final state %.2f / %.2f; producer's end after the "
+                  "consumers' %.2f / %.2f; kernel %.1f\n",
+                  variant, (long long)T, (long long)pieces, (long long)ctas, start_max, mean(0), most[0], mean(1),
+                  most[1], mean(2), most[2], per_chunk, per_chunk_max, mean(4), most[4], mean(5), most[5],
+                  1e-3 * double(t_end - t0));
+      std::printf("[ measure  ] pieces (%s) T=%lld: the last CTA (head %lld, row %lld, SM %lld, %lld chunks, warm-up "
+                  "%lld): start %.2f, set up %.2f, first stage %.2f, own chunks from %.2f, last chunk done %.2f, end "
+                  "%.2f us\n",
+                  variant, (long long)T, (long long)(last % o.H), (long long)(last / o.H), at(last, 9), at(last, 7),
+                  at(last, 8), 1e-3 * double(at(last, 0) - t0), 1e-3 * double(at(last, 1) - t0),
+                  1e-3 * double(at(last, 2) - t0), 1e-3 * double(at(last, 3) - t0), 1e-3 * double(at(last, 4) - t0),
+                  1e-3 * double(t_end - t0));
+      std::printf("[ measure  ] pieces (%s) T=%lld H=12: CUDA-graph median %.4f ms\n", variant, (long long)T,
+                  median_graph_ms(in, d_stamped));
     }
-    const auto mean = [&](int j) { return sum[j] / double(ctas); };
-    std::printf("[ measure  ] pieces T=%lld H=12 random gates, %lld pieces, %lld CTAs (us, mean / max): start spread %.2f; "
-                "consumers set up %.2f / %.2f; first full stage %.2f / %.2f; warm-up and its next chunk %.2f / %.2f; "
-                "a chunk after them %.3f / %.3f; final state %.2f / %.2f; producer's end after the consumers' %.2f / %.2f; "
-                "kernel %.1f\n",
-                (long long)T, (long long)pieces, (long long)ctas, start_max, mean(0), most[0], mean(1), most[1], mean(2),
-                most[2], per_chunk, per_chunk_max, mean(4), most[4], mean(5), most[5], 1e-3 * double(t_end - t0));
-    std::printf("[ measure  ] pieces T=%lld: the last CTA (head %lld, row %lld, SM %lld, %lld chunks, warm-up %lld): "
-                "start %.2f, set up %.2f, first stage %.2f, own chunks from %.2f, last chunk done %.2f, end %.2f us\n",
-                (long long)T, (long long)(last % o.H), (long long)(last / o.H), at(last, 9), at(last, 7), at(last, 8),
-                1e-3 * double(at(last, 0) - t0), 1e-3 * double(at(last, 1) - t0), 1e-3 * double(at(last, 2) - t0),
-                1e-3 * double(at(last, 3) - t0), 1e-3 * double(at(last, 4) - t0), 1e-3 * double(t_end - t0));
   }
 }
 

@@ -416,6 +416,25 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
   // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped; 9.2-9.7
   // with this wait, run 136).
+  // The chunk's v rows into its stage by two tensor copies, completing on full[stage] (thread 32, warp 1:
+  // warp 0 runs the inverse, the producer's longest chain). The consumers' last accesses of this stage's
+  // v were generic-proxy loads and stores (loads only with their early release), ordered before here by
+  // the empty barrier; the copies write through the async proxy.
+  const auto issue_v = [&](int64_t c) {
+    const int stage = int((base + c) % kStages);
+    fence_proxy_async_shared();
+    mbarrier_expect_tx(&full[stage], kVBytes);
+    uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
+    tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
+    tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
+  };
+  // FusedArgs::v_ahead (pieces, a candidate): chunk 0's v with its staged rows, ahead of the gates'
+  // pre-check's verdict (the pieces' CTA timelines, run 170: a piece's first stage was full only ~19 us
+  // after its start at T=8192 H=12, ~13 us after the verdict, against ~3.9 us for a later chunk). Where
+  // the verdict stops the piece at chunk 0 the consumers still wait for that stage's barrier, so the copy
+  // lands before the CTA leaves.
+  const bool v_ahead = kPieces && a.v_ahead;
+  if (v_ahead && tid == 32 && num_chunks > 0) issue_v(0);
   bool prechecked = false;
   if (kPieces && !a.pieces_chain) {
     mbarrier_wait(verdict_barrier(full), 0);
@@ -449,16 +468,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       mbarrier_arrive(&full[stage]);
       continue;
     }
-    if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
-      // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
-      // accesses of this stage's v were generic-proxy loads and stores (loads only with their early
-      // release), ordered before here by the empty barrier; the copies write through the async proxy.
-      fence_proxy_async_shared();
-      mbarrier_expect_tx(&full[stage], kVBytes);
-      uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
-      tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
-      tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
-    }
+    if (tid == 32 && !(v_ahead && c == 0)) issue_v(c);
     uint8_t* const staged = kStaged ? staged_buf(gc) : nullptr;
     if constexpr (kStaged) staged_wait(gc);
     const auto refill = [&] {
@@ -1247,7 +1257,8 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, bool early, long long* stamps) {
+                                 float* chain_states, bool flags_zeroed, bool early, long long* stamps,
+                                 bool v_ahead) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1260,6 +1271,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   }
   f.early_launch = early;
   f.piece_stamps = stamps;
+  f.v_ahead = v_ahead;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {

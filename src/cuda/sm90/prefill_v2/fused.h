@@ -153,6 +153,9 @@ struct FusedArgs {
   // producer's thread 0 after its last chunk; then 7 the chunks the CTA walks and 8 its warm-up
   // chunks, 9 its SM (%smid). A point not reached (a stopped piece) keeps its value.
   long long* piece_stamps = nullptr;
+  // With pieces, a candidate (internal::PrefillLaunch::pieces_v_ahead): the producer issues chunk 0's v
+  // copies with its staged rows, before it waits for the consumers' gates pre-check's verdict.
+  bool v_ahead = false;
 };
 constexpr int kPieceStamps = 10;
 constexpr int kPhaseClocks = 16;
@@ -200,7 +203,7 @@ bool pieces_final_in_place(const PrefillParams& p);
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                                  float* chain_states = nullptr, bool flags_zeroed = false, bool early = false,
-                                 long long* stamps = nullptr);
+                                 long long* stamps = nullptr, bool v_ahead = false);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
