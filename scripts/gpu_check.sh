@@ -226,7 +226,7 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # the pieces' first v copies ahead of the gates' pre-check's verdict (7f7bcca, pieces_v_ahead, a
+  # the pieces' first v copies ahead of the gates' pre-check's verdict (7f7bcca, pieces_ahead, a
   # candidate): the few-head pieces by rule (T = 2048 H = 4, B = 1 and 2, random gates and one
   # long-memory channel, where the candidate's copy is in flight as the pre-check stops the pieces);
   # four pieces through a pool (B = 3 T = 640 H = 4, both gate regimes); the rule's flags' small case

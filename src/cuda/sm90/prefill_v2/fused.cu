@@ -698,6 +698,17 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   uint8_t* const own_inv = ring + L::kOffInv;
   if constexpr (kPieces) {
     static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
+    if (a.touch_ahead && lane == 0 && ctid < 64) {  // FusedArgs::touch_ahead (a candidate)
+      const int64_t first = int64_t(stop->warmup) * kChunk;  // the piece's first own row
+      const void* at = ctid == 0 ? (first < p.T ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p.out) +
+                                                                          (first * p.H + h) * kHeadDim)
+                                                : nullptr)
+                                 : p.final_state != nullptr
+                                       ? static_cast<const void*>(state_at(p.final_state, p.states_bf16,
+                                                                           int64_t(h) * kHeadDim * kHeadDim))
+                                       : nullptr;
+      if (at != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
+    }
     if (!a.pieces_chain)
       precheck_and_hand_over(a, stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), full);
   }
@@ -1258,7 +1269,7 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                                  float* chain_states, bool flags_zeroed, bool early, long long* stamps,
-                                 bool v_ahead) {
+                                 int ahead) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1271,7 +1282,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   }
   f.early_launch = early;
   f.piece_stamps = stamps;
-  f.v_ahead = v_ahead;
+  f.v_ahead = (ahead & 1) != 0, f.touch_ahead = (ahead & 2) != 0;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {
