@@ -2011,6 +2011,21 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
 }
 
 // The median of 20 CUDA-graph replays of d's call (captured once), ms.
+// One sequence in bench_prefill.py's two gate regimes, fp32 states: random (raw gates of N(0, 1)'s
+// spread, here uniform in [-1.73, 1.73], A_log and dt_bias in [0, 1]) and long memory (the same with
+// channels 0-7 of every head at dt_bias -8).
+KdaInputs bench_regime_inputs(int64_t T, int64_t H, uint64_t seed, bool long_memory) {
+  KdaOptions o;
+  o.T = T, o.H = H, o.seed = seed;
+  o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
+  o.A_log_min = 0.0, o.A_log_max = 1.0, o.dt_bias_min = 0.0, o.dt_bias_max = 1.0, o.g_min = -1.73, o.g_max = 1.73;
+  KdaInputs in(o);
+  if (long_memory)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.f;
+  return in;
+}
+
 double median_graph_ms(KdaInputs& in, DeviceProblem& d) {
   CapturedCall call(in, d);
   return median_event_ms([&] { EXPECT_EQ(cudaGraphLaunch(call.exec, call.stream), cudaSuccess); }, call.stream);
@@ -2028,14 +2043,7 @@ double median_graph_ms(KdaInputs& in, DeviceProblem& d) {
 // by power-of-two row scales only).
 TEST_F(Prefill32Gpu, TimeTheRuleAtServingShape) {
   for (const bool long_memory : {false, true}) {
-    KdaOptions o;
-    o.T = 8192, o.H = 96, o.seed = 13;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    o.A_log_min = 0.0, o.A_log_max = 1.0, o.dt_bias_min = 0.0, o.dt_bias_max = 1.0, o.g_min = -1.73, o.g_max = 1.73;
-    KdaInputs in(o);
-    if (long_memory)
-      for (int64_t h = 0; h < o.H; ++h)
-        for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.f;
+    KdaInputs in = bench_regime_inputs(8192, 96, 13, long_memory);
     internal::PrefillLaunch unsplit, one_piece, four_pieces;
     unsplit.fused_v2 = 1;
     one_piece.fused_pieces = 1, one_piece.fused_chain = 1;
@@ -2072,11 +2080,8 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   for (const int64_t T : {int64_t(2048), int64_t(8192), int64_t(32768)}) {
-    KdaOptions o;
-    o.T = T, o.H = 12, o.seed = 29;
-    o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-    o.A_log_min = 0.0, o.A_log_max = 1.0, o.dt_bias_min = 0.0, o.dt_bias_max = 1.0, o.g_min = -1.73, o.g_max = 1.73;
-    KdaInputs in(o);
+    KdaInputs in = bench_regime_inputs(T, 12, 29, false);
+    const KdaOptions& o = in.opt;
     const int64_t pieces = prefill::fused_few_head_pieces(o.H, 1, (T + 31) / 32, sms);
     ASSERT_GT(pieces, 1) << "T=" << T;
     const int64_t ctas = pieces * o.H;
@@ -2150,14 +2155,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
 TEST_F(Prefill32Gpu, TimeTheCombineAfterThePieces) {
   for (const int64_t T : {int64_t(8192), int64_t(32768)})
     for (const bool long_memory : {false, true}) {
-      KdaOptions o;
-      o.T = T, o.H = 12, o.seed = 31;
-      o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
-      o.A_log_min = 0.0, o.A_log_max = 1.0, o.dt_bias_min = 0.0, o.dt_bias_max = 1.0, o.g_min = -1.73, o.g_max = 1.73;
-      KdaInputs in(o);
-      if (long_memory)
-        for (int64_t h = 0; h < o.H; ++h)
-          for (int64_t c = 0; c < 8; ++c) in.dt_bias[h * o.K + c] = -8.f;
+      KdaInputs in = bench_regime_inputs(T, 12, 31, long_memory);
       internal::PrefillLaunch counter;
       counter.combine_counter = 1;
       DeviceProblem d_rule(in), d_counter(in, counter);
