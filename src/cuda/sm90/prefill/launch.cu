@@ -64,8 +64,9 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   const int64_t tiles = (p.seg_chunks + kCombineChunks - 1) / kCombineChunks;
   const int64_t ctas = p.max_segs * tiles;
   if (ctas == 0 || p.H == 0) return;
-  // After the few-head pieces (Params::combine_next): one wave (two CTAs an SM) taking the items from
-  // a counter. Where the pieces ran the call (random gates) the one-a-CTA grid's CTAs only read the flag
+  // After the few-head pieces (Params::combine_next, a candidate): 2 x #SMs CTAs taking the items from a
+  // counter, one wave of the exact combine's two an SM (the low-rank combine's 140 KB fit one an SM: its
+  // second half finds the counter spent and leaves). Where the pieces ran the call (random gates) the one-a-CTA grid's CTAs only read the flag
   // and left, and it was the costliest of the empty kernels after them: 2.7 us at T=8192 H=12, 21.3 at
   // T=131072 H=12, 17.1 at T=32768 H=32 (run 147, an H100).
   const int64_t grid = p.combine_next != nullptr ? std::min<int64_t>(ctas * p.H, 2 * int64_t(sm_count())) : ctas * p.H;
