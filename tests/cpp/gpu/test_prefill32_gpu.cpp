@@ -887,7 +887,7 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
         DeviceProblem d_counter(in, counter);
         EXPECT_TRUE(run_bits(in, d_counter) == chunk16) << "long memory, the combine from a counter: other bits";
         internal::PrefillLaunch v_ahead;  // the first v copies in flight where the pre-check stops the pieces
-        v_ahead.pieces_ahead = 3;
+        v_ahead.pieces_ahead = 7;  // and the verdict after chunk 0: a stop after its build
         DeviceProblem d_v_ahead(in, v_ahead);
         EXPECT_TRUE(run_bits(in, d_v_ahead) == chunk16) << "long memory, v ahead of the verdict: other bits";
       } else {
@@ -2073,9 +2073,9 @@ TEST_F(Prefill32Gpu, TimeTheRuleAtServingShape) {
 // CTAs' start spread, the consumers' set-up (gates' pre-check, state), the first full stage (the
 // producer's first chunk), the warm-up with the chunk after it, the cost a chunk after that, the
 // final state's stores and the kernel's end, and the last CTA's timeline; for the rule and for the
-// candidates pieces_ahead 1 (each piece's first v copies ahead of the pre-check's verdict) and 3 (and
-// the first output row and final state prefetched as the consumers start), whose bits must be the
-// rule's, with each one's CUDA-graph median.
+// candidates pieces_ahead 1 (each piece's first v copies ahead of the pre-check's verdict), 3 (and the
+// first output row and final state prefetched as the consumers start) and 7 (and the producer's first
+// chunk built before the verdict), whose bits must be the rule's, with each one's CUDA-graph median.
 TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -2090,8 +2090,11 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
     DeviceProblem d_plain(in);
     ASSERT_TRUE(fused_pieces_serve(d_plain.params()));
     const std::vector<unsigned char> plain = run_bits(in, d_plain);
-    for (const int ahead : {0, 1, 3}) {  // the rule; the candidates pieces_ahead
-      const char* const variant = ahead == 0 ? "rule" : ahead == 1 ? "v ahead" : "v ahead, out touched";
+    for (const int ahead : {0, 1, 3, 7}) {  // the rule; the candidates pieces_ahead
+      const char* const variant = ahead == 0   ? "rule"
+                                  : ahead == 1 ? "v ahead"
+                                  : ahead == 3 ? "v ahead, out touched"
+                                               : "v ahead, out touched, verdict late";
       internal::PrefillLaunch stamped;
       stamped.piece_stamps = static_cast<long long*>(stamps.ptr);
       stamped.pieces_ahead = ahead;

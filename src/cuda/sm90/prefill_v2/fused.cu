@@ -371,7 +371,8 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
 // rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
 // gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
+          bool kLateVerdict = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
@@ -435,8 +436,13 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // lands before the CTA leaves.
   const bool v_ahead = kPieces && a.v_ahead;
   if (v_ahead && tid == 32 && num_chunks > 0) issue_v(0);
+  // kLateVerdict (FusedArgs::verdict_late, pieces, a candidate; a kernel of its own, so that the rule's
+  // chunk loop holds none of it): the verdict waited for after chunk 0 is built, before its arrival, so
+  // that the consumers' pre-check (~5-7 us a piece, run 170) overlaps the producer's first chunk; a piece
+  // the verdict stops then arrives on chunk 0's stage unread (stopped at 0, as before).
+  const bool verdict_late = kPieces && kLateVerdict && !a.pieces_chain;
   bool prechecked = false;
-  if (kPieces && !a.pieces_chain) {
+  if (kPieces && !a.pieces_chain && !verdict_late) {
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
   }
@@ -478,6 +484,17 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
                                                                         scratch, staged, beta_bits, sm_gate, true, l_beta,
                                                                         mark, refill);
+    if (kLateVerdict && verdict_late && c == 0) {
+      mbarrier_wait(verdict_barrier(full), 0);
+      if (stop->prechecked_stop != 0) {  // uniform: one value, written before the consumers' arrival
+        if (tid == 0) stopped_at_store(stop, 0);
+        // the rows in flight: chunks 1 .. kBufs (issued before the loop, and chunk kBufs by the refill)
+        if constexpr (kStaged)
+          for (int64_t i = 1; i <= kBufs && i < staged_chunks; ++i) staged_wait(base + i);
+        mbarrier_arrive(&full[stage]);
+        break;
+      }
+    }
     mbarrier_arrive(&full[stage]);
     mark(8);
     if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
@@ -883,7 +900,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false>
+          bool kSeqs = false, bool kPieces = false, bool kLateVerdict = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -951,8 +968,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
-                                                                          clock_sums, last_clock, &seq);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kLateVerdict>(
+        params, ring, pa, h, bos, num_chunks, 0, clock_sums, last_clock, &seq);
     if (kPieces && tid == 0) piece_stamp(a, 6);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
@@ -1056,7 +1073,8 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
+          bool kLateVerdict = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -1069,7 +1087,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
     else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kLateVerdict>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = allow_dynamic_smem(kernel, kSmem);
@@ -1112,6 +1130,8 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
+  if (kPieces && args.verdict_late)  // a candidate, in a kernel of its own
+    return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, kPieces>(args, stream);
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
@@ -1282,7 +1302,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   }
   f.early_launch = early;
   f.piece_stamps = stamps;
-  f.v_ahead = (ahead & 1) != 0, f.touch_ahead = (ahead & 2) != 0;
+  f.v_ahead = (ahead & 1) != 0, f.touch_ahead = (ahead & 2) != 0, f.verdict_late = (ahead & 4) != 0;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {

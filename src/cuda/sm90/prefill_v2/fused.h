@@ -159,8 +159,11 @@ struct FusedArgs {
   // the first row of its final state as they start, so that those pages' first accesses are not on the
   // chunks' path (the pieces' CTA timelines, run 170: a piece's first two chunks took ~5 us longer than
   // two later ones).
+  // verdict_late: the producer waits for that verdict after building chunk 0, before its arrival, so that
+  // the pre-check overlaps its first chunk (a piece it stops then costs that chunk).
   bool v_ahead = false;
   bool touch_ahead = false;
+  bool verdict_late = false;
 };
 constexpr int kPieceStamps = 10;
 constexpr int kPhaseClocks = 16;
