@@ -2147,6 +2147,19 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
       std::printf("[ measure  ] pieces (%s) T=%lld H=12: CUDA-graph median %.4f ms\n", variant, (long long)T,
                   median_graph_ms(in, d_stamped));
     }
+    // Long memory (the gates' pre-check stops the pieces and the chunk-16 kernels run the call): what the
+    // candidates cost there, the chunk-16 kernels' bits either way.
+    KdaInputs lm = bench_regime_inputs(T, 12, 29, true);
+    DeviceProblem d_lm(lm);
+    const std::vector<unsigned char> lm_rule = run_bits(lm, d_lm);
+    for (const int ahead : {0, 1, 3, 7}) {
+      internal::PrefillLaunch launch;
+      launch.pieces_ahead = ahead;
+      DeviceProblem d(lm, launch);
+      EXPECT_TRUE(run_bits(lm, d) == lm_rule) << "T=" << T << " long memory, pieces_ahead " << ahead << ": other bits";
+      std::printf("[ measure  ] pieces_ahead %d T=%lld H=12 long-memory gates: CUDA-graph median %.4f ms\n", ahead,
+                  (long long)T, median_graph_ms(lm, d));
+    }
   }
 }
 
