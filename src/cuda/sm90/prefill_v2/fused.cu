@@ -369,8 +369,9 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // kPieces (FusedArgs::pieces): after each empty-stage wait the producer reads the consumers' stop
 // as they released that stage (SeqArgs::stage_stop in `stop`); once set it writes the chunk as
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
-// rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
-// gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
+// rows in flight have landed. Unchained, before its first chunk (kLateVerdict: before its first
+// arrival), it also waits for the consumers' gates pre-check's verdict (verdict_barrier), which stops
+// it so at chunk 0.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
           bool kLateVerdict = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
@@ -528,7 +529,7 @@ constexpr int kPiecesPrechecked = 2;
 // channels stops in each CTA before its first chunk. Thread c of a warpgroup: channel c;
 // lower-bound bf16 gates (what the pieces serve). All 256 consumer threads (named barrier 2), before
 // any other use of `scratch` (8 floats); returns the verdict in every thread (consume_item hands it
-// to the producer, which waits for it before its first chunk: verdict_barrier).
+// to the producer, which waits for it before its first chunk, or its first arrival: verdict_barrier).
 __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int ctid, float* scratch) {
   const int cwg = ctid >> 7, c = ctid & (kHeadDim - 1), warp = (ctid >> 5) & 3, lane = ctid & 31;
   const ProduceArgs& pa = seq.produce;
@@ -679,7 +680,7 @@ __device__ __forceinline__ void warmup_verdict(const FusedArgs& a, SeqArgs* stop
 // pre-check (precheck_warmups), whose stop is the call's (flag 2, by compare-and-swap: a piece's own
 // later stop, 1, does not overwrite it) and this piece's at once (stop->abort, which every consumer
 // reads after the first chunk's barrier); consumer thread 0 hands the verdict to the producer, which
-// waits for it before its first chunk and stops there (verdict_barrier).
+// waits for it before its first chunk (kLateVerdict: its first arrival) and stops there (verdict_barrier).
 __device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqArgs* stop, int h, int ctid,
                                                        float* scratch, uint64_t* full) {
   const bool stopped = precheck_warmups(*stop, h, ctid, scratch);
