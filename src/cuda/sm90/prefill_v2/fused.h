@@ -146,7 +146,7 @@ struct FusedArgs {
   // is left as it was.
   long long* chunk_trace = nullptr;
   // Timing only, with pieces: each CTA's (row y of the grid, head x: y H + x) kPieceStamps values,
-  // %globaltimer nanoseconds where the CTA reaches each point, then two counts (null: none). Points:
+  // %globaltimer nanoseconds where the CTA reaches each point, then three values (null: none). Points:
   // 0 the kernel's top (thread 0); the consumers' thread 0 1 when their state and inverse tiles are
   // set (after the gates' pre-check), 2 after their first full-stage wait, 3 as the piece's own chunks
   // begin (after the warm-up), 4 after its last chunk, 5 after the final state's stores; 6 the
