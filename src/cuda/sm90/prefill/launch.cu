@@ -66,13 +66,13 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   if (ctas == 0 || p.H == 0) return;
   // After the few-head pieces (Params::combine_next, a candidate): 2 x #SMs CTAs taking the items from a
   // counter, one wave of the exact combine's two an SM (the low-rank combine's 140 KB fit one an SM: its
-  // second half finds the counter spent and leaves). Where the pieces ran the call (random gates) the one-a-CTA grid's CTAs only read the flag
-  // and left, and it was the costliest of the empty kernels after them: 2.7 us at T=8192 H=12, 21.3 at
-  // T=131072 H=12, 17.1 at T=32768 H=32 (run 147, an H100).
-  const int64_t grid = p.combine_next != nullptr ? std::min<int64_t>(ctas * p.H, 2 * int64_t(sm_count())) : ctas * p.H;
+  // second half finds the counter spent and leaves). Where the pieces ran the call (random gates) the
+  // one-a-CTA grid's CTAs only read the flag and left, and it was the costliest of the empty kernels
+  // after them: 2.7 us at T=8192 H=12, 21.3 at T=131072 H=12, 17.1 at T=32768 H=32 (run 147, an H100).
+  const bool counter = p.combine_next != nullptr;
+  const int64_t grid = counter ? std::min<int64_t>(ctas * p.H, 2 * int64_t(sm_count())) : ctas * p.H;
   const bool lowrank = p.seg_lowrank != nullptr;  // low-rank transitions: their own kernel (a candidate)
   const int smem = lowrank ? int(sizeof(CombineLowRankSmem)) : int(sizeof(CombineSmem));
-  const bool counter = p.combine_next != nullptr;
   const auto kernel = lowrank ? (counter ? segment_combine_kernel<true, true> : segment_combine_kernel<true, false>)
                               : (counter ? segment_combine_kernel<false, true> : segment_combine_kernel<false, false>);
   FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, smem));

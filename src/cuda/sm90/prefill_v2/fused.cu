@@ -65,12 +65,16 @@ __device__ __forceinline__ void trace_point(const FusedArgs& a, int h, int64_t c
     a.chunk_trace[(int64_t(h) * kTraceChunks + c) * kTracePoints + point] = clock64();
 }
 
-// FusedArgs::piece_stamps: where this CTA reaches `point`, in %globaltimer nanoseconds (timing only).
+// FusedArgs::piece_stamps (timing only): this CTA's row of values, and where it reaches `point`, in
+// %globaltimer nanoseconds.
+__device__ __forceinline__ long long* piece_stamps_row(const FusedArgs& a) {
+  return a.piece_stamps + (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kPieceStamps;
+}
 __device__ __forceinline__ void piece_stamp(const FusedArgs& a, int point) {
   if (a.piece_stamps == nullptr) return;
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  a.piece_stamps[(int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kPieceStamps + point] = t;
+  piece_stamps_row(a)[point] = t;
 }
 
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
@@ -413,11 +417,6 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     if (tid == 32)
       for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
   }
-  // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
-  // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
-  // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
-  // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped; 9.2-9.7
-  // with this wait, run 136).
   // The chunk's v rows into its stage by two tensor copies, completing on full[stage] (thread 32, warp 1:
   // warp 0 runs the inverse, the producer's longest chain). The consumers' last accesses of this stage's
   // v were generic-proxy loads and stores (loads only with their early release), ordered before here by
@@ -442,6 +441,11 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // that the consumers' pre-check (~5-7 us a piece, run 170) overlaps the producer's first chunk; a piece
   // the verdict stops then arrives on chunk 0's stage unread (stopped at 0, as before).
   const bool verdict_late = kPieces && kLateVerdict && !a.pieces_chain;
+  // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
+  // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
+  // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
+  // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped; 9.2-9.7
+  // with this wait, run 136).
   bool prechecked = false;
   if (kPieces && !a.pieces_chain && !verdict_late) {
     mbarrier_wait(verdict_barrier(full), 0);
@@ -485,7 +489,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
                                                                         scratch, staged, beta_bits, sm_gate, true, l_beta,
                                                                         mark, refill);
-    if (kLateVerdict && verdict_late && c == 0) {
+    if (verdict_late && c == 0) {
       mbarrier_wait(verdict_barrier(full), 0);
       if (stop->prechecked_stop != 0) {  // uniform: one value, written before the consumers' arrival
         if (tid == 0) stopped_at_store(stop, 0);
@@ -718,13 +722,11 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
     if (a.touch_ahead && lane == 0 && ctid < 64) {  // FusedArgs::touch_ahead (a candidate)
       const int64_t first = int64_t(stop->warmup) * kChunk;  // the piece's first own row
-      const void* at = ctid == 0 ? (first < p.T ? static_cast<const void*>(static_cast<const __nv_bfloat16*>(p.out) +
-                                                                          (first * p.H + h) * kHeadDim)
-                                                : nullptr)
-                                 : p.final_state != nullptr
-                                       ? static_cast<const void*>(state_at(p.final_state, p.states_bf16,
-                                                                           int64_t(h) * kHeadDim * kHeadDim))
-                                       : nullptr;
+      const void* at = nullptr;
+      if (ctid == 0 && first < p.T)
+        at = static_cast<const __nv_bfloat16*>(p.out) + (first * p.H + h) * kHeadDim;
+      else if (ctid == 32 && p.final_state != nullptr)
+        at = state_at(p.final_state, p.states_bf16, int64_t(h) * kHeadDim * kHeadDim);
       if (at != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
     }
     if (!a.pieces_chain)
@@ -893,7 +895,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
                               int64_t(h) * kHeadDim * kHeadDim, v_row, t4, rs.inv);
   if (kPieces && ctid == 0 && a.piece_stamps != nullptr) {
     piece_stamp(a, 5);
-    long long* const at = a.piece_stamps + (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kPieceStamps;
+    long long* const at = piece_stamps_row(a);
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     at[7] = num_chunks, at[8] = warmup, at[9] = sm;
@@ -1131,8 +1133,9 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
-  if (kPieces && args.verdict_late)  // a candidate, in a kernel of its own
-    return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, kPieces>(args, stream);
+  if constexpr (kPieces)
+    if (args.verdict_late)  // a candidate, in a kernel of its own
+      return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, true, true>(args, stream);
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
