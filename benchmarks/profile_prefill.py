@@ -283,7 +283,7 @@ def pieces_fit_profile():
     for T, forced in ((2048, None), (4096, None), (8192, None), (16384, None), (32768, None), (65536, None),
                       (8192, 6), (8192, 3), (32768, 6), (32768, 3)):
         chunks = (T + 31) // 32
-        P = forced or max(1, min(sms // H, chunks // 4))
+        P = forced or max(1, min(sms // H, chunks // 4))  # config.h fused_few_head_pieces, for the label
         periods = -(-chunks // P) + (1 if P > 1 else 0)
         x = make_inputs(H, [T], True, "random")
         fn = run_flashkda(x, True, launch=dict(fused_pieces=forced) if forced else {})[0]
@@ -304,8 +304,9 @@ def pieces_fit_profile():
 
 
 def main():
-    modes = {"--pieces-fit": pieces_fit_profile, "--fused-paths": fused_paths_profile, "--serving": serving_profile, "--lowrank": lowrank_profile,
-             "--verdict": verdict_profile, "--pieces": pieces_profile, "--host-calls": host_calls}
+    modes = {"--pieces-fit": pieces_fit_profile, "--fused-paths": fused_paths_profile, "--serving": serving_profile,
+             "--lowrank": lowrank_profile, "--verdict": verdict_profile, "--pieces": pieces_profile,
+             "--host-calls": host_calls}
     for flag, profile_mode in modes.items():
         if flag in sys.argv[1:]:
             profile_mode()
