@@ -5,7 +5,10 @@
 // those the processor lacks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -376,6 +379,31 @@ TEST(DecodeCpuErrors, EmptyBatchIsANoOp) {
   EXPECT_EQ(prob.pool.bytes, prob.pool_before.bytes);
 }
 
+// Where two byte images of a bf16 or fp32 tensor differ: how many elements, and the first one's index
+// with both values (a failure on one compiler or processor and not another is diagnosed from this).
+std::string first_difference(const std::vector<unsigned char>& a, const std::vector<unsigned char>& b, DType dtype) {
+  const size_t width = dtype == DType::kF32 ? 4 : 2, n = std::min(a.size(), b.size()) / width;
+  size_t count = 0, first = n;
+  for (size_t i = 0; i < n; ++i)
+    if (std::memcmp(&a[i * width], &b[i * width], width) != 0) count += 1, first = std::min(first, i);
+  std::ostringstream os;
+  os << count << " of " << n << " elements differ";
+  if (count > 0) {
+    const auto value = [&](const std::vector<unsigned char>& x) {
+      uint32_t u = 0;
+      std::memcpy(&u, &x[first * width], width);
+      const uint32_t fp32_bits = width == 4 ? u : u << 16;
+      float f = 0.f;
+      std::memcpy(&f, &fp32_bits, 4);
+      std::ostringstream v;
+      v << f << " (0x" << std::hex << u << ")";
+      return v.str();
+    };
+    os << "; the first, element " << first << ": " << value(a) << " against " << value(b);
+  }
+  return os.str();
+}
+
 // The AVX2 and AVX-512 builds run the same arithmetic in the same order (16 partial sums written in
 // the code, multiply-adds contracted in both): the same outputs and pool bits, plain and
 // speculative, fp32 and bf16 pools.
@@ -398,8 +426,10 @@ TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
         run_cpu(prob.params());
         bits[i][0] = prob.in.out.bytes, bits[i][1] = prob.pool.bytes;
       }
-      EXPECT_TRUE(bits[0][0] == bits[1][0]) << "out";
-      EXPECT_TRUE(bits[0][1] == bits[1][1]) << "pool";
+      const std::string where = std::string(o.speculative ? "speculative" : "plain") +
+                                (s == DType::kF32 ? ", fp32 pool: " : ", bf16 pool: ");
+      EXPECT_TRUE(bits[0][0] == bits[1][0]) << where << "out " << first_difference(bits[0][0], bits[1][0], prob.in.out.dtype);
+      EXPECT_TRUE(bits[0][1] == bits[1][1]) << where << "pool " << first_difference(bits[0][1], bits[1][1], s);
     }
 }
 
