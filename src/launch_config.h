@@ -98,12 +98,6 @@ struct PrefillLaunch {
   int combine_counter = 0;  // GPU, a candidate, after the unchained few-head pieces: 1 = the combine a wave of
                            // CTAs taking its items from a counter (Params::combine_next); 0 = rule (one CTA
                            // an item)
-  int pieces_ahead = 0;  // GPU, candidates, the few-head pieces, bits: 1 = each piece's first v copies issued
-                         // with its staged rows, ahead of the gates' pre-check's verdict (else after it);
-                         // 2 = the first rows of out and the final state prefetched to L2 as the consumers
-                         // start; 4 = the producer's first chunk built before the pre-check's verdict, which
-                         // it waits for before its arrival (prefill_v2 FusedArgs::v_ahead, touch_ahead,
-                         // verdict_late); 0 = rule (none)
   long long* piece_stamps = nullptr;  // GPU, timing only, calls the few-head pieces run: each pieces CTA's
                                       // kPieceStamps points (prefill_v2 FusedArgs::piece_stamps), device
                                       // memory of at least N pieces H kPieceStamps values; null: none

@@ -259,10 +259,15 @@ struct CapturedCall {
     cudaGraphDestroy(graph);
     cudaStreamDestroy(stream);
   }
-  std::vector<unsigned char> replay(int times = 1) {
+  // flush (timing only): a device buffer larger than L2 written before each replay, so that the call
+  // finds none of its inputs or code in L2.
+  std::vector<unsigned char> replay(int times = 1, const DeviceBuffer* flush = nullptr) {
     d.poison();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    for (int i = 0; i < times; ++i) EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    for (int i = 0; i < times; ++i) {
+      if (flush != nullptr) EXPECT_EQ(cudaMemsetAsync(flush->ptr, i & 0xff, flush->bytes, stream), cudaSuccess);
+      EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    }
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     d.download();
     return out_and_state_bits(in);
@@ -886,10 +891,6 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
         counter.combine_counter = 1;
         DeviceProblem d_counter(in, counter);
         EXPECT_TRUE(run_bits(in, d_counter) == chunk16) << "long memory, the combine from a counter: other bits";
-        internal::PrefillLaunch v_ahead;  // the first v copies in flight where the pre-check stops the pieces
-        v_ahead.pieces_ahead = 7;  // and the verdict after chunk 0: a stop after its build
-        DeviceProblem d_v_ahead(in, v_ahead);
-        EXPECT_TRUE(run_bits(in, d_v_ahead) == chunk16) << "long memory, v ahead of the verdict: other bits";
       } else {
         EXPECT_FALSE(rule == chunk16) << "the pieces did not run (the chunk-16 kernels' bits)";
         EXPECT_TRUE(rule == run_bits(in, d_forced)) << "not the bits of " << pieces << " pieces forced";
@@ -2072,13 +2073,16 @@ TEST_F(Prefill32Gpu, TimeTheRuleAtServingShape) {
 // that every CTA's points come in order; prints, in microseconds from the first CTA's start: the
 // CTAs' start spread, the consumers' set-up (gates' pre-check, state), the first full stage (the
 // producer's first chunk), the warm-up with the chunk after it, the cost a chunk after that, the
-// final state's stores and the kernel's end, and the last CTA's timeline; for the rule and for the
-// candidates pieces_ahead 1 (each piece's first v copies ahead of the pre-check's verdict), 3 (and the
-// first output row and final state prefetched as the consumers start) and 7 (and the producer's first
-// chunk built before the verdict), whose bits must be the rule's, with each one's CUDA-graph median.
+// final state's stores and the kernel's end, and the last CTA's timeline. Twice: replayed after a
+// replay (at T = 2048 the call's inputs and code stay in L2 from one to the next, from T = 8192 they do
+// not fit) and after 256 MB written to a buffer of its own (L2 flushed), so that the first chunks'
+// cost splits into what L2 residency saves and what a cold SM pays anyway (run 171: the first full stage
+// at ~15 us at T = 2048 against ~19-21 from T = 8192, whatever the start candidates did).
 TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  DeviceBuffer flush(size_t(256) << 20);
+  ASSERT_NE(flush.ptr, nullptr);
   for (const int64_t T : {int64_t(2048), int64_t(8192), int64_t(32768)}) {
     KdaInputs in = bench_regime_inputs(T, 12, 29, false);
     const KdaOptions& o = in.opt;
@@ -2090,19 +2094,15 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
     DeviceProblem d_plain(in);
     ASSERT_TRUE(fused_pieces_serve(d_plain.params()));
     const std::vector<unsigned char> plain = run_bits(in, d_plain);
-    for (const int ahead : {0, 1, 3, 7}) {  // the rule; the candidates pieces_ahead
-      const char* const variant = ahead == 0   ? "rule"
-                                  : ahead == 1 ? "v ahead"
-                                  : ahead == 3 ? "v ahead, out touched"
-                                               : "v ahead, out touched, verdict late";
-      internal::PrefillLaunch stamped;
-      stamped.piece_stamps = static_cast<long long*>(stamps.ptr);
-      stamped.pieces_ahead = ahead;
-      DeviceProblem d_stamped(in, stamped);
-      CapturedCall call(in, d_stamped);
-      (void)call.replay(5);  // warm
+    internal::PrefillLaunch stamped;
+    stamped.piece_stamps = static_cast<long long*>(stamps.ptr);
+    DeviceProblem d_stamped(in, stamped);
+    CapturedCall call(in, d_stamped);
+    for (const bool flushed : {false, true}) {
+      const char* const variant = flushed ? "L2 flushed" : "after a replay";
+      (void)call.replay(5, flushed ? &flush : nullptr);  // warm
       ASSERT_EQ(cudaMemset(stamps.ptr, 0, stamps.bytes), cudaSuccess);
-      EXPECT_TRUE(call.replay() == plain) << "T=" << T << " " << variant << ": other bits than the rule's";
+      EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr) == plain) << "T=" << T << ": the stamps changed the bits";
       std::vector<long long> st(size_t(ctas * kPieceStamps));
       ASSERT_EQ(cudaMemcpy(st.data(), stamps.ptr, stamps.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
       const auto at = [&](int64_t i, int point) { return st[size_t(i * kPieceStamps + point)]; };
@@ -2144,22 +2144,9 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
                   at(last, 8), 1e-3 * double(at(last, 0) - t0), 1e-3 * double(at(last, 1) - t0),
                   1e-3 * double(at(last, 2) - t0), 1e-3 * double(at(last, 3) - t0), 1e-3 * double(at(last, 4) - t0),
                   1e-3 * double(t_end - t0));
-      std::printf("[ measure  ] pieces (%s) T=%lld H=12: CUDA-graph median %.4f ms\n", variant, (long long)T,
-                  median_graph_ms(in, d_stamped));
     }
-    // Long memory (the gates' pre-check stops the pieces and the chunk-16 kernels run the call): what the
-    // candidates cost there, the chunk-16 kernels' bits either way.
-    KdaInputs lm = bench_regime_inputs(T, 12, 29, true);
-    DeviceProblem d_lm(lm);
-    const std::vector<unsigned char> lm_rule = run_bits(lm, d_lm);
-    for (const int ahead : {0, 1, 3, 7}) {
-      internal::PrefillLaunch launch;
-      launch.pieces_ahead = ahead;
-      DeviceProblem d(lm, launch);
-      EXPECT_TRUE(run_bits(lm, d) == lm_rule) << "T=" << T << " long memory, pieces_ahead " << ahead << ": other bits";
-      std::printf("[ measure  ] pieces_ahead %d T=%lld H=12 long-memory gates: CUDA-graph median %.4f ms\n", ahead,
-                  (long long)T, median_graph_ms(lm, d));
-    }
+    std::printf("[ measure  ] pieces (rule) T=%lld H=12: CUDA-graph median %.4f ms\n", (long long)T,
+                median_graph_ms(in, d_stamped));
   }
 }
 

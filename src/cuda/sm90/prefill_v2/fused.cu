@@ -373,11 +373,9 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // kPieces (FusedArgs::pieces): after each empty-stage wait the producer reads the consumers' stop
 // as they released that stage (SeqArgs::stage_stop in `stop`); once set it writes the chunk as
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
-// rows in flight have landed. Unchained, before its first chunk (kLateVerdict: before its first
-// arrival), it also waits for the consumers' gates pre-check's verdict (verdict_barrier), which stops
-// it so at chunk 0.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
-          bool kLateVerdict = false>
+// rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
+// gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
@@ -417,37 +415,13 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     if (tid == 32)
       for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
   }
-  // The chunk's v rows into its stage by two tensor copies, completing on full[stage] (thread 32, warp 1:
-  // warp 0 runs the inverse, the producer's longest chain). The consumers' last accesses of this stage's
-  // v were generic-proxy loads and stores (loads only with their early release), ordered before here by
-  // the empty barrier; the copies write through the async proxy.
-  const auto issue_v = [&](int64_t c) {
-    const int stage = int((base + c) % kStages);
-    fence_proxy_async_shared();
-    mbarrier_expect_tx(&full[stage], kVBytes);
-    uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
-    tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
-    tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
-  };
-  // FusedArgs::v_ahead (pieces, a candidate): chunk 0's v with its staged rows, ahead of the gates'
-  // pre-check's verdict (the pieces' CTA timelines, run 170: a piece's first stage was full only ~19 us
-  // after its start at T=8192 H=12, ~13 us after the verdict, against ~3.9 us for a later chunk). Where
-  // the verdict stops the piece at chunk 0 the consumers still wait for that stage's barrier, so the copy
-  // lands before the CTA leaves.
-  const bool v_ahead = kPieces && a.v_ahead;
-  if (v_ahead && tid == 32 && num_chunks > 0) issue_v(0);
-  // kLateVerdict (FusedArgs::verdict_late, pieces, a candidate; a kernel of its own, so that the rule's
-  // chunk loop holds none of it): the verdict waited for after chunk 0 is built, before its arrival, so
-  // that the consumers' pre-check (~5-7 us a piece, run 170) overlaps the producer's first chunk; a piece
-  // the verdict stops then arrives on chunk 0's stage unread (stopped at 0, as before).
-  const bool verdict_late = kPieces && kLateVerdict && !a.pieces_chain;
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
   // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
   // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped; 9.2-9.7
   // with this wait, run 136).
   bool prechecked = false;
-  if (kPieces && !a.pieces_chain && !verdict_late) {
+  if (kPieces && !a.pieces_chain) {
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
   }
@@ -479,7 +453,16 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       mbarrier_arrive(&full[stage]);
       continue;
     }
-    if (tid == 32 && !(v_ahead && c == 0)) issue_v(c);
+    if (tid == 32) {  // the chunk's v rows into the stage by two tensor copies, completing on full[stage]
+      // (warp 1: warp 0 runs the inverse, the producer's longest chain). The consumers' last
+      // accesses of this stage's v were generic-proxy loads and stores (loads only with their early
+      // release), ordered before here by the empty barrier; the copies write through the async proxy.
+      fence_proxy_async_shared();
+      mbarrier_expect_tx(&full[stage], kVBytes);
+      uint8_t* const vs = ring + stage * L::kStageSpan + kRecordSpan;  // channels 0-63, 64-127 (staged_v)
+      tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
+      tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
+    }
     uint8_t* const staged = kStaged ? staged_buf(gc) : nullptr;
     if constexpr (kStaged) staged_wait(gc);
     const auto refill = [&] {
@@ -489,17 +472,6 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
                                                                         scratch, staged, beta_bits, sm_gate, true, l_beta,
                                                                         mark, refill);
-    if (verdict_late && c == 0) {
-      mbarrier_wait(verdict_barrier(full), 0);
-      if (stop->prechecked_stop != 0) {  // uniform: one value, written before the consumers' arrival
-        if (tid == 0) stopped_at_store(stop, 0);
-        // the rows in flight: chunks 1 .. kBufs (issued before the loop, and chunk kBufs by the refill)
-        if constexpr (kStaged)
-          for (int64_t i = 1; i <= kBufs && i < staged_chunks; ++i) staged_wait(base + i);
-        mbarrier_arrive(&full[stage]);
-        break;
-      }
-    }
     mbarrier_arrive(&full[stage]);
     mark(8);
     if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
@@ -533,7 +505,7 @@ constexpr int kPiecesPrechecked = 2;
 // channels stops in each CTA before its first chunk. Thread c of a warpgroup: channel c;
 // lower-bound bf16 gates (what the pieces serve). All 256 consumer threads (named barrier 2), before
 // any other use of `scratch` (8 floats); returns the verdict in every thread (consume_item hands it
-// to the producer, which waits for it before its first chunk, or its first arrival: verdict_barrier).
+// to the producer, which waits for it before its first chunk: verdict_barrier).
 __device__ __forceinline__ bool precheck_warmups(const SeqArgs& seq, int h, int ctid, float* scratch) {
   const int cwg = ctid >> 7, c = ctid & (kHeadDim - 1), warp = (ctid >> 5) & 3, lane = ctid & 31;
   const ProduceArgs& pa = seq.produce;
@@ -684,7 +656,7 @@ __device__ __forceinline__ void warmup_verdict(const FusedArgs& a, SeqArgs* stop
 // pre-check (precheck_warmups), whose stop is the call's (flag 2, by compare-and-swap: a piece's own
 // later stop, 1, does not overwrite it) and this piece's at once (stop->abort, which every consumer
 // reads after the first chunk's barrier); consumer thread 0 hands the verdict to the producer, which
-// waits for it before its first chunk (kLateVerdict: its first arrival) and stops there (verdict_barrier).
+// waits for it before its first chunk and stops there (verdict_barrier).
 __device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqArgs* stop, int h, int ctid,
                                                        float* scratch, uint64_t* full) {
   const bool stopped = precheck_warmups(*stop, h, ctid, scratch);
@@ -720,15 +692,6 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
   uint8_t* const own_inv = ring + L::kOffInv;
   if constexpr (kPieces) {
     static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
-    if (a.touch_ahead && lane == 0 && ctid < 64) {  // FusedArgs::touch_ahead (a candidate)
-      const int64_t first = int64_t(stop->warmup) * kChunk;  // the piece's first own row
-      const void* at = nullptr;
-      if (ctid == 0 && first < p.T)
-        at = static_cast<const __nv_bfloat16*>(p.out) + (first * p.H + h) * kHeadDim;
-      else if (ctid == 32 && p.final_state != nullptr)
-        at = state_at(p.final_state, p.states_bf16, int64_t(h) * kHeadDim * kHeadDim);
-      if (at != nullptr) asm volatile("prefetch.global.L2 [%0];" ::"l"(at));
-    }
     if (!a.pieces_chain)
       precheck_and_hand_over(a, stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), full);
   }
@@ -903,7 +866,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false, bool kLateVerdict = false>
+          bool kSeqs = false, bool kPieces = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -971,8 +934,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kLateVerdict>(
-        params, ring, pa, h, bos, num_chunks, 0, clock_sums, last_clock, &seq);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
+                                                                          clock_sums, last_clock, &seq);
     if (kPieces && tid == 0) piece_stamp(a, 6);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
@@ -1076,8 +1039,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false,
-          bool kLateVerdict = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -1090,7 +1052,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
     else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kLateVerdict>;
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = allow_dynamic_smem(kernel, kSmem);
@@ -1133,9 +1095,6 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
-  if constexpr (kPieces)
-    if (args.verdict_late)  // a candidate, in a kernel of its own
-      return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, true, true>(args, stream);
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
 }
 
@@ -1292,8 +1251,7 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, bool early, long long* stamps,
-                                 int ahead) {
+                                 float* chain_states, bool flags_zeroed, bool early, long long* stamps) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1306,7 +1264,6 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   }
   f.early_launch = early;
   f.piece_stamps = stamps;
-  f.v_ahead = (ahead & 1) != 0, f.touch_ahead = (ahead & 2) != 0, f.verdict_late = (ahead & 4) != 0;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) {

@@ -153,17 +153,6 @@ struct FusedArgs {
   // producer's thread 0 after its last chunk; then 7 the chunks the CTA walks and 8 its warm-up
   // chunks, 9 its SM (%smid). A point not reached (a stopped piece) keeps its value.
   long long* piece_stamps = nullptr;
-  // With pieces, candidates (internal::PrefillLaunch::pieces_ahead): v_ahead, the producer issues chunk
-  // 0's v copies with its staged rows, before it waits for the consumers' gates pre-check's verdict;
-  // touch_ahead, consumer warps 0 and 1 prefetch to L2 the first output row of the piece's own chunks and
-  // the first row of its final state as they start, so that those pages' first accesses are not on the
-  // chunks' path (the pieces' CTA timelines, run 170: a piece's first two chunks took ~5 us longer than
-  // two later ones).
-  // verdict_late: the producer waits for that verdict after building chunk 0, before its arrival, so that
-  // the pre-check overlaps its first chunk (a piece it stops then costs that chunk).
-  bool v_ahead = false;
-  bool touch_ahead = false;
-  bool verdict_late = false;
 };
 constexpr int kPieceStamps = 10;
 constexpr int kPhaseClocks = 16;
@@ -211,7 +200,7 @@ bool pieces_final_in_place(const PrefillParams& p);
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                                  float* chain_states = nullptr, bool flags_zeroed = false, bool early = false,
-                                 long long* stamps = nullptr, int ahead = 0);
+                                 long long* stamps = nullptr);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
