@@ -9,6 +9,7 @@
 //     state_indices[n, num_accepted_tokens[n] - 1]; the state after token t is written to
 //     state_indices[n, t] unless that entry is negative.
 //   - a negative start slot marks padding: no slot is read or written, outputs are set to zero.
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -87,6 +88,105 @@ FLASHKDA_HOST_INLINE float step_row(float* row, const float* decay, const float*
 }
 
 #ifdef FLASHKDA_X86_DISPATCH
+// step_row and host::l2_normalize for the two FMA builds, in intrinsics: lane w of the 16 partial sums
+// is the fused multiply-add chain over channels w, w + 16, ... that the loops compile to where the
+// compiler vectorises and contracts them, but fixed in the source, so that the AVX2 build (two ymm a
+// step) and the AVX-512 build (one zmm) give the same bits whatever a compiler makes of the loops (run
+// 171: GCC 13.3's two builds of the loops gave different pool bits; GCC 12 and Clang 14 the same). The
+// 16 sums are added in lane order, channels past the last 16 into lane 0, as in the loops.
+FLASHKDA_TARGET_AVX2 inline void partial_sums_avx2(__m256 lo, __m256 hi, float (&part)[16]) {
+  _mm256_storeu_ps(part, lo), _mm256_storeu_ps(part + 8, hi);
+}
+FLASHKDA_TARGET_AVX2 inline float step_row_avx2(float* row, const float* decay, const float* k, const float* q,
+                                                float v, float b, int64_t K) {
+  const int64_t whole = K - K % 16;
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < whole; c0 += 16) {
+    const __m256 r0 = _mm256_mul_ps(_mm256_loadu_ps(row + c0), _mm256_loadu_ps(decay + c0));
+    const __m256 r1 = _mm256_mul_ps(_mm256_loadu_ps(row + c0 + 8), _mm256_loadu_ps(decay + c0 + 8));
+    _mm256_storeu_ps(row + c0, r0), _mm256_storeu_ps(row + c0 + 8, r1);
+    lo = _mm256_fmadd_ps(r0, _mm256_loadu_ps(k + c0), lo), hi = _mm256_fmadd_ps(r1, _mm256_loadu_ps(k + c0 + 8), hi);
+  }
+  float part[16];
+  partial_sums_avx2(lo, hi, part);
+  for (int64_t c = whole; c < K; ++c) row[c] *= decay[c], part[0] = std::fma(row[c], k[c], part[0]);
+  float pred = 0.0f;
+  for (int w = 0; w < 16; ++w) pred += part[w];
+  const float delta = b * (v - pred);
+  const __m256 d = _mm256_set1_ps(delta);
+  lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t c0 = 0; c0 < whole; c0 += 16) {
+    const __m256 r0 = _mm256_fmadd_ps(d, _mm256_loadu_ps(k + c0), _mm256_loadu_ps(row + c0));
+    const __m256 r1 = _mm256_fmadd_ps(d, _mm256_loadu_ps(k + c0 + 8), _mm256_loadu_ps(row + c0 + 8));
+    _mm256_storeu_ps(row + c0, r0), _mm256_storeu_ps(row + c0 + 8, r1);
+    lo = _mm256_fmadd_ps(r0, _mm256_loadu_ps(q + c0), lo), hi = _mm256_fmadd_ps(r1, _mm256_loadu_ps(q + c0 + 8), hi);
+  }
+  partial_sums_avx2(lo, hi, part);
+  for (int64_t c = whole; c < K; ++c) row[c] = std::fma(delta, k[c], row[c]), part[0] = std::fma(row[c], q[c], part[0]);
+  float acc = 0.0f;
+  for (int w = 0; w < 16; ++w) acc += part[w];
+  return acc;
+}
+FLASHKDA_TARGET_AVX512 inline float step_row_avx512(float* row, const float* decay, const float* k, const float* q,
+                                                    float v, float b, int64_t K) {
+  const int64_t whole = K - K % 16;
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < whole; c0 += 16) {
+    const __m512 r = _mm512_mul_ps(_mm512_loadu_ps(row + c0), _mm512_loadu_ps(decay + c0));
+    _mm512_storeu_ps(row + c0, r);
+    sum = _mm512_fmadd_ps(r, _mm512_loadu_ps(k + c0), sum);
+  }
+  float part[16];
+  _mm512_storeu_ps(part, sum);
+  for (int64_t c = whole; c < K; ++c) row[c] *= decay[c], part[0] = std::fma(row[c], k[c], part[0]);
+  float pred = 0.0f;
+  for (int w = 0; w < 16; ++w) pred += part[w];
+  const float delta = b * (v - pred);
+  const __m512 d = _mm512_set1_ps(delta);
+  sum = _mm512_setzero_ps();
+  for (int64_t c0 = 0; c0 < whole; c0 += 16) {
+    const __m512 r = _mm512_fmadd_ps(d, _mm512_loadu_ps(k + c0), _mm512_loadu_ps(row + c0));
+    _mm512_storeu_ps(row + c0, r);
+    sum = _mm512_fmadd_ps(r, _mm512_loadu_ps(q + c0), sum);
+  }
+  _mm512_storeu_ps(part, sum);
+  for (int64_t c = whole; c < K; ++c) row[c] = std::fma(delta, k[c], row[c]), part[0] = std::fma(row[c], q[c], part[0]);
+  float acc = 0.0f;
+  for (int w = 0; w < 16; ++w) acc += part[w];
+  return acc;
+}
+// host::l2_normalize's sums of squares, as above.
+FLASHKDA_TARGET_AVX2 inline void l2_normalize_avx2(float* x, int64_t n) {
+  const int64_t whole = n - n % 16;
+  __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m256 x0 = _mm256_loadu_ps(x + i), x1 = _mm256_loadu_ps(x + i + 8);
+    lo = _mm256_fmadd_ps(x0, x0, lo), hi = _mm256_fmadd_ps(x1, x1, hi);
+  }
+  float part[16];
+  partial_sums_avx2(lo, hi, part);
+  for (int64_t i = whole, w = 0; i < n; ++i, ++w) part[w] = std::fma(x[i], x[i], part[w]);
+  float sum = 0.0f;
+  for (int w = 0; w < 16; ++w) sum += part[w];
+  const float inv = 1.0f / std::sqrt(sum + 1e-6f);
+  for (int64_t j = 0; j < n; ++j) x[j] *= inv;
+}
+FLASHKDA_TARGET_AVX512 inline void l2_normalize_avx512(float* x, int64_t n) {
+  const int64_t whole = n - n % 16;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 xi = _mm512_loadu_ps(x + i);
+    acc = _mm512_fmadd_ps(xi, xi, acc);
+  }
+  float part[16];
+  _mm512_storeu_ps(part, acc);
+  for (int64_t i = whole, w = 0; i < n; ++i, ++w) part[w] = std::fma(x[i], x[i], part[w]);
+  float sum = 0.0f;
+  for (int w = 0; w < 16; ++w) sum += part[w];
+  const float inv = 1.0f / std::sqrt(sum + 1e-6f);
+  for (int64_t j = 0; j < n; ++j) x[j] *= inv;
+}
+
 // The decay factors e^a of one token from its raw gates, in place, on AVX2 vectors (avx2::gate_row,
 // then avx2::exp four vectors at a time; std::exp past the last whole vector): with std::log1p and
 // std::exp per channel the softplus gate cost a third of a decode step (N=256 H=16, one thread:
@@ -127,8 +227,9 @@ void zero_outputs(const DecodeParams& p, SeqRange seq, int64_t h, std::vector<fl
 }
 
 // Token recurrence of one (sequence, head) on its fp32 state slice [V, K]: the pool's own, or a copy.
-// kVectorGates: the gate and e^a by decay_row_avx2.
-template <bool kVectorGates>
+// kIsa: the build (kIsaAvx2 and kIsaAvx512: the gate and e^a by decay_row_avx2, the rows and the L2
+// norms by step_row_avx2 / _avx512 and l2_normalize_avx2 / _avx512).
+template <int kIsa>
 FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t h, float scale) {
   const int64_t K = p.K, V = p.V, H = p.H;
   const SeqRange seq = detail::seq_range(p, n);
@@ -151,8 +252,17 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
   for (int64_t t = seq.bos; t < seq.eos; ++t) {
     float b;
 #ifdef FLASHKDA_X86_DISPATCH
-    if constexpr (kVectorGates) {
-      b = host::load_token_inputs(p, t, h, q.data(), k.data(), v.data(), decay.data());
+    if constexpr (kIsa != kIsaBaseline) {  // host::load_token_inputs with the norms in intrinsics
+      const int64_t r = t * H + h;
+      host::load_row(p.q, p.dtype, r * K, K, q.data());
+      host::load_row(p.k, p.dtype, r * K, K, k.data());
+      host::load_row(p.v, p.dtype, r * V, V, v.data());
+      host::load_row(p.g, p.g_dtype, r * K, K, decay.data());
+      if (p.pre.l2norm_qk) {
+        if constexpr (kIsa == kIsaAvx512) l2_normalize_avx512(q.data(), K), l2_normalize_avx512(k.data(), K);
+        else l2_normalize_avx2(q.data(), K), l2_normalize_avx2(k.data(), K);
+      }
+      b = host::beta_activation(p.pre, host::load<float>(p.beta, p.beta_dtype, r));
       decay_row_avx2(gate, decay.data(), K);
     } else
 #endif
@@ -161,7 +271,13 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
 
     for (int64_t i = 0; i < V; ++i) {
       if (in_place && i + kPrefetchRows < V) prefetch_row(state + (i + kPrefetchRows) * K, K);
-      o[i] = step_row(state + i * K, decay.data(), k.data(), q.data(), v[i], b, K);
+      float* const row = state + i * K;
+#ifdef FLASHKDA_X86_DISPATCH
+      if constexpr (kIsa == kIsaAvx512) o[i] = step_row_avx512(row, decay.data(), k.data(), q.data(), v[i], b, K);
+      else if constexpr (kIsa == kIsaAvx2) o[i] = step_row_avx2(row, decay.data(), k.data(), q.data(), v[i], b, K);
+      else
+#endif
+        o[i] = step_row(row, decay.data(), k.data(), q.data(), v[i], b, K);
     }
     host::store_row(p.out, p.dtype, (t * H + h) * V, V, o.data());
 
@@ -174,16 +290,18 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
     host::store_state(p.state_pool, p.state_dtype, slot, h, H, V, K, state);
 }
 
-// Item i of a call (sequence i / H, head i % H), per instruction set; the two FMA builds contract
-// the rows' multiply-adds and take the gates' AVX2 exponentials, so their bits differ from the
-// baseline's (and are the same in both).
-void decode_items(const DecodeParams& p, int64_t i, float scale) { decode_head<false>(p, i / p.H, i % p.H, scale); }
+// Item i of a call (sequence i / H, head i % H), per instruction set; the two FMA builds fuse the
+// rows' and the norms' multiply-adds and take the gates' AVX2 exponentials, so their bits differ from
+// the baseline's (and are the same in both).
+void decode_items(const DecodeParams& p, int64_t i, float scale) {
+  decode_head<kIsaBaseline>(p, i / p.H, i % p.H, scale);
+}
 #ifdef FLASHKDA_X86_DISPATCH
 FLASHKDA_TARGET_AVX2 void decode_items_avx2(const DecodeParams& p, int64_t i, float scale) {
-  decode_head<true>(p, i / p.H, i % p.H, scale);
+  decode_head<kIsaAvx2>(p, i / p.H, i % p.H, scale);
 }
 FLASHKDA_TARGET_AVX512 void decode_items_avx512(const DecodeParams& p, int64_t i, float scale) {
-  decode_head<true>(p, i / p.H, i % p.H, scale);
+  decode_head<kIsaAvx512>(p, i / p.H, i % p.H, scale);
 }
 #endif
 
