@@ -7,6 +7,9 @@
 #       test_prefill32_gpu) in build-gpu-local/ and copies them, with the fused kernel's object
 #       (fused.cu.o, for gpu_check.sh fused-profile's attribution), into .prebuilt/ (ignored: name
 #       .prebuilt and .deps in the device call's carry; ~26 MB a test binary).
+#       PREBUILT_XZ=1: the binaries packed into one .prebuilt/bins.tar.xz instead (~5 MB for six test
+#       binaries: they share the library), so that .deps, .whl and .peers fit the same carry; `run`
+#       unpacks it. Any test target builds so, test_decode (CPU) too.
 #   scripts/gpu_prebuilt.sh run [TARGET:FILTER ...]  on the device: each binary with its gtest filter
 #       (default test_prefill32_gpu:*TimeAtServingShape*), its log under $OUT; a binary that does not
 #       load there (other system libraries) is built there first. FUSED_PROFILE=1 then runs
@@ -38,6 +41,10 @@ case "$mode" in
     mkdir -p .prebuilt
     for t in "${targets[@]}"; do cp "build-gpu-local/tests/cpp/$t" .prebuilt/ || exit 1; done
     cp "$(find build-gpu-local -name fused.cu.o | head -1)" .prebuilt/
+    if [ "${PREBUILT_XZ:-0}" = 1 ]; then
+      tar -C .prebuilt -cf - "${targets[@]}" | xz -T0 -9 --lzma2=dict=128MiB > .prebuilt/bins.tar.xz || exit 1
+      (cd .prebuilt && rm -f "${targets[@]}" fused.cu.o)
+    fi
     echo "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo ' (with uncommitted changes)')" > .prebuilt/commit
     ls -la .prebuilt
     ;;
@@ -69,6 +76,7 @@ case "$mode" in
     mkdir -p "$OUT"
     nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader
     echo "prebuilt from $(cat .prebuilt/commit 2>/dev/null || echo '?'); this tree $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+    [ -f .prebuilt/bins.tar.xz ] && { xz -dc .prebuilt/bins.tar.xz | tar -C .prebuilt -xf - || exit 1; }
     runs=("$@")
     [ ${#runs[@]} -eq 0 ] && runs=("test_prefill32_gpu:*TimeAtServingShape*")
     status=0
