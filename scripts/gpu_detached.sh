@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Runs scripts/gpu_check.sh detached from the device call (setsid: it survives the call while the
 # machine stays warm), waits up to WAIT seconds for it to finish, and copies its logs (the newest 6
-# and all of them as logs.tgz: the device tool returns 8 files) to $OUT. Call it again with the same steps to keep waiting:
-# the pipeline is started once per machine. The machine is given back ~30 s after a call returns,
-# so issue the next poll at once.
+# and all of them as logs.tgz: the device tool returns 8 files) to $OUT. Call it again with the same
+# steps to keep waiting: the pipeline is started once per machine. The machine is given back ~30 s
+# after a call returns, so issue the next poll at once.
 #
 #   scripts/gpu_detached.sh WAIT [gpu_check steps...]     e.g. scripts/gpu_detached.sh 560 build test sanitize python
 #

@@ -428,7 +428,8 @@ TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
       }
       const std::string where = std::string(o.speculative ? "speculative" : "plain") +
                                 (s == DType::kF32 ? ", fp32 pool: " : ", bf16 pool: ");
-      EXPECT_TRUE(bits[0][0] == bits[1][0]) << where << "out " << first_difference(bits[0][0], bits[1][0], prob.in.out.dtype);
+      EXPECT_TRUE(bits[0][0] == bits[1][0])
+          << where << "out " << first_difference(bits[0][0], bits[1][0], prob.in.out.dtype);
       EXPECT_TRUE(bits[0][1] == bits[1][1]) << where << "pool " << first_difference(bits[0][1], bits[1][1], s);
     }
 }
