@@ -405,8 +405,8 @@ std::string first_difference(const std::vector<unsigned char>& a, const std::vec
 }
 
 // The AVX2 and AVX-512 builds run the same arithmetic in the same order (16 partial sums written in
-// the code, multiply-adds contracted in both): the same outputs and pool bits, plain and
-// speculative, fp32 and bf16 pools.
+// intrinsics, step_row_avx2 / _avx512): the same outputs and pool bits, plain and speculative, fp32 and
+// bf16 pools, and K = 40 (a tail past the last 16 channels).
 TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
   if (internal::cpu_engine_isa(3) != 3) GTEST_SKIP() << "this processor has no AVX512";
   DecodeOptions plain;
@@ -414,7 +414,9 @@ TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
   DecodeOptions spec;
   spec.N = 4, spec.T = 3, spec.H = 2, spec.speculative = true, spec.indices_stride = 4;
   spec.accepted = {1, 2, 3, 4};
-  for (DecodeOptions o : {plain, spec})
+  DecodeOptions tails = plain;  // channels past the last 16 (the rows' and norms' scalar tails)
+  tails.K = 40, tails.V = 24;
+  for (DecodeOptions o : {plain, spec, tails})
     for (DType s : {DType::kF32, DType::kBF16}) {
       o.state_dtype = s;
       DecodeProblem prob(o);
@@ -426,7 +428,7 @@ TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
         run_cpu(prob.params());
         bits[i][0] = prob.in.out.bytes, bits[i][1] = prob.pool.bytes;
       }
-      const std::string where = std::string(o.speculative ? "speculative" : "plain") +
+      const std::string where = std::string(o.speculative ? "speculative" : "plain") + ", K = " + std::to_string(o.K) +
                                 (s == DType::kF32 ? ", fp32 pool: " : ", bf16 pool: ");
       EXPECT_TRUE(bits[0][0] == bits[1][0])
           << where << "out " << first_difference(bits[0][0], bits[1][0], prob.in.out.dtype);
