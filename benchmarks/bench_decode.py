@@ -19,7 +19,10 @@ the default checks every call of two or more sequences) and the default's time a
 check's cost. --kernels 0 1 2 3 adds our decode with each kernel forced
 (internal::DecodeLaunch::persistent: 0 the tile kernels, 1 the persistent kernel, 2 and 3 its
 bulk-copy variant with four and three buffers): time, % copy, and whether out and pool are the
-default's bit for bit.
+default's bit for bit. --mix adds ours against the device's read-alone and write-alone rates mixed as a
+step's traffic, one read and T writes ("% mix"): a speculative T = 4 step is four-fifths writes, which the
+copy's one-to-one yardstick does not weigh (issue 13's bf16 T = 4 rows stayed at 85-87% of the copy rate
+on an H100 in every kernel, run 171).
 """
 import argparse
 import datetime
@@ -169,6 +172,25 @@ def copy_bandwidth(nbytes=4 << 30):
     return 2 * nbytes / t
 
 
+def read_write_rates(nbytes=4 << 30):
+    """The device's rates for reads alone (a sum over a buffer) and writes alone (a fill of it), bytes per
+    second, eager as copy_bandwidth's copy."""
+    buf = torch.empty(nbytes // 4, device="cuda", dtype=torch.float32).fill_(1.0)
+    t_read = time_eager(lambda: buf.sum(), reps=20)
+    t_write = time_eager(lambda: buf.fill_(0.5), reps=20)
+    del buf
+    torch.cuda.empty_cache()
+    return nbytes / t_read, nbytes / t_write
+
+
+def mix_rate(rates, T):
+    """The rate of one read and T writes of the same bytes, each at its own rate (reads, writes): (1 + T) /
+    (1 / R + T / W). A T = 4 step's traffic is four-fifths writes, which a copy's one-to-one mix does not
+    weigh."""
+    read_bw, write_bw = rates
+    return (1 + T) / (1 / read_bw + T / write_bw)
+
+
 def check_agreement(case):
     """Runs both on copies of the pool: max relative difference of out and of the written slots."""
     pool0 = case["pool"].clone()
@@ -204,10 +226,13 @@ def main():
     ap.add_argument("--kernels", type=int, nargs="*", default=[], choices=[0, 1, 2, 3],
                     help="also ours with each kernel forced (internal::DecodeLaunch::persistent)")
     ap.add_argument("--no-fla", action="store_true", help="skip fla (flashkda only)")
+    ap.add_argument("--mix", action="store_true",
+                    help="also ours against the read and write rates mixed as the step's traffic (1 read, T writes)")
     args = ap.parse_args()
 
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth()
+    rates = read_write_rates() if args.mix else None
     dev = torch.cuda.get_device_name()
     lines = [
         f"# Decode benchmark: {dev}, {datetime.date.today()}, torch {torch.__version__}",
@@ -217,14 +242,16 @@ def main():
         f"Device-to-device copy bandwidth (read + write): {copy_bw / 1e12:.2f} TB/s. "
         "Times: median per call from CUDA-graph replays (eager per-call median in parentheses). "
         "State traffic: N·H·128·128·bytes × (1 read + T writes); T > 1 is speculative "
-        "(indices [N, T], num_accepted_tokens = 1).",
+        "(indices [N, T], num_accepted_tokens = 1)."
+        + (f" Reads alone (a sum) {rates[0] / 1e12:.2f} TB/s, writes alone (a fill) {rates[1] / 1e12:.2f} TB/s; "
+           "% mix: ours against (1 + T) / (1 / reads + T / writes)." if rates else ""),
         "",
         "| H | state | N | T | ours µs (eager) | fla µs (eager) | fla / ours | ours TB/s | ours % copy "
         "| fla TB/s | out rel diff | state rel diff |" + (" ours without the slot check µs | ours / that |"
                                                          if args.slot_check else "")
-        + "".join(f" kernel {k} µs | % copy | same bits |" for k in args.kernels),
+        + "".join(f" kernel {k} µs | % copy | same bits |" for k in args.kernels) + (" ours % mix |" if rates else ""),
         "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if args.slot_check else "")
-        + "---|---|---|" * len(args.kernels),
+        + "---|---|---|" * len(args.kernels) + ("---|" if rates else ""),
     ]
     global fla_fwd
     if args.no_fla:
@@ -258,6 +285,8 @@ def main():
                         t_k = time_graph(lambda: call_ours_kernel(case, k), args.inner, args.outer)
                         bw_k = case["state_bytes"] / t_k
                         row += f" {t_k * 1e6:.1f} | {100 * bw_k / copy_bw:.0f}% | {'yes' if same_bits(case, k) else 'NO'} |"
+                    if rates:
+                        row += f" {100 * bw_ours / mix_rate(rates, T):.0f}% |"
                     lines.append(row)
                     print(row, flush=True)
                     del case
