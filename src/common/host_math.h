@@ -149,19 +149,28 @@ inline void store_row(void* ptr, DType dtype, int64_t offset, int64_t n, const T
   }
 }
 
+// l2_normalize as a callable (load_token_inputs' default normaliser).
+struct L2Normalize {
+  template <typename T>
+  void operator()(T* x, int64_t n) const {
+    l2_normalize(x, n);
+  }
+};
+
 // The inputs of token t, head h of a prefill or decode problem (PrefillParams or DecodeParams: the
 // same field names), preprocessed as docs/SPEC.md §2 defines but for the gate: q and k
-// (L2-normalised when asked), v, the raw gate g, and the returned b. Buffers hold K or V values.
-template <typename T, typename Params>
-inline T load_token_inputs(const Params& p, int64_t t, int64_t h, T* q, T* k, T* v, T* g) {
+// (L2-normalised when asked, by `norm(x, K)`: l2_normalize, or a build's own of the same arithmetic),
+// v, the raw gate g, and the returned b. Buffers hold K or V values.
+template <typename T, typename Params, typename Norm = L2Normalize>
+inline T load_token_inputs(const Params& p, int64_t t, int64_t h, T* q, T* k, T* v, T* g, Norm norm = {}) {
   const int64_t row = t * p.H + h;
   load_row(p.q, p.dtype, row * p.K, p.K, q);
   load_row(p.k, p.dtype, row * p.K, p.K, k);
   load_row(p.v, p.dtype, row * p.V, p.V, v);
   load_row(p.g, p.g_dtype, row * p.K, p.K, g);
   if (p.pre.l2norm_qk) {
-    l2_normalize(q, p.K);
-    l2_normalize(k, p.K);
+    norm(q, p.K);
+    norm(k, p.K);
   }
   return beta_activation(p.pre, load<T>(p.beta, p.beta_dtype, row));
 }

@@ -92,8 +92,10 @@ FLASHKDA_HOST_INLINE float step_row(float* row, const float* decay, const float*
 // is the fused multiply-add chain over channels w, w + 16, ... that the loops compile to where the
 // compiler vectorises and contracts them, but fixed in the source, so that the AVX2 build (two ymm a
 // step) and the AVX-512 build (one zmm) give the same bits whatever a compiler makes of the loops (run
-// 171: GCC 13.3's two builds of the loops gave different pool bits; GCC 12 and Clang 14 the same). The
-// 16 sums are added in lane order, channels past the last 16 into lane 0, as in the loops.
+// 171: GCC 13.3's two builds of the loops gave different pool bits; GCC 12's too where K is not a
+// multiple of 16). The 16 sums are added in lane order, as in the loops; the channels past the last 16
+// go into lane 0 in the rows, into lanes 0, 1, ... in the norms, as there, but fused. Bit for bit where
+// no NaN meets another: which of two NaNs an operation passes on is the compiler's operand order.
 FLASHKDA_TARGET_AVX2 inline void partial_sums_avx2(__m256 lo, __m256 hi, float (&part)[16]) {
   _mm256_storeu_ps(part, lo), _mm256_storeu_ps(part + 8, hi);
 }
@@ -252,17 +254,12 @@ FLASHKDA_HOST_INLINE void decode_head(const DecodeParams& p, int64_t n, int64_t 
   for (int64_t t = seq.bos; t < seq.eos; ++t) {
     float b;
 #ifdef FLASHKDA_X86_DISPATCH
-    if constexpr (kIsa != kIsaBaseline) {  // host::load_token_inputs with the norms in intrinsics
-      const int64_t r = t * H + h;
-      host::load_row(p.q, p.dtype, r * K, K, q.data());
-      host::load_row(p.k, p.dtype, r * K, K, k.data());
-      host::load_row(p.v, p.dtype, r * V, V, v.data());
-      host::load_row(p.g, p.g_dtype, r * K, K, decay.data());
-      if (p.pre.l2norm_qk) {
-        if constexpr (kIsa == kIsaAvx512) l2_normalize_avx512(q.data(), K), l2_normalize_avx512(k.data(), K);
-        else l2_normalize_avx2(q.data(), K), l2_normalize_avx2(k.data(), K);
-      }
-      b = host::beta_activation(p.pre, host::load<float>(p.beta, p.beta_dtype, r));
+    if constexpr (kIsa != kIsaBaseline) {
+      const auto norm = [](float* x, int64_t n) {  // the norms in intrinsics
+        if constexpr (kIsa == kIsaAvx512) l2_normalize_avx512(x, n);
+        else l2_normalize_avx2(x, n);
+      };
+      b = host::load_token_inputs(p, t, h, q.data(), k.data(), v.data(), decay.data(), norm);
       decay_row_avx2(gate, decay.data(), K);
     } else
 #endif

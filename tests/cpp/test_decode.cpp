@@ -406,7 +406,8 @@ std::string first_difference(const std::vector<unsigned char>& a, const std::vec
 
 // The AVX2 and AVX-512 builds run the same arithmetic in the same order (16 partial sums written in
 // intrinsics, step_row_avx2 / _avx512): the same outputs and pool bits, plain and speculative, fp32 and
-// bf16 pools, and K = 40 (a tail past the last 16 channels).
+// bf16 pools, and K = 15, 20, 40, 100 (tails past the last 16 channels, where GCC 12's two builds of
+// the former loops differed).
 TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
   if (internal::cpu_engine_isa(3) != 3) GTEST_SKIP() << "this processor has no AVX512";
   DecodeOptions plain;
@@ -414,9 +415,13 @@ TEST(DecodeCpuIsas, Avx512GivesTheBitsOfAvx2) {
   DecodeOptions spec;
   spec.N = 4, spec.T = 3, spec.H = 2, spec.speculative = true, spec.indices_stride = 4;
   spec.accepted = {1, 2, 3, 4};
-  DecodeOptions tails = plain;  // channels past the last 16 (the rows' and norms' scalar tails)
-  tails.K = 40, tails.V = 24;
-  for (DecodeOptions o : {plain, spec, tails})
+  std::vector<DecodeOptions> cases = {plain, spec};
+  for (const int64_t K : {15, 20, 40, 100}) {  // channels past the last 16 (the rows' and norms' tails)
+    DecodeOptions tails = plain;
+    tails.K = K, tails.V = 24;
+    cases.push_back(tails);
+  }
+  for (DecodeOptions o : cases)
     for (DType s : {DType::kF32, DType::kBF16}) {
       o.state_dtype = s;
       DecodeProblem prob(o);
