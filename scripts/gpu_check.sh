@@ -226,10 +226,9 @@ fi
 # The sanitizers last: the benchmarks' figures first where a call's time runs out.
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
-  # the pieces' first v copies ahead of the gates' pre-check's verdict (7f7bcca, pieces_ahead, a
-  # candidate): the few-head pieces by rule (T = 2048 H = 4, B = 1 and 2, random gates and one
-  # long-memory channel, where the candidate's copy is in flight as the pre-check stops the pieces);
-  # four pieces through a pool (B = 3 T = 640 H = 4, both gate regimes); the rule's flags' small case
+  # the few-head pieces under the sanitizers: by rule (T = 2048 H = 4, B = 1 and 2, random gates and one
+  # long-memory channel, the combine from a counter after the stopped pieces, a candidate); four pieces
+  # through a pool (B = 3 T = 640 H = 4, both gate regimes); the rule's flags' small case
   pending_tests=(test_prefill32_gpu '*RuleRunsFewHeadPieces*:*RandomInputsOddLengthWithStates*:*FusedPiecesThroughAPool*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do
     t=build-gpu/tests/cpp/${pending_tests[i]} f=${pending_tests[i + 1]}

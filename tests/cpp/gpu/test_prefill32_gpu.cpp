@@ -2011,7 +2011,6 @@ TEST_F(Prefill32Gpu, TimeAtServingShape) {
               t_fused, t_staged, t_consumers, t_v2, t_produce, t_consume, t_today);
 }
 
-// The median of 20 CUDA-graph replays of d's call (captured once), ms.
 // One sequence in bench_prefill.py's two gate regimes, fp32 states: random (raw gates of N(0, 1)'s
 // spread, here uniform in [-1.73, 1.73], A_log and dt_bias in [0, 1]) and long memory (the same with
 // channels 0-7 of every head at dt_bias -8).
@@ -2027,6 +2026,7 @@ KdaInputs bench_regime_inputs(int64_t T, int64_t H, uint64_t seed, bool long_mem
   return in;
 }
 
+// The median of 20 CUDA-graph replays of d's call (captured once), ms.
 double median_graph_ms(KdaInputs& in, DeviceProblem& d) {
   CapturedCall call(in, d);
   return median_event_ms([&] { EXPECT_EQ(cudaGraphLaunch(call.exec, call.stream), cudaSuccess); }, call.stream);
