@@ -260,12 +260,14 @@ struct CapturedCall {
     cudaStreamDestroy(stream);
   }
   // flush (timing only): a device buffer larger than L2 written before each replay, so that the call
-  // finds none of its inputs or code in L2.
-  std::vector<unsigned char> replay(int times = 1, const DeviceBuffer* flush = nullptr) {
+  // finds none of its inputs or code in L2. warm (timing only): another captured call replayed between
+  // the flush and this one (on its own inputs: this call's code warm, its data cold).
+  std::vector<unsigned char> replay(int times = 1, const DeviceBuffer* flush = nullptr, const CapturedCall* warm = nullptr) {
     d.poison();
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     for (int i = 0; i < times; ++i) {
       if (flush != nullptr) EXPECT_EQ(cudaMemsetAsync(flush->ptr, i & 0xff, flush->bytes, stream), cudaSuccess);
+      if (warm != nullptr) EXPECT_EQ(cudaGraphLaunch(warm->exec, stream), cudaSuccess);
       EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     }
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
@@ -2077,7 +2079,9 @@ TEST_F(Prefill32Gpu, TimeTheRuleAtServingShape) {
 // replay (at T = 2048 the call's inputs and code stay in L2 from one to the next, from T = 8192 they do
 // not fit) and after 256 MB written to a buffer of its own (L2 flushed), so that the first chunks'
 // cost splits into what L2 residency saves and what a cold SM pays anyway (run 171: the first full stage
-// at ~15 us at T = 2048 against ~19-21 from T = 8192, whatever the start candidates did).
+// at ~15 us at T = 2048 against ~19-21 from T = 8192, whatever the start candidates did); and a third
+// time flushed with a T = 2048 call of the same kernel on other inputs just before (the code warm in L2
+// and in the SMs' instruction caches, the data cold), which splits the cold start into code and data.
 TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -2098,11 +2102,17 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
     stamped.piece_stamps = static_cast<long long*>(stamps.ptr);
     DeviceProblem d_stamped(in, stamped);
     CapturedCall call(in, d_stamped);
-    for (const bool flushed : {false, true}) {
-      const char* const variant = flushed ? "L2 flushed" : "after a replay";
-      (void)call.replay(5, flushed ? &flush : nullptr);  // warm
+    // the code-warm variant's call before: the rule at T = 2048 on inputs of its own (its pieces run the same kernel)
+    KdaInputs in_warm = bench_regime_inputs(2048, 12, 31, false);
+    DeviceProblem d_warm(in_warm);
+    CapturedCall warm_call(in_warm, d_warm);
+    for (const int variant_i : {0, 1, 2}) {
+      const bool flushed = variant_i > 0;
+      const CapturedCall* const warm = variant_i == 2 ? &warm_call : nullptr;
+      const char* const variant = variant_i == 0 ? "after a replay" : variant_i == 1 ? "L2 flushed" : "L2 flushed, code warm";
+      (void)call.replay(5, flushed ? &flush : nullptr, warm);  // warm
       ASSERT_EQ(cudaMemset(stamps.ptr, 0, stamps.bytes), cudaSuccess);
-      EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr) == plain) << "T=" << T << ": the stamps changed the bits";
+      EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr, warm) == plain) << "T=" << T << ": the stamps changed the bits";
       std::vector<long long> st(size_t(ctas * kPieceStamps));
       ASSERT_EQ(cudaMemcpy(st.data(), stamps.ptr, stamps.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
       const auto at = [&](int64_t i, int point) { return st[size_t(i * kPieceStamps + point)]; };
