@@ -183,16 +183,14 @@ def pieces_profile():
     same call without them (internal fused_pieces = -1: the chunk-16 kernels alone), one sequence at
     H = 12 and 32, random gates and long memory: each kernel's time, the gaps and the call's span (us).
     With long memory the pre-check stops the pieces and the chunk-16 kernels run the call, K1 strided
-    (after the pieces) or one chunk a CTA (without them): what the pieces cost there. "pieces early"
-    (internal early_launch = 32, a candidate): their flags zeroed by a one-CTA kernel in the memset's
-    place, the pieces launched early after it."""
+    (after the pieces) or one chunk a CTA (without them): what the pieces cost there."""
     early = "--early" in sys.argv[1:]  # the chunk-16 kernels after the pieces launched early (a candidate)
     print("| case | gates | launch | kernels (us each, gaps in brackets) | span us | CUDA-graph ms |")
     print("|---|---|---|---|---|---|")
     for T, H in ((2048, 12), (8192, 12), (131072, 12), (32768, 32)):
         for regime in ("random", "long"):
             x = make_inputs(H, [T], True, regime)
-            launches = [("default", {}), ("no pieces", dict(fused_pieces=-1)), ("pieces early", dict(early_launch=32))]
+            launches = [("default", {}), ("no pieces", dict(fused_pieces=-1))]
             if early:  # an early launch turns the rule's pieces off: force the count the rule takes on 132 SMs
                 P = min(132 // H, T // 32 // 4)
                 launches += [(f"{P} pieces", dict(fused_pieces=P)),

@@ -41,9 +41,8 @@ struct PrefillLaunch {
   int early_launch = 0;  // GPU, a candidate: bits of the kernels that launch early, while their
                          // predecessor runs (programmatic dependent launch; each waits for it before it
                          // touches memory): 1 K1 (after K0), 2 K2, 4 the chain, 8 the combine (these
-                         // turn the rule's few-head pieces off); 32 = the pieces' rule kept, the pieces launched
-                         // early after the kernel that zeroes their flags (K0, or a one-CTA kernel in
-                         // the memset's place); 0 = rule (none: stream order; docs/DESIGN.md "Early launch")
+                         // turn the rule's few-head pieces off); 0 = rule (none: stream order;
+                         // docs/DESIGN.md "Early launch")
   int cpu_isa = 0;  // CPU: the instruction set of the engine, capped at what the processor has: 0 = rule
                    // (the widest), 1 = the baseline ISA, 2 = AVX2 + FMA, 3 = AVX-512 (F, VL, BW, DQ)
   int skip_bound = 0;  // with transition skipping, the bound on each chunk's transition that K1 writes:

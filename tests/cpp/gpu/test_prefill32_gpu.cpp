@@ -925,56 +925,6 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
     }
 }
 
-// The pieces launched early (internal early_launch = 32, a candidate): their flags zeroed by a
-// one-CTA kernel instead of a memset (the flags set non-zero before each call, so that a zeroing that
-// did not happen, or happened after the pieces read them, stops the pieces or garbles K1's counter),
-// the pieces launched while it runs, or after K0 (one sequence by device cu_seqlens): the rule's
-// bits, whether the pieces ran the call (random gates) or stopped it (one long-memory channel), on
-// one sequence and a batch of two, eagerly and from a CUDA graph.
-TEST_F(Prefill32Gpu, EarlyPiecesGiveTheSameBits) {
-  if (!prefill::kFewHeadPiecesByRule) GTEST_SKIP() << "the few-head pieces are not the rule (config.h)";
-  internal::PrefillLaunch early;
-  early.early_launch = prefill::kEarlyPieces;
-  for (const int64_t B : {int64_t(1), int64_t(2)})
-    for (const bool long_memory : {false, true}) {
-      KdaInputs in = few_head_inputs(long_memory, 59, B);
-      SCOPED_TRACE(in.describe() + (long_memory ? " long memory" : ""));
-      DeviceProblem d_rule(in), d_early(in, early);
-      const size_t flags_at = pieces_flags_at(d_early.params(), early);
-      const auto set_flags = [&] {  // the stop flag and K1's counter after it, non-zero
-        ASSERT_EQ(cudaMemset(static_cast<unsigned char*>(d_early.workspace->ptr) + flags_at, 1, 2 * sizeof(int)),
-                  cudaSuccess);
-      };
-      const std::vector<unsigned char> rule = run_bits(in, d_rule);
-      set_flags();
-      const std::vector<unsigned char> bits = run_bits(in, d_early);
-      EXPECT_TRUE(in.out.guard_intact() && in.final_state.guard_intact());
-      EXPECT_EQ(pieces_flags(d_early)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
-      EXPECT_TRUE(bits == rule) << "not the rule's bits";
-      {
-        CapturedCall call(in, d_early);
-        set_flags();
-        EXPECT_TRUE(call.replay(1) == rule) << "a graph replay's bits differ from the rule's";
-        set_flags();
-        EXPECT_TRUE(call.replay(2) == rule) << "two graph replays' bits differ from the rule's";
-      }
-      if (B == 1) {  // by device cu_seqlens [0, T]: K0 zeroes the flags, the pieces launch early after it
-        const PrefillParams p = by_device_cu_seqlens(d_early);
-        DeviceBuffer ws(internal::workspace_size(p, early));
-        unsigned char* const flags = static_cast<unsigned char*>(ws.ptr) + pieces_flags_at(p, early);
-        ASSERT_EQ(cudaMemset(flags, 1, 2 * sizeof(int)), cudaSuccess);
-        d_early.poison();
-        internal::forward(p, early, ws.ptr, ws.bytes);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        d_early.download();
-        EXPECT_TRUE(out_and_state_bits(in) == rule) << "one sequence by cu_seqlens: not the rule's bits";
-        int flag = -1;
-        ASSERT_EQ(cudaMemcpy(&flag, flags, sizeof(int), cudaMemcpyDeviceToHost), cudaSuccess);
-        EXPECT_EQ(flag, long_memory ? 2 : 0) << "by cu_seqlens: the pieces' flag (2: the gates' pre-check)";
-      }
-    }
-}
-
 // Low-rank transitions after the pieces (internal lowrank_transitions = 2, a candidate): the pieces'
 // rule kept, and where they stop (long memory in one channel of head 0) the chunk-16 kernels after
 // them take the low-rank transitions: the bits of the low-rank call without pieces (lowrank 1), not

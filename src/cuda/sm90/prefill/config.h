@@ -276,10 +276,8 @@ enum class ElemType : int { kNone = 0, kF32 = 1, kBF16 = 2 };
 
 // Everything the kernels need, by value (a __grid_constant__-friendly POD).
 // Params::early_launch bits (internal::PrefillLaunch::early_launch, a candidate): the kernels that
-// launch early after their predecessor; 0 = every kernel in stream order. kEarlyPieces (the
-// internal option only): the few-head pieces launched early after the kernel that zeroes their
-// flags (K0, or a one-CTA kernel in the flags' memset's place), the pieces' rule kept.
-constexpr int kEarlyK1 = 1, kEarlyK2 = 2, kEarlyChain = 4, kEarlyCombine = 8, kEarlyAll = 15, kEarlyPieces = 32;
+// launch early after their predecessor; 0 = every kernel in stream order.
+constexpr int kEarlyK1 = 1, kEarlyK2 = 2, kEarlyChain = 4, kEarlyCombine = 8, kEarlyAll = 15;
 
 // The few-head pieces' final states on their way to the call's (a pool's slots, or a final state over
 // the initial one): `units` 16-byte units from `from`, sequence n's `per` units to `to` (slot slots[n]

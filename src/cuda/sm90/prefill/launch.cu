@@ -359,8 +359,7 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
 // pieces' rule then leaves the call to them, so that what the variant names is what runs (low-rank
-// transitions 2 keep the pieces' rule: the chunk-16 kernels after a stop take them; so does the
-// pieces' own early launch, kEarlyPieces).
+// transitions 2 keep the pieces' rule: the chunk-16 kernels after a stop take them).
 bool forces_chunk16(const internal::PrefillLaunch& l) {
   return l.v_splits != 0 || l.segment_chunks != 0 || l.f16_operands != 0 || l.checkpoints_in_segments != 0 ||
          l.skip_transitions != 0 || l.skip_run_chunks != 0 || l.skip_warmup_chunks != 0 || l.seg_ctas_per_sm != 0 ||
@@ -728,11 +727,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // A pieces kernel that cannot start here (its register split, the driver's tensor-map encoder:
     // errors before it ran) leaves the call to the kernels below, as the fused kernel's rule does
     // (and they launch K0 again: without the pieces the fused kernel may take the call).
-    // Early (a candidate, PrefillLaunch::early_launch's kEarlyPieces): the pieces launch while the
-    // kernel that zeroes their flags runs (K0, or a one-CTA kernel in the memset's place).
-    const bool early = launch.early_launch > 0 && (launch.early_launch & kEarlyPieces) != 0;
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
-                                               pieces_ckpt_start, stream, chain_states, k0_first, early,
+                                               pieces_ckpt_start, stream, chain_states, k0_first,
                                                launch.piece_stamps) == cudaSuccess) {
       pieces_flag = flag;
       if (!area.chained) {  // zeroed with the flag

@@ -874,8 +874,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
   const int tid = threadIdx.x, wg = tid / kThreads;
-  // Launched early (FusedArgs::early_launch, pieces only): the flags' zeroing kernel or K0 first (uniform).
-  if (kPieces && a.early_launch) wait_for_prerequisites();
   if (kPieces && threadIdx.x == 0) piece_stamp(a, 0);
   int h = blockIdx.x;  // kPieces: the piece's head (with pieces_chain its ticket's), from seq below
   // kSeqs: CTA (h, n) walks sequence n, its arguments shifted to the sequence's first token and
@@ -1066,8 +1064,6 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))
                                 : dim3(static_cast<unsigned>(args.consume.H),
                                        static_cast<unsigned>(kSeqs ? args.num_seqs * (kPieces ? args.pieces : 1) : 1));
-  if (kPieces && args.early_launch)  // the kernel waits for its predecessor at its top (fused_kernel)
-    return try_launch_early(true, kernel, grid, dim3(kFusedThreads), size_t(kSmem), stream, params);
   kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
@@ -1096,13 +1092,6 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 template <bool kSeqs, bool kPieces>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
-}
-
-// The pieces' flags zeroed (fused_pieces_prefill's `early`, a candidate): one CTA that lets the
-// pieces launch as it starts; they wait for its end before they read the flags.
-__global__ void pieces_zero_kernel(int* flag, int64_t count) {
-  allow_dependents();
-  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) flag[i] = 0;
 }
 
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
@@ -1251,7 +1240,7 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, bool early, long long* stamps) {
+                                 float* chain_states, bool flags_zeroed, long long* stamps) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1262,18 +1251,10 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   if (chain_states != nullptr) {  // the stop flag, the counter, the ready flags: one block, zeroed together
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
   }
-  f.early_launch = early;
   f.piece_stamps = stamps;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
-  if (!flags_zeroed) {
-    if (early) {
-      pieces_zero_kernel<<<1, 256, 0, stream>>>(flag, flag_ints);
-      err = cudaGetLastError();
-    } else {
-      err = cudaMemsetAsync(flag, 0, size_t(flag_ints) * sizeof(int), stream);
-    }
-  }
+  if (!flags_zeroed) err = cudaMemsetAsync(flag, 0, size_t(flag_ints) * sizeof(int), stream);
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 

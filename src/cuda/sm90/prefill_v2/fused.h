@@ -132,10 +132,6 @@ struct FusedArgs {
   // so that the longest sequences' CTAs start first instead of wherever they stand in the batch.
   // Null: in the batch's order.
   const int32_t* order = nullptr;
-  // Launched early (programmatic dependent launch) after the stream's previous kernel, which it
-  // waits for before its first global memory access (the pieces only: their flags' zeroing kernel or
-  // K0; fused_pieces_prefill's `early`, a candidate).
-  bool early_launch = false;
   // Timing only, with phase_clocks and staged inputs and inverting consumers (the rule's flags; other
   // variants leave it untouched): a timeline of the first kTraceHeads heads' first kTraceChunks
   // chunks, [kTraceHeads][kTraceChunks][kTracePoints] clock64() values of the head's SM (null: none).
@@ -195,12 +191,9 @@ bool pieces_final_in_place(const PrefillParams& p);
 // then heads a block of 2 + N pieces H ints that the call zeroes (unless flags_zeroed), the stop flag,
 // the counter (pieces_next) and the ready flags (pieces_ready).
 // flags_zeroed: K0, launched ahead, zeroed the flags' block (prefill Params::pieces_zero), so no memset.
-// early (a candidate, internal early_launch's kEarlyPieces): the flags zeroed by a one-CTA kernel
-// instead of a memset (unless flags_zeroed), and the pieces launched early after it (or after K0).
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr, bool flags_zeroed = false, bool early = false,
-                                 long long* stamps = nullptr);
+                                 float* chain_states = nullptr, bool flags_zeroed = false, long long* stamps = nullptr);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
