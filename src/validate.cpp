@@ -23,8 +23,9 @@ void check_shape(const PrefillParams& p, Backend backend) {
   FLASHKDA_CHECK_ARG(p.T >= 0, "T must be >= 0, got T=", p.T);
   FLASHKDA_CHECK_ARG(p.H >= 0, "H must be >= 0, got H=", p.H);
   if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK_ARG(p.K == kCudaHeadDim, "K must be 128 on the CUDA backend, got K=", p.K);
-    FLASHKDA_CHECK_ARG(p.V == kCudaHeadDim, "V must be 128 on the CUDA backend, got V=", p.V);
+    // Valid shapes the GPU kernels do not serve: kUnsupported (NotImplementedError in Python), as decode's.
+    FLASHKDA_CHECK(p.K == kCudaHeadDim, ErrorCode::kUnsupported, "K must be 128 on the CUDA backend, got K=", p.K);
+    FLASHKDA_CHECK(p.V == kCudaHeadDim, ErrorCode::kUnsupported, "V must be 128 on the CUDA backend, got V=", p.V);
   } else {
     FLASHKDA_CHECK_ARG(p.K >= 1 && p.K <= 256, "K must be in [1, 256] on the CPU backend, got K=", p.K);
     FLASHKDA_CHECK_ARG(p.V >= 1 && p.V <= 256, "V must be in [1, 256] on the CPU backend, got V=", p.V);
@@ -48,7 +49,8 @@ void check_pointers(const PrefillParams& p) {
 
 void check_dtypes(const PrefillParams& p, Backend backend) {
   if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16, "dtype (of q, k, v, out) must be bfloat16 on the CUDA backend, got ",
+    FLASHKDA_CHECK(p.dtype == DType::kBF16, ErrorCode::kUnsupported,
+                   "dtype (of q, k, v, out) must be bfloat16 on the CUDA backend, got ",
                        dtype_name(p.dtype));
   } else {
     FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16 || p.dtype == DType::kF32,

@@ -11,7 +11,8 @@ where they live, CUDA on the current stream):
 - cuda_available(), version()
 
 With torch installed the three are also torch.ops.flashkda.{chunk_kda, fwd, fused_recurrent_kda}
-(custom ops: torch.compile and CUDA graphs see one node per call). Forward only: no autograd.
+(custom ops: torch.compile and CUDA graphs see one node per call). Forward only: where autograd
+records, a backward through chunk_kda's outputs raises RuntimeError (fla's chunk_kda trains).
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ def _use_op(q) -> bool:
 _IGNORED_KWARGS = ("chunk_size",)
 
 
-def _fla_kwargs(fn_name, kwargs, state_v_first):
-    """fla's extra keyword arguments: the deprecated alias, the ignored ones, typos."""
+def _fla_kwargs(fn_name, kwargs, state_v_first, return_intermediate_states=False):
+    """fla's extra keyword arguments: the deprecated alias, the ignored ones, typos. chunk_size changes
+    nothing but the spacing of fla's intermediate states, which flashkda returns every 64 tokens: with
+    return_intermediate_states another chunk_size raises NotImplementedError, not a differently spaced h."""
     kwargs = dict(kwargs)
     if "transpose_state_layout" in kwargs:
         if state_v_first:
@@ -90,11 +93,53 @@ def _fla_kwargs(fn_name, kwargs, state_v_first):
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size: must be 16, 32 or 64, got {chunk_size} (flashkda always uses 16)")
+    if return_intermediate_states and chunk_size != 64:
+        raise NotImplementedError(f"{fn_name}: return_intermediate_states with chunk_size={chunk_size}: flashkda "
+                                  "returns fla's intermediate states every 64 tokens (chunk_size=64, fla's default)")
     for name in _IGNORED_KWARGS:
         kwargs.pop(name, None)
     if kwargs:
         raise TypeError(f"{fn_name}: unexpected keyword argument(s) {', '.join(sorted(kwargs))}")
     return state_v_first
+
+
+_NO_BACKWARD = None  # the autograd Function of _forward_only, made at its first use (torch is optional)
+
+
+def _forward_only(fn_name, compute, fresh, inputs):
+    """fla's chunk_kda is an autograd Function (fla trains with it); flashkda computes the forward only.
+    Where autograd records (grad mode on and an input that requires grad: a model called outside
+    torch.no_grad / inference_mode), compute() runs inside a node whose backward raises, so that a
+    training step fails loudly instead of leaving q, k, v, g, beta, A_log and dt_bias without gradients;
+    the outputs at the indices `fresh` (tensors the call made) come out of that node, the others (the
+    caller's pool) as they are. Otherwise compute() runs as it is. Returns compute()'s tuple."""
+    global _NO_BACKWARD
+    import torch
+
+    needs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad] if torch.is_grad_enabled() else []
+    if not needs:
+        return compute()
+    if _NO_BACKWARD is None:
+        class NoBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, name, run, *needs):  # run(): the outputs the node gives out (made inside it)
+                ctx.name = name
+                return run()
+
+            @staticmethod
+            def backward(ctx, *grads):
+                raise RuntimeError(f"flashkda.{ctx.name} computes the forward only (no backward): use fla's "
+                                   f"{ctx.name} to train, or call it under torch.no_grad() / torch.inference_mode()")
+
+        _NO_BACKWARD = NoBackward
+    result = []
+
+    def run():
+        result.extend(compute())
+        return tuple(x for i, x in enumerate(result) if i in fresh and x is not None)
+
+    made = iter(_NO_BACKWARD.apply(fn_name, run, *needs))
+    return tuple(next(made) if i in fresh and x is not None else x for i, x in enumerate(result))
 
 
 def _not_supported(fn_name, **options):
@@ -198,7 +243,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     Grouped value heads (fla's GVA: v, g, beta, A_log, dt_bias and the states with HV heads, q and k
     with H, HV a multiple of H) repeat q's and k's heads before the call.
     """
-    state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first)
+    state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first, return_intermediate_states)
     _not_supported("chunk_kda", cp_context=cp_context)
     q, k = _grouped_value_heads(q, k, v)
     if allow_neg_eigval:
@@ -213,7 +258,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
                  checkpoint_every=checkpoint_every, checkpoints=checkpoints, checkpoint_slots=checkpoint_slots,
                  return_intermediate_states=return_intermediate_states)
     if not _use_op(q):
-        return _impl.chunk_kda(ops_for(q), **args)
+        if not is_torch(q):
+            return _impl.chunk_kda(ops_for(q), **args)
+        # the tensors the call makes: o, a final state (not the caller's pool, returned second), fla's h
+        fresh = (0, 2) if state_pool is not None else (0, 1, 2)
+        return _forward_only("chunk_kda", lambda: _impl.chunk_kda(ops_for(q), **args), fresh,
+                             (q, k, v, g, beta, A_log, dt_bias, initial_state))
     if return_intermediate_states:
         raise NotImplementedError("chunk_kda: return_intermediate_states under torch.compile (its shape depends "
                                   "on the sequence lengths); call it outside the compiled region")

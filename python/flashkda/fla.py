@@ -94,6 +94,8 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
             reason = "flashkda does not support context parallel"
         if reason is None and safe_gate and lower_bound is None:
             reason = "flashkda requires lower_bound with safe_gate=True"
+        if reason is None and return_intermediate_states and kwargs.get("chunk_size", 64) != 64:
+            reason = "flashkda returns intermediate states every 64 tokens only (chunk_size=64)"
         return reason is None, reason
 
     def chunk_kda(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

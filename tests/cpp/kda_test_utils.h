@@ -311,13 +311,14 @@ inline void report(const std::string& name, double value) {
 }
 
 // Number of non-finite elements (NaN poison left in place means an element was not written).
-// Calls fn and expects flashkda::Error(kInvalidArgument) whose message contains `needle`.
-inline void expect_invalid(const std::function<void()>& fn, const std::string& needle) {
+// Calls fn and expects flashkda::Error(code, kInvalidArgument unless named) whose message contains `needle`.
+inline void expect_invalid(const std::function<void()>& fn, const std::string& needle,
+                           ErrorCode code = ErrorCode::kInvalidArgument) {
   try {
     fn();
     ADD_FAILURE() << "no error thrown; expected one mentioning '" << needle << "'";
   } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_EQ(e.code(), code) << e.what();
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
         << "message '" << e.what() << "' does not mention '" << needle << "'";
   }

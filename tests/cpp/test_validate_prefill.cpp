@@ -121,6 +121,8 @@ TEST(ValidatePrefill, RejectsBadDtypes) {
   expect_rejected([](PrefillParams& p) { p.initial_state_dtype = DType::kI64; }, "initial_state_dtype", with_init);
 }
 
+// K, V = 128 and bf16 q, k, v on the GPU: valid arguments the kernels do not serve (kUnsupported,
+// NotImplementedError in Python, as decode's), not bad ones.
 TEST(ValidatePrefill, CudaBackendRulesK128Bf16AndGridLimit) {
   KdaOptions o;
   o.K = o.V = 128;
@@ -129,13 +131,16 @@ TEST(ValidatePrefill, CudaBackendRulesK128Bf16AndGridLimit) {
   PrefillParams p = in.params();
   EXPECT_NO_THROW(detail::validate_prefill(p, Backend::kCuda));
   p.K = 64;
-  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "K must be 128 on the CUDA backend");
+  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "K must be 128 on the CUDA backend",
+                 ErrorCode::kUnsupported);
   p.K = 128;
   p.V = 256;
-  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "V must be 128 on the CUDA backend");
+  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "V must be 128 on the CUDA backend",
+                 ErrorCode::kUnsupported);
   p.V = 128;
   p.dtype = DType::kF32;
-  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "bfloat16 on the CUDA backend");
+  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "bfloat16 on the CUDA backend",
+                 ErrorCode::kUnsupported);
   EXPECT_NO_THROW(detail::validate_prefill(p, Backend::kCpu));
 
   // The grid limit is a size the GPU does not support (kUnsupported), not a bad argument.

@@ -75,9 +75,11 @@ def test_unservable_calls_are_declined_with_a_reason(rng):
     assert chunk.chunk_kda_verifier(*args, **kw) == (True, None)
     cases = {
         "context parallel": dict(cp_context=object()),
+        "every 64 tokens": dict(return_intermediate_states=True, chunk_size=32),  # fla's h then every 32
     }
     # served on both backends (on the GPU checked against fla's own below)
     assert chunk.chunk_kda_verifier(*args, **{**kw, "return_intermediate_states": True}) == (True, None)
+    assert chunk.chunk_kda_verifier(*args, **{**kw, "chunk_size": 32}) == (True, None)
     assert chunk.chunk_kda_verifier(*args, **{**kw, "allow_neg_eigval": True}) == (True, None)
     for needle, extra in cases.items():
         ok, reason = chunk.chunk_kda_verifier(*args, **{**kw, **extra})

@@ -228,6 +228,21 @@ def test_return_intermediate_states_is_flas(rng, fw, v_first, varlen):
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_return_intermediate_states_refuses_other_chunk_sizes(rng, fw):
+    """fla spaces h by chunk_size (32 or 64); flashkda's h is every 64 tokens, so chunk_size=32 with
+    return_intermediate_states is NotImplementedError, not an h of other spacing; without
+    return_intermediate_states chunk_size changes nothing (the same bits)."""
+    p = make_problem(rng, B=1, T=100, H=H, K=K, V=V, gate="lower_bound")
+    o, ht, h = _call(fw, p, output_final_state=True, return_intermediate_states=True, chunk_size=64)
+    assert h.shape[1] == 2  # ceil(100 / 64)
+    with pytest.raises(NotImplementedError, match="every 64 tokens"):
+        _call(fw, p, return_intermediate_states=True, chunk_size=32)
+    o32, ht32 = _call(fw, p, output_final_state=True, chunk_size=32)
+    np.testing.assert_array_equal(_np(o32), _np(o))
+    np.testing.assert_array_equal(_np(ht32), _np(ht))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_fwd_takes_the_pool(rng, fw):
     p = _problem(rng, [40, 100])
     pool = _pool(rng, 3, True)

@@ -50,6 +50,45 @@ def test_chunk_kda_accepts_grad_requiring_and_strided_tensors(rng):
     torch.testing.assert_close(o1, o2, rtol=0, atol=0)
 
 
+def test_chunk_kda_backward_raises_where_autograd_records(rng):
+    """fla's chunk_kda trains; flashkda's is forward only. Where autograd records (grad mode on, an input
+    requiring grad) a backward through o or the final state raises RuntimeError naming the function,
+    instead of leaving the inputs without gradients; the values are the no_grad call's bits, the outputs
+    can still be changed in place, and under no_grad / inference_mode nothing is recorded. A caller's
+    pool comes back as itself, not recorded."""
+    p = make_problem(rng, T=24)
+    t = torch_problem(p)
+    kw = chunk_kwargs(t, p)
+    with torch.no_grad():
+        o_ref, ht_ref = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], **kw)
+    for name in ("v", "A_log"):
+        x = {n: t[n] for n in ("q", "k", "v", "g", "beta")}
+        grad_kw = dict(kw)
+        if name == "v":
+            x["v"] = t["v"].clone().requires_grad_()
+        else:
+            grad_kw["A_log"] = t["A_log"].clone().requires_grad_()
+        o, ht = flashkda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **grad_kw)
+        assert o.requires_grad and ht.requires_grad, name
+        torch.testing.assert_close(o.detach(), o_ref, rtol=0, atol=0)
+        torch.testing.assert_close(ht.detach(), ht_ref, rtol=0, atol=0)
+        for out in (o, ht):
+            with pytest.raises(RuntimeError, match="chunk_kda computes the forward only"):
+                out.sum().backward(retain_graph=True)
+        o.mul_(2.0)  # an inference-style in-place update of the output stays allowed
+        for ctx in (torch.no_grad, torch.inference_mode):
+            with ctx():
+                o2, ht2 = flashkda.chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **grad_kw)
+            assert not o2.requires_grad and not ht2.requires_grad
+    _, _, H, K = t["q"].shape
+    pool = torch.zeros((3, H, K, t["v"].shape[3]))
+    v = t["v"].clone().requires_grad_()
+    o, second = flashkda.chunk_kda(t["q"], t["k"], v, t["g"], t["beta"], state_pool=pool,
+                                   state_indices=torch.tensor([1], dtype=torch.int32),
+                                   **{n: x for n, x in kw.items() if n != "output_final_state"})
+    assert second is pool and not pool.requires_grad and o.requires_grad
+
+
 def test_chunk_kda_cu_seqlens_as_list(rng):
     p = make_problem(rng, lengths=[4, 9])
     t = torch_problem(p)
