@@ -2110,6 +2110,82 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
   }
 }
 
+// Where the few-head pieces' first chunk spends its ~13 us after the gates' pre-check (run 172: cold
+// data ~6.5 us of it, cold code ~2-3), by the pieces' start variants (internal pieces_start, kernels of
+// their own: the rule's SASS unchanged): 1 = start stamps (FusedArgs::start_stamps: the producer's
+// start, its gate constants and barrier, the staged rows' issue, the verdict, chunk 0's rows landed and
+// its factors done; the consumers' verdict handed over and their first full stage), 3 = the same with
+// the first chunks' staged rows copied before the gate constants' loads (a candidate). One sequence,
+// H = 12, bench_prefill.py's random gates, T = 2048 and 8192: each variant's bits are the rule's; the
+// timelines (us from each CTA's start, mean over the CTAs) after a replay and with L2 flushed (256 MB
+// written before each replay); then the rule against variant 3 without stamps, CUDA-graph medians,
+// three rounds in turn.
+TEST_F(Prefill32Gpu, TimeThePiecesStart) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  DeviceBuffer flush(size_t(256) << 20);
+  ASSERT_NE(flush.ptr, nullptr);
+  for (const int64_t T : {int64_t(2048), int64_t(8192)}) {
+    KdaInputs in = bench_regime_inputs(T, 12, 29, false);
+    const int64_t pieces = prefill::fused_few_head_pieces(in.opt.H, 1, (T + 31) / 32, sms);
+    ASSERT_GT(pieces, 1) << "T=" << T;
+    const int64_t ctas = pieces * in.opt.H;
+    DeviceProblem d_rule(in);
+    ASSERT_TRUE(fused_pieces_serve(d_rule.params()));
+    const std::vector<unsigned char> rule = run_bits(in, d_rule);
+    DeviceBuffer piece_st(size_t(ctas * kPieceStamps) * sizeof(long long));
+    DeviceBuffer start_st(size_t(ctas * kStartStamps) * sizeof(long long));
+    ASSERT_TRUE(piece_st.ptr != nullptr && start_st.ptr != nullptr);
+    for (const int variant : {1, 3}) {
+      internal::PrefillLaunch launch;
+      launch.pieces_start = variant;
+      launch.piece_stamps = static_cast<long long*>(piece_st.ptr);
+      launch.start_stamps = static_cast<long long*>(start_st.ptr);
+      DeviceProblem d(in, launch);
+      EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start variant " << variant << ": not the rule's bits";
+      CapturedCall call(in, d);
+      for (const bool flushed : {false, true}) {
+        (void)call.replay(5, flushed ? &flush : nullptr);
+        ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
+        ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);
+        EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr) == rule) << "T=" << T << " variant " << variant;
+        std::vector<long long> ps(size_t(ctas * kPieceStamps)), st(size_t(ctas * kStartStamps));
+        ASSERT_EQ(cudaMemcpy(ps.data(), piece_st.ptr, piece_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+        ASSERT_EQ(cudaMemcpy(st.data(), start_st.ptr, start_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+        double mean[kStartStamps] = {}, first_full = 0, steady = 0;
+        long long t0 = ps[0], t_end = 0;
+        for (int64_t i = 0; i < ctas; ++i) {
+          const long long* const p_row = &ps[size_t(i * kPieceStamps)];
+          const long long* const s_row = &st[size_t(i * kStartStamps)];
+          for (int j = 0; j < kStartStamps; ++j) {
+            EXPECT_GT(s_row[j], 0) << "T=" << T << " CTA " << i << ": start point " << j << " not reached";
+            mean[j] += 1e-3 * double(s_row[j] - p_row[0]) / double(ctas);
+          }
+          EXPECT_LE(s_row[3], s_row[4]) << "T=" << T << " CTA " << i << ": rows landed before the verdict's wait ended";
+          first_full += 1e-3 * double(p_row[2] - p_row[0]) / double(ctas);
+          const int64_t own = p_row[7] - p_row[8] - 1;
+          if (own > 0) steady += 1e-3 * double(p_row[4] - p_row[3]) / double(own) / double(ctas);
+          t0 = std::min(t0, p_row[0]), t_end = std::max(t_end, std::max(p_row[5], p_row[6]));
+        }
+        std::printf("[ measure  ] pieces start (%s%s) T=%lld H=12 random, %lld CTAs (us from each CTA's start, "
+                    "mean): producer start %.2f, gate constants and barrier %.2f, rows issued %.2f, verdict %.2f "
+                    "(consumers handed it over %.2f), chunk 0 rows landed %.2f, chunk 0 factors %.2f, first full "
+                    "stage %.2f (piece stamp %.2f); steady chunk %.3f; kernel %.1f\n",
+                    variant == 3 ? "rows first" : "rule's order", flushed ? ", L2 flushed" : ", after a replay",
+                    (long long)T, (long long)ctas, mean[0], mean[1], mean[2], mean[3], mean[6], mean[4], mean[5],
+                    mean[7], first_full, steady, 1e-3 * double(t_end - t0));
+      }
+    }
+    internal::PrefillLaunch rows_first;
+    rows_first.pieces_start = 3;
+    DeviceProblem d_rows(in, rows_first);
+    EXPECT_TRUE(run_bits(in, d_rows) == rule) << "T=" << T << ": rows first without stamps, not the rule's bits";
+    std::printf("[ measure  ] pieces start T=%lld H=12 random, CUDA-graph medians (ms), the rule / rows first:", (long long)T);
+    for (int round = 0; round < 3; ++round)
+      std::printf(" %.4f / %.4f%s", median_graph_ms(in, d_rule), median_graph_ms(in, d_rows), round < 2 ? ";" : "\n");
+  }
+}
+
 // The combine after the few-head pieces from a counter (internal combine_counter = 1, a candidate:
 // Params::combine_next) against the rule's one CTA an item: the same bits, and both calls' CUDA-graph medians at
 // H = 12, one sequence, bench_prefill.py's two gate regimes: random (the pieces run the call and the

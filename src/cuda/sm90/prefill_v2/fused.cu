@@ -77,6 +77,17 @@ __device__ __forceinline__ void piece_stamp(const FusedArgs& a, int point) {
   piece_stamps_row(a)[point] = t;
 }
 
+// FusedArgs::start_stamps (timing only, kStart bit 1 of the pieces' kernel): as piece_stamp, its own row.
+template <int kStart>
+__device__ __forceinline__ void start_stamp(const FusedArgs& a, int point) {
+  if constexpr ((kStart & 1) != 0) {
+    if (a.start_stamps == nullptr) return;
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    a.start_stamps[(int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kStartStamps + point] = t;
+  }
+}
+
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
 struct PhaseMarks {
   long long* sums;  // shared memory; null: off
@@ -375,7 +386,8 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
 // rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
 // gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
-template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
+template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
+          int kStart = 0>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
@@ -406,14 +418,25 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // time_consumers_only nor the pieces' stops (fused_chunks refuses both there).
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
+  constexpr bool kRowsFirst = kStaged && (kStart & 2) != 0;  // FusedArgs::start_variant's candidate
+  if (tid == 0) start_stamp<kStart>(a, 0);
+  if constexpr (kRowsFirst) {
+    if (tid == 32) {
+      for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
+      start_stamp<kStart>(a, 2);
+    }
+  }
   load_gate_consts<kGate>(pa, h, tid, sm_gate);
   ProducerSync::sync();
+  if (tid == 0) start_stamp<kStart>(a, 1);
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
-  if constexpr (kStaged) {
+  if constexpr (kStaged && !kRowsFirst) {
     // The buffers' last reads (the previous item's chunks) came before its factors' barriers.
-    if (tid == 32)
+    if (tid == 32) {
       for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
+      start_stamp<kStart>(a, 2);
+    }
   }
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
@@ -424,6 +447,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   if (kPieces && !a.pieces_chain) {
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
+    if (tid == 0) start_stamp<kStart>(a, 3);
   }
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
@@ -465,6 +489,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     }
     uint8_t* const staged = kStaged ? staged_buf(gc) : nullptr;
     if constexpr (kStaged) staged_wait(gc);
+    if ((kStart & 1) != 0 && c == 0 && tid == 0) start_stamp<kStart>(a, 4);
     const auto refill = [&] {
       if (kStaged && tid == 32 && c + kBufs < staged_chunks) issue_rows(c + kBufs);
     };
@@ -472,6 +497,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
                                                                         scratch, staged, beta_bits, sm_gate, true, l_beta,
                                                                         mark, refill);
+    if ((kStart & 1) != 0 && c == 0 && tid == 0) start_stamp<kStart>(a, 5);
     mbarrier_arrive(&full[stage]);
     mark(8);
     if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
@@ -676,7 +702,7 @@ __device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqAr
 // product is not below 2^-30, or FusedArgs::pieces_flag is set, the consumers set stop->abort and
 // drain: they release each stage the producer fills until the one it marks (stop->stopped_at), and
 // leave without a final state.
-template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false>
+template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, int kStart = 0>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
@@ -694,6 +720,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     static_assert(kConsumerInv, "the pieces' consumers stop at their first chunk's barrier");
     if (!a.pieces_chain)
       precheck_and_hand_over(a, stop, h, ctid, reinterpret_cast<float*>(own_inv + 2 * kSmallBytes), full);
+    if (ctid == 0) start_stamp<kStart>(a, 6);
   }
   float S[64];
   prefill::load_state_rows(S, p.initial_state,
@@ -752,7 +779,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       if (tracer && cwg == 0) trace_point(a, h, c, 6);
       mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
       if (tracer) trace_point(a, h, c, 7 + cwg);
-      if (kPieces && warm_phase && c == 0 && ctid == 0) piece_stamp(a, 2);
+      if (kPieces && warm_phase && c == 0 && ctid == 0) piece_stamp(a, 2), start_stamp<kStart>(a, 7);
       if constexpr (kPieces) {
         if (draining) {  // release what the producer fills until the chunk at which it stopped
           if (stopped_at_load(stop) <= c) {
@@ -866,7 +893,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false>
+          bool kSeqs = false, bool kPieces = false, int kStart = 0>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -932,13 +959,14 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
 
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces>(params, ring, pa, h, bos, num_chunks, 0,
-                                                                          clock_sums, last_clock, &seq);
+    produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kStart>(params, ring, pa, h, bos, num_chunks,
+                                                                                  0, clock_sums, last_clock, &seq);
     if (kPieces && tid == 0) piece_stamp(a, 6);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume_item<kStaged, kClock, kConsumerInv, kPieces>(params, ring, kSeqs ? seq_consume : a.consume, h, num_chunks,
-                                                         0, kSeqs ? seq.first_ckpt : 0, clock_sums, last_clock, &seq);
+    consume_item<kStaged, kClock, kConsumerInv, kPieces, kStart>(params, ring, kSeqs ? seq_consume : a.consume, h,
+                                                                 num_chunks, 0, kSeqs ? seq.first_ckpt : 0, clock_sums,
+                                                                 last_clock, &seq);
   }
 }
 
@@ -1037,7 +1065,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false, int kStart = 0>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -1050,7 +1078,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   auto kernel = [] {
     if constexpr (kPersistent) return fused_persistent_kernel;
     else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces>;
+      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kStart>;
   }();
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = allow_dynamic_smem(kernel, kSmem);
@@ -1088,10 +1116,11 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
   }
 }
 
-// The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers).
-template <bool kSeqs, bool kPieces>
+// The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers); kStart:
+// FusedArgs::start_variant's kernel (the pieces only).
+template <bool kSeqs, bool kPieces, int kStart = 0>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
-  return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces>(args, stream);
+  return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, kStart>(args, stream);
 }
 
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
@@ -1137,6 +1166,11 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
+    if (args.start_variant != 0) {  // timing only: the start stamps, and the rows first (unchained pieces)
+      if (args.pieces_chain || (args.start_variant != 1 && args.start_variant != 3)) return cudaErrorInvalidValue;
+      return args.start_variant == 1 ? launch_rule_flags<true, true, 1>(args, stream)
+                                     : launch_rule_flags<true, true, 3>(args, stream);
+    }
     return launch_rule_flags<true, true>(args, stream);
   }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
@@ -1240,7 +1274,8 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states, bool flags_zeroed, long long* stamps) {
+                                 float* chain_states, bool flags_zeroed, long long* stamps, int start_variant,
+                                 long long* start_stamps) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1252,6 +1287,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
     f.pieces_chain = true, f.pieces_next = flag + 1, f.pieces_ready = flag + 2, f.pieces_states = chain_states;
   }
   f.piece_stamps = stamps;
+  f.start_variant = start_variant, f.start_stamps = start_stamps;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
   if (!flags_zeroed) err = cudaMemsetAsync(flag, 0, size_t(flag_ints) * sizeof(int), stream);

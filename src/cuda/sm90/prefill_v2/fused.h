@@ -149,8 +149,21 @@ struct FusedArgs {
   // producer's thread 0 after its last chunk; then 7 the chunks the CTA walks and 8 its warm-up
   // chunks, 9 its SM (%smid). A point not reached (a stopped piece) keeps its value.
   long long* piece_stamps = nullptr;
+  // Timing only, with unchained pieces: a variant of the pieces' kernel (a kernel of its own, so that
+  // the rule's SASS stays as it is; 0 = the rule's): bit 1 start stamps (start_stamps, null: none), bit
+  // 2 the staged rows of the first chunks copied before the gate constants' loads (a candidate: the
+  // rule issues them behind those loads and the producer's barrier). Variants 1 and 3 are built.
+  int start_variant = 0;
+  // With start_variant bit 1: each CTA's kStartStamps values (row y H + x, as piece_stamps), %globaltimer
+  // nanoseconds where its first chunk's way reaches each point: the producer's thread 0 at 0 its
+  // start (produce_item), 1 after the gate constants and the producer's barrier, 3 after the gates'
+  // pre-check's verdict, 4 with chunk 0's staged rows landed, 5 with chunk 0's factors done (before its
+  // arrival on the full stage); 2 thread 32 after it issued the staged rows' copies; the consumers'
+  // thread 0 at 6 after the pre-check (the verdict handed over), 7 after chunk 0's full-stage wait.
+  long long* start_stamps = nullptr;
 };
 constexpr int kPieceStamps = 10;
+constexpr int kStartStamps = 8;
 constexpr int kPhaseClocks = 16;
 constexpr int kTraceHeads = 4, kTraceChunks = 512, kTracePoints = 17;
 
@@ -193,7 +206,8 @@ bool pieces_final_in_place(const PrefillParams& p);
 // flags_zeroed: K0, launched ahead, zeroed the flags' block (prefill Params::pieces_zero), so no memset.
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                                 float* chain_states = nullptr, bool flags_zeroed = false, long long* stamps = nullptr);
+                                 float* chain_states = nullptr, bool flags_zeroed = false, long long* stamps = nullptr,
+                                 int start_variant = 0, long long* start_stamps = nullptr);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
