@@ -7,6 +7,9 @@
 #
 #   scripts/gpu_detached.sh WAIT [gpu_check steps...]     e.g. scripts/gpu_detached.sh 560 build test sanitize python
 #
+# H200_STEPS="..." (optional): the gpu_check steps to run instead where the machine that came is an
+# H200 (a call may get either kind), e.g. H200_STEPS="build bench decode profile" with "build test python"
+# as the arguments for an H100.
 # PRE="..." (optional): a command the pipeline runs first, e.g. PRE="scripts/gpu_prebuilt.sh run
 # 'test_decode:DecodeCpuIsas*' 'test_prefill32_gpu:*TimeThePiecesCtaByCta*'" for binaries built here
 # (PREBUILT_XZ=1: they travel beside the peers' files), its logs under the same folder. Each poll also
@@ -21,7 +24,12 @@ if [ ! -f "$dir/started" ]; then
   touch "$dir/started"
   # setsid -w: $! is a process that lives as long as the pipeline, whether or not setsid forks
   # shellcheck disable=SC2016  # $OUT and $PRE expand in the detached shell
-  OUT="$dir/out" PRE="${PRE:-}" setsid -w nohup bash -c '[ -z "$PRE" ] || { echo "=== pre: $PRE"; eval "$PRE"; }
+  OUT="$dir/out" PRE="${PRE:-}" H200_STEPS="${H200_STEPS:-}" setsid -w nohup bash -c '
+    [ -z "$PRE" ] || { echo "=== pre: $PRE"; eval "$PRE"; }
+    if [ -n "$H200_STEPS" ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+      echo "=== an H200: steps $H200_STEPS"
+      set -- $H200_STEPS
+    fi
     exec bash scripts/gpu_check.sh "$@"' gpu_detached "$@" > "$dir/console.log" 2>&1 < /dev/null &
   echo $! > "$dir/pid"
   echo "started: scripts/gpu_check.sh $*"
