@@ -22,14 +22,10 @@ void check_shape(const PrefillParams& p, Backend backend) {
   FLASHKDA_CHECK_ARG(p.B >= 0, "B must be >= 0, got B=", p.B);
   FLASHKDA_CHECK_ARG(p.T >= 0, "T must be >= 0, got T=", p.T);
   FLASHKDA_CHECK_ARG(p.H >= 0, "H must be >= 0, got H=", p.H);
-  if (backend == Backend::kCuda) {
-    // Valid shapes the GPU kernels do not serve: kUnsupported (NotImplementedError in Python), as decode's.
-    FLASHKDA_CHECK(p.K == kCudaHeadDim, ErrorCode::kUnsupported, "K must be 128 on the CUDA backend, got K=", p.K);
-    FLASHKDA_CHECK(p.V == kCudaHeadDim, ErrorCode::kUnsupported, "V must be 128 on the CUDA backend, got V=", p.V);
-  } else {
-    FLASHKDA_CHECK_ARG(p.K >= 1 && p.K <= 256, "K must be in [1, 256] on the CPU backend, got K=", p.K);
-    FLASHKDA_CHECK_ARG(p.V >= 1 && p.V <= 256, "V must be in [1, 256] on the CPU backend, got V=", p.V);
-  }
+  // Every backend's range; the GPU serves K = V = 128 of it (check_cuda_serves, after every other check).
+  FLASHKDA_CHECK_ARG(p.K >= 1 && p.K <= 256, "K must be in [1, 256], got K=", p.K);
+  FLASHKDA_CHECK_ARG(p.V >= 1 && p.V <= 256, "V must be in [1, 256], got V=", p.V);
+  (void)backend;
   check_element_count("q [B, T, H, K]", {p.B, p.T, p.H, p.K});
   check_element_count("v [B, T, H, V]", {p.B, p.T, p.H, p.V});
 }
@@ -48,14 +44,10 @@ void check_pointers(const PrefillParams& p) {
 }
 
 void check_dtypes(const PrefillParams& p, Backend backend) {
-  if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK(p.dtype == DType::kBF16, ErrorCode::kUnsupported,
-                   "dtype (of q, k, v, out) must be bfloat16 on the CUDA backend, got ",
-                       dtype_name(p.dtype));
-  } else {
-    FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16 || p.dtype == DType::kF32,
-                       "dtype (of q, k, v, out) must be bfloat16 or float32, got ", dtype_name(p.dtype));
-  }
+  // bf16 only on the GPU: check_cuda_serves, after every other check.
+  (void)backend;
+  FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16 || p.dtype == DType::kF32,
+                     "dtype (of q, k, v, out) must be bfloat16 or float32, got ", dtype_name(p.dtype));
   check_float_dtype("g_dtype", p.g_dtype);
   check_float_dtype("beta_dtype", p.beta_dtype);
   if (p.initial_state != nullptr) check_float_dtype("initial_state_dtype", p.initial_state_dtype);
@@ -231,6 +223,16 @@ void check_aligned16(std::initializer_list<NamedPointer> tensors, const char* pr
   }
 }
 
+// What the GPU kernels serve of the valid calls: K = V = 128 and bf16 q, k, v, out. Otherwise
+// kUnsupported (NotImplementedError in Python), as decode's K; checked after every argument check, so
+// that a bad argument is named as one (kInvalidArgument) whatever the shape.
+void check_cuda_serves(const PrefillParams& p) {
+  FLASHKDA_CHECK(p.K == kCudaHeadDim, ErrorCode::kUnsupported, "K must be 128 on the CUDA backend, got K=", p.K);
+  FLASHKDA_CHECK(p.V == kCudaHeadDim, ErrorCode::kUnsupported, "V must be 128 on the CUDA backend, got V=", p.V);
+  FLASHKDA_CHECK(p.dtype == DType::kBF16, ErrorCode::kUnsupported,
+                 "dtype (of q, k, v, out) must be bfloat16 on the CUDA backend, got ", dtype_name(p.dtype));
+}
+
 void validate_prefill(const PrefillParams& p, Backend backend) {
   check_shape(p, backend);
   check_pointers(p);
@@ -261,6 +263,7 @@ void validate_prefill(const PrefillParams& p, Backend backend) {
                      {p.initial_state, "initial_state"}, {p.final_state, "final_state"}, {p.state_pool, "state_pool"},
                      {p.checkpoints, "checkpoints"}},
                     "");
+    check_cuda_serves(p);
   }
 }
 

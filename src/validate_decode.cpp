@@ -38,13 +38,11 @@ void check_pointers(const DecodeParams& p) {
 }
 
 void check_dtypes(const DecodeParams& p, Backend backend) {
-  if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16, "decode: q, k, v, out must be bfloat16 on the GPU, got ",
-                       dtype_name(p.dtype));
-  } else {
-    FLASHKDA_CHECK_ARG(is_float_dtype(p.dtype), "decode: q, k, v, out must be float32 or bfloat16, got ",
-                       dtype_name(p.dtype));
-  }
+  // bf16 only on the GPU: a valid call it does not serve (kUnsupported), checked after every other
+  // check (validate_decode), as prefill's.
+  (void)backend;
+  FLASHKDA_CHECK_ARG(is_float_dtype(p.dtype), "decode: q, k, v, out must be float32 or bfloat16, got ",
+                     dtype_name(p.dtype));
   FLASHKDA_CHECK_ARG(is_float_dtype(p.g_dtype), "decode: g must be float32 or bfloat16, got ",
                      dtype_name(p.g_dtype));
   FLASHKDA_CHECK_ARG(is_float_dtype(p.beta_dtype), "decode: beta must be float32 or bfloat16, got ",
@@ -61,10 +59,7 @@ void check_shapes(const DecodeParams& p, Backend backend) {
   FLASHKDA_CHECK_ARG(p.num_seqs >= 0, "decode: num_seqs must be >= 0, got ", p.num_seqs);
   FLASHKDA_CHECK_ARG(p.H >= 1, "decode: H must be >= 1, got ", p.H);
   FLASHKDA_CHECK_ARG(p.K >= 1 && p.V >= 1, "decode: K and V must be >= 1, got K=", p.K, ", V=", p.V);
-  if (backend == Backend::kCuda) {
-    FLASHKDA_CHECK(p.K == kCudaHeadDim && p.V == kCudaHeadDim, ErrorCode::kUnsupported,
-                   "decode: the GPU backend supports K = V = 128 only, got K=", p.K, ", V=", p.V);
-  }
+  (void)backend;  // the GPU's K = V = 128: validate_decode, after every other check
   if (p.cu_seqlens == nullptr) {
     FLASHKDA_CHECK_ARG(p.T >= 1 && p.T <= kMaxDecodeTokens, "decode: T (tokens per sequence) must lie in [1, ",
                        kMaxDecodeTokens, "], got ", p.T);
@@ -144,6 +139,11 @@ void validate_decode(const DecodeParams& p, Backend backend) {
     check_aligned16({{p.q, "q"}, {p.k, "k"}, {p.v, "v"}, {p.g, "g"}, {p.state_pool, "state_pool"},
                      {p.pre.dt_bias, "dt_bias"}},
                     "decode: ");
+    // What the GPU kernels serve of the valid calls (kUnsupported: NotImplementedError in Python).
+    FLASHKDA_CHECK(p.K == kCudaHeadDim && p.V == kCudaHeadDim, ErrorCode::kUnsupported,
+                   "decode: the GPU backend supports K = V = 128 only, got K=", p.K, ", V=", p.V);
+    FLASHKDA_CHECK(p.dtype == DType::kBF16, ErrorCode::kUnsupported,
+                   "decode: q, k, v, out must be bfloat16 on the GPU, got ", dtype_name(p.dtype));
     return;
   }
   validate_decode_indices(p);

@@ -12,7 +12,7 @@ namespace flashkda {
 
 enum class ErrorCode : int {
   kInvalidArgument = 1,  // bad shape, dtype, value or pointer from the caller (Python: ValueError)
-  kUnsupported = 2,      // valid request this build or device cannot serve (Python: RuntimeError)
+  kUnsupported = 2,      // valid request this build or device cannot serve (Python: NotImplementedError)
   kCuda = 3,             // a CUDA runtime call or a launch failed (Python: RuntimeError)
   kInternal = 4,         // a broken invariant inside the library (Python: RuntimeError)
 };

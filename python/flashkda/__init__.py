@@ -136,6 +136,10 @@ def _forward_only(fn_name, compute, fresh, inputs):
 
     def run():
         result.extend(compute())
+        for i in fresh:  # views (fla's h in the [K, V] layout) as tensors of their own: a node's view
+            # outputs may not be changed in place
+            if i < len(result) and result[i] is not None and result[i]._base is not None:
+                result[i] = result[i].clone()
         return tuple(x for i, x in enumerate(result) if i in fresh and x is not None)
 
     made = iter(_NO_BACKWARD.apply(fn_name, run, *needs))

@@ -138,6 +138,14 @@ TEST(ValidatePrefill, CudaBackendRulesK128Bf16AndGridLimit) {
   expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "V must be 128 on the CUDA backend",
                  ErrorCode::kUnsupported);
   p.V = 128;
+  // a bad argument is named as one whatever the shape (the GPU's K = 128 is checked last)
+  p.K = 64;
+  p.q = nullptr;
+  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "q must not be null");
+  p.q = in.params().q;
+  p.K = 300;
+  expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "K must be in [1, 256]");
+  p.K = 128;
   p.dtype = DType::kF32;
   expect_invalid([&] { detail::validate_prefill(p, Backend::kCuda); }, "bfloat16 on the CUDA backend",
                  ErrorCode::kUnsupported);

@@ -87,6 +87,13 @@ def test_chunk_kda_backward_raises_where_autograd_records(rng):
                                    state_indices=torch.tensor([1], dtype=torch.int32),
                                    **{n: x for n, x in kw.items() if n != "output_final_state"})
     assert second is pool and not pool.requires_grad and o.requires_grad
+    for v_first in (False, True):  # fla's h (a view in the [K, V] layout), changed in place as well
+        o, ht, h = flashkda.chunk_kda(t["q"], t["k"], v, t["g"], t["beta"], return_intermediate_states=True,
+                                      state_v_first=v_first, **kw)
+        assert h.requires_grad
+        h.mul_(1.0)
+        with pytest.raises(RuntimeError, match="chunk_kda computes the forward only"):
+            h.sum().backward()
 
 
 def test_chunk_kda_cu_seqlens_as_list(rng):

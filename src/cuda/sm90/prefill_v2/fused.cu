@@ -77,15 +77,26 @@ __device__ __forceinline__ void piece_stamp(const FusedArgs& a, int point) {
   piece_stamps_row(a)[point] = t;
 }
 
-// FusedArgs::start_stamps (timing only, kStart bit 1 of the pieces' kernel): as piece_stamp, its own row.
+// FusedArgs::start_stamps (timing only, kStart bit 1 of the pieces' kernel): as piece_stamp, its own row;
+// value >= 0: that value in place of the time.
 template <int kStart>
-__device__ __forceinline__ void start_stamp(const FusedArgs& a, int point) {
+__device__ __forceinline__ void start_stamp(const FusedArgs& a, int point, long long value = -1) {
   if constexpr ((kStart & 1) != 0) {
     if (a.start_stamps == nullptr) return;
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    long long t = value;
+    if (value < 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     a.start_stamps[(int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kStartStamps + point] = t;
   }
+}
+// Whether bar's phase of `parity` has completed, without waiting (the start stamps' point 8).
+__device__ __forceinline__ bool mbarrier_done(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n .reg .pred p;\n mbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+      : "=r"(done)
+      : "r"(smem_addr(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
 }
 
 // FusedArgs::phase_clocks: mark(i) adds the cycles since the previous mark to sums[i].
@@ -447,7 +458,10 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   if (kPieces && !a.pieces_chain) {
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
-    if (tid == 0) start_stamp<kStart>(a, 3);
+    if (tid == 0) {
+      start_stamp<kStart>(a, 3);
+      if constexpr (kStaged && (kStart & 1) != 0) start_stamp<kStart>(a, 8, mbarrier_done(staged_bar(base), 0) ? 1 : 0);
+    }
   }
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
@@ -1150,6 +1164,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (args.run_if_flag != nullptr && (args.pieces > 0 || args.next_item != nullptr || args.on_verdict))
     return cudaErrorInvalidValue;  // the pieces' fallback is a plain launch of the rule's kernel
+  if (args.start_variant != 0 && args.pieces <= 0) return cudaErrorInvalidValue;  // the pieces' variants only
   // The several-sequence kernels (and the pieces): the rule's flags only, K0's verdict with
   // cu_seqlens or a pool, B equal lengths without cu_seqlens.
   const bool sequences_valid =
@@ -1166,10 +1181,11 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
-    if (args.start_variant != 0) {  // timing only: the start stamps, and the rows first (unchained pieces)
-      if (args.pieces_chain || (args.start_variant != 1 && args.start_variant != 3)) return cudaErrorInvalidValue;
-      return args.start_variant == 1 ? launch_rule_flags<true, true, 1>(args, stream)
-                                     : launch_rule_flags<true, true, 3>(args, stream);
+    if (args.start_variant != 0) {  // timing only: the start stamps, the rows first (unchained pieces)
+      if (args.pieces_chain || args.start_variant < 1 || args.start_variant > 3) return cudaErrorInvalidValue;
+      return args.start_variant == 1   ? launch_rule_flags<true, true, 1>(args, stream)
+             : args.start_variant == 2 ? launch_rule_flags<true, true, 2>(args, stream)
+                                       : launch_rule_flags<true, true, 3>(args, stream);
     }
     return launch_rule_flags<true, true>(args, stream);
   }

@@ -152,18 +152,20 @@ struct FusedArgs {
   // Timing only, with unchained pieces: a variant of the pieces' kernel (a kernel of its own, so that
   // the rule's SASS stays as it is; 0 = the rule's): bit 1 start stamps (start_stamps, null: none), bit
   // 2 the staged rows of the first chunks copied before the gate constants' loads (a candidate: the
-  // rule issues them behind those loads and the producer's barrier). Variants 1 and 3 are built.
+  // rule issues them behind those loads and the producer's barrier). Variants 1, 2 and 3 are built.
   int start_variant = 0;
   // With start_variant bit 1: each CTA's kStartStamps values (row y H + x, as piece_stamps), %globaltimer
   // nanoseconds where its first chunk's way reaches each point: the producer's thread 0 at 0 its
   // start (produce_item), 1 after the gate constants and the producer's barrier, 3 after the gates'
   // pre-check's verdict, 4 with chunk 0's staged rows landed, 5 with chunk 0's factors done (before its
   // arrival on the full stage); 2 thread 32 after it issued the staged rows' copies; the consumers'
-  // thread 0 at 6 after the pre-check (the verdict handed over), 7 after chunk 0's full-stage wait.
+  // thread 0 at 6 after the pre-check (the verdict handed over), 7 after chunk 0's full-stage wait;
+  // then 8: 1 where chunk 0's staged rows had landed as the verdict's wait ended, else 0 (the time at 4
+  // is the later of the two).
   long long* start_stamps = nullptr;
 };
 constexpr int kPieceStamps = 10;
-constexpr int kStartStamps = 8;
+constexpr int kStartStamps = 9;
 constexpr int kPhaseClocks = 16;
 constexpr int kTraceHeads = 4, kTraceChunks = 512, kTracePoints = 17;
 
