@@ -15,7 +15,6 @@
 
 #include "backend.h"
 
-#include "cuda/common/early_launch.cuh"
 #include "cuda/device_info.h"
 #include "cuda/sm90/prefill_v2/consume.cuh"
 #include "cuda/sm90/prefill_v2/fused.h"
