@@ -92,7 +92,7 @@ def _fla_kwargs(fn_name, kwargs, state_v_first, return_intermediate_states=False
         state_v_first = bool(kwargs.pop("transpose_state_layout"))
     chunk_size = kwargs.get("chunk_size", 64)
     if chunk_size not in (16, 32, 64):
-        raise ValueError(f"chunk_size: must be 16, 32 or 64, got {chunk_size} (flashkda always uses 16)")
+        raise ValueError(f"chunk_size: must be 16, 32 or 64, got {chunk_size} (flashkda chooses its own chunk sizes)")
     if return_intermediate_states and chunk_size != 64:
         raise NotImplementedError(f"{fn_name}: return_intermediate_states with chunk_size={chunk_size}: flashkda "
                                   "returns fla's intermediate states every 64 tokens (chunk_size=64, fla's default)")
