@@ -99,6 +99,12 @@ FLASHKDA_HOST_INLINE float step_row(float* row, const float* decay, const float*
 FLASHKDA_TARGET_AVX2 inline void partial_sums_avx2(__m256 lo, __m256 hi, float (&part)[16]) {
   _mm256_storeu_ps(part, lo), _mm256_storeu_ps(part + 8, hi);
 }
+// The 16 partial sums added in lane order.
+inline float sum_lanes(const float (&part)[16]) {
+  float sum = 0.0f;
+  for (int w = 0; w < 16; ++w) sum += part[w];
+  return sum;
+}
 FLASHKDA_TARGET_AVX2 inline float step_row_avx2(float* row, const float* decay, const float* k, const float* q,
                                                 float v, float b, int64_t K) {
   const int64_t whole = K - K % 16;
@@ -112,8 +118,7 @@ FLASHKDA_TARGET_AVX2 inline float step_row_avx2(float* row, const float* decay, 
   float part[16];
   partial_sums_avx2(lo, hi, part);
   for (int64_t c = whole; c < K; ++c) row[c] *= decay[c], part[0] = std::fma(row[c], k[c], part[0]);
-  float pred = 0.0f;
-  for (int w = 0; w < 16; ++w) pred += part[w];
+  const float pred = sum_lanes(part);
   const float delta = b * (v - pred);
   const __m256 d = _mm256_set1_ps(delta);
   lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
@@ -125,9 +130,7 @@ FLASHKDA_TARGET_AVX2 inline float step_row_avx2(float* row, const float* decay, 
   }
   partial_sums_avx2(lo, hi, part);
   for (int64_t c = whole; c < K; ++c) row[c] = std::fma(delta, k[c], row[c]), part[0] = std::fma(row[c], q[c], part[0]);
-  float acc = 0.0f;
-  for (int w = 0; w < 16; ++w) acc += part[w];
-  return acc;
+  return sum_lanes(part);
 }
 FLASHKDA_TARGET_AVX512 inline float step_row_avx512(float* row, const float* decay, const float* k, const float* q,
                                                     float v, float b, int64_t K) {
@@ -141,8 +144,7 @@ FLASHKDA_TARGET_AVX512 inline float step_row_avx512(float* row, const float* dec
   float part[16];
   _mm512_storeu_ps(part, sum);
   for (int64_t c = whole; c < K; ++c) row[c] *= decay[c], part[0] = std::fma(row[c], k[c], part[0]);
-  float pred = 0.0f;
-  for (int w = 0; w < 16; ++w) pred += part[w];
+  const float pred = sum_lanes(part);
   const float delta = b * (v - pred);
   const __m512 d = _mm512_set1_ps(delta);
   sum = _mm512_setzero_ps();
@@ -153,9 +155,7 @@ FLASHKDA_TARGET_AVX512 inline float step_row_avx512(float* row, const float* dec
   }
   _mm512_storeu_ps(part, sum);
   for (int64_t c = whole; c < K; ++c) row[c] = std::fma(delta, k[c], row[c]), part[0] = std::fma(row[c], q[c], part[0]);
-  float acc = 0.0f;
-  for (int w = 0; w < 16; ++w) acc += part[w];
-  return acc;
+  return sum_lanes(part);
 }
 // host::l2_normalize's sums of squares, as above.
 FLASHKDA_TARGET_AVX2 inline void l2_normalize_avx2(float* x, int64_t n) {
@@ -168,8 +168,7 @@ FLASHKDA_TARGET_AVX2 inline void l2_normalize_avx2(float* x, int64_t n) {
   float part[16];
   partial_sums_avx2(lo, hi, part);
   for (int64_t i = whole, w = 0; i < n; ++i, ++w) part[w] = std::fma(x[i], x[i], part[w]);
-  float sum = 0.0f;
-  for (int w = 0; w < 16; ++w) sum += part[w];
+  const float sum = sum_lanes(part);
   const float inv = 1.0f / std::sqrt(sum + 1e-6f);
   for (int64_t j = 0; j < n; ++j) x[j] *= inv;
 }
@@ -183,8 +182,7 @@ FLASHKDA_TARGET_AVX512 inline void l2_normalize_avx512(float* x, int64_t n) {
   float part[16];
   _mm512_storeu_ps(part, acc);
   for (int64_t i = whole, w = 0; i < n; ++i, ++w) part[w] = std::fma(x[i], x[i], part[w]);
-  float sum = 0.0f;
-  for (int w = 0; w < 16; ++w) sum += part[w];
+  const float sum = sum_lanes(part);
   const float inv = 1.0f / std::sqrt(sum + 1e-6f);
   for (int64_t j = 0; j < n; ++j) x[j] *= inv;
 }

@@ -351,8 +351,7 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
 // PrefillLaunch's 25 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
 // (the fused kernel's, the CPU's, pieces_graph_if, combine_counter and the timing-only piece_stamps,
-// pieces_start and start_stamps);
-// then the binding gains a name.
+// pieces_start and start_stamps); then the binding gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
   [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
                           f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25] = l;

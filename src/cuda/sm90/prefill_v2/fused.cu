@@ -64,10 +64,12 @@ __device__ __forceinline__ void trace_point(const FusedArgs& a, int h, int64_t c
     a.chunk_trace[(int64_t(h) * kTraceChunks + c) * kTracePoints + point] = clock64();
 }
 
+// The pieces' timing rows (piece_stamps, start_stamps): this CTA's, row y H + x of the grid.
+__device__ __forceinline__ int64_t stamps_cta() { return int64_t(blockIdx.y) * gridDim.x + blockIdx.x; }
 // FusedArgs::piece_stamps (timing only): this CTA's row of values, and where it reaches `point`, in
 // %globaltimer nanoseconds.
 __device__ __forceinline__ long long* piece_stamps_row(const FusedArgs& a) {
-  return a.piece_stamps + (int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kPieceStamps;
+  return a.piece_stamps + stamps_cta() * kPieceStamps;
 }
 __device__ __forceinline__ void piece_stamp(const FusedArgs& a, int point) {
   if (a.piece_stamps == nullptr) return;
@@ -84,7 +86,7 @@ __device__ __forceinline__ void start_stamp(const FusedArgs& a, int point, long 
     if (a.start_stamps == nullptr) return;
     long long t = value;
     if (value < 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    a.start_stamps[(int64_t(blockIdx.y) * gridDim.x + blockIdx.x) * kStartStamps + point] = t;
+    a.start_stamps[stamps_cta() * kStartStamps + point] = t;
   }
 }
 // Whether bar's phase of `parity` has completed, without waiting (the start stamps' point 8).
@@ -428,26 +430,23 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // time_consumers_only nor the pieces' stops (fused_chunks refuses both there).
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
-  constexpr bool kRowsFirst = kStaged && (kStart & 2) != 0;  // FusedArgs::start_variant's candidate
-  if (tid == 0) start_stamp<kStart>(a, 0);
-  if constexpr (kRowsFirst) {
+  // The first kBufs chunks' staged rows (thread 32). The buffers' last reads (the previous item's
+  // chunks) came before its factors' barriers.
+  const auto issue_first_rows = [&] {
     if (tid == 32) {
       for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
       start_stamp<kStart>(a, 2);
     }
-  }
+  };
+  constexpr bool kRowsFirst = kStaged && (kStart & 2) != 0;  // FusedArgs::start_variant's candidate
+  if (tid == 0) start_stamp<kStart>(a, 0);
+  if constexpr (kRowsFirst) issue_first_rows();
   load_gate_consts<kGate>(pa, h, tid, sm_gate);
   ProducerSync::sync();
   if (tid == 0) start_stamp<kStart>(a, 1);
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
-  if constexpr (kStaged && !kRowsFirst) {
-    // The buffers' last reads (the previous item's chunks) came before its factors' barriers.
-    if (tid == 32) {
-      for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
-      start_stamp<kStart>(a, 2);
-    }
-  }
+  if constexpr (kStaged && !kRowsFirst) issue_first_rows();
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
   // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
