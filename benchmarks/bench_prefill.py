@@ -414,8 +414,21 @@ def run_cudnn(x, with_state):
     return call, lambda: (out[0], ht if with_state else None)
 
 
+# --cold: every timed replay follows a write of this many bytes (L2_FLUSH_FACTOR times the GPU's L2),
+# so that none of the call's inputs, workspace or code is left in L2 by the replay before, as in a
+# serving engine, where other layers' kernels run between two calls of one layer. Set by main().
+COLD_FLUSH = None
+L2_FLUSH_FACTOR = 4
+
+
+def _l2_flush_buffer():
+    size = L2_FLUSH_FACTOR * torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return torch.empty(max(size, 1 << 26), dtype=torch.uint8, device="cuda")
+
+
 def time_graph_ms(fn, reps=20):
-    """Median ms of CUDA-graph replays of one call (warmed up and captured first)."""
+    """Median ms of CUDA-graph replays of one call (warmed up and captured first); with --cold each
+    replay follows an L2 flush, outside the timed span."""
     fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -424,7 +437,8 @@ def time_graph_ms(fn, reps=20):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             fn()
-    ms = _median_event_ms(graph.replay, reps)
+    flush = COLD_FLUSH
+    ms = _median_event_ms(graph.replay, reps, before=None if flush is None else lambda: flush.fill_(1))
     del graph
     return ms
 
@@ -435,12 +449,15 @@ def time_eager_ms(fn, reps=20, warmup=3):
     return _median_event_ms(fn, reps)
 
 
-def _median_event_ms(run, reps):
-    """Median ms of `reps` calls of run() on the current stream, each timed by CUDA events."""
+def _median_event_ms(run, reps, before=None):
+    """Median ms of `reps` calls of run() on the current stream, each timed by CUDA events (before(),
+    where given, runs ahead of each call, untimed)."""
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if before is not None:
+            before()
         a.record()
         run()
         b.record()
@@ -631,6 +648,9 @@ def main():
     ap.add_argument("--no-accuracy", action="store_true")
     ap.add_argument("--accuracy-only", action="store_true")
     ap.add_argument("--serving", action="store_true", help="also the serving prefill's cost (pool, checkpoints)")
+    ap.add_argument("--cold", action="store_true",
+                    help="flush L2 before every timed replay (untimed): a serving engine's call, with other "
+                         "kernels between two calls of a layer, finds nothing of it in L2")
     ap.add_argument("--runs-sweep", action="store_true",
                     help="also transition skipping's piece lengths and warm-ups (docs/DESIGN.md 'Segments')")
     ap.add_argument("--fused-sweep", action="store_true",
@@ -655,10 +675,13 @@ def main():
     elif args.peers:
         peers = [(n, f) for n, f in peers if n in args.peers.split(",")]
     bw = copy_bandwidth()
+    global COLD_FLUSH
+    if args.cold:
+        COLD_FLUSH = _l2_flush_buffer()
     commit = os.environ.get("BENCH_COMMIT") or tree_name()
     lines = [f"GPU: {torch.cuda.get_device_name()} | date: {datetime.date.today()} | commit: {commit or 'n/a'} | "
              f"copy bandwidth: {bw / 1e12:.2f} TB/s | torch {torch.__version__} | CUDA-graph medians of "
-             f"{args.reps} replays, ms", ""]
+             f"{args.reps} replays, ms" + (", L2 flushed before each" if args.cold else ""), ""]
     names = [n for n, _ in impls] + [n for n, _ in peers]
     header = ("| case | gates | " + " | ".join(names) + " | best peer | vs best peer | floor | % of floor |"
               + (" eager |" if args.eager else ""))
