@@ -414,10 +414,10 @@ def run_cudnn(x, with_state):
     return call, lambda: (out[0], ht if with_state else None)
 
 
-# --cold: every timed replay follows a write of this many bytes (L2_FLUSH_FACTOR times the GPU's L2),
-# so that none of the call's inputs, workspace or code is left in L2 by the replay before, as in a
-# serving engine, where other layers' kernels run between two calls of one layer. Set by main().
-COLD_FLUSH = None
+# --cold: each implementation is timed a second time with every timed replay following a write of
+# L2_FLUSH_FACTOR times the GPU's L2 (untimed), so that none of the call's inputs, workspace or code is
+# left in L2 by the replay before, as in a serving engine, where other layers' kernels run between two
+# calls of one layer.
 L2_FLUSH_FACTOR = 4
 
 
@@ -426,9 +426,9 @@ def _l2_flush_buffer():
     return torch.empty(max(size, 1 << 26), dtype=torch.uint8, device="cuda")
 
 
-def time_graph_ms(fn, reps=20):
-    """Median ms of CUDA-graph replays of one call (warmed up and captured first); with --cold each
-    replay follows an L2 flush, outside the timed span."""
+def time_graph_ms(fn, reps=20, flush=None):
+    """Median ms of CUDA-graph replays of one call (warmed up and captured first); with a flush buffer
+    each replay follows a write of it (an L2 flush), outside the timed span."""
     fn()
     torch.cuda.synchronize()
     stream = torch.cuda.Stream()
@@ -437,7 +437,6 @@ def time_graph_ms(fn, reps=20):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
             fn()
-    flush = COLD_FLUSH
     ms = _median_event_ms(graph.replay, reps, before=None if flush is None else lambda: flush.fill_(1))
     del graph
     return ms
@@ -649,8 +648,9 @@ def main():
     ap.add_argument("--accuracy-only", action="store_true")
     ap.add_argument("--serving", action="store_true", help="also the serving prefill's cost (pool, checkpoints)")
     ap.add_argument("--cold", action="store_true",
-                    help="flush L2 before every timed replay (untimed): a serving engine's call, with other "
-                         "kernels between two calls of a layer, finds nothing of it in L2")
+                    help="also time each implementation with L2 flushed before every timed replay (untimed), in "
+                         "columns of their own: a serving engine's call, with other kernels between two calls "
+                         "of a layer, finds nothing of itself in L2")
     ap.add_argument("--runs-sweep", action="store_true",
                     help="also transition skipping's piece lengths and warm-ups (docs/DESIGN.md 'Segments')")
     ap.add_argument("--fused-sweep", action="store_true",
@@ -675,15 +675,15 @@ def main():
     elif args.peers:
         peers = [(n, f) for n, f in peers if n in args.peers.split(",")]
     bw = copy_bandwidth()
-    global COLD_FLUSH
-    if args.cold:
-        COLD_FLUSH = _l2_flush_buffer()
+    flush = _l2_flush_buffer() if args.cold else None
     commit = os.environ.get("BENCH_COMMIT") or tree_name()
     lines = [f"GPU: {torch.cuda.get_device_name()} | date: {datetime.date.today()} | commit: {commit or 'n/a'} | "
              f"copy bandwidth: {bw / 1e12:.2f} TB/s | torch {torch.__version__} | CUDA-graph medians of "
-             f"{args.reps} replays, ms" + (", L2 flushed before each" if args.cold else ""), ""]
+             f"{args.reps} replays, ms" + ("; \"cold\": L2 flushed before each replay" if args.cold else ""), ""]
     names = [n for n, _ in impls] + [n for n, _ in peers]
+    cold_names = [n + " cold" for n in names] if args.cold else []
     header = ("| case | gates | " + " | ".join(names) + " | best peer | vs best peer | floor | % of floor |"
+              + "".join(f" {n} |" for n in cold_names) + (" cold: vs best peer |" if cold_names else "")
               + (" eager |" if args.eager else ""))
     lines += [header, "|" + "---|" * (header.count("|") - 1)]
     print("\n".join(lines), flush=True)
@@ -698,10 +698,13 @@ def main():
             times = {}
             for label, make in impls + peers:
                 try:
-                    times[label] = time_graph_ms(make(x, with_state)[0], reps=args.reps)
+                    fn = make(x, with_state)[0]
+                    times[label] = time_graph_ms(fn, reps=args.reps)
+                    if flush is not None:
+                        times[label + " cold"] = time_graph_ms(fn, reps=args.reps, flush=flush)
                 except Exception as exc:  # noqa: BLE001
                     print(f"{label} failed on {name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                    times[label] = float("nan")
+                    times[label] = times[label + " cold"] = float("nan")
                 torch.cuda.synchronize()
             peer_times = [times[n] for n, _ in peers if times[n] == times[n]]
             best = min(peer_times) if peer_times else float("nan")
@@ -711,6 +714,10 @@ def main():
             ratio = f"{best / ours:.2f}x" if peer_times else "-"
             row = (f"| {name} | {regime} | " + " | ".join(f"{times[n]:.3f}" for n in names)
                    + f" | {best_name} | {ratio} | {floor:.3f} | {100 * floor / ours:.0f}% |")
+            if cold_names:
+                cold_peers = [times[n + " cold"] for n, _ in peers if times[n + " cold"] == times[n + " cold"]]
+                row += "".join(f" {times[n]:.3f} |" for n in cold_names)
+                row += f" {min(cold_peers) / times['flashkda cold']:.2f}x |" if cold_peers else " - |"
             if args.eager:
                 row += f" {time_eager_ms(run_flashkda(x, with_state)[0], reps=args.reps):.3f} |"
             lines.append(row)
