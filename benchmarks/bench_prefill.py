@@ -505,8 +505,6 @@ def implementations(args):
     if args.graph_if:  # a candidate: in a graph, the kernels after the pieces in a conditional node the pieces'
         # flag opens (internal pieces_graph_if 1), where the rule launches them as an eager call does
         impls.append(("flashkda graph if", lambda x, s: run_flashkda(x, s, launch=dict(pieces_graph_if=1))))
-    if args.zero_kernel:  # a candidate: the pieces' flags zeroed by a kernel, not a memset (internal pieces_zero_kernel)
-        impls.append(("flashkda zero kernel", lambda x, s: run_flashkda(x, s, launch=dict(pieces_zero_kernel=1))))
     if args.lowrank:  # low-rank segment transitions (a candidate; DESIGN.md "Long memory: the transition is low rank")
         impls.append(("flashkda low-rank transitions",
                       lambda x, s: run_flashkda(x, s, launch=dict(lowrank_transitions=1))))
@@ -622,8 +620,6 @@ def main():
     ap.add_argument("--graph-if", action="store_true",
                     help="also the default call with the kernels after the pieces in a conditional graph node that the "
                          "pieces' flag opens (internal pieces_graph_if 1, a candidate)")
-    ap.add_argument("--zero-kernel", action="store_true",
-                    help="also the pieces' flags zeroed by a kernel instead of a memset (internal pieces_zero_kernel 1)")
     ap.add_argument("--lowrank", action="store_true",
                     help="also the default call with low-rank segment transitions (internal lowrank_transitions = 1, "
                          "a candidate: the chunk-16 segments where the rule runs them at two CTAs an SM)")

@@ -106,10 +106,6 @@ struct PrefillLaunch {
                          // both (prefill_v2 FusedArgs::start_variant)
   long long* start_stamps = nullptr;  // with pieces_start: each pieces CTA's kStartStamps points
                                       // (prefill_v2 FusedArgs::start_stamps); null: none
-  int pieces_zero_kernel = 0;  // GPU, a candidate, pieces without K0 ahead of them (no cu_seqlens, no pool):
-                               // 1 = their flags zeroed by a one-warp kernel; 0 = rule (cudaMemsetAsync: a
-                               // memset node in a CUDA graph, whose gap before the pieces measured 4.2-5.8 us
-                               // against K0's 3.5, runs 163 and 167)
 };
 
 struct DecodeLaunch {

@@ -400,7 +400,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
              int64_t skip_run_chunks, int64_t skip_warmup_chunks, int seg_ctas_per_sm, int record_copy,
              int early_launch, int cpu_isa, int skip_bound, int fused_v2, int fused_persistent,
              int64_t fused_min_tokens, int64_t fused_pieces, int fused_warmup, int fused_order, int fused_chain,
-             int lowrank_transitions, int pieces_graph_if, int pieces_zero_kernel) {
+             int lowrank_transitions, int pieces_graph_if) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
   PrefillArrays r = make_prefill(q, k, v, g, beta, initial_state, cu_seqlens, pre, u16_is_bf16);
   attach_outputs(r, out, final_state, u16_is_bf16);
@@ -416,7 +416,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
   launch.fused_persistent = fused_persistent, launch.fused_min_tokens = fused_min_tokens;
   launch.fused_pieces = fused_pieces, launch.fused_warmup = fused_warmup, launch.fused_order = fused_order;
   launch.fused_chain = fused_chain, launch.lowrank_transitions = lowrank_transitions;
-  launch.pieces_graph_if = pieces_graph_if, launch.pieces_zero_kernel = pieces_zero_kernel;
+  launch.pieces_graph_if = pieces_graph_if;
   // workspace_alloc(nbytes) -> array: asked only when no workspace was passed and the backend needs
   // one, after the library validated the call (once: workspace_size and then forward validate twice).
   if (!workspace && !workspace_alloc.is_none()) {
@@ -657,7 +657,7 @@ NB_MODULE(_C, m) {
         arg("_record_copy") = 0, arg("_early_launch") = 0, arg("_cpu_isa") = 0, arg("_skip_bound") = 0,
         arg("_fused_v2") = 0, arg("_fused_persistent") = 0, arg("_fused_min_tokens") = 0,
         arg("_fused_pieces") = 0, arg("_fused_warmup") = 0, arg("_fused_order") = 0, arg("_fused_chain") = 0,
-        arg("_lowrank_transitions") = 0, arg("_pieces_graph_if") = 0, arg("_pieces_zero_kernel") = 0,
+        arg("_lowrank_transitions") = 0, arg("_pieces_graph_if") = 0,
         "Chunked KDA forward (docs/SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
         "state_pool [P,H,V,K] with state_indices [N] int32 (and has_initial_state [N] bool) in place of the "
         "state tensors; checkpoint_every with checkpoints [C,H,V,K] or checkpoint_slots [C] int32 (SPEC §9). "
@@ -666,7 +666,7 @@ NB_MODULE(_C, m) {
         "_v_splits, _segment_chunks, _f16_operands, _ckpt_in_segments, _skip_transitions, _skip_run_chunks, "
         "_skip_warmup_chunks, _seg_ctas_per_sm, _record_copy, _early_launch, _cpu_isa, _skip_bound, _fused_v2, "
         "_fused_persistent, _fused_min_tokens, _fused_pieces, _fused_warmup, _fused_order, _fused_chain, "
-        "_lowrank_transitions, _pieces_graph_if, _pieces_zero_kernel: "
+        "_lowrank_transitions, _pieces_graph_if: "
         "internal launch "
         "configuration (tests, benchmarks; 0 = the "
         "launcher's rule).");

@@ -893,18 +893,9 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
         counter.combine_counter = 1;
         DeviceProblem d_counter(in, counter);
         EXPECT_TRUE(run_bits(in, d_counter) == chunk16) << "long memory, the combine from a counter: other bits";
-        internal::PrefillLaunch zero_kernel;  // the flags and K1's counter zeroed by a kernel (a candidate)
-        zero_kernel.pieces_zero_kernel = 1;
-        DeviceProblem d_zero(in, zero_kernel);
-        EXPECT_TRUE(graph_replay_bits(in, d_zero) == chunk16) << "long memory, the flags zeroed by a kernel: other bits";
       } else {
         EXPECT_FALSE(rule == chunk16) << "the pieces did not run (the chunk-16 kernels' bits)";
         EXPECT_TRUE(rule == run_bits(in, d_forced)) << "not the bits of " << pieces << " pieces forced";
-        internal::PrefillLaunch zero_kernel;  // the flags zeroed by a kernel, not a memset (a candidate)
-        zero_kernel.pieces_zero_kernel = 1;
-        DeviceProblem d_zero(in, zero_kernel);
-        EXPECT_TRUE(rule == run_bits(in, d_zero)) << "the flags zeroed by a kernel: other bits";
-        EXPECT_TRUE(rule == graph_replay_bits(in, d_zero)) << "the flags zeroed by a kernel, a graph replay: other bits";
         internal::PrefillLaunch skipping;  // a chunk-16 variant named (here the rule's own value): no pieces
         skipping.skip_transitions = 1;
         DeviceProblem d_skipping(in, skipping);

@@ -348,13 +348,13 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// PrefillLaunch's 26 fields, counted by a structured binding: a field added there stops the build here
+// PrefillLaunch's 25 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
-// (the fused kernel's, the CPU's, pieces_graph_if, combine_counter, pieces_zero_kernel and the
-// timing-only piece_stamps, pieces_start and start_stamps); then the binding gains a name.
+// (the fused kernel's, the CPU's, pieces_graph_if, combine_counter and the timing-only piece_stamps,
+// pieces_start and start_stamps); then the binding gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
   [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
-                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25, f26] = l;
+                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25] = l;
 }
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
@@ -729,8 +729,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // (and they launch K0 again: without the pieces the fused kernel may take the call).
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
                                                pieces_ckpt_start, stream, chain_states, k0_first,
-                                               launch.piece_stamps, launch.pieces_start, launch.start_stamps,
-                                               launch.pieces_zero_kernel > 0) == cudaSuccess) {
+                                               launch.piece_stamps, launch.pieces_start, launch.start_stamps) == cudaSuccess) {
       pieces_flag = flag;
       if (!area.chained) {  // zeroed with the flag
         prep_next = reinterpret_cast<uint32_t*>(flag + 1);

@@ -1286,15 +1286,10 @@ int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chai
   return chained ? fused_chain_flags(p, pieces) : 3;
 }
 
-// The pieces' flags zeroed by a kernel instead of a memset (PrefillLaunch::pieces_zero_kernel, a candidate).
-__global__ void zero_ints_kernel(int* p, int64_t n) {
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) p[i] = 0;
-}
-
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                                  float* chain_states, bool flags_zeroed, long long* stamps, int start_variant,
-                                 long long* start_stamps, bool zero_by_kernel) {
+                                 long long* start_stamps) {
   if (!fused_pieces_serve(p) || pieces < 1 ||
       ((p.state_pool != nullptr || p.cu_seqlens != nullptr) && error_flag == nullptr))
     return cudaErrorInvalidValue;
@@ -1309,12 +1304,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
   f.start_variant = start_variant, f.start_stamps = start_stamps;
   const int64_t flag_ints = fused_pieces_flag_ints(p, pieces, f.pieces_chain);
   cudaError_t err = cudaSuccess;
-  if (!flags_zeroed && zero_by_kernel) {
-    zero_ints_kernel<<<1, 32, 0, stream>>>(flag, flag_ints);
-    err = cudaGetLastError();
-  } else if (!flags_zeroed) {
-    err = cudaMemsetAsync(flag, 0, size_t(flag_ints) * sizeof(int), stream);
-  }
+  if (!flags_zeroed) err = cudaMemsetAsync(flag, 0, size_t(flag_ints) * sizeof(int), stream);
   return err != cudaSuccess ? err : fused_chunks(f, stream);
 }
 

@@ -209,8 +209,7 @@ bool pieces_final_in_place(const PrefillParams& p);
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,
                                  const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
                                  float* chain_states = nullptr, bool flags_zeroed = false, long long* stamps = nullptr,
-                                 int start_variant = 0, long long* start_stamps = nullptr,
-                                 bool zero_by_kernel = false);
+                                 int start_variant = 0, long long* start_stamps = nullptr);
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
