@@ -101,9 +101,8 @@ struct PrefillLaunch {
                                       // kPieceStamps points (prefill_v2 FusedArgs::piece_stamps), device
                                       // memory of at least N pieces H kPieceStamps values; null: none
   int pieces_start = 0;  // GPU, timing only, the unchained few-head pieces: 0 = their rule's kernel; 1 = a
-                         // kernel of its own with start stamps (start_stamps); 2 = one with the first
-                         // chunks' staged rows copied before the gate constants' loads (a candidate); 3 =
-                         // both (prefill_v2 FusedArgs::start_variant)
+                         // kernel of its own with start stamps (start_stamps; prefill_v2
+                         // FusedArgs::start_variant)
   long long* start_stamps = nullptr;  // with pieces_start: each pieces CTA's kStartStamps points
                                       // (prefill_v2 FusedArgs::start_stamps); null: none
 };

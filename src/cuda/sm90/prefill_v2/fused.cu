@@ -430,23 +430,19 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // time_consumers_only nor the pieces' stops (fused_chunks refuses both there).
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
-  // The first kBufs chunks' staged rows (thread 32). The buffers' last reads (the previous item's
-  // chunks) came before its factors' barriers.
-  const auto issue_first_rows = [&] {
-    if (tid == 32) {
-      for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
-      start_stamp<kStart>(a, 2);
-    }
-  };
-  constexpr bool kRowsFirst = kStaged && (kStart & 2) != 0;  // FusedArgs::start_variant's candidate
   if (tid == 0) start_stamp<kStart>(a, 0);
-  if constexpr (kRowsFirst) issue_first_rows();
   load_gate_consts<kGate>(pa, h, tid, sm_gate);
   ProducerSync::sync();
   if (tid == 0) start_stamp<kStart>(a, 1);
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
-  if constexpr (kStaged && !kRowsFirst) issue_first_rows();
+  // The first kBufs chunks' staged rows (thread 32). The buffers' last reads (the previous item's
+  // chunks) came before its factors' barriers. (Issued before the gate constants' loads, run 173 measured
+  // the few-head pieces 1.5% slower at T=2048 H=12 and level from T = 8192: DESIGN.md.)
+  if (kStaged && tid == 32) {
+    for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
+    start_stamp<kStart>(a, 2);
+  }
   // kPieces unchained: the consumers' gates pre-check's verdict, waited for here, while chunk 0's rows
   // and beta are in flight (the check's loads take as long), so that a call it stops costs no chunk:
   // a stopped grid's first chunk took ~20 us of cold code and fill (run 135, H100: a pieces kernel
@@ -1179,11 +1175,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
-    if (args.start_variant != 0) {  // timing only: the start stamps, the rows first (unchained pieces)
-      if (args.pieces_chain || args.start_variant < 1 || args.start_variant > 3) return cudaErrorInvalidValue;
-      return args.start_variant == 1   ? launch_rule_flags<true, true, 1>(args, stream)
-             : args.start_variant == 2 ? launch_rule_flags<true, true, 2>(args, stream)
-                                       : launch_rule_flags<true, true, 3>(args, stream);
+    if (args.start_variant != 0) {  // timing only: the start stamps (unchained pieces)
+      if (args.pieces_chain || args.start_variant != 1) return cudaErrorInvalidValue;
+      return launch_rule_flags<true, true, 1>(args, stream);
     }
     return launch_rule_flags<true, true>(args, stream);
   }

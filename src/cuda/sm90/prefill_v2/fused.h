@@ -149,10 +149,8 @@ struct FusedArgs {
   // producer's thread 0 after its last chunk; then 7 the chunks the CTA walks and 8 its warm-up
   // chunks, 9 its SM (%smid). A point not reached (a stopped piece) keeps its value.
   long long* piece_stamps = nullptr;
-  // Timing only, with unchained pieces: a variant of the pieces' kernel (a kernel of its own, so that
-  // the rule's SASS stays as it is; 0 = the rule's): bit 1 start stamps (start_stamps, null: none), bit
-  // 2 the staged rows of the first chunks copied before the gate constants' loads (a candidate: the
-  // rule issues them behind those loads and the producer's barrier). Variants 1, 2 and 3 are built.
+  // Timing only, with unchained pieces: 1 = the pieces' kernel with start stamps (start_stamps, null:
+  // none), a kernel of its own, so that the rule's SASS stays as it is; 0 = the rule's.
   int start_variant = 0;
   // With start_variant bit 1: each CTA's kStartStamps values (row y H + x, as piece_stamps), %globaltimer
   // nanoseconds where its first chunk's way reaches each point: the producer's thread 0 at 0 its
