@@ -89,6 +89,22 @@ __device__ __forceinline__ void start_stamp(const FusedArgs& a, int point, long 
     a.start_stamps[stamps_cta() * kStartStamps + point] = t;
   }
 }
+// FusedArgs::start_stamps' points 9 + 8 c + j (kStart bit 1): the steps of chunks c = 0 and 1 in
+// produce_chunk, as its mark(i) calls come (thread 0): j = 0 the load (i = 1), 1 the gate and row scales
+// (9), 2 the norms where apart (2), 3 the scan, 4 the factors, 5 the L / Mqk product, 6 their stores, 7
+// the inverse; the inverse's own marks are left out.
+struct ChunkStepStamps {
+  const FusedArgs* a;
+  int64_t chunk;
+  int tid;
+  __device__ __forceinline__ void operator()(int i) const {
+    const int j = i == 1 ? 0 : i == 9 ? 1 : i >= 2 && i <= 7 ? i : -1;
+    if (tid != 0 || chunk >= 2 || j < 0 || a->start_stamps == nullptr) return;
+    long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    a->start_stamps[stamps_cta() * kStartStamps + 9 + 8 * chunk + j] = t;
+  }
+};
 // Whether bar's phase of `parity` has completed, without waiting (the start stamps' point 8).
 __device__ __forceinline__ bool mbarrier_done(uint64_t* bar, uint32_t parity) {
   uint32_t done;
@@ -502,9 +518,14 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       if (kStaged && tid == 32 && c + kBufs < staged_chunks) issue_rows(c + kBufs);
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
-                                                                        scratch, staged, beta_bits, sm_gate, true, l_beta,
-                                                                        mark, refill);
+    if constexpr ((kStart & 1) != 0)
+      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(
+          pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_bits, sm_gate, true, l_beta,
+          ChunkStepStamps{&a, c, tid}, refill);
+    else
+      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
+                                                                          scratch, staged, beta_bits, sm_gate, true,
+                                                                          l_beta, mark, refill);
     if ((kStart & 1) != 0 && c == 0 && tid == 0) start_stamp<kStart>(a, 5);
     mbarrier_arrive(&full[stage]);
     mark(8);
