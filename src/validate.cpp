@@ -18,14 +18,13 @@ void check_float_dtype(const char* name, DType dtype) {
                      dtype_name(dtype));
 }
 
-void check_shape(const PrefillParams& p, Backend backend) {
+void check_shape(const PrefillParams& p) {
   FLASHKDA_CHECK_ARG(p.B >= 0, "B must be >= 0, got B=", p.B);
   FLASHKDA_CHECK_ARG(p.T >= 0, "T must be >= 0, got T=", p.T);
   FLASHKDA_CHECK_ARG(p.H >= 0, "H must be >= 0, got H=", p.H);
   // Every backend's range; the GPU serves K = V = 128 of it (check_cuda_serves, after every other check).
   FLASHKDA_CHECK_ARG(p.K >= 1 && p.K <= 256, "K must be in [1, 256], got K=", p.K);
   FLASHKDA_CHECK_ARG(p.V >= 1 && p.V <= 256, "V must be in [1, 256], got V=", p.V);
-  (void)backend;
   check_element_count("q [B, T, H, K]", {p.B, p.T, p.H, p.K});
   check_element_count("v [B, T, H, V]", {p.B, p.T, p.H, p.V});
 }
@@ -43,9 +42,8 @@ void check_pointers(const PrefillParams& p) {
   FLASHKDA_CHECK_ARG(p.out != nullptr, "out must not be null");
 }
 
-void check_dtypes(const PrefillParams& p, Backend backend) {
+void check_dtypes(const PrefillParams& p) {
   // bf16 only on the GPU: check_cuda_serves, after every other check.
-  (void)backend;
   FLASHKDA_CHECK_ARG(p.dtype == DType::kBF16 || p.dtype == DType::kF32,
                      "dtype (of q, k, v, out) must be bfloat16 or float32, got ", dtype_name(p.dtype));
   check_float_dtype("g_dtype", p.g_dtype);
@@ -234,9 +232,9 @@ void check_cuda_serves(const PrefillParams& p) {
 }
 
 void validate_prefill(const PrefillParams& p, Backend backend) {
-  check_shape(p, backend);
+  check_shape(p);
   check_pointers(p);
-  check_dtypes(p, backend);
+  check_dtypes(p);
   // Before cu_seqlens is read: a huge num_seqs fails here, not by reading past its end. (A negative
   // one passes this product and is named by check_cu_seqlens.)
   check_element_count("states [N, H, V, K]", {num_sequences(p), p.H, p.V, p.K});

@@ -37,10 +37,9 @@ void check_pointers(const DecodeParams& p) {
   FLASHKDA_CHECK_ARG(p.state_indices != nullptr, "decode: state_indices must not be null");
 }
 
-void check_dtypes(const DecodeParams& p, Backend backend) {
+void check_dtypes(const DecodeParams& p) {
   // bf16 only on the GPU: a valid call it does not serve (kUnsupported), checked after every other
   // check (validate_decode), as prefill's.
-  (void)backend;
   FLASHKDA_CHECK_ARG(is_float_dtype(p.dtype), "decode: q, k, v, out must be float32 or bfloat16, got ",
                      dtype_name(p.dtype));
   FLASHKDA_CHECK_ARG(is_float_dtype(p.g_dtype), "decode: g must be float32 or bfloat16, got ",
@@ -55,11 +54,11 @@ void check_dtypes(const DecodeParams& p, Backend backend) {
   }
 }
 
-void check_shapes(const DecodeParams& p, Backend backend) {
+void check_shapes(const DecodeParams& p) {
   FLASHKDA_CHECK_ARG(p.num_seqs >= 0, "decode: num_seqs must be >= 0, got ", p.num_seqs);
   FLASHKDA_CHECK_ARG(p.H >= 1, "decode: H must be >= 1, got ", p.H);
   FLASHKDA_CHECK_ARG(p.K >= 1 && p.V >= 1, "decode: K and V must be >= 1, got K=", p.K, ", V=", p.V);
-  (void)backend;  // the GPU's K = V = 128: validate_decode, after every other check
+  // the GPU's K = V = 128: validate_decode, after every other check
   if (p.cu_seqlens == nullptr) {
     FLASHKDA_CHECK_ARG(p.T >= 1 && p.T <= kMaxDecodeTokens, "decode: T (tokens per sequence) must lie in [1, ",
                        kMaxDecodeTokens, "], got ", p.T);
@@ -131,8 +130,8 @@ void check_indices(const DecodeParams& p) {
 
 void validate_decode(const DecodeParams& p, Backend backend) {
   check_pointers(p);
-  check_dtypes(p, backend);
-  check_shapes(p, backend);
+  check_dtypes(p);
+  check_shapes(p);
   validate_preprocess(p.pre);  // shared with prefill (validate.cpp)
   if (backend == Backend::kCuda) {
     // The GPU kernel moves q, k, v, g, dt_bias and the state with 16-byte vector accesses.
