@@ -78,18 +78,18 @@ __device__ __forceinline__ void piece_stamp(const FusedArgs& a, int point) {
   piece_stamps_row(a)[point] = t;
 }
 
-// FusedArgs::start_stamps (timing only, kStart bit 1 of the pieces' kernel): as piece_stamp, its own row;
+// FusedArgs::start_stamps (timing only, the pieces' kernel with kStart): as piece_stamp, its own row;
 // value >= 0: that value in place of the time.
-template <int kStart>
+template <bool kStart>
 __device__ __forceinline__ void start_stamp(const FusedArgs& a, int point, long long value = -1) {
-  if constexpr ((kStart & 1) != 0) {
+  if constexpr (kStart) {
     if (a.start_stamps == nullptr) return;
     long long t = value;
     if (value < 0) asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     a.start_stamps[stamps_cta() * kStartStamps + point] = t;
   }
 }
-// FusedArgs::start_stamps' points 9 + 8 c + j (kStart bit 1): the steps of chunks c = 0 and 1 in
+// FusedArgs::start_stamps' points 9 + 8 c + j (kStart): the steps of chunks c = 0 and 1 in
 // produce_chunk, as its mark(i) calls come (thread 0): j = 0 the load (i = 1), 1 the gate and row scales
 // (9), 2 the norms where apart (2), 3 the scan, 4 the factors, 5 the L / Mqk product, 6 their stores, 7
 // the inverse; the inverse's own marks are left out.
@@ -99,10 +99,7 @@ struct ChunkStepStamps {
   int tid;
   __device__ __forceinline__ void operator()(int i) const {
     const int j = i == 1 ? 0 : i == 9 ? 1 : i >= 2 && i <= 7 ? i : -1;
-    if (tid != 0 || chunk >= 2 || j < 0 || a->start_stamps == nullptr) return;
-    long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    a->start_stamps[stamps_cta() * kStartStamps + 9 + 8 * chunk + j] = t;
+    if (tid == 0 && chunk < 2 && j >= 0) start_stamp<true>(*a, 9 + 8 * int(chunk) + j);
   }
 };
 // Whether bar's phase of `parity` has completed, without waiting (the start stamps' point 8).
@@ -415,7 +412,7 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 // rows in flight have landed. Unchained, before its first chunk, it also waits for the consumers'
 // gates pre-check's verdict (verdict_barrier), which stops it so at chunk 0.
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
-          int kStart = 0>
+          bool kStart = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
                                              int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
@@ -470,7 +467,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     prechecked = stop->prechecked_stop != 0;
     if (tid == 0) {
       start_stamp<kStart>(a, 3);
-      if constexpr (kStaged && (kStart & 1) != 0) start_stamp<kStart>(a, 8, mbarrier_done(staged_bar(base), 0) ? 1 : 0);
+      if constexpr (kStaged && kStart) start_stamp<kStart>(a, 8, mbarrier_done(staged_bar(base), 0) ? 1 : 0);
     }
   }
   for (int64_t c = 0; c < num_chunks; ++c) {
@@ -513,20 +510,19 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     }
     uint8_t* const staged = kStaged ? staged_buf(gc) : nullptr;
     if constexpr (kStaged) staged_wait(gc);
-    if ((kStart & 1) != 0 && c == 0 && tid == 0) start_stamp<kStart>(a, 4);
+    if (kStart && c == 0 && tid == 0) start_stamp<kStart>(a, 4);
     const auto refill = [&] {
       if (kStaged && tid == 32 && c + kBufs < staged_chunks) issue_rows(c + kBufs);
     };
     float* const l_beta = reinterpret_cast<float*>(ring + stage * L::kStageSpan + L::kOffLBeta);
-    if constexpr ((kStart & 1) != 0)
-      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(
-          pa, h, c, tid, ring + stage * L::kStageSpan, scratch, staged, beta_bits, sm_gate, true, l_beta,
-          ChunkStepStamps{&a, c, tid}, refill);
-    else
-      produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
-                                                                          scratch, staged, beta_bits, sm_gate, true,
-                                                                          l_beta, mark, refill);
-    if ((kStart & 1) != 0 && c == 0 && tid == 0) start_stamp<kStart>(a, 5);
+    const auto marks = [&] {  // the start stamps' kernel stamps chunk 0's and 1's steps, the others clock them
+      if constexpr (kStart) return ChunkStepStamps{&a, c, tid};
+      else return mark;
+    }();
+    produce_chunk<kGate, kF32Gate, ProducerSync, !kConsumerInv, kStaged>(pa, h, c, tid, ring + stage * L::kStageSpan,
+                                                                        scratch, staged, beta_bits, sm_gate, true, l_beta,
+                                                                        marks, refill);
+    if (kStart && c == 0 && tid == 0) start_stamp<kStart>(a, 5);
     mbarrier_arrive(&full[stage]);
     mark(8);
     if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
@@ -731,7 +727,7 @@ __device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqAr
 // product is not below 2^-30, or FusedArgs::pieces_flag is set, the consumers set stop->abort and
 // drain: they release each stage the producer fills until the one it marks (stop->stopped_at), and
 // leave without a final state.
-template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, int kStart = 0>
+template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, bool kStart = false>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
                                              int64_t num_chunks, int64_t base, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
@@ -922,7 +918,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kRegSplit = false, bool kConsumerInv = false,
-          bool kSeqs = false, bool kPieces = false, int kStart = 0>
+          bool kSeqs = false, bool kPieces = false, bool kStart = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ FusedParams params) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   const FusedArgs& a = params.a;
@@ -1094,7 +1090,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false, int kStart = 0>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false, bool kStart = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -1146,8 +1142,8 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 }
 
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers); kStart:
-// FusedArgs::start_variant's kernel (the pieces only).
-template <bool kSeqs, bool kPieces, int kStart = 0>
+// the start stamps' kernel (FusedArgs::start_variant 1, the pieces only).
+template <bool kSeqs, bool kPieces, bool kStart = false>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, kStart>(args, stream);
 }
@@ -1198,7 +1194,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       return cudaErrorInvalidValue;
     if (args.start_variant != 0) {  // timing only: the start stamps (unchained pieces)
       if (args.pieces_chain || args.start_variant != 1) return cudaErrorInvalidValue;
-      return launch_rule_flags<true, true, 1>(args, stream);
+      return launch_rule_flags<true, true, true>(args, stream);
     }
     return launch_rule_flags<true, true>(args, stream);
   }
