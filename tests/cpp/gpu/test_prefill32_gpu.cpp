@@ -2136,70 +2136,68 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     DeviceBuffer piece_st(size_t(ctas * kPieceStamps) * sizeof(long long));
     DeviceBuffer start_st(size_t(ctas * kStartStamps) * sizeof(long long));
     ASSERT_TRUE(piece_st.ptr != nullptr && start_st.ptr != nullptr);
-    {
-      internal::PrefillLaunch launch;
-      launch.pieces_start = 1;
-      launch.piece_stamps = static_cast<long long*>(piece_st.ptr);
-      launch.start_stamps = static_cast<long long*>(start_st.ptr);
-      DeviceProblem d(in, launch);
-      EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start stamps: not the rule's bits";
-      CapturedCall call(in, d);
-      for (const bool flushed : {false, true}) {
-        (void)call.replay(5, flushed ? &flush : nullptr);
-        ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
-        ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);
-        EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr) == rule) << "T=" << T << " start stamps";
-        std::vector<long long> ps(size_t(ctas * kPieceStamps)), st(size_t(ctas * kStartStamps));
-        ASSERT_EQ(cudaMemcpy(ps.data(), piece_st.ptr, piece_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-        ASSERT_EQ(cudaMemcpy(st.data(), start_st.ptr, start_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
-        double mean[kStartStamps] = {}, first_full = 0, steady = 0;
-        double step[2][8] = {};  // chunks 0 and 1: produce_chunk's steps (start points 9 + 8 c + j)
-        int64_t ran = 0, landed = 0, with_own = 0, two_chunks = 0;
-        long long t0 = 0, t_end = 0;
-        for (int64_t i = 0; i < ctas; ++i) {
-          const long long* const p_row = &ps[size_t(i * kPieceStamps)];
-          const long long* const s_row = &st[size_t(i * kStartStamps)];
-          if (s_row[0] == 0) continue;  // no chunk (an empty piece)
-          ++ran;
-          for (int j = 0; j < 8; ++j) {
-            EXPECT_GT(s_row[j], 0) << "T=" << T << " CTA " << i << ": start point " << j << " not reached";
-            mean[j] += 1e-3 * double(s_row[j] - p_row[0]);
-          }
-          landed += s_row[8];
-          if (s_row[9 + 8 + 7] > 0) {  // chunk 1's steps reached: step j from the step before (chunk 0's
-            // load from its rows' wait, point 4; chunk 1's from chunk 0's inverse, its arrival and loop top)
-            ++two_chunks;
-            for (int c = 0; c < 2; ++c)
-              for (int j = 0; j < 8; ++j) {
-                const long long before = j > 0 ? s_row[9 + 8 * c + j - 1] : c == 0 ? s_row[4] : s_row[9 + 7];
-                step[c][j] += 1e-3 * double(s_row[9 + 8 * c + j] - before);
-              }
-          }
-          first_full += 1e-3 * double(p_row[2] - p_row[0]);
-          const int64_t own = p_row[7] - p_row[8] - 1;
-          if (own > 0) steady += 1e-3 * double(p_row[4] - p_row[3]) / double(own), ++with_own;
-          t0 = t0 == 0 ? p_row[0] : std::min(t0, p_row[0]), t_end = std::max(t_end, std::max(p_row[5], p_row[6]));
+    internal::PrefillLaunch launch;
+    launch.pieces_start = 1;
+    launch.piece_stamps = static_cast<long long*>(piece_st.ptr);
+    launch.start_stamps = static_cast<long long*>(start_st.ptr);
+    DeviceProblem d(in, launch);
+    EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start stamps: not the rule's bits";
+    CapturedCall call(in, d);
+    for (const bool flushed : {false, true}) {
+      (void)call.replay(5, flushed ? &flush : nullptr);
+      ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
+      ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);
+      EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr) == rule) << "T=" << T << " start stamps";
+      std::vector<long long> ps(size_t(ctas * kPieceStamps)), st(size_t(ctas * kStartStamps));
+      ASSERT_EQ(cudaMemcpy(ps.data(), piece_st.ptr, piece_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(st.data(), start_st.ptr, start_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
+      double mean[kStartStamps] = {}, first_full = 0, steady = 0;
+      double step[2][8] = {};  // chunks 0 and 1: produce_chunk's steps (start points 9 + 8 c + j)
+      int64_t ran = 0, landed = 0, with_own = 0, two_chunks = 0;
+      long long t0 = 0, t_end = 0;
+      for (int64_t i = 0; i < ctas; ++i) {
+        const long long* const p_row = &ps[size_t(i * kPieceStamps)];
+        const long long* const s_row = &st[size_t(i * kStartStamps)];
+        if (s_row[0] == 0) continue;  // no chunk (an empty piece)
+        ++ran;
+        for (int j = 0; j < 8; ++j) {
+          EXPECT_GT(s_row[j], 0) << "T=" << T << " CTA " << i << ": start point " << j << " not reached";
+          mean[j] += 1e-3 * double(s_row[j] - p_row[0]);
         }
-        ASSERT_GT(ran, 0) << "T=" << T << ": no CTA stamped its start";
-        for (double& m : mean) m /= double(ran);
-        std::printf("[ measure  ] pieces start (%s) T=%lld H=12 random, %lld of %lld CTAs (us from each CTA's "
-                    "start, mean): producer start %.2f, gate constants and barrier %.2f, rows issued %.2f, verdict "
-                    "%.2f (consumers handed it over %.2f; chunk 0's rows landed by then in %lld CTAs), chunk 0 rows "
-                    "waited for %.2f, chunk 0 factors %.2f, first full stage %.2f (piece stamp %.2f); steady chunk "
-                    "%.3f; kernel %.1f\n",
-                    flushed ? "L2 flushed" : "after a replay",
-                    (long long)T, (long long)ran, (long long)ctas, mean[0], mean[1], mean[2], mean[3], mean[6],
-                    (long long)landed, mean[4], mean[5], mean[7], first_full / double(ran),
-                    with_own > 0 ? steady / double(with_own) : 0.0, 1e-3 * double(t_end - t0));
-        ASSERT_GT(two_chunks, 0) << "T=" << T << ": no CTA stamped chunk 1's steps";
-        for (int c = 0; c < 2; ++c) {
-          const auto m = [&](int j) { return step[c][j] / double(two_chunks); };
-          std::printf("[ measure  ] pieces start (%s) T=%lld: chunk %d's producer steps (us, mean over %lld CTAs): "
-                      "load %.2f, gate and row scales %.2f, norms %.2f, scan %.2f, factors %.2f, L / Mqk product "
-                      "%.2f, their stores %.2f, inverse %.2f; sum %.2f\n",
-                      flushed ? "L2 flushed" : "after a replay", (long long)T, c, (long long)two_chunks, m(0), m(1),
-                      m(2), m(3), m(4), m(5), m(6), m(7), m(0) + m(1) + m(2) + m(3) + m(4) + m(5) + m(6) + m(7));
+        landed += s_row[8];
+        if (s_row[9 + 8 + 7] > 0) {  // chunk 1's steps reached: step j from the step before (chunk 0's
+          // load from its rows' wait, point 4; chunk 1's from chunk 0's inverse, its arrival and loop top)
+          ++two_chunks;
+          for (int c = 0; c < 2; ++c)
+            for (int j = 0; j < 8; ++j) {
+              const long long before = j > 0 ? s_row[9 + 8 * c + j - 1] : c == 0 ? s_row[4] : s_row[9 + 7];
+              step[c][j] += 1e-3 * double(s_row[9 + 8 * c + j] - before);
+            }
         }
+        first_full += 1e-3 * double(p_row[2] - p_row[0]);
+        const int64_t own = p_row[7] - p_row[8] - 1;
+        if (own > 0) steady += 1e-3 * double(p_row[4] - p_row[3]) / double(own), ++with_own;
+        t0 = t0 == 0 ? p_row[0] : std::min(t0, p_row[0]), t_end = std::max(t_end, std::max(p_row[5], p_row[6]));
+      }
+      ASSERT_GT(ran, 0) << "T=" << T << ": no CTA stamped its start";
+      for (double& m : mean) m /= double(ran);
+      std::printf("[ measure  ] pieces start (%s) T=%lld H=12 random, %lld of %lld CTAs (us from each CTA's "
+                  "start, mean): producer start %.2f, gate constants and barrier %.2f, rows issued %.2f, verdict "
+                  "%.2f (consumers handed it over %.2f; chunk 0's rows landed by then in %lld CTAs), chunk 0 rows "
+                  "waited for %.2f, chunk 0 factors %.2f, first full stage %.2f (piece stamp %.2f); steady chunk "
+                  "%.3f; kernel %.1f\n",
+                  flushed ? "L2 flushed" : "after a replay",
+                  (long long)T, (long long)ran, (long long)ctas, mean[0], mean[1], mean[2], mean[3], mean[6],
+                  (long long)landed, mean[4], mean[5], mean[7], first_full / double(ran),
+                  with_own > 0 ? steady / double(with_own) : 0.0, 1e-3 * double(t_end - t0));
+      ASSERT_GT(two_chunks, 0) << "T=" << T << ": no CTA stamped chunk 1's steps";
+      for (int c = 0; c < 2; ++c) {
+        const auto m = [&](int j) { return step[c][j] / double(two_chunks); };
+        std::printf("[ measure  ] pieces start (%s) T=%lld: chunk %d's producer steps (us, mean over %lld CTAs): "
+                    "load %.2f, gate and row scales %.2f, norms %.2f, scan %.2f, factors %.2f, L / Mqk product "
+                    "%.2f, their stores %.2f, inverse %.2f; sum %.2f\n",
+                    flushed ? "L2 flushed" : "after a replay", (long long)T, c, (long long)two_chunks, m(0), m(1),
+                    m(2), m(3), m(4), m(5), m(6), m(7), m(0) + m(1) + m(2) + m(3) + m(4) + m(5) + m(6) + m(7));
       }
     }
   }
