@@ -2166,7 +2166,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
         }
         landed += s_row[8];
         if (s_row[9 + 8 + 7] > 0) {  // chunk 1's steps reached: step j from the step before (chunk 0's
-          // load from its rows' wait, point 4; chunk 1's from chunk 0's inverse, its arrival and loop top)
+          // load from its rows' wait, point 4; chunk 1's from chunk 0's hand-over, step 7: its loop top)
           ++two_chunks;
           for (int c = 0; c < 2; ++c)
             for (int j = 0; j < 8; ++j) {
@@ -2195,7 +2195,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
         const auto m = [&](int j) { return step[c][j] / double(two_chunks); };
         std::printf("[ measure  ] pieces start (%s) T=%lld: chunk %d's producer steps (us, mean over %lld CTAs): "
                     "load %.2f, gate and row scales %.2f, norms %.2f, scan %.2f, factors %.2f, L / Mqk product "
-                    "%.2f, their stores %.2f, inverse %.2f; sum %.2f\n",
+                    "%.2f, their stores %.2f, hand-over %.2f; sum %.2f\n",
                     flushed ? "L2 flushed" : "after a replay", (long long)T, c, (long long)two_chunks, m(0), m(1),
                     m(2), m(3), m(4), m(5), m(6), m(7), m(0) + m(1) + m(2) + m(3) + m(4) + m(5) + m(6) + m(7));
       }

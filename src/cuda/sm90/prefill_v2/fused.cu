@@ -91,14 +91,15 @@ __device__ __forceinline__ void start_stamp(const FusedArgs& a, int point, long 
 }
 // FusedArgs::start_stamps' points 9 + 8 c + j (kStart): the steps of chunks c = 0 and 1 in
 // produce_chunk, as its mark(i) calls come (thread 0): j = 0 the load (i = 1), 1 the gate and row scales
-// (9), 2 the norms where apart (2), 3 the scan, 4 the factors, 5 the L / Mqk product, 6 their stores, 7
-// the inverse; the inverse's own marks are left out.
+// (9), 2 the norms where apart (2), 3 the scan, 4 the factors, 5 the L / Mqk product, 6 their stores;
+// then 7 the producer's arrival on the chunk's full stage (produce_item's mark 8). The stamped kernel's
+// consumers invert (kConsumerInv), so produce_chunk ends at its mark 6.
 struct ChunkStepStamps {
   const FusedArgs* a;
   int64_t chunk;
   int tid;
   __device__ __forceinline__ void operator()(int i) const {
-    const int j = i == 1 ? 0 : i == 9 ? 1 : i >= 2 && i <= 7 ? i : -1;
+    const int j = i == 1 ? 0 : i == 9 ? 1 : i >= 2 && i <= 6 ? i : i == 8 ? 7 : -1;
     if (tid == 0 && chunk < 2 && j >= 0) start_stamp<true>(*a, 9 + 8 * int(chunk) + j);
   }
 };
@@ -524,7 +525,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
                                                                         marks, refill);
     if (kStart && c == 0 && tid == 0) start_stamp<kStart>(a, 5);
     mbarrier_arrive(&full[stage]);
-    mark(8);
+    marks(8);  // the phase clocks' mark, or the start stamps' chunk 0 and 1 hand-overs
     if (kTrace && (tid & 31) == 0) trace_point(a, h, c, 2 + (tid >> 5));  // each producer warp's arrival
   }
   if (kClock && tid == 0) {

@@ -159,8 +159,8 @@ struct FusedArgs {
   // arrival on the full stage); 2 thread 32 after it issued the staged rows' copies; the consumers'
   // thread 0 at 6 after the pre-check (the verdict handed over), 7 after chunk 0's full-stage wait;
   // then 8: 1 where chunk 0's staged rows had landed as the verdict's wait ended, else 0 (the time at 4
-  // is the later of the two); 9 + 8 c + j: chunk c = 0, 1's steps in produce_chunk (fused.cu
-  // ChunkStepStamps).
+  // is the later of the two); 9 + 8 c + j: chunk c = 0, 1's steps in produce_chunk and their hand-over
+  // (fused.cu ChunkStepStamps).
   long long* start_stamps = nullptr;
 };
 constexpr int kPieceStamps = 10;
