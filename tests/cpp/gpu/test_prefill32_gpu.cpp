@@ -2114,12 +2114,16 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
 // start stamps (internal pieces_start = 1, a kernel of its own: the rule's SASS unchanged;
 // FusedArgs::start_stamps: the producer's start, its gate constants and barrier, the staged rows'
 // issue, the verdict and whether chunk 0's rows had landed by then, chunk 0's rows landed and its
-// factors done; the consumers' verdict handed over and their first full stage). One sequence, H = 12,
-// bench_prefill.py's random gates, T = 2048 and 8192: the stamped kernel's bits are the rule's; its
-// timelines (us from each CTA's start, mean over the CTAs that ran a chunk: an empty last piece, on GPUs
-// of other SM counts, has none) after a replay and with L2 flushed (256 MB written before each replay).
+// factors done; the consumers' verdict handed over and their first full stage), and the producer's steps
+// in chunks 0 and 1 side by side. One sequence, H = 12, bench_prefill.py's random gates, T = 2048 and
+// 8192: the stamped kernel's bits are the rule's; its timelines (us from each CTA's start, mean over the
+// CTAs that ran a chunk: an empty last piece, on GPUs of other SM counts, has none) after a replay, with
+// L2 flushed (256 MB written before each replay), and flushed with the stamped kernel's code warm (a
+// T = 2048 call of it on inputs of its own just before, as TimeThePiecesCtaByCta's third mode).
 // Run 173 (an H100): chunk 0's rows had landed by the verdict in every CTA, and its factors took ~11.5
-// us against a steady chunk's ~3.9 (DESIGN.md "Where a few-head call's fixed cost goes").
+// us against a steady chunk's ~3.9 (DESIGN.md "Where a few-head call's fixed cost goes"). Chunk 0's
+// steps all slower than chunk 1's by about one factor, and less so with the code warm, would say
+// instruction fetch; one step slower alone, that step's own first-time cost.
 TEST_F(Prefill32Gpu, TimeThePiecesStart) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -2143,11 +2147,21 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     DeviceProblem d(in, launch);
     EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start stamps: not the rule's bits";
     CapturedCall call(in, d);
-    for (const bool flushed : {false, true}) {
-      (void)call.replay(5, flushed ? &flush : nullptr);
+    // the code-warm mode's call before: the stamped kernel at T = 2048 on inputs of its own, so that the code
+    // is in L2 (and in the SMs' caches, as far as they keep it from one kernel to the next) and the data not
+    KdaInputs in_warm = bench_regime_inputs(2048, 12, 31, false);
+    internal::PrefillLaunch warm_launch;
+    warm_launch.pieces_start = 1;
+    DeviceProblem d_warm(in_warm, warm_launch);
+    CapturedCall warm_call(in_warm, d_warm);
+    for (const int mode : {0, 1, 2}) {
+      const bool flushed = mode > 0;
+      const CapturedCall* const warm = mode == 2 ? &warm_call : nullptr;
+      const char* const mode_name = mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm";
+      (void)call.replay(5, flushed ? &flush : nullptr, warm);
       ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
       ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);
-      EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr) == rule) << "T=" << T << " start stamps";
+      EXPECT_TRUE(call.replay(1, flushed ? &flush : nullptr, warm) == rule) << "T=" << T << " start stamps";
       std::vector<long long> ps(size_t(ctas * kPieceStamps)), st(size_t(ctas * kStartStamps));
       ASSERT_EQ(cudaMemcpy(ps.data(), piece_st.ptr, piece_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
       ASSERT_EQ(cudaMemcpy(st.data(), start_st.ptr, start_st.bytes, cudaMemcpyDeviceToHost), cudaSuccess);
@@ -2186,7 +2200,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
                   "%.2f (consumers handed it over %.2f; chunk 0's rows landed by then in %lld CTAs), chunk 0 rows "
                   "waited for %.2f, chunk 0 factors %.2f, first full stage %.2f (piece stamp %.2f); steady chunk "
                   "%.3f; kernel %.1f\n",
-                  flushed ? "L2 flushed" : "after a replay",
+                  mode_name,
                   (long long)T, (long long)ran, (long long)ctas, mean[0], mean[1], mean[2], mean[3], mean[6],
                   (long long)landed, mean[4], mean[5], mean[7], first_full / double(ran),
                   with_own > 0 ? steady / double(with_own) : 0.0, 1e-3 * double(t_end - t0));
@@ -2196,7 +2210,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
         std::printf("[ measure  ] pieces start (%s) T=%lld: chunk %d's producer steps (us, mean over %lld CTAs): "
                     "load %.2f, gate and row scales %.2f, norms %.2f, scan %.2f, factors %.2f, L / Mqk product "
                     "%.2f, their stores %.2f, hand-over %.2f; sum %.2f\n",
-                    flushed ? "L2 flushed" : "after a replay", (long long)T, c, (long long)two_chunks, m(0), m(1),
+                    mode_name, (long long)T, c, (long long)two_chunks, m(0), m(1),
                     m(2), m(3), m(4), m(5), m(6), m(7), m(0) + m(1) + m(2) + m(3) + m(4) + m(5) + m(6) + m(7));
       }
     }
