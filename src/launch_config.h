@@ -94,9 +94,6 @@ struct PrefillLaunch {
                                 // (48 channels or fewer), the few-head pieces off; 2 = the same where the
                                 // chunk-16 kernels run, the pieces' rule kept (after a stop); 0 = rule (the K
                                 // transition rows)
-  int combine_counter = 0;  // GPU, a candidate, after the unchained few-head pieces: 1 = the combine a wave of
-                           // CTAs taking its items from a counter (Params::combine_next); 0 = rule (one CTA
-                           // an item)
   long long* piece_stamps = nullptr;  // GPU, timing only, calls the few-head pieces run: each pieces CTA's
                                       // kPieceStamps points (prefill_v2 FusedArgs::piece_stamps), device
                                       // memory of at least N pieces H kPieceStamps values; null: none

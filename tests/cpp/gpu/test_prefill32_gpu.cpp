@@ -889,10 +889,6 @@ TEST_F(Prefill32Gpu, RuleRunsFewHeadPieces) {
       EXPECT_EQ(pieces_flags(d_rule)[0], long_memory ? 2 : 0) << "the pieces' flag (2: the gates' pre-check)";
       if (long_memory) {
         EXPECT_TRUE(rule == chunk16) << "long memory: not the chunk-16 kernels' bits";
-        internal::PrefillLaunch counter;  // the combine after the stopped pieces from a counter (a candidate)
-        counter.combine_counter = 1;
-        DeviceProblem d_counter(in, counter);
-        EXPECT_TRUE(run_bits(in, d_counter) == chunk16) << "long memory, the combine from a counter: other bits";
       } else {
         EXPECT_FALSE(rule == chunk16) << "the pieces did not run (the chunk-16 kernels' bits)";
         EXPECT_TRUE(rule == run_bits(in, d_forced)) << "not the bits of " << pieces << " pieces forced";
@@ -2215,30 +2211,6 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
       }
     }
   }
-}
-
-// The combine after the few-head pieces from a counter (internal combine_counter = 1, a candidate:
-// Params::combine_next) against the rule's one CTA an item: the same bits, and both calls' CUDA-graph medians at
-// H = 12, one sequence, bench_prefill.py's two gate regimes: random (the pieces run the call and the
-// combine only reads their flag) and long memory (channels 0-7 of every head at dt_bias -8: the
-// gates' pre-check stops the pieces and the chunk-16 kernels, the combine with them, run the call).
-TEST_F(Prefill32Gpu, TimeTheCombineAfterThePieces) {
-  for (const int64_t T : {int64_t(8192), int64_t(32768)})
-    for (const bool long_memory : {false, true}) {
-      KdaInputs in = bench_regime_inputs(T, 12, 31, long_memory);
-      internal::PrefillLaunch counter;
-      counter.combine_counter = 1;
-      DeviceProblem d_rule(in), d_counter(in, counter);
-      ASSERT_TRUE(fused_pieces_serve(d_rule.params()));
-      const std::vector<unsigned char> rule = run_bits(in, d_rule);
-      EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
-      EXPECT_TRUE(rule == run_bits(in, d_counter)) << "T=" << T << (long_memory ? " long memory" : " random")
-                                                   << ": the counter's combine changed the bits";
-      const double ms_counter = median_graph_ms(in, d_counter), ms_rule = median_graph_ms(in, d_rule);
-      std::printf("[ measure  ] the combine after the pieces, T=%lld H=12 %s gates, CUDA-graph medians (ms): "
-                  "from a counter %.4f, one CTA an item (the rule) %.4f\n",
-                  (long long)T, long_memory ? "long-memory" : "random", ms_counter, ms_rule);
-    }
 }
 
 }  // namespace

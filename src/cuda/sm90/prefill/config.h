@@ -330,11 +330,6 @@ struct Params {
   uint32_t* prep_next;        // the few-head pieces' area (zeroed with their flag), or null: the strided K1 after
                               // them takes its (slot, head) items from this counter, in the one-a-CTA kernel's
                               // order, instead of every gridDim.x-th in turn (prepare_kernel kStrided)
-  uint32_t* combine_next;     // a candidate (internal combine_counter = 1): the few-head pieces' area (zeroed
-                              // with their flag), or null: the combine after them runs one wave of CTAs taking
-                              // its (tile, head) items from this counter, in the one-a-CTA grid's order, so that
-                              // where the pieces ran the call its grid is one wave that reads the flag, not one
-                              // CTA an item (segment_combine_kernel)
   int32_t* fused_order;       // workspace header [N] (with cu_seqlens): K0's order of the sequences, longest
                               // first (order_longest_first), in which the fused kernel's CTAs take them
   int32_t* fused_next;        // workspace header, zeroed by K0 where fused_sms > 0: the next (sequence,

@@ -64,17 +64,13 @@ void launch_segment_combine(const Params& p, cudaStream_t stream) {
   const int64_t tiles = (p.seg_chunks + kCombineChunks - 1) / kCombineChunks;
   const int64_t ctas = p.max_segs * tiles;
   if (ctas == 0 || p.H == 0) return;
-  // After the few-head pieces (Params::combine_next, a candidate): 2 x #SMs CTAs taking the items from a
-  // counter, one wave of the exact combine's two an SM (the low-rank combine's 140 KB fit one an SM: its
-  // second half finds the counter spent and leaves). Where the pieces ran the call (random gates) the
-  // one-a-CTA grid's CTAs only read the flag and left, and it was the costliest of the empty kernels
-  // after them: 2.7 us at T=8192 H=12, 21.3 at T=131072 H=12, 17.1 at T=32768 H=32 (run 147, an H100).
-  const bool counter = p.combine_next != nullptr;
-  const int64_t grid = counter ? std::min<int64_t>(ctas * p.H, 2 * int64_t(sm_count())) : ctas * p.H;
+  // After the few-head pieces that ran the call (random gates) the grid's CTAs only read the flag and
+  // leave, the costliest of the empty kernels after them (run 147, an H100: 2.7 us at T=8192 H=12, 21.3
+  // at T=131072 H=12); a wave taking the items from a counter measured slower with long memory (run 170).
+  const int64_t grid = ctas * p.H;
   const bool lowrank = p.seg_lowrank != nullptr;  // low-rank transitions: their own kernel (a candidate)
   const int smem = lowrank ? int(sizeof(CombineLowRankSmem)) : int(sizeof(CombineSmem));
-  const auto kernel = lowrank ? (counter ? segment_combine_kernel<true, true> : segment_combine_kernel<true, false>)
-                              : (counter ? segment_combine_kernel<false, true> : segment_combine_kernel<false, false>);
+  const auto kernel = lowrank ? segment_combine_kernel<true> : segment_combine_kernel<false>;
   FLASHKDA_CUDA_CHECK(allow_dynamic_smem(kernel, smem));
   launch_early(p.early_launch & kEarlyCombine, kernel, dim3(unsigned(grid)), dim3(kCombineThreads),
                size_t(smem), stream, p, tiles);
@@ -348,13 +344,13 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// PrefillLaunch's 25 fields, counted by a structured binding: a field added there stops the build here
+// PrefillLaunch's 24 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
-// (the fused kernel's, the CPU's, pieces_graph_if, combine_counter and the timing-only piece_stamps,
+// (the fused kernel's, the CPU's, pieces_graph_if and the timing-only piece_stamps,
 // pieces_start and start_stamps); then the binding gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
   [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
-                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24, f25] = l;
+                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24] = l;
 }
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
@@ -395,8 +391,7 @@ PiecesChoice fused_pieces_choice(const PrefillParams& p, const internal::Prefill
 }
 
 // The pieces' area of the workspace, after the chunk-16 kernels': the flags' block (the flag; when
-// chained, the counter and the ready flags after it, else the chunk-16 K1's and the combine's counters,
-// Params::prep_next and combine_next),
+// chained, the counter and the ready flags after it, else the chunk-16 K1's counter, Params::prep_next),
 // the last pieces' final states, and when chained every piece's end state. pieces 0: the call does not
 // run in pieces (total 0).
 struct PiecesArea {
@@ -698,7 +693,6 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
   // picks for the call, which run it only where a piece's warm-up did not bound its transition.
   const int* pieces_flag = nullptr;
   uint32_t* prep_next = nullptr;  // unchained pieces: K1's counter after their flag (Params::prep_next)
-  uint32_t* combine_next = nullptr;  // and the combine's after it (Params::combine_next)
   Params ahead{};  // with cu_seqlens or a pool: the chunk-16 kernels' parameters K0 ran with ahead of the pieces
   const int* pieces_error_flag = nullptr;  // K0's verdict where it ran ahead of the pieces
   const int32_t* pieces_ckpt_start = nullptr;
@@ -733,7 +727,6 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
       pieces_flag = flag;
       if (!area.chained) {  // zeroed with the flag
         prep_next = reinterpret_cast<uint32_t*>(flag + 1);
-        if (launch.combine_counter > 0) combine_next = reinterpret_cast<uint32_t*>(flag + 2);
       }
       ahead.k0_ran = k0_first;  // the kernels after the pieces take these parameters
       // Where a piece stopped the call, the kernels the rule (or fused_v2 = 1) picks run it: the fused
@@ -780,7 +773,6 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const int64_t N = detail::num_sequences(p);
     Params kp = ahead.k0_ran ? ahead : chunk16_params(p, launch, workspace, pieces_flag);
     kp.prep_next = prep_next;
-    kp.combine_next = combine_next;
     kp.pieces_final = pieces_final;
     // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
     // kernel launched after them, while they do nothing.

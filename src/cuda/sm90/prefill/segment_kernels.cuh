@@ -708,34 +708,16 @@ __device__ __forceinline__ void combine_item(const Params& p, uint8_t* smem_raw,
   }
 }
 
-// One CTA an item (blockIdx.x), or (kCounter: after the few-head pieces, Params::combine_next) a
-// wave of CTAs taking the items from a counter, in that grid's order: thread 0 asks for the next as
-// an item starts, so that the atomic's latency passes under the item, and hands it over through
-// next[] at the barrier that ends the item (every warp done with its shared memory). A kernel of its
-// own: the loop costs ptxas 12 bytes of spills at the 128 registers of two CTAs an SM.
-template <bool kLowRank, bool kCounter = false>
+// One CTA an item (blockIdx.x). (A wave of CTAs taking the items from a counter after the few-head
+// pieces, whose one-a-CTA grid only reads the flag there, measured slower with long memory in run 170
+// and was dropped: DESIGN.md "Few heads: the fused kernel in pieces".)
+template <bool kLowRank>
 __global__ void __launch_bounds__(kCombineThreads, 2) segment_combine_kernel(const __grid_constant__ Params p,
                                                                              int64_t tiles) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   wait_for_prerequisites();  // the chain (launched early after it)
   if (call_refused(p) || call_fused(p) || pieces_ran(p)) return;
-  if constexpr (!kCounter) {
-    combine_item<kLowRank>(p, smem_raw, tiles, blockIdx.x);
-    return;
-  }
-  __shared__ uint32_t next[2];
-  const uint32_t total = uint32_t(p.max_segs * tiles * p.H);  // < 2^31: the one-a-CTA grid's size
-  if (threadIdx.x == 0) next[0] = atomicAdd(p.combine_next, 1u);
-  __syncthreads();
-  for (int i = 0;; i ^= 1) {
-    const uint32_t b = next[i];
-    if (b >= total) return;
-    uint32_t ahead = 0;
-    if (threadIdx.x == 0) ahead = atomicAdd(p.combine_next, 1u);
-    combine_item<kLowRank>(p, smem_raw, tiles, b);
-    if (threadIdx.x == 0) next[i ^ 1] = ahead;
-    __syncthreads();  // every warp done with the item's shared memory; next[i ^ 1] written
-  }
+  combine_item<kLowRank>(p, smem_raw, tiles, blockIdx.x);
 }
 
 }  // namespace flashkda::cuda::sm90::prefill

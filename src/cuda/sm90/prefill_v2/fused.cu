@@ -1295,7 +1295,7 @@ int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces) {
 }
 
 int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chained) {
-  return chained ? fused_chain_flags(p, pieces) : 3;
+  return chained ? fused_chain_flags(p, pieces) : 2;
 }
 
 cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int warmup, int* flag, float* final_states,

@@ -212,7 +212,7 @@ cudaError_t fused_pieces_prefill(const PrefillParams& p, int64_t pieces, int war
 // The ints of that block: 2 + N pieces H.
 int64_t fused_chain_flags(const PrefillParams& p, int64_t pieces);
 // The ints fused_pieces_prefill zeroes at `flag`: chained, fused_chain_flags; else the flag and the
-// chunk-16 K1's and the combine's counters after it (prefill Params::prep_next, combine_next).
+// chunk-16 K1's counter after it (prefill Params::prep_next).
 int64_t fused_pieces_flag_ints(const PrefillParams& p, int64_t pieces, bool chained);
 cudaError_t fused_pieces_finish(const PrefillParams& p, const int* flag, const float* final_states, cudaStream_t stream);
 // What fused_pieces_finish copies (from null: nothing, pieces_final_in_place or no final state), for K1
