@@ -243,15 +243,14 @@ def layouts(C, H, sms):
 
 def chunk16_and_fused_ms(H, seqlens, reps, rule=False, floor=0):
     """One shape through the chunk-16 kernels and through the fused chunk-32 kernel (internal fused_v2
-    -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens)
-    and the same with the candidate persistent grid where K0 may choose (fused_persistent 1), random
-    gates, fp32 states; `floor` > 0: both with that floor on the longest sequence (internal
-    fused_min_tokens) instead of the rule's: CUDA-graph medians, ms."""
+    -1 and 1), and with `rule` the default call (fused_v2 0: the rule, K0's verdict with cu_seqlens),
+    random gates, fp32 states; `floor` > 0: the default call with that floor on the longest sequence
+    (internal fused_min_tokens) instead of the rule's: CUDA-graph medians, ms."""
     x = make_inputs(H, seqlens, True)
     launches = [dict(fused_v2=-1), dict(fused_v2=1)]
     if rule:
         extra = dict(fused_min_tokens=floor) if floor > 0 else {}
-        launches += [dict(fused_v2=0, **extra), dict(fused_v2=0, fused_persistent=1, **extra)]
+        launches.append(dict(fused_v2=0, **extra))
     times = [time_graph_ms(run_flashkda(x, True, launch=launch)[0], reps=reps) for launch in launches]
     del x
     torch.cuda.empty_cache()
@@ -286,8 +285,8 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0):
     rows = ["", "The fused chunk-32 kernel against today's kernels, batches through device cu_seqlens, and the "
             "default call (the rule; random gates, fp32 states; CUDA-graph medians, ms):", "",
             "| N x T | H | CTAs (N H) | chunk-16 kernels | fused v2 | "
-            + (f"default, floor {floor} | persistent grid, floor {floor} | " if floor > 0 else "default (rule) | persistent grid | ") +
-            "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|---|"]
+            + (f"default, floor {floor} | " if floor > 0 else "default (rule) | ") +
+            "fused / chunk-16 | default / best |", "|---|---|---|---|---|---|---|---|"]
     print("\n".join(rows), flush=True)
     # one sequence and batches about the rule's 64-token floor: where the floor could go
     shapes = [(f"{N} x {T}", [T] * N) for N, T in ((1, 32), (1, 64), (1, 128), (1, 256), (1, 384), (1, 512), (1, 1024),
@@ -303,8 +302,8 @@ def fused_batch_sweep_rows(reps, only_shapes="", only_heads="", floor=0):
         for H in ((96,) if len(seqlens) == 1 else (12, 16, 24, 32, 64, 96)):
             if head_filter and H not in head_filter:
                 continue
-            ours, fused, rule, persistent = chunk16_and_fused_ms(H, seqlens, reps, rule=True, floor=floor)
-            rows.append(f"| {name} | {H} | {len(seqlens) * H} | {ours:.3f} | {fused:.3f} | {rule:.3f} | {persistent:.3f} | "
+            ours, fused, rule = chunk16_and_fused_ms(H, seqlens, reps, rule=True, floor=floor)
+            rows.append(f"| {name} | {H} | {len(seqlens) * H} | {ours:.3f} | {fused:.3f} | {rule:.3f} | "
                         f"{fused / ours:.2f} | {rule / min(ours, fused):.2f} |")
             print(rows[-1], flush=True)
     return rows
@@ -662,7 +661,7 @@ def main():
     ap.add_argument("--fused-batch-shapes", default="",
                     help="with --fused-batch-sweep: only these shapes, comma-separated names (e.g. '8 x 1024,256 x 200')")
     ap.add_argument("--fused-floor", type=int, default=0,
-                    help="with --fused-batch-sweep: the default and persistent columns with this floor on the longest "
+                    help="with --fused-batch-sweep: the default column with this floor on the longest "
                          "sequence (internal fused_min_tokens, a candidate) instead of the rule's 64 tokens")
     ap.add_argument("--fused-batch-heads", default="", help="with --fused-batch-sweep: only these H, comma-separated")
     ap.add_argument("--layouts-sweep", action="store_true",

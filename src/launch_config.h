@@ -59,14 +59,9 @@ struct PrefillLaunch {
                      // its CTAs, one a sequence and head, keep 2/3 of the SMs busy over the longest sequence
                      // of at least 64 tokens: cuda/sm90/prefill/config.h fused_rule; decided on the host
                      // without cu_seqlens, by K0 on the GPU with them; docs/DESIGN.md "Prefill v2")
-  int fused_persistent = 0;  // GPU, a candidate, where K0 may choose the fused kernel (device cu_seqlens): 1 = a
-                             // persistent grid of at most #SMs CTAs taking (sequence, head) items in turn, so a
-                             // call K0 leaves to the chunk-16 kernels pays one wave of empty CTAs, and K0 may
-                             // choose at any mean length; 0 = rule (a CTA an item, and K0 may choose only where
-                             // the sequences average the rule's floor or more; docs/DESIGN.md "Prefill v2")
   int64_t fused_min_tokens = 0;  // GPU, a candidate: the fused kernel's rule with this floor on the longest
-                                 // sequence instead of 64 tokens (and, where K0 chooses without the persistent
-                                 // grid, a mean of this many tokens); 0 = rule
+                                 // sequence instead of 64 tokens (and, where K0 chooses, a mean of this many
+                                 // tokens); 0 = rule
   int64_t fused_pieces = 0;  // GPU (calls the fused kernel serves): each sequence cut into this many pieces, CTAs
                              // of the fused kernel at once, a piece after the first starting fused_warmup 32-token
                              // chunks early from zero where the warm-up provably erases the incoming state (below

@@ -8,7 +8,7 @@ Not public API: the defaults are the launchers' own rules, which is what every c
 context runs; nothing is read from the environment. See src/launch_config.h for the meaning of
 each field (prefill: v_splits, segment_chunks, f16_operands, checkpoints_in_segments, skip_transitions,
 skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm, record_copy, early_launch, cpu_isa, skip_bound,
-fused_v2, fused_persistent, fused_min_tokens, fused_pieces, fused_warmup, fused_order, fused_chain,
+fused_v2, fused_min_tokens, fused_pieces, fused_warmup, fused_order, fused_chain,
 lowrank_transitions, pieces_graph_if; decode:
 persistent, check_slots). cpu_engine_isa(requested) says which instruction set the CPU engine runs.
 """
@@ -24,8 +24,7 @@ _PREFILL = {"v_splits": "_v_splits", "segment_chunks": "_segment_chunks", "f16_o
             "skip_run_chunks": "_skip_run_chunks", "skip_warmup_chunks": "_skip_warmup_chunks",
             "seg_ctas_per_sm": "_seg_ctas_per_sm", "record_copy": "_record_copy",
             "early_launch": "_early_launch", "cpu_isa": "_cpu_isa", "skip_bound": "_skip_bound",
-            "fused_v2": "_fused_v2", "fused_persistent": "_fused_persistent",
-            "fused_min_tokens": "_fused_min_tokens", "fused_pieces": "_fused_pieces",
+            "fused_v2": "_fused_v2", "fused_min_tokens": "_fused_min_tokens", "fused_pieces": "_fused_pieces",
             "fused_warmup": "_fused_warmup", "fused_order": "_fused_order", "fused_chain": "_fused_chain",
             "lowrank_transitions": "_lowrank_transitions", "pieces_graph_if": "_pieces_graph_if"}
 _DECODE = {"persistent": "_persistent", "check_slots": "_check_slots", "cpu_isa": "_cpu_isa"}
@@ -35,7 +34,7 @@ _DECODE = {"persistent": "_persistent", "check_slots": "_check_slots", "cpu_isa"
 def launch(**fields):
     """Calls inside the block launch with these fields (v_splits, segment_chunks, f16_operands,
     checkpoints_in_segments, skip_transitions, skip_run_chunks, skip_warmup_chunks, seg_ctas_per_sm,
-    record_copy, early_launch, cpu_isa, skip_bound, fused_v2, fused_persistent, fused_min_tokens, fused_pieces,
+    record_copy, early_launch, cpu_isa, skip_bound, fused_v2, fused_min_tokens, fused_pieces,
     fused_warmup, fused_order, fused_chain, lowrank_transitions, pieces_graph_if,
     persistent, check_slots)."""
     unknown = set(fields) - set(_PREFILL) - set(_DECODE)

@@ -398,7 +398,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
              nb::object workspace_alloc, uintptr_t stream, bool u16_is_bf16, const std::string& precision,
              int v_splits, int64_t segment_chunks, int f16_operands, int ckpt_in_segments, int skip_transitions,
              int64_t skip_run_chunks, int64_t skip_warmup_chunks, int seg_ctas_per_sm, int record_copy,
-             int early_launch, int cpu_isa, int skip_bound, int fused_v2, int fused_persistent,
+             int early_launch, int cpu_isa, int skip_bound, int fused_v2,
              int64_t fused_min_tokens, int64_t fused_pieces, int fused_warmup, int fused_order, int fused_chain,
              int lowrank_transitions, int pieces_graph_if) {
   PreArgs pre{A_log, dt_bias, gate, lower_bound, l2norm_qk, beta_is_logit, scale};
@@ -413,7 +413,7 @@ void forward(const InArray& q, const InArray& k, const InArray& v, const InArray
   launch.skip_run_chunks = skip_run_chunks, launch.skip_warmup_chunks = skip_warmup_chunks;
   launch.seg_ctas_per_sm = seg_ctas_per_sm, launch.record_copy = record_copy, launch.early_launch = early_launch;
   launch.cpu_isa = cpu_isa, launch.skip_bound = skip_bound, launch.fused_v2 = fused_v2;
-  launch.fused_persistent = fused_persistent, launch.fused_min_tokens = fused_min_tokens;
+  launch.fused_min_tokens = fused_min_tokens;
   launch.fused_pieces = fused_pieces, launch.fused_warmup = fused_warmup, launch.fused_order = fused_order;
   launch.fused_chain = fused_chain, launch.lowrank_transitions = lowrank_transitions;
   launch.pieces_graph_if = pieces_graph_if;
@@ -655,7 +655,7 @@ NB_MODULE(_C, m) {
         arg("_f16_operands") = 0, arg("_ckpt_in_segments") = 0, arg("_skip_transitions") = 0,
         arg("_skip_run_chunks") = 0, arg("_skip_warmup_chunks") = 0, arg("_seg_ctas_per_sm") = 0,
         arg("_record_copy") = 0, arg("_early_launch") = 0, arg("_cpu_isa") = 0, arg("_skip_bound") = 0,
-        arg("_fused_v2") = 0, arg("_fused_persistent") = 0, arg("_fused_min_tokens") = 0,
+        arg("_fused_v2") = 0, arg("_fused_min_tokens") = 0,
         arg("_fused_pieces") = 0, arg("_fused_warmup") = 0, arg("_fused_order") = 0, arg("_fused_chain") = 0,
         arg("_lowrank_transitions") = 0, arg("_pieces_graph_if") = 0,
         "Chunked KDA forward (docs/SPEC.md §3/§4): writes out [B,T,H,V] and final_state [N,H,V,K] in place. "
@@ -665,7 +665,7 @@ NB_MODULE(_C, m) {
         "precision: 'precise', 'balanced' or 'fast' (the GPU recurrence; flashkda::Precision). "
         "_v_splits, _segment_chunks, _f16_operands, _ckpt_in_segments, _skip_transitions, _skip_run_chunks, "
         "_skip_warmup_chunks, _seg_ctas_per_sm, _record_copy, _early_launch, _cpu_isa, _skip_bound, _fused_v2, "
-        "_fused_persistent, _fused_min_tokens, _fused_pieces, _fused_warmup, _fused_order, _fused_chain, "
+        "_fused_min_tokens, _fused_pieces, _fused_warmup, _fused_order, _fused_chain, "
         "_lowrank_transitions, _pieces_graph_if: "
         "internal launch "
         "configuration (tests, benchmarks; 0 = the "

@@ -1557,8 +1557,7 @@ TEST_F(Prefill32Gpu, PiecesFlagsStartAtZeroInAnyWorkspace) {
 }
 
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints
-// 3 N + 5 on, after chunk_start, the verdict, seg_start, ckpt_start and the persistent grid's
-// counter) is a permutation with the length classes (ceil(len / 32)) non-increasing, through the
+// 3 N + 4 on, after chunk_start, the verdict, seg_start and ckpt_start) is a permutation with the length classes (ceil(len / 32)) non-increasing, through the
 // forced fused kernel and the rule's path (K0 choosing); the calls' bits equal those in the batch's
 // order (fused_order = -1), which has no order written.
 TEST_F(Prefill32Gpu, LongestFirstOrder) {
@@ -1580,7 +1579,7 @@ TEST_F(Prefill32Gpu, LongestFirstOrder) {
     const std::vector<unsigned char> bits = run_bits(in, d);
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     std::vector<int32_t> order(size_t(N), -1);
-    ASSERT_EQ(cudaMemcpy(order.data(), static_cast<int32_t*>(d.workspace->ptr) + 3 * N + 5, size_t(N) * 4,
+    ASSERT_EQ(cudaMemcpy(order.data(), static_cast<int32_t*>(d.workspace->ptr) + 3 * N + 4, size_t(N) * 4,
                          cudaMemcpyDeviceToHost),
               cudaSuccess);
     std::vector<int32_t> sorted = order;
@@ -1595,16 +1594,16 @@ TEST_F(Prefill32Gpu, LongestFirstOrder) {
 
 // Checkpoints with device cu_seqlens where K0 chooses: K0 numbers each sequence's first
 // checkpoint whichever kernels it picks (the fused kernel reads those numbers too). Equal lengths on
-// each side of the rule's edge, dense fp32 checkpoints every 64 tokens, through the rule and the
-// persistent grid: every output, final state and checkpoint written (the poison is NaN), and the
-// bits of the kernels the rule names (fused_v2 = 1 or -1).
+// each side of the rule's edge, dense fp32 checkpoints every 64 tokens, through the rule: every
+// output, final state and checkpoint written (the poison is NaN), and the bits of the kernels the rule
+// names (fused_v2 = 1 or -1).
 TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensNumbersCheckpoints) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   constexpr int64_t H = 8, kLen = 512, kEvery = 64;
   const int64_t n_min = (2 * int64_t(sms) + 3 * H - 1) / (3 * H);  // equal lengths: 3 N H >= 2 SMs
-  internal::PrefillLaunch always, never, persistent;
-  always.fused_v2 = 1, never.fused_v2 = -1, persistent.fused_persistent = 1;
+  internal::PrefillLaunch always, never;
+  always.fused_v2 = 1, never.fused_v2 = -1;
   for (const int64_t N : {n_min, n_min - 1}) {
     const bool fused = N >= n_min;
     KdaOptions o;
@@ -1634,50 +1633,39 @@ TEST_F(Prefill32Gpu, RuleWithDeviceCuSeqlensNumbersCheckpoints) {
     EXPECT_FALSE(want == other) << "the fused kernel and today's kernels gave the same bits";
     EXPECT_TRUE(bits({}) == want) << (fused ? "the rule did not give the call to the fused kernel"
                                             : "the rule gave the call to the fused kernel");
-    EXPECT_TRUE(bits(persistent) == want) << "the persistent grid: other bits";
   }
 }
 
-// The candidate internal fused_persistent = 1: where K0 gives the call to the fused kernel, the kernel
-// runs on a persistent grid (at most #SMs CTAs, each taking (sequence, head) items in turn from a
-// counter K0 zeroes). With several items a CTA (mixed lengths, an empty sequence, a short one) it
-// gives the bits of the fused kernel forced on its grid of a CTA an item and of the rule's launch on
-// the verdict; every entry written, graph replays (K0 zeroing the counter again each time) equal; a
-// pool with padding entries among the items: the forced kernel's outputs and pool, padding rows zero.
-TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
+// Where K0 gives the call to the fused kernel (device cu_seqlens; ~3 sequences an SM of mixed lengths,
+// empty and short ones among them), the rule's launch on the verdict gives the bits of the fused
+// kernel forced; every entry written, graph replays equal; through a pool with padding entries among
+// the sequences, the forced kernel's outputs and pool, the padding rows zero. (This was the test of a
+// persistent grid taking several items a CTA, dropped in session 30.)
+TEST_F(Prefill32Gpu, RuleOnVerdictWithMixedLengthsAndPadding) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
   constexpr int64_t H = 8;
-  const int64_t N = 3 * sms / H + 7;  // ~3 items a CTA
+  const int64_t N = 3 * sms / H + 7;  // ~3 (sequence, head) items an SM
   const int64_t cycle[] = {512, 700, 0, 96, 1024, 33};
   std::vector<int64_t> lens;
   for (int64_t n = 0; n < N; ++n) lens.push_back(cycle[n % 6]);
   int64_t total32 = 0;
   for (const int64_t l : lens) total32 += (l + 31) / 32;
   ASSERT_GE(3 * H * total32, 2 * int64_t(sms) * (1024 / 32)) << "the rule must hold: the lengths need more chunks";
-  internal::PrefillLaunch always, persistent;
-  always.fused_v2 = 1, persistent.fused_persistent = 1;
+  internal::PrefillLaunch always;
+  always.fused_v2 = 1;
   {
     KdaOptions o;
     o.seqlens = lens, o.cu_dtype = DType::kI32, o.H = H, o.seed = 23;
     o.initial_state = StateKind::kF32, o.final_state = StateKind::kF32;
     KdaInputs in(o);
     SCOPED_TRACE(in.describe());
-    DeviceProblem d_persistent(in, persistent), d_always(in, always), d_rule(in);
-    const std::vector<unsigned char> bits = run_bits(in, d_persistent);
-    {  // the grid ran: K0's counter (the workspace header's int 3 N + 4, after chunk_start, the verdict,
-       // seg_start and ckpt_start) took every item once and each CTA's final, empty fetch once
-      int32_t taken = -1;
-      ASSERT_EQ(cudaMemcpy(&taken, static_cast<int32_t*>(d_persistent.workspace->ptr) + 3 * N + 4, 4,
-                           cudaMemcpyDeviceToHost),
-                cudaSuccess);
-      EXPECT_EQ(taken, N * H + std::min<int64_t>(N * H, sms)) << "the persistent grid did not take the call's items";
-    }
+    DeviceProblem d_always(in, always), d_rule(in);
+    const std::vector<unsigned char> bits = run_bits(in, d_rule);
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     EXPECT_EQ(test::count_nonfinite(in.final_state.values()), 0);
-    EXPECT_TRUE(bits == run_bits(in, d_always)) << "the persistent grid's bits differ from the forced fused kernel's";
-    EXPECT_TRUE(bits == run_bits(in, d_rule)) << "the persistent grid's bits differ from the rule's launch's";
-    EXPECT_TRUE(bits == graph_replay_bits(in, d_persistent)) << "graph replays of the persistent grid differ";
+    EXPECT_TRUE(bits == run_bits(in, d_always)) << "the rule's launch's bits differ from the forced fused kernel's";
+    EXPECT_TRUE(bits == graph_replay_bits(in, d_rule)) << "graph replays of the rule's launch differ";
   }
   {  // a pool: fp32 slots of random states, sequences n in slot (n + 2) % P, every fifth one padding
     KdaOptions o;
@@ -1693,7 +1681,7 @@ TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
       pool.run(d, d_slots, launch);
       return pool.bits(in);
     };
-    const std::vector<unsigned char> bits = run_pool(persistent);
+    const std::vector<unsigned char> bits = run_pool({});
     EXPECT_EQ(test::count_nonfinite(in.out.values()), 0);
     const size_t row = size_t(H) * o.V * 2;  // bytes of a token's bf16 outputs
     int64_t bos = 0;
@@ -1703,7 +1691,7 @@ TEST_F(Prefill32Gpu, PersistentGridTakesSeveralItemsPerCta) {
         EXPECT_TRUE(std::all_of(first, first + std::ptrdiff_t(lens[n] * int64_t(row)), [](unsigned char x) { return x == 0; }))
             << "padding sequence " << n << ": output rows not zero";
       }
-    EXPECT_TRUE(bits == run_pool(always)) << "pool: the persistent grid's outputs or pool differ from the forced kernel's";
+    EXPECT_TRUE(bits == run_pool(always)) << "pool: the rule's outputs or pool differ from the forced kernel's";
   }
 }
 

@@ -124,14 +124,14 @@ __host__ __device__ constexpr int kr_offset(int t, int c) {
 // computes that chunk's L and Mqk pairwise with exp(G_i - G_j) <= 1 instead.
 constexpr float kMaxFactorisedSpread = float(2.0 * flashkda::kMaxFactorisedShift);
 
-// Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1], ckpt_start[N+1], fused_next,
+// Workspace: [header: chunk_start[N+1] int32, error flag, seg_start[N+1], ckpt_start[N+1],
 // fused_order[N] int32] [chunk records,
 // slot-major, head-minor] and, when sequences are split into segments, [segment states]
 // [segment outputs] (workspace_layout in launch.cu).
 constexpr size_t kAlign = 256;
 inline size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
-// chunk_start, error_flag, seg_start, ckpt_start, fused_next and fused_order (Params).
-inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(4 * num_seqs + 5) * sizeof(int32_t)); }
+// chunk_start, error_flag, seg_start, ckpt_start and fused_order (Params).
+inline size_t header_bytes(int64_t num_seqs) { return align_up(size_t(4 * num_seqs + 4) * sizeof(int32_t)); }
 // Upper bound on chunks over all sequences: sum ceil(len/16) <= ceil(total/16) + N.
 inline int64_t max_chunk_slots(int64_t total_tokens, int64_t num_seqs) {
   return (total_tokens + kChunk - 1) / kChunk + num_seqs;
@@ -332,8 +332,6 @@ struct Params {
                               // order, instead of every gridDim.x-th in turn (prepare_kernel kStrided)
   int32_t* fused_order;       // workspace header [N] (with cu_seqlens): K0's order of the sequences, longest
                               // first (order_longest_first), in which the fused kernel's CTAs take them
-  int32_t* fused_next;        // workspace header, zeroed by K0 where fused_sms > 0: the next (sequence,
-                              // head) item of the fused kernel's persistent grid (FusedArgs::next_item)
   uint8_t* records;           // workspace chunk records [slots][H][RecordLayout<Split>::kBytes]
   int64_t chunk_slots;        // launched K1 slots
   int early_launch;           // host only: which of the call's kernels launch early (launch.cu kEarly*)

@@ -344,13 +344,13 @@ int64_t checkpoint_partials(const PrefillParams& p, const internal::PrefillLaunc
   return ckpt_in_segments(launch) && p.checkpoint_every > 0 ? p.num_checkpoints : 0;
 }
 
-// PrefillLaunch's 24 fields, counted by a structured binding: a field added there stops the build here
+// PrefillLaunch's 23 fields, counted by a structured binding: a field added there stops the build here
 // until it is placed, named in forces_chunk16 if it forces a variant of the chunk-16 kernels, or not
 // (the fused kernel's, the CPU's, pieces_graph_if and the timing-only piece_stamps,
 // pieces_start and start_stamps); then the binding gains a name.
 [[maybe_unused]] void launch_fields_are_placed(internal::PrefillLaunch& l) {
   [[maybe_unused]] auto& [f1, f2, f3, f4, f5, f6, f7, f8, f9, f10,  //
-                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23, f24] = l;
+                          f11, f12, f13, f14, f15, f16, f17, f18, f19, f20, f21, f22, f23] = l;
 }
 // Whether the launch forces a variant of the chunk-16 kernels (their segments and transition
 // skipping, V splits, operands, record stream, early launch, low-rank transitions 1): the few-head
@@ -467,14 +467,13 @@ Params kernel_params(const PrefillParams& p, uint8_t* ws) {
   kp.error_flag = kp.chunk_start + (N + 1);
   kp.seg_start = kp.error_flag + 1;
   kp.ckpt_start = kp.seg_start + (N + 1);
-  kp.fused_next = kp.ckpt_start + (N + 1);  // then fused_order's room (set where the fused kernel may run)
   kp.chunk_slots = max_chunk_slots(kp.total_tokens, N);
   return kp;
 }
 
-// Params::fused_order's room in the workspace header (after fused_next), where K0 writes the order
+// Params::fused_order's room in the workspace header (after ckpt_start), where K0 writes the order
 // of the sequences for the fused kernel.
-int32_t* order_slot(const Params& kp) { return kp.fused_next + 1; }
+int32_t* order_slot(const Params& kp) { return kp.ckpt_start + (kp.num_seqs + 1); }
 
 // K0 alone ahead of a fused launch (device cu_seqlens or a pool: what the host cannot check): its
 // verdict, each sequence's first checkpoint and, with `order`, the sequences' order in the
@@ -507,35 +506,27 @@ bool fused_by_rule(const PrefillParams& p, const internal::PrefillLaunch& launch
   return p.cu_seqlens == nullptr &&
          fused_rule(p.H, p.B * ((p.T + kFusedChunk - 1) / kFusedChunk), p.T, sm_count(), fused_min_tokens(launch));
 }
-// The fused kernel launched after the chunk-16 kernels, on K0's verdict: a CTA an item (N H of
-// them), or with persistent (internal::PrefillLaunch::fused_persistent = 1, a candidate) a grid of at
-// most #SMs CTAs taking (sequence, head) items from K0's zeroed counter (next_item), so that where K0
-// leaves the call to the chunk-16 kernels the launch costs one wave of CTAs that exit. Run 102: the
-// persistent kernel took 3-6% longer than a CTA an item where K0 chose it, run without its register
-// split (ptxas dropped it; fixed since, not yet re-measured: docs/DESIGN.md "Prefill v2").
-cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, bool persistent, cudaStream_t stream,
-                             bool check_only) {
-  const int64_t items = detail::num_sequences(p) * p.H;
-  return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only,
-                                          persistent ? kp.fused_next : nullptr,
-                                          persistent ? std::min<int64_t>(items, sm_count()) : 0, kp.fused_order);
+// The fused kernel launched after the chunk-16 kernels, on K0's verdict: a CTA an item (N H of them).
+// (A persistent grid of at most #SMs CTAs taking the items from a counter, so that a declined call
+// costs one wave of CTAs, measured 2-7% slower where K0 chose it, runs 102-105, and was dropped:
+// docs/DESIGN.md "Prefill v2: where the fused kernel's cycles go".)
+cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, cudaStream_t stream, bool check_only) {
+  return sm90::prefill_v2::fused_prefill(p, kp.error_flag, kp.ckpt_start, stream, true, check_only, kp.fused_order);
 }
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
-// split: asked without launching, since after K0's verdict there is no way back). Without the
-// persistent grid also only where the sequences average at least the rule's floor (64 tokens):
-// where K0 leaves the call to the chunk-16 kernels, a CTA-an-item launch still runs its N H CTAs,
+// split: asked without launching, since after K0's verdict there is no way back), and only where the
+// sequences average at least the rule's floor (64 tokens): where K0 leaves the call to the chunk-16 kernels, a CTA-an-item launch still runs its N H CTAs,
 // one an SM, which exit at once: ~2.3 us a wave of #SMs CTAs (run 99, "2048 + 30 x 64" at
 // H = 12-32: +6 to +17 us), against a call of ~1.65 ns a token and head, i.e. ~9 / mean length of
 // the call's time; at 64 tokens and more that is <= 14% (run 107: "2048 + 30 x 64", mean 128, at
 // H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower than without the launch; at
 // H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110: 256 x 64, which K0 gives
 // the fused kernel at every H measured, 0.84-0.86x forced).
-bool fused_by_lengths(const PrefillParams& p, const Params& kp, bool persistent) {
+bool fused_by_lengths(const PrefillParams& p, const Params& kp) {
   const int64_t N = detail::num_sequences(p);
-  return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens &&
-         (persistent || p.B * p.T >= kp.fused_min_tokens * N) && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
-         fused_on_verdict(p, kp, persistent, nullptr, true) == cudaSuccess;
+  return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens * N && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
+         fused_on_verdict(p, kp, nullptr, true) == cudaSuccess;
 }
 
 // One segment per sequence, as long as the longest possible sequence.
@@ -764,7 +755,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
         if (p.cu_seqlens != nullptr) ckpt_start = kp.ckpt_start, order = kp.fused_order;
       }
       const cudaError_t err =
-          sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, s, false, false, nullptr, 0, order);
+          sm90::prefill_v2::fused_prefill(p, error_flag, ckpt_start, s, false, false, order);
       if (err == cudaSuccess) return;
       // Under the rule, a fused kernel that cannot start here (its register split or the driver's
       // tensor-map encoder missing: errors before anything ran) leaves the call to the chunk-16 kernels.
@@ -776,8 +767,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     kp.pieces_final = pieces_final;
     // With device cu_seqlens K0 picks the kernels: the chunk-16 ones below, or (kCallFused) the fused
     // kernel launched after them, while they do nothing.
-    const bool persistent = launch.fused_persistent > 0;
-    const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp, persistent);
+    const bool fused_after = fused_serves && launch.fused_v2 == 0 && fused_by_lengths(p, kp);
     if (fused_after) {
       kp.fused_sms = sm_count();
       if (launch.fused_order >= 0) kp.fused_order = order_slot(kp);  // K0 orders the sequences, longest first
@@ -787,7 +777,7 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     const int seg_ctas = seg_ctas_per_sm(launch, p.H);
     with_split(kp, p.precision, launch.f16_operands,
                [&](auto split) { launch_mode<decltype(split)>(warps, seg_ctas, launch.record_copy >= 0, kp, s); });
-    if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, persistent, s, false));
+    if (fused_after) FLASHKDA_CUDA_CHECK(fused_on_verdict(p, kp, s, false));
   };
   if (pieces_flag != nullptr && launch.pieces_graph_if > 0 && launch_if_stopped(stream, pieces_flag, run)) return;
   run(stream);

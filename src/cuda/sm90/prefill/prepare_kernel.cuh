@@ -148,7 +148,6 @@ __global__ void __launch_bounds__(kScanThreads) chunk_scan_kernel(const __grid_c
   if (threadIdx.x == 0) {
     carry = 0, seg_carry = 0, ckpt_carry = 0;
     *p.error_flag = any_bad > 0 ? kCallRefused : fused ? kCallFused : kCallValid;
-    if (p.fused_sms > 0) *p.fused_next = 0;  // the fused kernel's first item (its persistent grid)
   }
   __syncthreads();
   // Refused or the fused kernel's: no chunks, so K1 does nothing (K2 fills refused outputs with NaN).

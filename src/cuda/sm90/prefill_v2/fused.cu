@@ -137,13 +137,6 @@ __device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes
 __device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 2, 256;" ::: "memory"); }
 // The same barrier, returning to every consumer thread whether x was true in any.
 __device__ __forceinline__ bool consumers_sync_or(bool x) { return named_barrier_or<2, 2 * kThreads>(x); }
-// Named barrier 3: all 384 threads, between the items of a persistent CTA (the producer's and the
-// consumers' item loops meet there, each from its own branch). Not .aligned (bar.sync is): the
-// producer's warp 0 may reach it diverged (thread 0 alone took the item), and an aligned barrier
-// reached by a diverged warp counts the warp more than once and may release early (run 103:
-// synccheck's "divergent thread(s)" there and K0's counter short; run 105 clean under synccheck,
-// though racecheck still reports hazards on the item's arguments, not explained: the grid is off).
-__device__ __forceinline__ void items_sync() { asm volatile("barrier.sync 3, 384;" ::: "memory"); }
 
 // The kernel's parameters: the caller's arguments and the TMA maps of its inputs' rows.
 struct FusedParams {
@@ -239,8 +232,7 @@ struct SeqArgs {
   ConsumeArgs consume;
   int64_t bos;          // its first token in the TMA maps' rows
   int64_t first_ckpt;   // its first checkpoint (FusedArgs::checkpoint_every)
-  int head;             // fused_persistent_kernel: the current item's head, -1 once none is left;
-                        // FusedArgs::pieces: the CTA's head (pieces_chain: its ticket's)
+  int head;             // FusedArgs::pieces: the CTA's head (pieces_chain: its ticket's)
   // FusedArgs::pieces_chain: the piece's index among the call's (y H + h of CTA row y = n pieces + p),
   // whether it publishes its end state (a sequence's pieces but its last), and the consumers' verdict
   // after the warm-up (set by their thread 0, read by all after a barrier): wait for the piece before.
@@ -389,7 +381,8 @@ __device__ __forceinline__ void write_piece_args(const FusedArgs& a, int64_t y, 
 // chunk. An mbarrier, as the ring's hand-offs: with a named barrier of all 384 threads there
 // (bar.red, which the two roles reach from their own code) synccheck failed both pieces tests in
 // run 136 where the tests alone, memcheck and racecheck passed (its report was not kept; an aligned
-// barrier reached from different instructions is the likely cause, as items_sync's in run 103).
+// barrier reached from different instructions is the likely cause, as a former persistent grid's
+// item barrier's in run 103: an aligned barrier reached by a diverged warp counts it more than once).
 constexpr int kMaxStagedBufs = 2;
 __device__ __forceinline__ uint64_t* verdict_barrier(uint64_t* full) { return full + 2 * kStages + kMaxStagedBufs; }
 // The ring's barriers (thread 0; a CTA barrier before any use): full[2] (the producer's 128
@@ -404,9 +397,7 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 }
 
 // One item of a CTA's work, the producer's side: head h of the sequence pa describes (its first
-// token bos in the TMA maps' rows), num_chunks chunks of 32 tokens. base: the chunks of the CTA's
-// earlier items (a persistent CTA's): the ring's stages and its barriers' phases run on across items,
-// as if their chunks were one sequence's.
+// token bos in the TMA maps' rows), num_chunks chunks of 32 tokens.
 // kPieces (FusedArgs::pieces): after each empty-stage wait the producer reads the consumers' stop
 // as they released that stage (SeqArgs::stage_stop in `stop`); once set it writes the chunk as
 // stopped_at, arrives on the stage's full barrier without filling it and leaves, after the staged
@@ -415,7 +406,7 @@ __device__ __forceinline__ void init_ring_barriers(uint64_t* full) {
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false,
           bool kStart = false>
 __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t* ring, const ProduceArgs& pa, int h,
-                                             int64_t bos, int64_t num_chunks, int64_t base, long long* clock_sums,
+                                             int64_t bos, int64_t num_chunks, long long* clock_sums,
                                              long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   using ProducerSync = WarpgroupSync<1>;
@@ -429,19 +420,15 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   static_assert(kBufs <= kMaxStagedBufs && kBufs * kStagedBufBytes<kF32Gate> <= kStagedRegionBytes);
   const int tid = threadIdx.x;
   const PhaseMarks mark{kClock && tid == 0 ? clock_sums : nullptr, &last_clock};
-  // Chunk gc of the CTA's (base + c): buffer gc % kBufs, completing on staged_full[gc % kBufs] for
-  // the (gc / kBufs)-th time.
-  const auto staged_buf = [&](int64_t gc) { return ring + L::kOffStaged + int(gc % kBufs) * kStagedBufBytes<kF32Gate>; };
-  const auto staged_bar = [&](int64_t gc) { return staged_full + int(gc % kBufs); };
-  const auto staged_wait = [&](int64_t gc) { mbarrier_wait(staged_bar(gc), uint32_t(gc / kBufs) & 1); };
+  // Chunk c: buffer c % kBufs, completing on staged_full[c % kBufs] for the (c / kBufs)-th time.
+  const auto staged_buf = [&](int64_t c) { return ring + L::kOffStaged + int(c % kBufs) * kStagedBufBytes<kF32Gate>; };
+  const auto staged_bar = [&](int64_t c) { return staged_full + int(c % kBufs); };
+  const auto staged_wait = [&](int64_t c) { mbarrier_wait(staged_bar(c), uint32_t(c / kBufs) & 1); };
   const auto issue_rows = [&](int64_t c) {  // chunk c of the item (thread 32)
-    issue_chunk_rows<kF32Gate>(params.maps, h, c, staged_buf(base + c), staged_bar(base + c), bos);
+    issue_chunk_rows<kF32Gate>(params.maps, h, c, staged_buf(c), staged_bar(c), bos);
   };
   // Chunk c + kBufs's rows are copied once chunk c's factors have read its buffer for the last time
-  // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1. The barriers'
-  // parities assume that every chunk of every earlier item of the CTA (base) was copied and waited
-  // for: true where a CTA has several items (the persistent grid), which has neither
-  // time_consumers_only nor the pieces' stops (fused_chunks refuses both there).
+  // (produce_chunk's after_factors); in time_consumers_only, only chunks 0 and 1.
   const int64_t staged_chunks = a.time_consumers_only && num_chunks > kStages ? kStages : num_chunks;
   float* const sm_gate = reinterpret_cast<float*>(scratch + ProduceScratch::kOffGate);
   if (tid == 0) start_stamp<kStart>(a, 0);
@@ -468,34 +455,33 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     prechecked = stop->prechecked_stop != 0;
     if (tid == 0) {
       start_stamp<kStart>(a, 3);
-      if constexpr (kStaged && kStart) start_stamp<kStart>(a, 8, mbarrier_done(staged_bar(base), 0) ? 1 : 0);
+      if constexpr (kStaged && kStart) start_stamp<kStart>(a, 8, mbarrier_done(staged_bar(0), 0) ? 1 : 0);
     }
   }
   for (int64_t c = 0; c < num_chunks; ++c) {
-    const int64_t gc = base + c;  // the chunk's place in the ring, the CTA's items' chunks in turn
-    const int stage = int(gc % kStages);
+    const int stage = int(c % kStages);
     const uint32_t beta_bits = beta_next;
     if (c + 1 < staged_chunks) beta_next = load_beta_bits(pa, h, c + 1, tid);
     if (kTrace && tid == 0) trace_point(a, h, c, 0);
-    if (gc >= kStages) mbarrier_wait(&empty[stage], uint32_t(gc / kStages - 1) & 1);
+    if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
     mark(0);
     if (kTrace && tid == 0) trace_point(a, h, c, 1);
     if constexpr (kPieces) {
       // The stop as the consumers released this stage (uniform: as the release the wait acquired left
       // it); at the first chunk, their gates' pre-check's (uniform: one value, written once by
       // consumer thread 0 before its arrival on verdict_barrier).
-      const bool stopped = gc >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
+      const bool stopped = c >= kStages ? stop->stage_stop[stage] != 0 : c == 0 && prechecked;
       if (stopped) {
         if (tid == 0) stopped_at_store(stop, c);
         // the rows in flight: chunks c .. c + kBufs - 1 (issued with chunk c - kBufs .. c - 1, or
         // before the loop)
         if constexpr (kStaged)
-          for (int64_t i = c; i < c + kBufs && i < staged_chunks; ++i) staged_wait(base + i);
+          for (int64_t i = c; i < c + kBufs && i < staged_chunks; ++i) staged_wait(i);
         mbarrier_arrive(&full[stage]);
         break;
       }
     }
-    if (a.time_consumers_only && gc >= kStages) {
+    if (a.time_consumers_only && c >= kStages) {
       mbarrier_arrive(&full[stage]);
       continue;
     }
@@ -509,8 +495,8 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
       tensor_copy_3d(vs, &params.maps.v, 0, h, int(bos + c * kChunk), &full[stage]);
       tensor_copy_3d(vs + kVBytes / 2, &params.maps.v, 64, h, int(bos + c * kChunk), &full[stage]);
     }
-    uint8_t* const staged = kStaged ? staged_buf(gc) : nullptr;
-    if constexpr (kStaged) staged_wait(gc);
+    uint8_t* const staged = kStaged ? staged_buf(c) : nullptr;
+    if constexpr (kStaged) staged_wait(c);
     if (kStart && c == 0 && tid == 0) start_stamp<kStart>(a, 4);
     const auto refill = [&] {
       if (kStaged && tid == 32 && c + kBufs < staged_chunks) issue_rows(c + kBufs);
@@ -656,7 +642,7 @@ __device__ __forceinline__ void chain_in(const FusedArgs& a, SeqArgs* stop, int 
     while ((r = ready_acquire(ready)) == 0 && *static_cast<volatile int*>(a.pieces_flag) == 0) __nanosleep(256);
     if (r == 0) stop->abort = 1;
   }
-  __syncwarp();  // warp 0 converged before the aligned barrier (thread 0 alone spun: see items_sync)
+  __syncwarp();  // warp 0 converged before the aligned barrier (thread 0 alone spun: verdict_barrier's note)
   consumers_sync();
   if (stop->abort) return;
   const float* const from = a.pieces_states + (stop->item - a.consume.H) * kHeadDim * kHeadDim;
@@ -730,7 +716,7 @@ __device__ __forceinline__ void precheck_and_hand_over(const FusedArgs& a, SeqAr
 // leave without a final state.
 template <bool kStaged, bool kClock, bool kConsumerInv, bool kPieces = false, bool kStart = false>
 __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t* ring, const ConsumeArgs& p, int h,
-                                             int64_t num_chunks, int64_t base, int64_t first_ckpt,
+                                             int64_t num_chunks, int64_t first_ckpt,
                                              long long* clock_sums, long long& last_clock, SeqArgs* stop = nullptr) {
   using L = SmemLayout<kStaged, kConsumerInv>;
   constexpr bool kTrace = kClock && kStaged && kConsumerInv;  // FusedArgs::chunk_trace (the rule's flags' clocks)
@@ -795,15 +781,14 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
     const bool warm_phase = phase == 0;
     if (kPieces && !warm_phase && ctid == 0) piece_stamp(a, 3);
     for (; more && c < num_chunks && (!warm_phase || c <= warmup); ++c) {
-      const int64_t gc = base + c;
-      const int stage = int(gc % kStages);
+      const int stage = int(c % kStages);
       const int flag = flag_next;
       if (kPieces && ctid == 0) flag_next = *static_cast<volatile int*>(a.pieces_flag);
       const bool failed = flag != 0;
       if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
       const bool tracer = kTrace && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
       if (tracer && cwg == 0) trace_point(a, h, c, 6);
-      mbarrier_wait(&full[stage], uint32_t(gc / kStages) & 1);
+      mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       if (tracer) trace_point(a, h, c, 7 + cwg);
       if (kPieces && warm_phase && c == 0 && ctid == 0) piece_stamp(a, 2), start_stamp<kStart>(a, 7);
       if constexpr (kPieces) {
@@ -986,77 +971,13 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   if (wg == 0) {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
     produce_item<kGate, kF32Gate, kStaged, kClock, kConsumerInv, kPieces, kStart>(params, ring, pa, h, bos, num_chunks,
-                                                                                  0, clock_sums, last_clock, &seq);
+                                                                                  clock_sums, last_clock, &seq);
     if (kPieces && tid == 0) piece_stamp(a, 6);
   } else {
     if constexpr (kRegSplit) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
     consume_item<kStaged, kClock, kConsumerInv, kPieces, kStart>(params, ring, kSeqs ? seq_consume : a.consume, h,
-                                                                 num_chunks, 0, kSeqs ? seq.first_ckpt : 0, clock_sums,
+                                                                 num_chunks, kSeqs ? seq.first_ckpt : 0, clock_sums,
                                                                  last_clock, &seq);
-  }
-}
-
-// The fused kernel on a persistent grid (FusedArgs::next_item; the rule's flags, lower-bound bf16
-// gates, several sequences, launched on K0's verdict): FusedArgs::item_ctas CTAs, each taking
-// (sequence, head) items in turn from K0's zeroed counter until none is left, sequences in K0's
-// order (FusedArgs::order: longest first) and heads within them. Thread 0 writes the item's arguments where fused_kernel's do, and both
-// roles meet at a barrier of all 384 threads (items_sync) before an item and after it; the ring's
-// stages and its barriers' phases run on across the CTA's items. Where K0 left the call to the
-// chunk-16 kernels, the grid is one wave of CTAs that exit.
-__global__ void __launch_bounds__(kFusedThreads, 1) fused_persistent_kernel(const __grid_constant__ FusedParams params) {
-  constexpr bool kStaged = true, kConsumerInv = true;
-  using L = SmemLayout<kStaged, kConsumerInv>;
-  const FusedArgs& a = params.a;
-  extern __shared__ uint8_t smem_raw[];
-  uint8_t* const ring = smem_raw + ((1024 - (smem_addr(smem_raw) & 1023)) & 1023);
-  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + L::kOffBarriers);
-  const int tid = threadIdx.x, wg = tid / kThreads;
-  static_assert(L::kOffSeqArgs + int(sizeof(SeqArgs)) <= L::kOffStaged, "no room for the sequence's arguments");
-  SeqArgs& seq = *reinterpret_cast<SeqArgs*>(ring + L::kOffSeqArgs);
-  ProduceArgs& seq_produce = seq.produce;
-  ConsumeArgs& seq_consume = seq.consume;
-  if (*a.error_flag != prefill::kCallFused) return;  // uniform; the chunk-16 kernels ran the call or refused it
-  if (tid == 0) init_ring_barriers(full);
-  __syncthreads();
-  long long last_clock = 0;  // no phase clocks
-  const int64_t H = a.consume.H;
-  // The item's chunks: 0 for a padding sequence, whose rows the producer zeroes (a call after the
-  // consumers' setmaxnreg.dec would make ptxas drop the register split).
-  const auto item_chunks = [&]() -> int64_t { return seq_produce.T >= 0 ? (seq_produce.T + kChunk - 1) / kChunk : 0; };
-  if (wg == 0) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    for (int64_t base = 0;;) {
-      if (tid == 0) {
-        const int64_t item = atomicAdd(a.next_item, 1);
-        seq.head = item < a.num_seqs * H ? int(item % H) : -1;
-        if (seq.head >= 0) write_sequence_args(a, a.order != nullptr ? int64_t(a.order[item / H]) : item / H, seq);
-      }
-      items_sync();
-      const int h = seq.head;
-      if (h < 0) break;
-      if (seq_produce.T < 0) {
-        zero_head_rows(seq_consume.out, -seq_produce.T - 1, int(H), h, tid, kThreads);
-        zero_head_checkpoints(a, seq.first_ckpt, -seq_produce.T - 1, h, tid, kThreads);
-      }
-      const int64_t chunks = item_chunks();
-      if (chunks > 0)
-        produce_item<GateForm::kLowerBound, false, kStaged, false, kConsumerInv>(params, ring, seq_produce, h, seq.bos,
-                                                                                  chunks, base, nullptr, last_clock);
-      base += chunks;
-      items_sync();  // every thread done with the item's arguments before thread 0 writes the next's
-    }
-  } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    for (int64_t base = 0;;) {
-      items_sync();
-      const int h = seq.head;
-      if (h < 0) break;
-      const int64_t chunks = item_chunks();
-      consume_item<kStaged, false, kConsumerInv>(params, ring, seq_consume, h, chunks, base, seq.first_ckpt, nullptr,
-                                                 last_clock);
-      base += chunks;
-      items_sync();
-    }
   }
 }
 
@@ -1091,7 +1012,7 @@ bool chunk_rows_map(CUtensorMap* map, const void* base, bool f32, int64_t T, int
 }
 
 template <GateForm kGate, bool kF32Gate, bool kStaged, bool kClock = false, bool kRegSplit = false,
-          bool kConsumerInv = false, bool kSeqs = false, bool kPersistent = false, bool kPieces = false, bool kStart = false>
+          bool kConsumerInv = false, bool kSeqs = false, bool kPieces = false, bool kStart = false>
 cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
   FusedParams params{};
   params.a = args;
@@ -1101,11 +1022,7 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
                   !chunk_rows_map(&params.maps.k, pa.k, false, pa.T, pa.H) ||
                   !chunk_rows_map(&params.maps.g, pa.g, kF32Gate, pa.T, pa.H)))
     return cudaErrorInvalidValue;
-  auto kernel = [] {
-    if constexpr (kPersistent) return fused_persistent_kernel;
-    else
-      return fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kStart>;
-  }();
+  const auto kernel = fused_kernel<kGate, kF32Gate, kStaged, kClock, kRegSplit, kConsumerInv, kSeqs, kPieces, kStart>;
   constexpr int kSmem = SmemLayout<kStaged, kConsumerInv>::kBytes;
   cudaError_t err = allow_dynamic_smem(kernel, kSmem);
   if (err != cudaSuccess) return err;
@@ -1115,9 +1032,8 @@ cudaError_t launch(const FusedArgs& args, cudaStream_t stream) {
     if (regs < kLaunchRegs) return cudaErrorInvalidConfiguration;
   }
   if (args.check_only) return cudaSuccess;
-  const dim3 grid = kPersistent ? dim3(static_cast<unsigned>(args.item_ctas))
-                                : dim3(static_cast<unsigned>(args.consume.H),
-                                       static_cast<unsigned>(kSeqs ? args.num_seqs * (kPieces ? args.pieces : 1) : 1));
+  const dim3 grid(static_cast<unsigned>(args.consume.H),
+                  static_cast<unsigned>(kSeqs ? args.num_seqs * (kPieces ? args.pieces : 1) : 1));
   kernel<<<grid, kFusedThreads, kSmem, stream>>>(params);
   return cudaGetLastError();
 }
@@ -1146,7 +1062,7 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 // the start stamps' kernel (FusedArgs::start_variant 1, the pieces only).
 template <bool kSeqs, bool kPieces, bool kStart = false>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
-  return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, false, kPieces, kStart>(args, stream);
+  return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, kPieces, kStart>(args, stream);
 }
 
 // FusedArgs::pieces: the last pieces' final states into the call's, where no piece stopped the call
@@ -1174,7 +1090,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
         (args.checkpoint_slots != nullptr && args.state_pool == nullptr) ||
         (args.cu_seqlens != nullptr && args.ckpt_start == nullptr))))
     return cudaErrorInvalidValue;
-  if (args.run_if_flag != nullptr && (args.pieces > 0 || args.next_item != nullptr || args.on_verdict))
+  if (args.run_if_flag != nullptr && (args.pieces > 0 || args.on_verdict))
     return cudaErrorInvalidValue;  // the pieces' fallback is a plain launch of the rule's kernel
   if (args.start_variant != 0 && args.pieces <= 0) return cudaErrorInvalidValue;  // the pieces' variants only
   // The several-sequence kernels (and the pieces): the rule's flags only, K0's verdict with
@@ -1185,11 +1101,11 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
       (args.state_pool == nullptr || args.state_indices != nullptr) && pa.T % (args.cu_seqlens ? 1 : args.num_seqs) == 0 &&
       pa.gate == GateForm::kLowerBound && !f32 && args.stage_inputs && args.producer_regs && args.consumer_inverse &&
       args.phase_clocks == nullptr && !args.time_consumers_only;
-  if (args.pieces > 0) {  // no persistent grid, no verdict to wait for
+  if (args.pieces > 0) {  // no verdict to wait for
     if (!sequences_valid || args.pieces > kMaxFusedSeqs || args.num_seqs * args.pieces > kMaxFusedSeqs ||
         args.warmup < 1 || args.pieces_flag == nullptr ||
         ((ca.final_state != nullptr || args.state_pool != nullptr) && args.pieces_final == nullptr) ||
-        args.next_item != nullptr || args.on_verdict ||
+        args.on_verdict ||
         (args.pieces_chain &&
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
@@ -1201,12 +1117,6 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
   }
   if (args.num_seqs != 1 || args.cu_seqlens != nullptr || args.state_pool != nullptr) {  // the rule's flags only
     if (!sequences_valid) return cudaErrorInvalidValue;
-    if (args.next_item != nullptr) {  // the persistent grid: K0 zeroes the counter, so only on its verdict
-      if (!args.on_verdict || args.item_ctas < 1 || args.item_ctas > args.num_seqs * ca.H ||
-          args.num_seqs * ca.H >= int64_t(INT32_MAX) - args.item_ctas)
-        return cudaErrorInvalidValue;
-      return launch<GateForm::kLowerBound, false, true, false, true, true, true, true>(args, stream);
-    }
     return launch_rule_flags<true, false>(args, stream);
   }
   if (args.phase_clocks != nullptr || args.producer_regs || args.consumer_inverse) {
@@ -1271,12 +1181,11 @@ FusedArgs rule_args(const PrefillParams& p, const int* error_flag) {
 }  // namespace
 
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                          bool on_verdict, bool check_only, int* next_item, int64_t item_ctas, const int32_t* order) {
+                          bool on_verdict, bool check_only, const int32_t* order) {
   FusedArgs f = rule_args(p, error_flag);
   f.ckpt_start = ckpt_start;
   f.order = p.cu_seqlens != nullptr ? order : nullptr;
   f.on_verdict = on_verdict, f.check_only = check_only;
-  f.next_item = next_item, f.item_ctas = item_ctas;
   return fused_chunks(f, stream);
 }
 

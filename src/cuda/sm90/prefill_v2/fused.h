@@ -71,12 +71,6 @@ struct FusedArgs {
   // Checks what a launch would (the arguments, the tensor maps, the register split) and returns its
   // error without launching: launch.cu asks before K0 may give the call to the kernel.
   bool check_only = false;
-  // With on_verdict, a persistent grid: item_ctas CTAs (at most num_seqs x H) each take (sequence,
-  // head) items in turn from the counter next_item, which K0 zeroed (prefill Params::fused_next),
-  // until none is left; so where K0 leaves the call to the chunk-16 kernels the launch is one wave
-  // of CTAs that exit, not N H of them. Null: the grid is H x num_seqs.
-  int* next_item = nullptr;
-  int64_t item_ctas = 0;
   // Checkpoints (SPEC §9): the state after every checkpoint_every tokens of each sequence (a
   // multiple of 64; 0 = none; a sequence's last partial piece has none), numbered sequence by
   // sequence: sequence n's first is ckpt_start[n] (K0's, in the workspace header, with cu_seqlens),
@@ -128,7 +122,7 @@ struct FusedArgs {
   // runs the call only where *run_if_flag is non-zero (a piece stopped it). Null: always.
   const int* run_if_flag = nullptr;
   // With cu_seqlens: K0's order of the sequences, longest first ([num_seqs], prefill
-  // Params::fused_order): grid row y (the persistent grid's y-th sequence) takes sequence order[y],
+  // Params::fused_order): grid row y takes sequence order[y],
   // so that the longest sequences' CTAs start first instead of wherever they stand in the batch.
   // Null: in the batch's order.
   const int32_t* order = nullptr;
@@ -179,11 +173,9 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream);
 // consumers, setmaxnreg).
 bool fused_serves(const PrefillParams& p);
 // error_flag: K0's (FusedArgs::error_flag), required with cu_seqlens or a pool; ckpt_start: K0's,
-// required with cu_seqlens and checkpoints; on_verdict, check_only, next_item, item_ctas and order
-// as FusedArgs says.
+// required with cu_seqlens and checkpoints; on_verdict, check_only and order as FusedArgs says.
 cudaError_t fused_prefill(const PrefillParams& p, const int* error_flag, const int32_t* ckpt_start, cudaStream_t stream,
-                          bool on_verdict = false, bool check_only = false, int* next_item = nullptr,
-                          int64_t item_ctas = 0, const int32_t* order = nullptr);
+                          bool on_verdict = false, bool check_only = false, const int32_t* order = nullptr);
 // The kernels' arguments for a call (records unset, the candidate flags off).
 FusedArgs fused_args(const PrefillParams& p);
 
