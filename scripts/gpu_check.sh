@@ -227,7 +227,7 @@ fi
 if want pending; then  # keep in step with docs/VALIDATION.md "Not yet run on the GPU"
   step pending
   # the few-head pieces under the sanitizers: by rule (T = 2048 H = 4, B = 1 and 2, random gates and one
-  # long-memory channel, the combine from a counter after the stopped pieces, a candidate); four pieces
+  # long-memory channel); four pieces
   # through a pool (B = 3 T = 640 H = 4, both gate regimes); the rule's flags' small case
   pending_tests=(test_prefill32_gpu '*RuleRunsFewHeadPieces*:*RandomInputsOddLengthWithStates*:*FusedPiecesThroughAPool*')  # pairs: binary, gtest filter
   for ((i = 0; i < ${#pending_tests[@]}; i += 2)); do

@@ -437,8 +437,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   if (tid == 0) start_stamp<kStart>(a, 1);
   // beta's bits a chunk ahead in a register of threads 0-31 (warp 0, whose chain is the producer's).
   uint32_t beta_next = load_beta_bits(pa, h, 0, tid);
-  // The first kBufs chunks' staged rows (thread 32). The buffers' last reads (the previous item's
-  // chunks) came before its factors' barriers. (Issued before the gate constants' loads, run 173 measured
+  // The first kBufs chunks' staged rows (thread 32). (Issued before the gate constants' loads, run 173 measured
   // the few-head pieces 1.5% slower at T=2048 H=12 and level from T = 8192: DESIGN.md.)
   if (kStaged && tid == 32) {
     for (int64_t c = 0; c < kBufs && c < staged_chunks; ++c) issue_rows(c);
