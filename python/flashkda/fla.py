@@ -14,7 +14,7 @@ Registered (fla.backends.register, priority 2, ahead of fla's FlashKDA backend a
   slots with num_accepted_tokens, in place or not.
 
 Calls it cannot serve (autograd, per-channel beta, context parallelism, a GPU without the CUDA
-backend, ...) are
+backend, float16 gates, a lower_bound outside [-5, 0), use_graph's padded token buffers, ...) are
 declined with a reason (fla logs it at INFO) and fla runs its own kernels. `FLA_FLASHKDA=0`
 switches the backend off, as `FLA_FLASH_KDA=0` does fla's FlashKDA backend.
 """
@@ -62,8 +62,14 @@ def _common_reason(q, k, v, g, beta, initial_state, A_log, dt_bias, use_gate_in_
         return f"flashkda requires bfloat16 or float32 and K, V <= 256 on the CPU, got {q.dtype}, K={K}, V={V}"
     if any(x.dtype != q.dtype for x in (k, v)):
         return "flashkda requires q, k and v of one dtype"
+    if any(x.dtype not in _FLOATS for x in (g, beta)):
+        return f"flashkda requires bfloat16 or float32 g and beta, got {g.dtype} and {beta.dtype}"
+    if initial_state is not None and initial_state.dtype not in _FLOATS:
+        return f"flashkda requires a bfloat16 or float32 initial_state, got {initial_state.dtype}"
     if use_gate_in_kernel and lower_bound is None and A_log is None:
         return "flashkda requires A_log for the softplus gate (use_gate_in_kernel without lower_bound)"
+    if use_gate_in_kernel and lower_bound is not None and not -5.0 <= lower_bound < 0.0:
+        return f"flashkda requires lower_bound in [-5, 0), got {lower_bound}"
     if use_gate_in_kernel and dt_bias is not None and dt_bias.numel() != H * K:
         return f"flashkda requires a per-channel dt_bias of H*K={H * K} elements, got {tuple(dt_bias.shape)}"
     return None
@@ -96,6 +102,16 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
             reason = "flashkda requires lower_bound with safe_gate=True"
         if reason is None and return_intermediate_states and kwargs.get("chunk_size", 64) != 64:
             reason = "flashkda returns intermediate states every 64 tokens only (chunk_size=64)"
+        if reason is None and use_graph and cu_seqlens is not None:
+            # fla's graph mode lets cu_seqlens end short of the token buffer (padding rows, left undefined);
+            # flashkda requires cu_seqlens[-1] == B*T and refuses other calls (on the GPU by NaN outputs)
+            cpu = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens if not cu_seqlens.is_cuda else None
+            if cpu is None:
+                reason = ("flashkda requires cu_seqlens[-1] == B*T, which use_graph's padded buffers may break: "
+                          "pass cu_seqlens_cpu for the check")
+            elif int(cpu[-1]) != q.shape[0] * q.shape[1]:
+                reason = (f"flashkda requires cu_seqlens[-1] == B*T={q.shape[0] * q.shape[1]} (no padded token "
+                          f"buffers), got {int(cpu[-1])}")
         return reason is None, reason
 
     def chunk_kda(self, q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -103,6 +119,9 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
                   allow_neg_eigval=False, safe_gate=False, lower_bound=None, disable_recompute=False,
                   return_intermediate_states=False, state_v_first=False, cu_seqlens=None, cu_seqlens_cpu=None,
                   cp_context=None, use_graph=False, max_num_seqs=None, *, A_log=None, dt_bias=None, **kwargs):
+        # fla's deprecated transpose_state_layout reaches backends unconverted (fla's chunk_kda maps it to
+        # state_v_first after the dispatch): flashkda's chunk_kda converts it as fla does, and checks chunk_size
+        fla_kwargs = {name: kwargs[name] for name in ("transpose_state_layout", "chunk_size") if name in kwargs}
         return flashkda.chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                   output_final_state=output_final_state,
                                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -111,7 +130,7 @@ class FlashkdaChunkBackend(_FlashkdaBackend):
                                   allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
                                   lower_bound=lower_bound, state_v_first=state_v_first, cu_seqlens=cu_seqlens,
                                   return_intermediate_states=return_intermediate_states, A_log=A_log,
-                                  dt_bias=dt_bias)
+                                  dt_bias=dt_bias, **fla_kwargs)
 
 
 @register("kda")

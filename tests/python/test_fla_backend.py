@@ -94,6 +94,41 @@ def test_unservable_calls_are_declined_with_a_reason(rng):
     rec = backend.FlashkdaKDABackend()
     ok, reason = rec.fused_recurrent_kda_fwd_verifier(*args, initial_state=None, inplace_final_state=True)
     assert not ok and "initial_state" in reason
+    # what flashkda's own functions would refuse where fla runs: declined, so fla runs them
+    for needle, call_args, call_kw in (
+            ("lower_bound in [-5, 0)", args, {**kw, "safe_gate": False, "lower_bound": -8.0}),
+            ("g and beta", (*args[:3], t["g"].half(), t["beta"]), kw),
+            ("g and beta", (*args[:4], t["beta"].half()), kw),
+            ("initial_state", args, {**kw, "initial_state": t["h0_vk"].double()})):
+        ok, reason = chunk.chunk_kda_verifier(*call_args, **call_kw)
+        assert not ok and needle in reason, (needle, reason)
+    # fla's graph mode: cu_seqlens may end short of the token buffer (padding rows), which flashkda refuses
+    T = t["q"].shape[1]
+    short, full = torch.tensor([0, 10, T - 5]), torch.tensor([0, 10, T])
+    h0 = t["h0_vk"][:1].expand(2, -1, -1, -1).contiguous()
+    for cu, served in ((full, True), (short, False)):
+        ok, reason = chunk.chunk_kda_verifier(*args, **{**kw, "initial_state": h0, "cu_seqlens": cu, "use_graph": True})
+        assert ok == served and (served or "B*T" in reason), reason
+    assert chunk.chunk_kda_verifier(*args, **{**kw, "initial_state": h0, "cu_seqlens": short})[0]  # refused by
+    # flashkda's checks, as by fla's (no graph mode: fla's chunk list needs the real end too)
+
+
+def test_deprecated_state_layout_keyword_reaches_the_backend(rng):
+    """fla's chunk_kda converts transpose_state_layout to state_v_first only after its backends are asked, so
+    the backend gets the old keyword: the state must still be read and written [V, K] (at K = V = 128 the
+    other layout has the same shape, so a dropped keyword would go unnoticed)."""
+    t, kw = inputs(rng, "cpu")
+    kw.pop("state_v_first")
+    h0 = t["h0_vk"]
+    with torch.no_grad():
+        want_o, want_ht = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0,
+                                             state_v_first=True, **kw)
+        with pytest.warns(DeprecationWarning, match="state_v_first"):
+            o, ht = fla_kda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0,
+                                      transpose_state_layout=True, **kw)
+        other_o, _ = flashkda.chunk_kda(t["q"], t["k"], t["v"], t["g"], t["beta"], initial_state=h0, **kw)
+    assert torch.equal(o, want_o) and torch.equal(ht, want_ht)
+    assert not torch.equal(o, other_o)  # the layouts differ on these inputs
 
 
 def test_a_declined_call_runs_flas_own_path(rng, monkeypatch):
