@@ -242,7 +242,9 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
     The positional order is fla 0.6.0's; A_log, dt_bias and precision are keywords. fla options
     without effect here (disable_recompute, cu_seqlens_cpu, use_graph, max_num_seqs, chunk_size) are
-    accepted; cp_context raises NotImplementedError when set. allow_neg_eigval=True (fla's, with
+    accepted, but cu_seqlens[-1] must equal the token count B*T (the padded token buffers fla's use_graph
+    allows are refused: ValueError on the CPU, NaN outputs on the GPU); cp_context raises
+    NotImplementedError when set. allow_neg_eigval=True (fla's, with
     use_beta_sigmoid_in_kernel=True) takes beta as 2 sigmoid(beta), formed in fp32 before the call.
     Grouped value heads (fla's GVA: v, g, beta, A_log, dt_bias and the states with HV heads, q and k
     with H, HV a multiple of H) repeat q's and k's heads before the call.
