@@ -80,9 +80,10 @@ _IGNORED_KWARGS = ("chunk_size",)
 
 
 def _fla_kwargs(fn_name, kwargs, state_v_first, return_intermediate_states=False):
-    """fla's extra keyword arguments: the deprecated alias, the ignored ones, typos. chunk_size changes
-    nothing but the spacing of fla's intermediate states, which flashkda returns every 64 tokens: with
-    return_intermediate_states another chunk_size raises NotImplementedError, not a differently spaced h."""
+    """fla's extra keyword arguments: the deprecated alias, the ignored ones, typos. chunk_kda's chunk_size
+    changes nothing but the spacing of fla's intermediate states, which flashkda returns every 64 tokens:
+    with return_intermediate_states another chunk_size raises NotImplementedError, not a differently
+    spaced h. fused_recurrent_kda ignores chunk_size whatever its value, as fla's does."""
     kwargs = dict(kwargs)
     if "transpose_state_layout" in kwargs:
         if state_v_first:
@@ -90,7 +91,7 @@ def _fla_kwargs(fn_name, kwargs, state_v_first, return_intermediate_states=False
         warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
                       DeprecationWarning, stacklevel=3)
         state_v_first = bool(kwargs.pop("transpose_state_layout"))
-    chunk_size = kwargs.get("chunk_size", 64)
+    chunk_size = kwargs.get("chunk_size", 64) if fn_name == "chunk_kda" else 64
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size: must be 16, 32 or 64, got {chunk_size} (flashkda chooses its own chunk sizes)")
     if return_intermediate_states and chunk_size != 64:

@@ -94,6 +94,12 @@ def test_fused_recurrent_kda_takes_fla_positional_order(rng):
     with pytest.raises(ValueError, match="use_beta_sigmoid_in_kernel"):
         flashkda.fused_recurrent_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], p["A_log"], p["dt_bias"], None, h0_kv,
                                      True, True, True, False, True, p["lower_bound"])
+    # chunk_size means nothing to fla's fused_recurrent_kda, which ignores it whatever its value; so here
+    o3, _ = flashkda.fused_recurrent_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], p["A_log"], p["dt_bias"], None,
+                                         h0_kv, True, True, True, True, False, p["lower_bound"], chunk_size=128)
+    np.testing.assert_array_equal(o3, o)
+    with pytest.raises(ValueError, match="chunk_size"):  # chunk_kda's takes 16, 32 or 64 (fla's: 32 or 64)
+        flashkda.chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], chunk_size=128)
 
 
 def test_fused_recurrent_kda_never_writes_initial_state_by_default(rng):
