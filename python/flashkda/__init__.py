@@ -267,17 +267,27 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     if not _use_op(q):
         if not is_torch(q):
             return _impl.chunk_kda(ops_for(q), **args)
-        # the tensors the call makes: o, a final state (not the caller's pool, returned second), fla's h
-        fresh = (0, 2) if state_pool is not None else (0, 1, 2)
-        return _forward_only("chunk_kda", lambda: _impl.chunk_kda(ops_for(q), **args), fresh,
-                             (q, k, v, g, beta, A_log, dt_bias, initial_state))
+        return _chunk_kda_torch_eager(args)
     if return_intermediate_states:
-        raise NotImplementedError("chunk_kda: return_intermediate_states under torch.compile (its shape depends "
-                                  "on the sequence lengths); call it outside the compiled region")
+        # h's shape depends on the sequence lengths, so no op's fake can give it: the call leaves the
+        # compiled graph and runs eagerly (a graph break, as every fla chunk_kda call is: fla's is
+        # torch.compiler.disable'd); under fullgraph=True that is torch's error, as with fla
+        import torch
+
+        return torch.compiler.disable(_chunk_kda_torch_eager)(args)
     o, ht = _torch_ops.chunk_kda(args)
     if state_pool is not None:
         return o, state_pool
     return o, (ht if output_final_state else None)
+
+
+def _chunk_kda_torch_eager(args):
+    """chunk_kda on torch tensors outside a compiled graph (forward only, _forward_only)."""
+    q = args["q"]
+    # the tensors the call makes: o, a final state (not the caller's pool, returned second), fla's h
+    fresh = (0, 2) if args["state_pool"] is not None else (0, 1, 2)
+    return _forward_only("chunk_kda", lambda: _impl.chunk_kda(ops_for(q), **args), fresh,
+                         tuple(args[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state")))
 
 
 def fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state=None, final_state=None,

@@ -460,6 +460,32 @@ def test_torch_compile_pool_prefill(rng):
     assert torch.equal(pool_eager[[0, 2]], pool0[[0, 2]])
 
 
+def test_torch_compile_intermediate_states_leave_the_graph(rng):
+    """return_intermediate_states inside a compiled function: h's shape depends on the lengths, so the
+    call runs eagerly at a graph break (fla's chunk_kda always does), with the eager call's results; under
+    fullgraph=True the break is torch's error, as for fla's."""
+    p = make_problem(rng, B=1, T=70, K=32, V=16)
+    t = torch_problem(p)
+
+    def step(q, k, v, g, beta, A_log, dt_bias):
+        o, ht, h = flashkda.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                      lower_bound=-2.0, use_qk_l2norm_in_kernel=True,
+                                      use_beta_sigmoid_in_kernel=True, output_final_state=True,
+                                      return_intermediate_states=True)
+        return o * 2, ht, h
+
+    args = [t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    with torch.inference_mode():
+        eager = step(*args)
+        compiled = torch.compile(step, backend="aot_eager")(*args)
+        assert eager[2].shape[1] == 2  # h every 64 tokens: at 0 and 64
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="(?i)graph break|disable|skip"):
+            torch.compile(step, fullgraph=True, backend="aot_eager")(*args)
+
+
 def test_meta_tensors_are_a_value_error():
     q = torch.randn(1, 4, 2, 16, device="meta")
     beta = torch.randn(1, 4, 2, device="meta")
