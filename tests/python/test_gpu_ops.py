@@ -369,6 +369,26 @@ def test_torch_compile(rng, bf16):
     torch.testing.assert_close(pool_eager, pool_comp, rtol=0, atol=0)
 
 
+def test_torch_compile_intermediate_states_leave_the_graph(rng, bf16):
+    # fla's h has a length-dependent shape: the call runs eagerly at a graph break, with eager's bits
+    p, t = cuda_problem(rng, bf16, lengths=None, B=1, T=130)
+
+    def step(q, k, v, g, beta, A_log, dt_bias):
+        o, ht, h = flashkda.chunk_kda(q, k, v, g, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+                                      lower_bound=-2.0, use_qk_l2norm_in_kernel=True,
+                                      use_beta_sigmoid_in_kernel=True, output_final_state=True,
+                                      return_intermediate_states=True)
+        return o.float() * 2, ht, h
+
+    args = [t[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")]
+    with torch.inference_mode():
+        eager = step(*args)
+        compiled = torch.compile(step)(*args)
+    assert eager[2].shape[1] == 3  # h at tokens 0, 64 and 128
+    for a, b in zip(eager, compiled):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_workspace_is_not_held_per_stream(rng, bf16):
     # The workspace comes from torch's allocator per call: calls on streams that are then dropped
     # leave no memory allocated (a cache per stream grew by a workspace for every new stream).
