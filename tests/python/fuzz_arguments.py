@@ -72,7 +72,8 @@ def corrupt_array(rng, x, kind):
         shape[i] = max(0, shape[i] + int(rng.choice([-1, 1, 7])))
         return np.zeros(shape, x.dtype)
     if kind == 1:  # one dimension fewer or more
-        return x[..., 0] if x.ndim and rng.random() < 0.5 else x[..., None]
+        # (the last axis may be empty after an earlier corruption: then one more)
+        return x[..., 0] if x.ndim and x.shape[-1] > 0 and rng.random() < 0.5 else x[..., None]
     if kind == 2:
         with np.errstate(invalid="ignore"):  # a NaN from an earlier corruption cast to an integer
             return x.astype(rng.choice([np.float16, np.float64, np.int32, np.int64, np.bool_, np.uint8]))
