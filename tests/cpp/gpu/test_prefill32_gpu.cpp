@@ -2130,7 +2130,11 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     launch.start_stamps = static_cast<long long*>(start_st.ptr);
     DeviceProblem d(in, launch);
     EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start stamps: not the rule's bits";
-    CapturedCall call(in, d);
+    CapturedCall call_plain(in, d);
+    launch.pieces_start = 2;  // the same kernel with its parameters' lines read before the verdict's wait
+    DeviceProblem d_touch(in, launch);
+    EXPECT_TRUE(run_bits(in, d_touch) == rule) << "T=" << T << " start stamps, parameters touched: not the rule's bits";
+    CapturedCall call_touch(in, d_touch);
     // the code-warm mode's call before: the stamped kernel at T = 2048 on inputs of its own, so that the code
     // is in L2 (and in the SMs' caches, as far as they keep it from one kernel to the next) and the data not
     KdaInputs in_warm = bench_regime_inputs(2048, 12, 31, false);
@@ -2138,10 +2142,13 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     warm_launch.pieces_start = 1;
     DeviceProblem d_warm(in_warm, warm_launch);
     CapturedCall warm_call(in_warm, d_warm);
+    for (const int variant : {1, 2})
     for (const int mode : {0, 1, 2}) {
+      CapturedCall& call = variant == 1 ? call_plain : call_touch;
       const bool flushed = mode > 0;
       const CapturedCall* const warm = mode == 2 ? &warm_call : nullptr;
-      const char* const mode_name = mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm";
+      const std::string mode_name = std::string(mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm") +
+                                    (variant == 2 ? ", parameters touched" : "");
       (void)call.replay(5, flushed ? &flush : nullptr, warm);
       ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
       ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);
@@ -2184,7 +2191,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
                   "%.2f (consumers handed it over %.2f; chunk 0's rows landed by then in %lld CTAs), chunk 0 rows "
                   "waited for %.2f, chunk 0 factors %.2f, first full stage %.2f (piece stamp %.2f); steady chunk "
                   "%.3f; kernel %.1f\n",
-                  mode_name,
+                  mode_name.c_str(),
                   (long long)T, (long long)ran, (long long)ctas, mean[0], mean[1], mean[2], mean[3], mean[6],
                   (long long)landed, mean[4], mean[5], mean[7], first_full / double(ran),
                   with_own > 0 ? steady / double(with_own) : 0.0, 1e-3 * double(t_end - t0));
@@ -2194,7 +2201,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
         std::printf("[ measure  ] pieces start (%s) T=%lld: chunk %d's producer steps (us, mean over %lld CTAs): "
                     "load %.2f, gate and row scales %.2f, norms %.2f, scan %.2f, factors %.2f, L / Mqk product "
                     "%.2f, their stores %.2f, hand-over %.2f; sum %.2f\n",
-                    mode_name, (long long)T, c, (long long)two_chunks, m(0), m(1),
+                    mode_name.c_str(), (long long)T, c, (long long)two_chunks, m(0), m(1),
                     m(2), m(3), m(4), m(5), m(6), m(7), m(0) + m(1) + m(2) + m(3) + m(4) + m(5) + m(6) + m(7));
       }
     }
