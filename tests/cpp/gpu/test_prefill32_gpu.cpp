@@ -1557,7 +1557,8 @@ TEST_F(Prefill32Gpu, PiecesFlagsStartAtZeroInAnyWorkspace) {
 }
 
 // Longest first (internal fused_order): K0's order of the sequences in the workspace header (ints
-// 3 N + 4 on, after chunk_start, the verdict, seg_start and ckpt_start) is a permutation with the length classes (ceil(len / 32)) non-increasing, through the
+// 3 N + 4 on, after chunk_start, the verdict, seg_start and ckpt_start) is a permutation with the
+// length classes (ceil(len / 32)) non-increasing, through the
 // forced fused kernel and the rule's path (K0 choosing); the calls' bits equal those in the batch's
 // order (fused_order = -1), which has no order written.
 TEST_F(Prefill32Gpu, LongestFirstOrder) {
@@ -2103,11 +2104,10 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
 // 8192: the stamped kernel's bits are the rule's; its timelines (us from each CTA's start, mean over the
 // CTAs that ran a chunk: an empty last piece, on GPUs of other SM counts, has none) after a replay, with
 // L2 flushed (256 MB written before each replay), and flushed with the stamped kernel's code warm (a
-// T = 2048 call of it on inputs of its own just before, as TimeThePiecesCtaByCta's third mode).
-// Run 173 (an H100): chunk 0's rows had landed by the verdict in every CTA, and its factors took ~11.5
-// us against a steady chunk's ~3.9 (DESIGN.md "Where a few-head call's fixed cost goes"). Chunk 0's
-// steps all slower than chunk 1's by about one factor, and less so with the code warm, would say
-// instruction fetch; one step slower alone, that step's own first-time cost.
+// T = 2048 call of it on inputs of its own just before, as TimeThePiecesCtaByCta's third mode); then
+// the same for pieces_start = 2, a candidate (the kernel's parameter lines read before the verdict).
+// Run 174 (an H100): chunk 0's steps ~3x chunk 1's wherever the call's data had left L2, code warm or
+// not, and ~1.25x where a replay had left it there (DESIGN.md "Where a few-head call's fixed cost goes").
 TEST_F(Prefill32Gpu, TimeThePiecesStart) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -2133,7 +2133,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     CapturedCall call_plain(in, d);
     launch.pieces_start = 2;  // the same kernel with its parameters' lines read before the verdict's wait
     DeviceProblem d_touch(in, launch);
-    EXPECT_TRUE(run_bits(in, d_touch) == rule) << "T=" << T << " start stamps, parameters touched: not the rule's bits";
+    EXPECT_TRUE(run_bits(in, d_touch) == rule) << "T=" << T << " parameters touched: not the rule's bits";
     CapturedCall call_touch(in, d_touch);
     // the code-warm mode's call before: the stamped kernel at T = 2048 on inputs of its own, so that the code
     // is in L2 (and in the SMs' caches, as far as they keep it from one kernel to the next) and the data not
@@ -2142,13 +2142,14 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     warm_launch.pieces_start = 1;
     DeviceProblem d_warm(in_warm, warm_launch);
     CapturedCall warm_call(in_warm, d_warm);
-    for (const int variant : {1, 2})
-    for (const int mode : {0, 1, 2}) {
+    for (int k = 0; k < 6; ++k) {  // each kernel (pieces_start 1, then 2) in the three modes
+      const int variant = 1 + k / 3, mode = k % 3;
       CapturedCall& call = variant == 1 ? call_plain : call_touch;
       const bool flushed = mode > 0;
       const CapturedCall* const warm = mode == 2 ? &warm_call : nullptr;
-      const std::string mode_name = std::string(mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm") +
-                                    (variant == 2 ? ", parameters touched" : "");
+      const std::string mode_name =
+          std::string(mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm") +
+          (variant == 2 ? ", parameters touched" : "");
       (void)call.replay(5, flushed ? &flush : nullptr, warm);
       ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
       ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);

@@ -516,13 +516,13 @@ cudaError_t fused_on_verdict(const PrefillParams& p, const Params& kp, cudaStrea
 // Whether K0 may give a call with device cu_seqlens to the fused kernel: the rule can hold for some
 // lengths (at best N equal ones) and the kernel can be launched here (its tensor maps, its register
 // split: asked without launching, since after K0's verdict there is no way back), and only where the
-// sequences average at least the rule's floor (64 tokens): where K0 leaves the call to the chunk-16 kernels, a CTA-an-item launch still runs its N H CTAs,
-// one an SM, which exit at once: ~2.3 us a wave of #SMs CTAs (run 99, "2048 + 30 x 64" at
-// H = 12-32: +6 to +17 us), against a call of ~1.65 ns a token and head, i.e. ~9 / mean length of
-// the call's time; at 64 tokens and more that is <= 14% (run 107: "2048 + 30 x 64", mean 128, at
-// H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower than without the launch; at
-// H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110: 256 x 64, which K0 gives
-// the fused kernel at every H measured, 0.84-0.86x forced).
+// sequences average at least the rule's floor (64 tokens): where K0 leaves the call to the chunk-16
+// kernels, a CTA-an-item launch still runs its N H CTAs, one an SM, which exit at once: ~2.3 us a
+// wave of #SMs CTAs (run 99, "2048 + 30 x 64" at H = 12-32: +6 to +17 us), against a call of ~1.65 ns a
+// token and head, i.e. ~9 / mean length of the call's time; at 64 tokens and more that is <= 14% (run
+// 107: "2048 + 30 x 64", mean 128, at H = 12-32, which K0 leaves to the chunk-16 kernels, 3-6% slower
+// than without the launch; at H = 64-96, which it gives the fused kernel, 13% faster; runs 109-110:
+// 256 x 64, which K0 gives the fused kernel at every H measured, 0.84-0.86x forced).
 bool fused_by_lengths(const PrefillParams& p, const Params& kp) {
   const int64_t N = detail::num_sequences(p);
   return p.cu_seqlens != nullptr && p.B * p.T >= kp.fused_min_tokens * N && 3 * N * p.H >= 2 * int64_t(sm_count()) &&
@@ -714,7 +714,8 @@ void forward(const PrefillParams& p, const internal::PrefillLaunch& launch, void
     // (and they launch K0 again: without the pieces the fused kernel may take the call).
     if (sm90::prefill_v2::fused_pieces_prefill(p, area.pieces, warmup, flag, finals, pieces_error_flag,
                                                pieces_ckpt_start, stream, chain_states, k0_first,
-                                               launch.piece_stamps, launch.pieces_start, launch.start_stamps) == cudaSuccess) {
+                                               launch.piece_stamps, launch.pieces_start,
+                                               launch.start_stamps) == cudaSuccess) {
       pieces_flag = flag;
       if (!area.chained) {  // zeroed with the flag
         prep_next = reinterpret_cast<uint32_t*>(flag + 1);
