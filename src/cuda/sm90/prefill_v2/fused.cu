@@ -144,12 +144,11 @@ struct FusedParams {
   FusedArgs a;
 };
 
-// The unchained pieces' producer (and the start stamps' kernel with FusedArgs::start_variant 2): every
-// 64-byte line of the kernel's parameters read once by one thread, so that the constant bank's first misses (a line a
+// FusedArgs::start_variant 2 (the start stamps' kernel, timing only): every 64-byte line of the
+// kernel's parameters read once by one thread, so that the constant bank's first misses (a line a
 // miss; from DRAM where the parameter block left L2, as after a long call or an L2 flush) come while
 // the producer waits for the gates' pre-check instead of inside its first chunk. The words' XOR goes
-// to `slot`, a shared word nothing reads (ProduceScratch::kOffSink; without the store ptxas drops the
-// loads). Not the scan's totals: warp 0 may write those in chunk 0 before this thread's store lands.
+// to `slot`, a shared word nothing reads before the first chunk writes it (else ptxas drops the loads).
 __device__ __forceinline__ void touch_parameter_lines(const FusedParams& params, volatile uint32_t* slot) {
   constexpr int kLines = int((sizeof(FusedParams) + 63) / 64);
   const uint32_t* const words = reinterpret_cast<const uint32_t*>(&params);
@@ -465,9 +464,9 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // with this wait, run 136).
   bool prechecked = false;
   if (kPieces && !a.pieces_chain) {
-    // warp 3, idle until the verdict (the start stamps' kernel: variant 2 only)
+    // warp 3, idle until the verdict; the scan's totals, not yet used (the start stamps' kernel: variant 2 only)
     if (tid == 96 && (!kStart || a.start_variant == 2))
-      touch_parameter_lines(params, reinterpret_cast<volatile uint32_t*>(scratch + ProduceScratch::kOffSink));
+      touch_parameter_lines(params, reinterpret_cast<volatile uint32_t*>(scratch + ProduceScratch::kOffTotals));
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
     if (tid == 0) {

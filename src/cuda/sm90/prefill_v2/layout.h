@@ -79,8 +79,8 @@ struct ProduceScratch {
   static constexpr int kInvScratchBytes = 3 * 16 * kX22Stride * 4;  // invert_warpgroup's
   static constexpr int kOffTotals = kOffX22 + kInvScratchBytes;     // fp32 [4 warps][128] log-decay sums
   static constexpr int kOffBeta = kOffTotals + 4 * kHeadDim * 4;    // fp32 [32]
-  static constexpr int kOffSink = kOffBeta + kChunk * 4;            // uint32 written, never read (fused.cu)
-  static constexpr int kOffGate = kOffSink + 16;                    // fp32 [128] + 2: produce.cuh load_gate_consts (fused.cu)
+  static constexpr int kOffWide = kOffBeta + kChunk * 4;            // int32
+  static constexpr int kOffGate = kOffWide + 16;                    // fp32 [128] + 2: produce.cuh load_gate_consts (fused.cu)
   static constexpr int kBytes = kOffGate + (kHeadDim + 4) * 4;
 };
 
