@@ -463,10 +463,11 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // stopped by the in-kernel check 20-21 us, against 2.9 for the grid the old kernel stopped; 9.2-9.7
   // with this wait, run 136).
   bool prechecked = false;
-  if (kPieces && !a.pieces_chain) {
-    // warp 3, idle until the verdict; the scan's totals, not yet used (the start stamps' kernel: variant 2 only)
-    if (tid == 96 && (!kStart || a.start_variant == 2))
+  if constexpr (kStart) {
+    if (a.start_variant == 2 && tid == 96)  // warp 3, idle until the verdict; the scan's totals, not yet used
       touch_parameter_lines(params, reinterpret_cast<volatile uint32_t*>(scratch + ProduceScratch::kOffTotals));
+  }
+  if (kPieces && !a.pieces_chain) {
     mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
     if (tid == 0) {
