@@ -2105,9 +2105,12 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
 // CTAs that ran a chunk: an empty last piece, on GPUs of other SM counts, has none) after a replay, with
 // L2 flushed (256 MB written before each replay), and flushed with the stamped kernel's code warm (a
 // T = 2048 call of it on inputs of its own just before, as TimeThePiecesCtaByCta's third mode); then
-// the same for pieces_start = 2, a candidate (the kernel's parameter lines read before the verdict).
+// the same for pieces_start = 2, chunk 0's producer steps run twice and the second pass stamped (its
+// "load" step holds the whole first pass): whether chunk 0's extra time is a first pass's (the code's
+// fetch, say) or its moment's (the call's first loads in flight from every SM).
 // Run 174 (an H100): chunk 0's steps ~3x chunk 1's wherever the call's data had left L2, code warm or
-// not, and ~1.25x where a replay had left it there (DESIGN.md "Where a few-head call's fixed cost goes").
+// not, and ~1.25x where a replay had left it there (DESIGN.md "Where a few-head call's fixed cost goes");
+// run 175: as much with every line of the kernel's parameters read before the verdict (not the cause).
 TEST_F(Prefill32Gpu, TimeThePiecesStart) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -2131,9 +2134,9 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     DeviceProblem d(in, launch);
     EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start stamps: not the rule's bits";
     CapturedCall call_plain(in, d);
-    launch.pieces_start = 2;  // the same kernel with its parameters' lines read before the verdict's wait
+    launch.pieces_start = 2;  // the same kernel with chunk 0's producer steps run twice, the second stamped
     DeviceProblem d_touch(in, launch);
-    EXPECT_TRUE(run_bits(in, d_touch) == rule) << "T=" << T << " parameters touched: not the rule's bits";
+    EXPECT_TRUE(run_bits(in, d_touch) == rule) << "T=" << T << " chunk 0 twice: not the rule's bits";
     CapturedCall call_touch(in, d_touch);
     // the code-warm mode's call before: the stamped kernel at T = 2048 on inputs of its own, so that the code
     // is in L2 (and in the SMs' caches, as far as they keep it from one kernel to the next) and the data not
@@ -2149,7 +2152,7 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
       const CapturedCall* const warm = mode == 2 ? &warm_call : nullptr;
       const std::string mode_name =
           std::string(mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm") +
-          (variant == 2 ? ", parameters touched" : "");
+          (variant == 2 ? ", chunk 0 twice" : "");
       (void)call.replay(5, flushed ? &flush : nullptr, warm);
       ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
       ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);

@@ -145,7 +145,7 @@ struct FusedArgs {
   long long* piece_stamps = nullptr;
   // Timing only, with unchained pieces: 1 = the pieces' kernel with start stamps (start_stamps, null:
   // none), a kernel of its own, so that the rule's SASS stays as it is; 0 = the rule's.
-  int start_variant = 0;  // 2: the same kernel, its parameters' lines read before the verdict's wait
+  int start_variant = 0;  // 2: the same kernel, chunk 0's producer steps run twice (the second stamped)
   // With start_variant 1: each CTA's kStartStamps values (row y H + x, as piece_stamps), %globaltimer
   // nanoseconds where its first chunk's way reaches each point: the producer's thread 0 at 0 its
   // start (produce_item), 1 after the gate constants and the producer's barrier, 3 after the gates'
