@@ -95,7 +95,8 @@ struct PrefillLaunch {
   int pieces_start = 0;  // GPU, timing only, the unchained few-head pieces: 0 = their rule's kernel; 1 = a
                          // kernel of its own with start stamps (start_stamps; prefill_v2
                          // FusedArgs::start_variant); 2 = the same, chunk 0's producer steps run
-                         // twice, the second pass stamped (where its extra time goes)
+                         // twice, the second pass stamped; 3 and 4 = the same, the consumers waiting
+                         // for each stage with a long suspend hint or by spaced polls (diagnostics)
   long long* start_stamps = nullptr;  // with pieces_start: each pieces CTA's kStartStamps points
                                       // (prefill_v2 FusedArgs::start_stamps); null: none
 };

@@ -33,6 +33,30 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// mbarrier_wait with a suspend-time hint of ~1 ms (timing only, FusedArgs::start_variant 3): the
+// thread may sleep until the phase completes instead of re-polling at the system's time limit.
+__device__ __forceinline__ void mbarrier_wait_long(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred done;\n wait_phase_long:\n"
+      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1, %2;\n"
+      " @!done bra wait_phase_long;\n}" ::"r"(smem_addr(bar)),
+      "r"(parity), "r"(1000000u)
+      : "memory");
+}
+// Waits by test_wait polls 256 ns of nanosleep apart (timing only, FusedArgs::start_variant 4).
+__device__ __forceinline__ void mbarrier_wait_backoff(uint64_t* bar, uint32_t parity) {
+  uint32_t done = 0;
+  for (;;) {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(smem_addr(bar)), "r"(parity)
+        : "memory");
+    if (done) return;
+    __nanosleep(256);
+  }
+}
 
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global memory into this CTA's
 // shared memory, completing on bar.

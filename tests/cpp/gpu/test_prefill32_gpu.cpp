@@ -2106,11 +2106,14 @@ TEST_F(Prefill32Gpu, TimeThePiecesCtaByCta) {
 // L2 flushed (256 MB written before each replay), and flushed with the stamped kernel's code warm (a
 // T = 2048 call of it on inputs of its own just before, as TimeThePiecesCtaByCta's third mode); then
 // the same for pieces_start = 2, chunk 0's producer steps run twice and the second pass stamped (its
-// "load" step holds the whole first pass): whether chunk 0's extra time is a first pass's (the code's
-// fetch, say) or its moment's (the call's first loads in flight from every SM).
+// "load" step holds the whole first pass), 3 (the consumers' waits for a full stage with a ~1 ms suspend
+// hint) and 4 (their waits by polls 256 ns apart).
 // Run 174 (an H100): chunk 0's steps ~3x chunk 1's wherever the call's data had left L2, code warm or
 // not, and ~1.25x where a replay had left it there (DESIGN.md "Where a few-head call's fixed cost goes");
-// run 175: as much with every line of the kernel's parameters read before the verdict (not the cause).
+// run 175: as much with every line of the kernel's parameters read before the verdict (not the cause);
+// run 177: chunk 0's second pass as slow as its first, while chunk 1, at the same time from the kernel's
+// start, runs at its steady speed: the producer is slow while the consumers wait for their first stage
+// (3 and 4 test whether their polling is what slows it).
 TEST_F(Prefill32Gpu, TimeThePiecesStart) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -2135,9 +2138,17 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start stamps: not the rule's bits";
     CapturedCall call_plain(in, d);
     launch.pieces_start = 2;  // the same kernel with chunk 0's producer steps run twice, the second stamped
-    DeviceProblem d_touch(in, launch);
-    EXPECT_TRUE(run_bits(in, d_touch) == rule) << "T=" << T << " chunk 0 twice: not the rule's bits";
-    CapturedCall call_touch(in, d_touch);
+    DeviceProblem d_twice(in, launch);
+    EXPECT_TRUE(run_bits(in, d_twice) == rule) << "T=" << T << " chunk 0 twice: not the rule's bits";
+    CapturedCall call_twice(in, d_twice);
+    launch.pieces_start = 3;  // the same kernel, the consumers' waits for a full stage with a long suspend hint
+    DeviceProblem d_sleep(in, launch);
+    EXPECT_TRUE(run_bits(in, d_sleep) == rule) << "T=" << T << " long waits: not the rule's bits";
+    CapturedCall call_sleep(in, d_sleep);
+    launch.pieces_start = 4;  // the same kernel, the consumers' waits for a full stage polls 256 ns apart
+    DeviceProblem d_backoff(in, launch);
+    EXPECT_TRUE(run_bits(in, d_backoff) == rule) << "T=" << T << " backed-off waits: not the rule's bits";
+    CapturedCall call_backoff(in, d_backoff);
     // the code-warm mode's call before: the stamped kernel at T = 2048 on inputs of its own, so that the code
     // is in L2 (and in the SMs' caches, as far as they keep it from one kernel to the next) and the data not
     KdaInputs in_warm = bench_regime_inputs(2048, 12, 31, false);
@@ -2145,14 +2156,14 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     warm_launch.pieces_start = 1;
     DeviceProblem d_warm(in_warm, warm_launch);
     CapturedCall warm_call(in_warm, d_warm);
-    for (int k = 0; k < 6; ++k) {  // each kernel (pieces_start 1, then 2) in the three modes
+    for (int k = 0; k < 12; ++k) {  // each kernel (pieces_start 1 to 4) in the three modes
       const int variant = 1 + k / 3, mode = k % 3;
-      CapturedCall& call = variant == 1 ? call_plain : call_touch;
+      CapturedCall& call = variant == 1 ? call_plain : variant == 2 ? call_twice : variant == 3 ? call_sleep : call_backoff;
       const bool flushed = mode > 0;
       const CapturedCall* const warm = mode == 2 ? &warm_call : nullptr;
       const std::string mode_name =
           std::string(mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm") +
-          (variant == 2 ? ", chunk 0 twice" : "");
+          (variant == 2 ? ", chunk 0 twice" : variant == 3 ? ", long waits" : variant == 4 ? ", backed-off waits" : "");
       (void)call.replay(5, flushed ? &flush : nullptr, warm);
       ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
       ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);

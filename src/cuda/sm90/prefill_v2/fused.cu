@@ -795,7 +795,9 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
       const bool tracer = kTrace && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
       if (tracer && cwg == 0) trace_point(a, h, c, 6);
-      mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
+      if (kStart && a.start_variant == 3) mbarrier_wait_long(&full[stage], uint32_t(c / kStages) & 1);
+      else if (kStart && a.start_variant == 4) mbarrier_wait_backoff(&full[stage], uint32_t(c / kStages) & 1);
+      else mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       if (tracer) trace_point(a, h, c, 7 + cwg);
       if (kPieces && warm_phase && c == 0 && ctid == 0) piece_stamp(a, 2), start_stamp<kStart>(a, 7);
       if constexpr (kPieces) {
@@ -1117,7 +1119,7 @@ cudaError_t fused_chunks(const FusedArgs& args, cudaStream_t stream) {
          (args.pieces_next == nullptr || args.pieces_ready == nullptr || args.pieces_states == nullptr)))
       return cudaErrorInvalidValue;
     if (args.start_variant != 0) {  // timing only: the start stamps (unchained pieces)
-      if (args.pieces_chain || (args.start_variant != 1 && args.start_variant != 2)) return cudaErrorInvalidValue;
+      if (args.pieces_chain || (args.start_variant < 1 || args.start_variant > 4)) return cudaErrorInvalidValue;
       return launch_rule_flags<true, true, true>(args, stream);
     }
     return launch_rule_flags<true, true>(args, stream);
