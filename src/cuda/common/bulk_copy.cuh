@@ -33,14 +33,16 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
-// mbarrier_wait with a suspend-time hint of ~1 ms (timing only, FusedArgs::start_variant 3): the
-// thread may sleep until the phase completes instead of re-polling at the system's time limit.
-__device__ __forceinline__ void mbarrier_wait_long(uint64_t* bar, uint32_t parity) {
+// mbarrier_wait with a suspend-time hint (ns): ptxas follows the wait's first test with NANOSLEEP.SYNCS,
+// a sleep that the barrier's phase completing ends (sm_90a SASS), where the plain form tests again and
+// again (on an SM whose other warps have work to issue, the test loop takes their issue slots).
+// Timing only so far (FusedArgs::start_variant 3; fused.cu kFullWaitSuspendNs).
+__device__ __forceinline__ void mbarrier_wait_hinted(uint64_t* bar, uint32_t parity, uint32_t suspend_ns) {
   asm volatile(
-      "{\n .reg .pred done;\n wait_phase_long:\n"
+      "{\n .reg .pred done;\n wait_phase_hinted:\n"
       " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1, %2;\n"
-      " @!done bra wait_phase_long;\n}" ::"r"(smem_addr(bar)),
-      "r"(parity), "r"(1000000u)
+      " @!done bra wait_phase_hinted;\n}" ::"r"(smem_addr(bar)),
+      "r"(parity), "r"(suspend_ns)
       : "memory");
 }
 // Waits by test_wait polls 256 ns of nanosleep apart (timing only, FusedArgs::start_variant 4).

@@ -24,6 +24,10 @@ namespace {
 
 constexpr int kFusedThreads = 3 * kThreads;
 constexpr int kStages = 2;
+// The consumers' waits for a full stage: 0, the plain try_wait loop (the rule); > 0, with this suspend
+// hint in ns (mbarrier_wait_hinted), a candidate for an A/B build (DESIGN.md "Where a few-head call's
+// fixed cost goes": the producer ~3x slower while the consumers wait for their first stage, run 177).
+constexpr uint32_t kFullWaitSuspendNs = 0;
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
@@ -795,8 +799,10 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       if (!draining && (c <= 1 || c % prefill::kRenormChunks == 0)) rs.renormalise(S);
       const bool tracer = kTrace && (ctid & (kThreads - 1)) == 0;  // each consumer warpgroup's thread 0
       if (tracer && cwg == 0) trace_point(a, h, c, 6);
-      if (kStart && a.start_variant == 3) mbarrier_wait_long(&full[stage], uint32_t(c / kStages) & 1);
+      if (kStart && a.start_variant == 3) mbarrier_wait_hinted(&full[stage], uint32_t(c / kStages) & 1, 1000000u);
       else if (kStart && a.start_variant == 4) mbarrier_wait_backoff(&full[stage], uint32_t(c / kStages) & 1);
+      else if constexpr (kFullWaitSuspendNs > 0)
+        mbarrier_wait_hinted(&full[stage], uint32_t(c / kStages) & 1, kFullWaitSuspendNs);
       else mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       if (tracer) trace_point(a, h, c, 7 + cwg);
       if (kPieces && warm_phase && c == 0 && ctid == 0) piece_stamp(a, 2), start_stamp<kStart>(a, 7);
