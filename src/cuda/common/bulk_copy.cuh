@@ -36,7 +36,7 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
 // mbarrier_wait with a suspend-time hint (ns): ptxas follows the wait's first test with NANOSLEEP.SYNCS,
 // a sleep that the barrier's phase completing ends (sm_90a SASS), where the plain form tests again and
 // again (on an SM whose other warps have work to issue, the test loop takes their issue slots).
-// Timing only so far (FusedArgs::start_variant 3; fused.cu kFullWaitSuspendNs).
+// Timing only so far (FusedArgs::start_variant 3; fused.cu kWaitSuspendNs).
 __device__ __forceinline__ void mbarrier_wait_hinted(uint64_t* bar, uint32_t parity, uint32_t suspend_ns) {
   asm volatile(
       "{\n .reg .pred done;\n wait_phase_hinted:\n"
