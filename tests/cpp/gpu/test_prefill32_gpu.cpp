@@ -2158,7 +2158,8 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     CapturedCall warm_call(in_warm, d_warm);
     for (int k = 0; k < 12; ++k) {  // each kernel (pieces_start 1 to 4) in the three modes
       const int variant = 1 + k / 3, mode = k % 3;
-      CapturedCall& call = variant == 1 ? call_plain : variant == 2 ? call_twice : variant == 3 ? call_sleep : call_backoff;
+      CapturedCall* const calls[] = {&call_plain, &call_twice, &call_sleep, &call_backoff};
+      CapturedCall& call = *calls[variant - 1];
       const bool flushed = mode > 0;
       const CapturedCall* const warm = mode == 2 ? &warm_call : nullptr;
       const std::string mode_name =
