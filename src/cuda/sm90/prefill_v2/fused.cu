@@ -1078,7 +1078,7 @@ cudaError_t launch_lower_bound(const FusedArgs& args, cudaStream_t stream) {
 }
 
 // The rule's flags (lower-bound bf16 gates, staged inputs, setmaxnreg, inverting consumers); kStart:
-// the start stamps' kernel (FusedArgs::start_variant 1, the pieces only).
+// the start stamps' kernel (FusedArgs::start_variant 1 to 4, the pieces only).
 template <bool kSeqs, bool kPieces, bool kStart = false>
 cudaError_t launch_rule_flags(const FusedArgs& args, cudaStream_t stream) {
   return launch<GateForm::kLowerBound, false, true, false, true, true, kSeqs, kPieces, kStart>(args, stream);

@@ -148,7 +148,8 @@ struct FusedArgs {
   int start_variant = 0;  // 2: the same kernel, chunk 0's producer steps run twice (the second stamped);
                           // 3, 4: the consumers wait for each full stage with a ~1 ms suspend hint
                           // (mbarrier_wait_hinted), or by polls 256 ns apart (mbarrier_wait_backoff)
-  // With start_variant 1: each CTA's kStartStamps values (row y H + x, as piece_stamps), %globaltimer
+  // With start_variant 1 to 4 (in 2 the step after chunk 0's rows landed, "load", holds the whole first
+  // pass): each CTA's kStartStamps values (row y H + x, as piece_stamps), %globaltimer
   // nanoseconds where its first chunk's way reaches each point: the producer's thread 0 at 0 its
   // start (produce_item), 1 after the gate constants and the producer's barrier, 3 after the gates'
   // pre-check's verdict, 4 with chunk 0's staged rows landed, 5 with chunk 0's factors done (before its
