@@ -22,21 +22,9 @@ __device__ __forceinline__ void fence_mbarrier_init() { asm volatile("fence.mbar
 __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
-// Waits until the barrier's phase of this parity has completed (acquire at CTA scope: every
-// kernel here synchronises only its own CTA's threads and copies through its barriers; at cluster
-// scope the compiler follows each completed wait with CCTL.IVALL, an invalidation of the SM's L1).
-__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n .reg .pred done;\n wait_phase:\n"
-      " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      " @!done bra wait_phase;\n}" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
 // mbarrier_wait with a suspend-time hint (ns): ptxas follows the wait's first test with NANOSLEEP.SYNCS,
 // a sleep that the barrier's phase completing ends (sm_90a SASS), where the plain form tests again and
 // again (on an SM whose other warps have work to issue, the test loop takes their issue slots).
-// Timing only so far (FusedArgs::start_variant 3; fused.cu kWaitSuspendNs).
 __device__ __forceinline__ void mbarrier_wait_hinted(uint64_t* bar, uint32_t parity, uint32_t suspend_ns) {
   asm volatile(
       "{\n .reg .pred done;\n wait_phase_hinted:\n"
@@ -44,6 +32,26 @@ __device__ __forceinline__ void mbarrier_wait_hinted(uint64_t* bar, uint32_t par
       " @!done bra wait_phase_hinted;\n}" ::"r"(smem_addr(bar)),
       "r"(parity), "r"(suspend_ns)
       : "memory");
+}
+// Every kernel's mbarrier_wait: 0, the plain try_wait loop (every kernel today); > 0, hinted with this
+// many ns, a candidate for an A/B build (DESIGN.md "Where a few-head call's fixed cost goes": the fused
+// kernel's producer ~3x slower while its consumers wait for their first stage, run 177; the chunk-16
+// K2's records, decode's bulk kernel and the fused kernel's two roles all wait through here).
+constexpr uint32_t kMbarrierWaitSuspendNs = 0;
+// Waits until the barrier's phase of this parity has completed (acquire at CTA scope: every
+// kernel here synchronises only its own CTA's threads and copies through its barriers; at cluster
+// scope the compiler follows each completed wait with CCTL.IVALL, an invalidation of the SM's L1).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  if constexpr (kMbarrierWaitSuspendNs > 0) {
+    mbarrier_wait_hinted(bar, parity, kMbarrierWaitSuspendNs);
+  } else {
+    asm volatile(
+        "{\n .reg .pred done;\n wait_phase:\n"
+        " mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra wait_phase;\n}" ::"r"(smem_addr(bar)),
+        "r"(parity)
+        : "memory");
+  }
 }
 // Waits by test_wait polls 256 ns of nanosleep apart (timing only, FusedArgs::start_variant 4).
 __device__ __forceinline__ void mbarrier_wait_backoff(uint64_t* bar, uint32_t parity) {

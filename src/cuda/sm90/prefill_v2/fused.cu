@@ -24,16 +24,6 @@ namespace {
 
 constexpr int kFusedThreads = 3 * kThreads;
 constexpr int kStages = 2;
-// The roles' waits on the ring's barriers (role_wait: the producer's for its staged rows, the verdict
-// and a free stage; the consumers' for a full stage): 0, the plain try_wait loop (the rule); > 0, with
-// this suspend hint in ns (mbarrier_wait_hinted), a candidate for an A/B build (DESIGN.md "Where a
-// few-head call's fixed cost goes": the producer ~3x slower while the consumers wait for their first
-// stage, run 177).
-constexpr uint32_t kWaitSuspendNs = 0;
-__device__ __forceinline__ void role_wait(uint64_t* bar, uint32_t parity) {
-  if constexpr (kWaitSuspendNs > 0) mbarrier_wait_hinted(bar, parity, kWaitSuspendNs);
-  else mbarrier_wait(bar, parity);
-}
 constexpr int kRecordSpan = (ChunkOperands::kBytes + 1023) & ~1023;
 constexpr int kScratchSpan = (ProduceScratch::kBytes + 1023) & ~1023;
 constexpr int kVBytes = kChunk * kHeadDim * 2;           // the chunk's v rows, [32][128] bf16
@@ -433,7 +423,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // Chunk c: buffer c % kBufs, completing on staged_full[c % kBufs] for the (c / kBufs)-th time.
   const auto staged_buf = [&](int64_t c) { return ring + L::kOffStaged + int(c % kBufs) * kStagedBufBytes<kF32Gate>; };
   const auto staged_bar = [&](int64_t c) { return staged_full + int(c % kBufs); };
-  const auto staged_wait = [&](int64_t c) { role_wait(staged_bar(c), uint32_t(c / kBufs) & 1); };
+  const auto staged_wait = [&](int64_t c) { mbarrier_wait(staged_bar(c), uint32_t(c / kBufs) & 1); };
   const auto issue_rows = [&](int64_t c) {  // chunk c of the item (thread 32)
     issue_chunk_rows<kF32Gate>(params.maps, h, c, staged_buf(c), staged_bar(c), bos);
   };
@@ -460,7 +450,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
   // with this wait, run 136).
   bool prechecked = false;
   if (kPieces && !a.pieces_chain) {
-    role_wait(verdict_barrier(full), 0);
+    mbarrier_wait(verdict_barrier(full), 0);
     prechecked = stop->prechecked_stop != 0;
     if (tid == 0) {
       start_stamp<kStart>(a, 3);
@@ -472,7 +462,7 @@ __device__ __forceinline__ void produce_item(const FusedParams& params, uint8_t*
     const uint32_t beta_bits = beta_next;
     if (c + 1 < staged_chunks) beta_next = load_beta_bits(pa, h, c + 1, tid);
     if (kTrace && tid == 0) trace_point(a, h, c, 0);
-    if (c >= kStages) role_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
+    if (c >= kStages) mbarrier_wait(&empty[stage], uint32_t(c / kStages - 1) & 1);
     mark(0);
     if (kTrace && tid == 0) trace_point(a, h, c, 1);
     if constexpr (kPieces) {
@@ -807,7 +797,7 @@ __device__ __forceinline__ void consume_item(const FusedParams& params, uint8_t*
       if (tracer && cwg == 0) trace_point(a, h, c, 6);
       if (kStart && a.start_variant == 3) mbarrier_wait_hinted(&full[stage], uint32_t(c / kStages) & 1, 1000000u);
       else if (kStart && a.start_variant == 4) mbarrier_wait_backoff(&full[stage], uint32_t(c / kStages) & 1);
-      else role_wait(&full[stage], uint32_t(c / kStages) & 1);
+      else mbarrier_wait(&full[stage], uint32_t(c / kStages) & 1);
       if (tracer) trace_point(a, h, c, 7 + cwg);
       if (kPieces && warm_phase && c == 0 && ctid == 0) piece_stamp(a, 2), start_stamp<kStart>(a, 7);
       if constexpr (kPieces) {
