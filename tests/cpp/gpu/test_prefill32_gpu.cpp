@@ -2131,24 +2131,20 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     DeviceBuffer start_st(size_t(ctas * kStartStamps) * sizeof(long long));
     ASSERT_TRUE(piece_st.ptr != nullptr && start_st.ptr != nullptr);
     internal::PrefillLaunch launch;
-    launch.pieces_start = 1;
     launch.piece_stamps = static_cast<long long*>(piece_st.ptr);
     launch.start_stamps = static_cast<long long*>(start_st.ptr);
-    DeviceProblem d(in, launch);
-    EXPECT_TRUE(run_bits(in, d) == rule) << "T=" << T << " start stamps: not the rule's bits";
-    CapturedCall call_plain(in, d);
-    launch.pieces_start = 2;  // the same kernel with chunk 0's producer steps run twice, the second stamped
-    DeviceProblem d_twice(in, launch);
-    EXPECT_TRUE(run_bits(in, d_twice) == rule) << "T=" << T << " chunk 0 twice: not the rule's bits";
-    CapturedCall call_twice(in, d_twice);
-    launch.pieces_start = 3;  // the same kernel, the consumers' waits for a full stage with a long suspend hint
-    DeviceProblem d_sleep(in, launch);
-    EXPECT_TRUE(run_bits(in, d_sleep) == rule) << "T=" << T << " long waits: not the rule's bits";
-    CapturedCall call_sleep(in, d_sleep);
-    launch.pieces_start = 4;  // the same kernel, the consumers' waits for a full stage polls 256 ns apart
-    DeviceProblem d_backoff(in, launch);
-    EXPECT_TRUE(run_bits(in, d_backoff) == rule) << "T=" << T << " backed-off waits: not the rule's bits";
-    CapturedCall call_backoff(in, d_backoff);
+    // pieces_start 1 to 4: the stamped kernel; chunk 0's producer steps run twice, the second stamped; the
+    // consumers' waits for a full stage with a long suspend hint; those waits by polls 256 ns apart
+    const char* const variant_names[] = {"", ", chunk 0 twice", ", long waits", ", backed-off waits"};
+    std::vector<std::unique_ptr<DeviceProblem>> problems;
+    std::vector<std::unique_ptr<CapturedCall>> calls;
+    for (int variant = 1; variant <= 4; ++variant) {
+      launch.pieces_start = variant;
+      problems.push_back(std::make_unique<DeviceProblem>(in, launch));
+      EXPECT_TRUE(run_bits(in, *problems.back()) == rule)
+          << "T=" << T << " start stamps" << variant_names[variant - 1] << ": not the rule's bits";
+      calls.push_back(std::make_unique<CapturedCall>(in, *problems.back()));
+    }
     // the code-warm mode's call before: the stamped kernel at T = 2048 on inputs of its own, so that the code
     // is in L2 (and in the SMs' caches, as far as they keep it from one kernel to the next) and the data not
     KdaInputs in_warm = bench_regime_inputs(2048, 12, 31, false);
@@ -2158,13 +2154,12 @@ TEST_F(Prefill32Gpu, TimeThePiecesStart) {
     CapturedCall warm_call(in_warm, d_warm);
     for (int k = 0; k < 12; ++k) {  // each kernel (pieces_start 1 to 4) in the three modes
       const int variant = 1 + k / 3, mode = k % 3;
-      CapturedCall* const calls[] = {&call_plain, &call_twice, &call_sleep, &call_backoff};
-      CapturedCall& call = *calls[variant - 1];
+      CapturedCall& call = *calls[size_t(variant - 1)];
       const bool flushed = mode > 0;
       const CapturedCall* const warm = mode == 2 ? &warm_call : nullptr;
       const std::string mode_name =
           std::string(mode == 0 ? "after a replay" : mode == 1 ? "L2 flushed" : "L2 flushed, code warm") +
-          (variant == 2 ? ", chunk 0 twice" : variant == 3 ? ", long waits" : variant == 4 ? ", backed-off waits" : "");
+          variant_names[variant - 1];
       (void)call.replay(5, flushed ? &flush : nullptr, warm);
       ASSERT_EQ(cudaMemset(piece_st.ptr, 0, piece_st.bytes), cudaSuccess);
       ASSERT_EQ(cudaMemset(start_st.ptr, 0, start_st.bytes), cudaSuccess);
